@@ -1,0 +1,409 @@
+"""cuLA vs FLA, side by side in one run on the same inputs; writes JSON and a markdown table.
+
+    python -m benchmarks.run [--ops gdn,kda,...] [--grid core,varlen] [--modes fwd,fwdbwd] [--out results]
+
+On a GPU each row times cuLA's public entry point (whatever backend its dispatch picks, named in the row) and
+FLA 0.6.0's op with `triton.testing.do_bench` (median, FLA warmed first since its first call autotunes), checks
+that the two outputs agree (relative RMSE), and prints achieved TFLOP/s and GB/s against the floor counted for
+the op. On a machine without a GPU it runs cuLA's PyTorch reference backend at a small size against FLA's
+naive recurrence and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+# Ceilings measured on the project's H200 (shared/device/README.md): bf16 matmul and device copy.
+PEAK_TFLOPS = 687.0
+PEAK_GBPS = 4300.0
+CHUNK = 64
+
+
+@dataclass
+class Case:
+    op: str
+    B: int
+    T: int
+    H: int
+    D: int
+    lengths: list[int] | None = None  # varlen: the sequence lengths (then B == 1)
+    label: str = ""
+
+    @property
+    def name(self) -> str:
+        if self.lengths is not None:
+            return f"varlen {self.label} N={len(self.lengths)} T={sum(self.lengths)} H={self.H}"
+        return f"B={self.B} T={self.T} H={self.H}"
+
+
+@dataclass
+class Row:
+    op: str
+    shape: str
+    mode: str
+    cula_backend: str = ""
+    cula_ms: float | None = None
+    fla_ms: float | None = None
+    speedup: float | None = None
+    rel_rmse: float | None = None
+    floor_ms: float | None = None
+    cula_tflops: float | None = None
+    cula_gbps: float | None = None
+    floor_fraction: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+# -- inputs ---------------------------------------------------------------------------------------------------
+
+
+def varlen_lengths(kind: str, n: int, total: int, rng: random.Random) -> list[int]:
+    """``n`` lengths summing to ``total``: uniform, random, or skewed (one long sequence, many short)."""
+    if kind == "uniform":
+        base = [total // n] * n
+    elif kind == "random":
+        cuts = sorted(rng.sample(range(1, total), n - 1))
+        base = [b - a for a, b in zip([0, *cuts], [*cuts, total], strict=True)]
+    else:  # skewed: half of the tokens in one sequence
+        rest = total // 2
+        base = [total - rest] + [rest // (n - 1)] * (n - 1)
+    base[-1] += total - sum(base)
+    return base
+
+
+def make_inputs(case: Case, device: str, dtype: torch.dtype, requires_grad: bool) -> dict:
+    """Keyword arguments accepted by both cuLA's and FLA's entry point for ``case.op``."""
+    B, T, H, D = case.B, case.T, case.H, case.D
+    kw = {"device": device, "dtype": dtype}
+    q = torch.randn(B, T, H, D, **kw)
+    k = F.normalize(torch.randn(B, T, H, D, device=device, dtype=torch.float32), dim=-1).to(dtype)
+    v = torch.randn(B, T, H, D, **kw)
+    args = {"q": q, "k": k, "v": v}
+    if case.op == "gdn":
+        args["g"] = F.logsigmoid(torch.randn(B, T, H, device=device, dtype=torch.float32))
+        args["beta"] = torch.rand(B, T, H, **kw).sigmoid()
+    elif case.op == "kda":
+        # the setting of FLA's KDA layer: bounded gate, l2norm and beta sigmoid computed in the kernel
+        args["g"] = torch.randn(B, T, H, D, **kw)
+        args["beta"] = torch.randn(B, T, H, **kw)
+        args.update(
+            A_log=torch.log(torch.empty(H, device=device).uniform_(1, 16)),
+            dt_bias=torch.randn(H * D, device=device) * 0.1,
+            use_gate_in_kernel=True,
+            use_qk_l2norm_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True,
+            safe_gate=True,
+            lower_bound=-5.0,
+        )
+    elif case.op == "gla":
+        args["g"] = F.logsigmoid(torch.randn(B, T, H, D, device=device, dtype=torch.float32)) / 16
+    elif case.op == "simple_gla":
+        args["g_gamma"] = -(8 / H) * torch.arange(1, H + 1, device=device, dtype=torch.float32) / H
+    args["output_final_state"] = True
+    if case.lengths is not None:
+        offsets = torch.tensor([0, *torch.tensor(case.lengths).cumsum(0).tolist()], device=device)
+        args["cu_seqlens"] = offsets.to(torch.int32)
+    for name in ("q", "k", "v", "g", "beta"):
+        if name in args and requires_grad:
+            args[name] = args[name].detach().requires_grad_(True)
+    return args
+
+
+def entry_points(op: str):
+    import cula
+
+    cula_fn = {
+        "gdn": cula.gdn.chunk_gated_delta_rule,
+        "kda": cula.kda.chunk_kda,
+        "gla": cula.gla.chunk_gla,
+        "simple_gla": cula.lightning.chunk_simple_gla,
+    }[op]
+    return cula_fn, cula_fn.cula_op.fla_target
+
+
+# -- the two numbers ------------------------------------------------------------------------------------------
+
+
+def floor(case: Case) -> tuple[float, float]:
+    """FLOPs and bytes a fused chunk kernel must spend (bf16 in/out, fp32 state read and written once)."""
+    tokens_heads = case.B * case.T * case.H if case.lengths is None else sum(case.lengths) * case.H
+    n_seq = case.B if case.lengths is None else len(case.lengths)
+    K = V = case.D
+    if case.op in ("gdn", "kda"):
+        flops_per = 2 * CHUNK * (3 * K + 2 * V) + 6 * K * V
+    elif case.op == "gla":
+        flops_per = 2 * CHUNK * (2 * K + V) + 4 * K * V
+    else:
+        flops_per = 2 * CHUNK * (K + V) + 4 * K * V
+    gate_bytes = {"gdn": 4 + 2, "kda": 2 * K + 2, "gla": 4 * K, "simple_gla": 0}[case.op]
+    bytes_ = tokens_heads * (2 * (2 * K + 2 * V) + gate_bytes) + n_seq * case.H * K * V * 4 * 2
+    return tokens_heads * flops_per, bytes_
+
+
+# -- timing ---------------------------------------------------------------------------------------------------
+
+
+def rel_rmse(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.double(), ref.double()
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def bench(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def run_gpu_case(case: Case, mode: str) -> Row:
+    import cula
+
+    row = Row(case.op, case.name, mode)
+    cula_fn, fla_target = entry_points(case.op)
+    from cula.dispatch import fla_function
+
+    fla_fn = fla_function(fla_target)
+    args = make_inputs(case, "cuda", torch.bfloat16, requires_grad=mode == "fwdbwd")
+    grads = [a for a in args.values() if isinstance(a, torch.Tensor) and a.requires_grad]
+
+    def step(fn):
+        def call():
+            o, _ = fn(**args)
+            if mode == "fwdbwd":
+                torch.autograd.backward(o, do, inputs=grads)
+                for t in grads:
+                    t.grad = None
+
+        return call
+
+    do = torch.randn_like(args["v"])
+    try:
+        o_fla, s_fla = fla_fn(**args)  # first call autotunes
+        row.fla_ms = bench(step(fla_fn))
+    except Exception as error:  # FLA refuses some ops on some triton versions: record it, time cuLA anyway
+        o_fla = s_fla = None
+        row.notes.append(f"FLA failed: {type(error).__name__}: {str(error)[:200]}")
+    try:
+        o_cula, s_cula = cula_fn(**args)
+        row.cula_backend = cula.last_decision(cula_fn).backend
+        row.cula_ms = bench(step(cula_fn))
+    except Exception as error:
+        row.notes.append(f"cuLA failed: {type(error).__name__}: {str(error)[:200]}")
+        return row
+    if o_fla is not None:
+        row.rel_rmse = max(rel_rmse(o_cula.detach(), o_fla.detach()), rel_rmse(s_cula.detach(), s_fla.detach()))
+    if row.fla_ms and row.cula_ms:
+        row.speedup = row.fla_ms / row.cula_ms
+    flops, bytes_ = floor(case)
+    if mode == "fwd":
+        row.floor_ms = max(flops / (PEAK_TFLOPS * 1e9), bytes_ / (PEAK_GBPS * 1e6))
+        row.cula_tflops = flops / (row.cula_ms * 1e9)
+        row.cula_gbps = bytes_ / (row.cula_ms * 1e6)
+        row.floor_fraction = row.floor_ms / row.cula_ms
+    return row
+
+
+def host_overhead_us(op: str, device: str, calls: int = 200) -> dict[str, float]:
+    """Wall time per call on tiny inputs (B=1, T=64, H=1, D=128): the host cost of dispatch and launch."""
+    from cula.dispatch import fla_function
+
+    cula_fn, fla_target = entry_points(op)
+    args = make_inputs(Case(op, 1, 64, 1, 128), device, torch.bfloat16, requires_grad=False)
+    result = {}
+    for name, fn in (("cula", cula_fn), ("fla", fla_function(fla_target))):
+        try:
+            fn(**args)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn(**args)
+            torch.cuda.synchronize()
+            result[name] = (time.perf_counter() - start) / calls * 1e6
+        except Exception as error:
+            result[name] = f"failed: {type(error).__name__}"
+    return result
+
+
+# -- CPU mode -------------------------------------------------------------------------------------------------
+
+
+def run_cpu_case(case: Case) -> Row:
+    """cuLA's reference backend vs FLA's naive recurrence, fp32 on the CPU."""
+    import cula
+
+    row = Row(case.op, case.name, "fwd (CPU, reference backend)")
+    cula_fn, _ = entry_points(case.op)
+    args = make_inputs(case, "cpu", torch.float32, requires_grad=False)
+    naive = naive_fn(case.op)
+    with torch.no_grad():
+        o, _ = cula_fn(**args)
+        row.cula_backend = cula.last_decision(cula_fn).backend
+        row.cula_ms = timed(lambda: cula_fn(**args))
+        if naive is not None:
+            o_ref = naive(args)
+            row.fla_ms = timed(lambda: naive(args))
+            row.rel_rmse = rel_rmse(o, o_ref)
+            row.speedup = row.fla_ms / row.cula_ms
+    row.notes.append("FLA column: FLA's naive recurrence (its Triton kernels need a GPU)")
+    return row
+
+
+def naive_fn(op: str):
+    """FLA's naive recurrence for ``op`` taking our benchmark arguments (no in-kernel transforms), or None."""
+    if op == "gdn":
+        from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+
+        return lambda a: naive_recurrent_gated_delta_rule(a["q"], a["k"], a["v"], a["beta"], a["g"])[0]
+    if op == "gla":
+        from fla.ops.gla.naive import naive_recurrent_gla
+
+        return lambda a: naive_recurrent_gla(a["q"], a["k"], a["v"], a["g"])[0]
+    return None
+
+
+def timed(fn, repeats: int = 3) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+# -- grid, report ---------------------------------------------------------------------------------------------
+
+
+def gpu_grid(ops: list[str], grids: list[str], D: int = 128) -> list[Case]:
+    cases = []
+    rng = random.Random(0)
+    for op in ops:
+        if "core" in grids:
+            cases += [Case(op, 1, 8192, 64, D), Case(op, 2, 16384, 64, D), Case(op, 8, 2048, 32, D)]
+        if "long" in grids:
+            cases.append(Case(op, 1, 65536, 8, D))
+        if "varlen" in grids:
+            for n, total in ((10, 4096 * 4), (20, 16384 * 2)):
+                for kind in ("uniform", "random", "skewed"):
+                    lengths = varlen_lengths(kind, n, total, rng)
+                    cases.append(Case(op, 1, total, 32, D, lengths, kind))
+    return cases
+
+
+def environment() -> dict:
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+    for module in ("triton", "fla", "cutlass"):
+        try:
+            env[module] = __import__(module).__version__
+        except Exception as error:  # a missing package is reported, not fatal
+            env[module] = f"unavailable ({type(error).__name__})"
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env["gpu"] = f"{props.name} (sm_{props.major}{props.minor}, {props.multi_processor_count} SMs)"
+        env["cuda"] = torch.version.cuda
+        try:
+            import subprocess
+
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            env["driver"] = out.stdout.strip()
+        except OSError:
+            env["driver"] = "unknown"
+    else:
+        env["gpu"] = "none (CPU only: cuLA's PyTorch reference backend at a small size)"
+    return env
+
+
+def fmt(x, digits: int = 3) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}" if abs(x) >= 1e-3 else f"{x:.1e}"
+    return str(x)
+
+
+def markdown(env: dict, rows: list[Row], overhead: dict) -> str:
+    title = "cuLA vs FLA" + (" on the H200" if "H200" in env.get("gpu", "") else "")
+    lines = [f"# {title}", "", "Generated by `python -m benchmarks.run`; do not edit by hand.", ""]
+    lines += [f"- {key}: {value}" for key, value in env.items()]
+    lines += [
+        "",
+        "ms: median of `triton.testing.do_bench` (FLA warmed first). speedup = FLA ms / cuLA ms. rel RMSE: cuLA vs FLA,",
+        "the larger of output and final state. floor: max(FLOPs / 687 TFLOP/s, bytes / 4.3 TB/s) for a fused kernel.",
+        "",
+        "| op | shape | mode | cuLA backend | cuLA ms | FLA ms | speedup | rel RMSE | floor ms | floor/cuLA | "
+        "TFLOP/s | GB/s | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.op} | {r.shape} | {r.mode} | {r.cula_backend} | {fmt(r.cula_ms)} | {fmt(r.fla_ms)} | "
+            f"{fmt(r.speedup, 2)} | {fmt(r.rel_rmse, 4)} | {fmt(r.floor_ms)} | {fmt(r.floor_fraction, 2)} | "
+            f"{fmt(r.cula_tflops, 1)} | {fmt(r.cula_gbps, 0)} | {'; '.join(r.notes)} |"
+        )
+    if overhead:
+        lines += ["", "Host time per call on tiny inputs (B=1, T=64, H=1, D=128), microseconds:", ""]
+        lines += [f"- {op}: " + ", ".join(f"{k} {fmt(v, 1)}" for k, v in o.items()) for op, o in overhead.items()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ops", default="gdn,kda", help="comma list of gdn, kda, gla, simple_gla")
+    parser.add_argument("--grid", default="core,varlen,long", help="comma list of core, varlen, long")
+    parser.add_argument("--modes", default="fwd", help="comma list of fwd, fwdbwd")
+    parser.add_argument("--out", default="results", help="folder for benchmark.json and the markdown table")
+    parser.add_argument("--markdown-name", default=None, help="default BENCHMARK_H200.md on an H200, else BENCHMARK.md")
+    args = parser.parse_args(argv)
+    ops = args.ops.split(",")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    rows: list[Row] = []
+    overhead: dict = {}
+    if torch.cuda.is_available():
+        for case in gpu_grid(ops, args.grid.split(",")):
+            for mode in args.modes.split(","):
+                row = run_gpu_case(case, mode)
+                rows.append(row)
+                print(json.dumps(asdict(row)), flush=True)
+        for op in ops:
+            overhead[op] = host_overhead_us(op, "cuda")
+    else:
+        print("No CUDA GPU: timing cuLA's PyTorch reference backend at a small size on the CPU.", flush=True)
+        for op in ops:
+            row = run_cpu_case(Case(op, 1, 256, 2, 64))
+            rows.append(row)
+            print(json.dumps(asdict(row)), flush=True)
+    gpu = env.get("gpu", "")
+    name = args.markdown_name or ("BENCHMARK_H200.md" if "H200" in gpu else "BENCHMARK.md")
+    (out / "benchmark.json").write_text(
+        json.dumps({"env": env, "rows": [asdict(r) for r in rows], "host_us": overhead})
+    )
+    table = markdown(env, rows, overhead)
+    (out / name).write_text(table)
+    print(table)
+    print(f"wrote {out / 'benchmark.json'} and {out / name}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TRITON_PRINT_AUTOTUNING", "0")
+    sys.exit(main())

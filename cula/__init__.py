@@ -1,0 +1,27 @@
+"""cuLA: linear-attention kernels for NVIDIA GPUs, a drop-in for flash-linear-attention (FLA 0.6.0).
+
+``from cula.kda import chunk_kda`` replaces ``from fla.ops.kda import chunk_kda``; ``cula.explain(fn, ...)`` says
+which backend (CuTe DSL kernel, FLA Triton, PyTorch reference) would serve a call and why.
+"""
+
+import os
+
+from cula import gdn, gla, kda, lightning
+from cula.dispatch import BackendUnavailableError, Decision, explain, last_decision
+from cula.fla_backend import register_with_fla
+
+__version__ = "0.1.0"
+__all__ = [
+    "BackendUnavailableError",
+    "Decision",
+    "explain",
+    "gdn",
+    "gla",
+    "kda",
+    "last_decision",
+    "lightning",
+    "register_with_fla",
+]
+
+if os.environ.get("CULA_REGISTER_FLA", "0") not in ("", "0"):
+    register_with_fla()

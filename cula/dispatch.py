@@ -1,0 +1,200 @@
+"""Per-call backend selection.
+
+Every public entry point is an `Op` with three kinds of backend, tried in this order:
+
+1. ``cute``  -- CuTe DSL kernels, registered per GPU architecture (SM90, SM100 tables) by kernel modules;
+2. ``fla``   -- FLA's Triton op (CUDA tensors, ``fla`` importable);
+3. ``torch`` -- cuLA's PyTorch reference backend (any device, forward and backward through autograd).
+
+The first backend whose ``supports`` accepts the call serves it. ``CULA_BACKEND=cute|fla|torch`` forces one
+backend and raises `BackendUnavailableError` with the reason when it cannot serve the call.
+
+``explain(fn, *args, **kwargs)`` says which backend would serve a call and why the others were passed over;
+``last_decision(fn)`` says which one served the most recent call. ``CULA_LOG_DISPATCH=1`` logs every decision.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import importlib
+import inspect
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("cula.dispatch")
+
+BACKENDS = ("cute", "fla", "torch")
+ENV_BACKEND = "CULA_BACKEND"
+ENV_LOG = "CULA_LOG_DISPATCH"
+
+Verdict = tuple[bool, str]
+SupportsFn = Callable[[dict[str, Any]], Verdict]
+
+
+class BackendUnavailableError(RuntimeError):
+    """Raised when ``CULA_BACKEND`` forces a backend that cannot serve the call."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Which backend serves a call, and why each backend before it was passed over."""
+
+    op: str
+    backend: str
+    reason: str
+    rejected: tuple[tuple[str, str], ...] = ()
+
+    def __str__(self) -> str:
+        lines = [f"{self.op}: served by '{self.backend}' ({self.reason})"]
+        lines += [f"  skipped '{name}': {why}" for name, why in self.rejected]
+        return "\n".join(lines)
+
+
+@dataclass
+class CuteKernel:
+    """A CuTe DSL kernel registered for one compute-capability major (9 = SM90, 10 = SM100)."""
+
+    name: str
+    arch_major: int
+    supports: SupportsFn
+    run: Callable[[dict[str, Any]], Any]
+
+
+@dataclass
+class Op:
+    """One public entry point and its backends; ``call`` receives the caller's arguments bound by name."""
+
+    name: str
+    fla_target: str  # "module:function" of FLA's op
+    reference: Callable
+    validate: Callable[[dict[str, Any]], None]
+    fla_supports: SupportsFn | None = None
+    kernels: list[CuteKernel] = field(default_factory=list)
+    last: Decision | None = None
+
+    def register_kernel(self, kernel: CuteKernel) -> None:
+        self.kernels = [k for k in self.kernels if k.name != kernel.name] + [kernel]
+
+    # -- backends ---------------------------------------------------------------------------------------------
+    def _cute(self, args: dict[str, Any]) -> tuple[Verdict, Callable | None]:
+        q = args["q"]
+        if not q.is_cuda:
+            return (False, f"tensors are on {q.device.type}, CuTe DSL kernels need CUDA"), None
+        major, minor = torch.cuda.get_device_capability(q.device)
+        reasons = []
+        for kernel in self.kernels:
+            if kernel.arch_major != major:
+                continue
+            ok, why = kernel.supports(args)
+            if ok:
+                return (True, f"{kernel.name} on sm_{major}{minor}"), kernel.run
+            reasons.append(f"{kernel.name}: {why}")
+        if not reasons:
+            return (False, f"no CuTe DSL kernel for sm_{major}{minor}"), None
+        return (False, "; ".join(reasons)), None
+
+    def _fla(self, args: dict[str, Any]) -> tuple[Verdict, Callable | None]:
+        if not args["q"].is_cuda:
+            return (False, "FLA's Triton kernels need CUDA tensors"), None
+        try:
+            fn = fla_function(self.fla_target)
+        except ImportError as error:
+            return (False, f"fla is not importable ({error})"), None
+        if self.fla_supports is not None:
+            ok, why = self.fla_supports(args)
+            if not ok:
+                return (False, why), None
+        return (True, f"FLA Triton {self.fla_target}"), lambda a: _call_fla(fn, a)
+
+    def _torch(self, args: dict[str, Any]) -> tuple[Verdict, Callable | None]:
+        return (True, "PyTorch reference backend"), lambda a: self.reference(**a)
+
+    def decide(self, args: dict[str, Any]) -> tuple[Decision, Callable]:
+        forced = os.environ.get(ENV_BACKEND, "").strip().lower()
+        if forced and forced not in BACKENDS:
+            raise ValueError(f"{ENV_BACKEND}={forced!r}: expected one of {', '.join(BACKENDS)}")
+        rejected = []
+        for name in BACKENDS:
+            if forced and name != forced:
+                continue
+            (ok, why), run = getattr(self, f"_{name}")(args)
+            if ok:
+                decision = Decision(self.name, name, why, tuple(rejected))
+                return decision, run
+            rejected.append((name, why))
+        assert forced, "the torch backend serves every call"
+        raise BackendUnavailableError(f"{ENV_BACKEND}={forced}: {self.name} cannot run on '{forced}': {rejected[0][1]}")
+
+    def call(self, args: dict[str, Any]) -> Any:
+        self.validate(args)
+        decision, run = self.decide(args)
+        self.last = decision
+        if os.environ.get(ENV_LOG, "0") not in ("", "0"):
+            logger.warning("%s", decision)
+        return run(args)
+
+
+_OPS: dict[Callable, Op] = {}
+
+
+def bind(op: Op, public: Callable) -> Op:
+    """Attach ``op`` to its public function so `explain` and `last_decision` can find it."""
+    _OPS[public] = op
+    public.cula_op = op
+    return op
+
+
+def op_of(fn: Callable) -> Op:
+    op = getattr(fn, "cula_op", None) or _OPS.get(fn)
+    if op is None:
+        raise TypeError(f"{getattr(fn, '__qualname__', fn)!r} is not a cuLA entry point")
+    return op
+
+
+def explain(fn: Callable, *args, **kwargs) -> Decision:
+    """Which backend would serve ``fn(*args, **kwargs)``, and why; runs nothing.
+
+    Example: ``print(cula.explain(cula.gdn.chunk_gated_delta_rule, q, k, v, g, beta))``.
+    """
+    op = op_of(fn)
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    args = call_args(bound.arguments)
+    op.validate(args)
+    return op.decide(args)[0]
+
+
+def last_decision(fn: Callable) -> Decision | None:
+    """The decision taken for the most recent call of ``fn`` (None before the first call)."""
+    return op_of(fn).last
+
+
+# Set while cuLA calls FLA, so that cuLA's registration in FLA's backend registry declines the call
+# instead of bouncing it back into cuLA.
+inside_fla_call = contextvars.ContextVar("cula_inside_fla_call", default=False)
+
+
+def _call_fla(fn: Callable, args: dict[str, Any]) -> Any:
+    token = inside_fla_call.set(True)
+    try:
+        return fn(**args)
+    finally:
+        inside_fla_call.reset(token)
+
+
+def fla_function(target: str) -> Callable:
+    """FLA's function ``module:name``."""
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def call_args(local_vars: dict[str, Any]) -> dict[str, Any]:
+    """An entry point's ``locals()`` as keyword arguments, with its ``**kwargs`` merged in."""
+    args = dict(local_vars)
+    args.update(args.pop("kwargs", {}))
+    return args

@@ -1,0 +1,101 @@
+"""Gated DeltaNet entry points, with FLA 0.6.0's signatures (`fla.ops.gated_delta_rule`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from cula import validation
+from cula.dispatch import Op, bind, call_args
+from cula.gdn import reference
+
+
+def _validate_chunk(args: dict[str, Any]) -> None:
+    B, T, H, HV, K, V, N = validation.common(args, allow_gva=True)
+    validation.per_head("g", args["g"], B, T, HV)
+    validation.per_head("beta", args["beta"], B, T, HV)
+    validation.head_params(args.get("use_gate_in_kernel", False), args.get("A_log"), args.get("dt_bias"), HV, HV)
+
+
+def _validate_recurrent(args: dict[str, Any]) -> None:
+    B, T, H, HV, K, V, N = validation.common(args, allow_gva=True)
+    validation.per_head("g", args["g"], B, T, HV, optional=True)
+    validation.per_head("beta", args["beta"], B, T, HV, optional=True)
+    validation.tensor("gk", args["gk"], 4, optional=True)
+    validation.shape("gk", args["gk"], (B, T, HV, K), "[B, T, HV, K]")
+    validation.tensor("gv", args["gv"], 4, optional=True)
+    validation.shape("gv", args["gv"], (B, T, HV, V), "[B, T, HV, V]")
+    validation.head_params(args["use_gate_in_kernel"], args["A_log"], args["dt_bias"], HV, HV)
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    cu_seqlens_cpu: torch.LongTensor | None = None,
+    chunk_indices: torch.LongTensor | None = None,
+    cp_context: Any | None = None,
+    **kwargs,
+):
+    """Chunked Gated DeltaNet. q, k: [B, T, H, K]; v: [B, T, HV, V]; g, beta: [B, T, HV] (natural-log gate).
+
+    Returns ``(o [B, T, HV, V], final_state [N, HV, K, V] fp32 or None)``; extra keyword arguments as in FLA
+    (``use_gate_in_kernel``, ``A_log``, ``dt_bias``, ``chunk_size``).
+    """
+    return CHUNK.call(call_args(locals()))
+
+
+def fused_recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor | None = None,
+    gk: torch.Tensor | None = None,
+    gv: torch.Tensor | None = None,
+    beta: torch.Tensor | None = None,
+    scale: float = None,
+    initial_state: torch.Tensor = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token Gated DeltaNet (decode). Shapes as `chunk_gated_delta_rule`; gk [B, T, HV, K], gv [B, T, HV, V]."""
+    return RECURRENT.call(call_args(locals()))
+
+
+CHUNK = bind(
+    Op(
+        "gdn.chunk_gated_delta_rule",
+        "fla.ops.gated_delta_rule:chunk_gated_delta_rule",
+        reference.chunk_gated_delta_rule,
+        _validate_chunk,
+    ),
+    chunk_gated_delta_rule,
+)
+RECURRENT = bind(
+    Op(
+        "gdn.fused_recurrent_gated_delta_rule",
+        "fla.ops.gated_delta_rule:fused_recurrent_gated_delta_rule",
+        reference.fused_recurrent_gated_delta_rule,
+        _validate_recurrent,
+    ),
+    fused_recurrent_gated_delta_rule,
+)

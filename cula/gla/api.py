@@ -1,0 +1,63 @@
+"""Gated Linear Attention entry points, with FLA 0.6.0's signatures (`fla.ops.gla`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from cula import validation
+from cula.dispatch import Op, bind, call_args
+from cula.gla import reference
+
+
+def _validate(args: dict[str, Any]) -> None:
+    B, T, H, HV, K, V, N = validation.common(args, allow_gva=False)
+    for name, dim in (("g", K), ("gk", K), ("gv", V)):
+        if name in args:
+            validation.tensor(name, args[name], 4, optional=name != "g")
+            validation.shape(name, args[name], (B, T, H, dim), f"[B, T, H, {'K' if dim == K else 'V'}]")
+
+
+def chunk_gla(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    scale: int | None = None,
+    initial_state: torch.Tensor = None,
+    output_final_state: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    cu_seqlens_cpu: torch.LongTensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked GLA. q, k, g: [B, T, H, K] (g a per-key log gate); v: [B, T, H, V].
+
+    Returns ``(o [B, T, H, V], final_state [N, H, K, V] fp32 or None)``.
+    """
+    return CHUNK.call(call_args(locals()))
+
+
+def fused_recurrent_gla(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gk: torch.Tensor | None = None,
+    gv: torch.Tensor | None = None,
+    scale: int | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    reverse: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token GLA. gk: [B, T, H, K], gv: [B, T, H, V] (both optional log gates)."""
+    return RECURRENT.call(call_args(locals()))
+
+
+CHUNK = bind(Op("gla.chunk_gla", "fla.ops.gla:chunk_gla", reference.chunk_gla, _validate), chunk_gla)
+RECURRENT = bind(
+    Op("gla.fused_recurrent_gla", "fla.ops.gla:fused_recurrent_gla", reference.fused_recurrent_gla, _validate),
+    fused_recurrent_gla,
+)

@@ -1,0 +1,95 @@
+"""Kimi Delta Attention entry points, with FLA 0.6.0's signatures (`fla.ops.kda`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from cula import validation
+from cula.dispatch import Op, bind, call_args
+from cula.kda import reference
+
+
+def _validate(args: dict[str, Any]) -> None:
+    B, T, H, HV, K, V, N = validation.common(args, allow_gva=True)
+    validation.tensor("g", args["g"], 4)
+    validation.shape("g", args["g"], (B, T, HV, K), "[B, T, HV, K]")
+    validation.per_head("beta", args["beta"], B, T, HV)
+    lower_bound = args.get("lower_bound")
+    use_gate = args.get("use_gate_in_kernel", False)
+    validation.head_params(use_gate, args.get("A_log"), args.get("dt_bias"), HV, HV * K, lower_bound is None)
+    if args.get("safe_gate", False) and use_gate:
+        if lower_bound is None:
+            raise ValueError("`lower_bound` must be set when safe_gate=True and use_gate_in_kernel=True")
+        if not -5 <= lower_bound < 0:
+            raise ValueError(f"`lower_bound` must lie in [-5, 0), got {lower_bound}")
+    if args.get("allow_neg_eigval", False) and not args.get("use_beta_sigmoid_in_kernel", False):
+        raise ValueError("`allow_neg_eigval=True` needs use_beta_sigmoid_in_kernel=True")
+    chunk_size = args.get("chunk_size", 64)
+    if chunk_size not in (32, 64):
+        raise ValueError(f"`chunk_size` must be 32 or 64 for KDA, got {chunk_size}")
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    cu_seqlens_cpu: torch.LongTensor | None = None,
+    cp_context: Any | None = None,
+    use_graph: bool = False,
+    max_num_seqs: int | None = None,
+    **kwargs,
+):
+    """Chunked KDA. q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K] (per-key log gate); beta: [B, T, HV].
+
+    Returns ``(o [B, T, HV, V], final_state [N, HV, K, V] fp32 or None)``; ``A_log``/``dt_bias``/``chunk_size``
+    as keyword arguments, as in FLA.
+    """
+    return CHUNK.call(call_args(locals()))
+
+
+def fused_recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    lower_bound: float | None = None,
+    state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token KDA (decode). Shapes as `chunk_kda`."""
+    return RECURRENT.call(call_args(locals()))
+
+
+CHUNK = bind(Op("kda.chunk_kda", "fla.ops.kda:chunk_kda", reference.chunk_kda, _validate), chunk_kda)
+RECURRENT = bind(
+    Op("kda.fused_recurrent_kda", "fla.ops.kda:fused_recurrent_kda", reference.fused_recurrent_kda, _validate),
+    fused_recurrent_kda,
+)

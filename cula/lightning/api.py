@@ -1,0 +1,136 @@
+"""Lightning Attention and simple GLA entry points, with FLA 0.6.0's signatures
+(`fla.ops.lightning_attn`, `fla.ops.simple_gla`). Lightning is simple GLA with a per-head constant decay."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from cula import validation
+from cula.dispatch import Op, bind, call_args
+from cula.lightning import reference
+
+
+def _validate_simple_gla(args: dict[str, Any]) -> None:
+    B, T, H, HV, K, V, N = validation.common(args, allow_gva=False)
+    validation.per_head("g", args["g"], B, T, H, optional=True)
+    validation.tensor("g_gamma", args["g_gamma"], 1, optional=True)
+    validation.shape("g_gamma", args["g_gamma"], (H,), "[H]")
+
+
+def _validate_lightning(args: dict[str, Any]) -> None:
+    validation.common(args, allow_gva=False)
+    layer_idx, num_layers = args["layer_idx"], args["num_layers"]
+    for name, value in (("layer_idx", layer_idx), ("num_layers", num_layers)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"`{name}` must be an int, got {type(value).__name__}")
+    if num_layers < 1 or not 0 <= layer_idx < num_layers:
+        raise ValueError(f"need 0 <= `layer_idx` < `num_layers`, got layer_idx={layer_idx}, num_layers={num_layers}")
+
+
+def chunk_simple_gla(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor | None = None,
+    g_gamma: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    cu_seqlens_cpu: torch.LongTensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked simple GLA. q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] log gate; g_gamma: [H] constant."""
+    return CHUNK_SIMPLE_GLA.call(call_args(locals()))
+
+
+def fused_recurrent_simple_gla(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor | None = None,
+    g_gamma: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    reverse: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token simple GLA; shapes as `chunk_simple_gla`."""
+    return RECURRENT_SIMPLE_GLA.call(call_args(locals()))
+
+
+def chunk_lightning_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer_idx: int,
+    num_layers: int,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked Lightning Attention. q, k: [B, T, H, K]; v: [B, T, H, V]; the decay of head h is
+    ``-(8 / H) * (1 - layer_idx / num_layers) * h``."""
+    return CHUNK_LIGHTNING.call(call_args(locals()))
+
+
+def fused_recurrent_lightning_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer_idx: int,
+    num_layers: int,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    reverse: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token Lightning Attention; shapes as `chunk_lightning_attn`."""
+    return RECURRENT_LIGHTNING.call(call_args(locals()))
+
+
+CHUNK_SIMPLE_GLA = bind(
+    Op(
+        "lightning.chunk_simple_gla",
+        "fla.ops.simple_gla:chunk_simple_gla",
+        reference.chunk_simple_gla,
+        _validate_simple_gla,
+    ),
+    chunk_simple_gla,
+)
+RECURRENT_SIMPLE_GLA = bind(
+    Op(
+        "lightning.fused_recurrent_simple_gla",
+        "fla.ops.simple_gla:fused_recurrent_simple_gla",
+        reference.fused_recurrent_simple_gla,
+        _validate_simple_gla,
+    ),
+    fused_recurrent_simple_gla,
+)
+CHUNK_LIGHTNING = bind(
+    Op(
+        "lightning.chunk_lightning_attn",
+        "fla.ops.lightning_attn:chunk_lightning_attn",
+        reference.chunk_lightning_attn,
+        _validate_lightning,
+    ),
+    chunk_lightning_attn,
+)
+RECURRENT_LIGHTNING = bind(
+    Op(
+        "lightning.fused_recurrent_lightning_attn",
+        "fla.ops.lightning_attn:fused_recurrent_lightning_attn",
+        reference.fused_recurrent_lightning_attn,
+        _validate_lightning,
+    ),
+    fused_recurrent_lightning_attn,
+)

@@ -1,0 +1,1 @@
+"""Pure-PyTorch building blocks shared by the per-variant reference backends."""

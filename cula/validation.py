@@ -1,0 +1,131 @@
+"""Input checks shared by every entry point: each failure names the argument and what was expected."""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _names(dtypes) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def tensor(name: str, x, ndim: int | None = None, dtypes=FLOAT_DTYPES, optional: bool = False):
+    """``x`` is a tensor (or None when optional) of rank ``ndim`` with a dtype in ``dtypes``."""
+    if x is None:
+        if optional:
+            return None
+        raise ValueError(f"`{name}` is required")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"`{name}` must be a torch.Tensor, got {type(x).__name__}")
+    if ndim is not None and x.dim() != ndim:
+        raise ValueError(f"`{name}` must have {ndim} dimensions, got shape {tuple(x.shape)}")
+    if dtypes is not None and x.dtype not in dtypes:
+        raise TypeError(f"`{name}` must have dtype in ({_names(dtypes)}), got {x.dtype}")
+    return x
+
+
+def shape(name: str, x, expected: tuple[int, ...], what: str) -> None:
+    if x is not None and tuple(x.shape) != tuple(expected):
+        raise ValueError(f"`{name}` must have shape {what} = {tuple(expected)}, got {tuple(x.shape)}")
+
+
+def same_device(**tensors) -> None:
+    present = {n: t for n, t in tensors.items() if isinstance(t, torch.Tensor)}
+    devices = {t.device for t in present.values()}
+    if len(devices) > 1:
+        listing = ", ".join(f"`{n}` on {t.device}" for n, t in present.items())
+        raise ValueError(f"all tensors must be on one device, got {listing}")
+
+
+def qkv(q, k, v, allow_gva: bool) -> tuple[int, int, int, int, int, int]:
+    """q, k: [B, T, H, K]; v: [B, T, HV, V] (HV == H unless GVA). Returns B, T, H, HV, K, V."""
+    tensor("q", q, 4)
+    tensor("k", k, 4)
+    tensor("v", v, 4)
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise TypeError(f"`q`, `k`, `v` must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    B, T, H, K = q.shape
+    shape("k", k, (B, T, H, K), "q.shape [B, T, H, K]")
+    if v.shape[0] != B or v.shape[1] != T:
+        raise ValueError(f"`v` must have shape [B, T, HV, V] with B={B}, T={T} as in q, got {tuple(v.shape)}")
+    HV, V = v.shape[2], v.shape[3]
+    if allow_gva:
+        if HV % H != 0:
+            raise ValueError(f"`v` has HV={HV} heads, which must be a multiple of the H={H} heads of q and k (GVA)")
+    elif HV != H:
+        raise ValueError(f"`v` must have the same number of heads as q and k (H={H}), got {HV}")
+    if T == 0 or B == 0:
+        raise ValueError(f"`q` must have B >= 1 and T >= 1, got shape {tuple(q.shape)}")
+    return B, T, H, HV, K, V
+
+
+def cu_seqlens_(cu_seqlens, B: int, T: int) -> int:
+    """cu_seqlens: int32/int64 [N+1], starts at 0, non-decreasing, ends at T; only with B == 1. Returns N."""
+    if cu_seqlens is None:
+        return B
+    tensor("cu_seqlens", cu_seqlens, 1, (torch.int32, torch.int64))
+    if B != 1:
+        raise ValueError(f"`cu_seqlens` needs the batch size of q to be 1 (flatten the sequences), got B={B}")
+    if cu_seqlens.numel() < 2:
+        raise ValueError(f"`cu_seqlens` must hold N+1 >= 2 offsets, got {cu_seqlens.numel()}")
+    offsets = cu_seqlens.tolist()  # one small copy; a wrong offset would otherwise read out of bounds
+    if offsets[0] != 0 or offsets[-1] != T:
+        raise ValueError(f"`cu_seqlens` must start at 0 and end at T={T}, got {offsets[0]} ... {offsets[-1]}")
+    if any(b < a for a, b in zip(offsets, offsets[1:], strict=False)):
+        raise ValueError(f"`cu_seqlens` must be non-decreasing, got {offsets}")
+    return len(offsets) - 1
+
+
+def state(initial_state, N: int, HV: int, K: int, V: int, state_v_first: bool, varlen: bool) -> None:
+    """initial_state: fp32 [N, HV, K, V], or [N, HV, V, K] with state_v_first."""
+    if initial_state is None:
+        return
+    tensor("initial_state", initial_state, 4, (torch.float32,))
+    layout = "[N, HV, V, K]" if state_v_first else "[N, HV, K, V]"
+    expected = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+    if initial_state.shape[0] != N:
+        source = "len(cu_seqlens) - 1" if varlen else "the batch size B"
+        raise ValueError(f"`initial_state` must have N={N} ({source}) states, got {initial_state.shape[0]}")
+    shape("initial_state", initial_state, expected, layout)
+
+
+def scale(value) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+        raise TypeError(f"`scale` must be a float or None, got {type(value).__name__}")
+
+
+def per_head(name: str, x, B: int, T: int, HV: int, optional: bool = False) -> None:
+    """A per-token, per-head tensor such as beta or a scalar gate: [B, T, HV]."""
+    tensor(name, x, 3, optional=optional)
+    shape(name, x, (B, T, HV), "[B, T, HV]")
+
+
+def head_params(
+    use_gate_in_kernel: bool, A_log, dt_bias, HV: int, dt_bias_numel: int, a_log_required: bool = True
+) -> None:
+    """A_log [HV] and optional dt_bias (``dt_bias_numel`` elements) for gates computed in the kernel."""
+    if not use_gate_in_kernel:
+        return
+    if A_log is None:
+        if a_log_required:
+            raise ValueError("`A_log` is required when use_gate_in_kernel=True")
+    elif tensor("A_log", A_log, None).numel() != HV:
+        raise ValueError(f"`A_log` must hold HV={HV} values, got shape {tuple(A_log.shape)}")
+    tensor("dt_bias", dt_bias, None, optional=True)
+    if dt_bias is not None and dt_bias.numel() != dt_bias_numel:
+        raise ValueError(f"`dt_bias` must hold {dt_bias_numel} values, got shape {tuple(dt_bias.shape)}")
+
+
+def common(args: dict, allow_gva: bool) -> tuple[int, int, int, int, int, int, int]:
+    """Checks shared by every op: q/k/v, scale, cu_seqlens and initial_state. Returns B, T, H, HV, K, V, N."""
+    B, T, H, HV, K, V = qkv(args["q"], args["k"], args["v"], allow_gva)
+    scale(args.get("scale"))
+    cu_seqlens = args.get("cu_seqlens")
+    N = cu_seqlens_(cu_seqlens, B, T)
+    state(args.get("initial_state"), N, HV, K, V, bool(args.get("state_v_first", False)), cu_seqlens is not None)
+    same_device(**{n: t for n, t in args.items() if n != "cu_seqlens" and n != "cu_seqlens_cpu"})
+    return B, T, H, HV, K, V, N

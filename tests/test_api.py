@@ -1,0 +1,230 @@
+"""Public API: signature parity with FLA 0.6.0, validation errors, dispatch decisions, FLA registry."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cula
+from cula import dispatch
+from cula.dispatch import CuteKernel
+
+# (cuLA function, FLA "module:function")
+ENTRY_POINTS = [
+    (cula.kda.chunk_kda, "fla.ops.kda:chunk_kda"),
+    (cula.kda.fused_recurrent_kda, "fla.ops.kda:fused_recurrent_kda"),
+    (cula.gdn.chunk_gated_delta_rule, "fla.ops.gated_delta_rule:chunk_gated_delta_rule"),
+    (cula.gdn.fused_recurrent_gated_delta_rule, "fla.ops.gated_delta_rule:fused_recurrent_gated_delta_rule"),
+    (cula.gdn.chunk_gdn, "fla.ops.gated_delta_rule:chunk_gdn"),
+    (cula.gdn.fused_recurrent_gdn, "fla.ops.gated_delta_rule:fused_recurrent_gdn"),
+    (cula.gla.chunk_gla, "fla.ops.gla:chunk_gla"),
+    (cula.gla.fused_recurrent_gla, "fla.ops.gla:fused_recurrent_gla"),
+    (cula.lightning.chunk_lightning_attn, "fla.ops.lightning_attn:chunk_lightning_attn"),
+    (cula.lightning.fused_recurrent_lightning_attn, "fla.ops.lightning_attn:fused_recurrent_lightning_attn"),
+    (cula.lightning.chunk_simple_gla, "fla.ops.simple_gla:chunk_simple_gla"),
+    (cula.lightning.fused_recurrent_simple_gla, "fla.ops.simple_gla:fused_recurrent_simple_gla"),
+]
+
+
+def fla_fn(target: str):
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def params(fn) -> list[tuple[str, object, object]]:
+    return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+@pytest.mark.parametrize("ours,target", ENTRY_POINTS, ids=[t for _, t in ENTRY_POINTS])
+def test_signature_matches_fla(ours, target):
+    assert params(ours) == params(fla_fn(target))
+
+
+@pytest.mark.parametrize("ours,target", ENTRY_POINTS, ids=[t for _, t in ENTRY_POINTS])
+def test_reference_backend_signature_matches_fla(ours, target):
+    assert params(ours.cula_op.reference) == params(fla_fn(target))
+
+
+# -- inputs -----------------------------------------------------------------------------------------------------
+
+
+def gdn_args(B=1, T=20, H=2, HV=4, K=16, V=8, **extra):
+    args = {
+        "q": torch.randn(B, T, H, K),
+        "k": F.normalize(torch.randn(B, T, H, K), dim=-1),
+        "v": torch.randn(B, T, HV, V),
+        "g": F.logsigmoid(torch.randn(B, T, HV)),
+        "beta": torch.rand(B, T, HV),
+    }
+    args.update(extra)
+    return args
+
+
+def kda_args(B=1, T=20, H=2, HV=4, K=16, V=8, **extra):
+    args = gdn_args(B, T, H, HV, K, V)
+    args["g"] = F.logsigmoid(torch.randn(B, T, HV, K))
+    args.update(extra)
+    return args
+
+
+CHUNK_GDN = cula.gdn.chunk_gated_delta_rule
+CHUNK_KDA = cula.kda.chunk_kda
+
+
+# -- validation ---------------------------------------------------------------------------------------------
+
+
+def expect_error(error, match, fn, args):
+    with pytest.raises(error, match=match):
+        fn(**args)
+
+
+@pytest.mark.parametrize(
+    "mutate,error,match",
+    [
+        (lambda a: a.update(q=a["q"][0]), ValueError, "`q` must have 4 dimensions"),
+        (lambda a: a.update(k=a["k"][:, :, :1]), ValueError, "`k` must have shape"),
+        (lambda a: a.update(v=torch.randn(1, 20, 3, 8)), ValueError, "multiple of the H=2"),
+        (lambda a: a.update(v=torch.randn(1, 19, 4, 8)), ValueError, "`v` must have shape"),
+        (lambda a: a.update(q=a["q"].long()), TypeError, "`q` must have dtype"),
+        (lambda a: a.update(q=a["q"].bfloat16()), TypeError, "share one dtype"),
+        (lambda a: a.update(q=a["q"].numpy()), TypeError, "`q` must be a torch.Tensor"),
+        (lambda a: a.update(g=a["g"][..., :3]), ValueError, "`g` must have shape"),
+        (lambda a: a.update(beta=a["beta"][:, :5]), ValueError, "`beta` must have shape"),
+        (lambda a: a.update(initial_state=torch.zeros(1, 4, 16, 8).double()), TypeError, "`initial_state` must have"),
+        (lambda a: a.update(initial_state=torch.zeros(1, 4, 8, 16)), ValueError, "`initial_state` must have shape"),
+        (lambda a: a.update(initial_state=torch.zeros(2, 4, 16, 8)), ValueError, "N=1"),
+        (lambda a: a.update(scale="0.5"), TypeError, "`scale` must be a float"),
+        (lambda a: a.update(use_gate_in_kernel=True), ValueError, "`A_log` is required"),
+        (lambda a: a.update(cu_seqlens=torch.tensor([0, 5, 20.0])), TypeError, "`cu_seqlens` must have dtype"),
+        (lambda a: a.update(cu_seqlens=torch.tensor([0, 12, 5, 20])), ValueError, "non-decreasing"),
+        (lambda a: a.update(cu_seqlens=torch.tensor([0, 5, 19])), ValueError, "end at T=20"),
+    ],
+)
+def test_gdn_validation(mutate, error, match):
+    args = gdn_args()
+    mutate(args)
+    expect_error(error, match, CHUNK_GDN, args)
+
+
+def test_varlen_needs_batch_one_and_one_state_per_sequence():
+    args = gdn_args(B=2, cu_seqlens=torch.tensor([0, 5, 20]))
+    expect_error(ValueError, "batch size of q to be 1", CHUNK_GDN, args)
+    args = gdn_args(cu_seqlens=torch.tensor([0, 5, 20], dtype=torch.int32), initial_state=torch.zeros(1, 4, 16, 8))
+    expect_error(ValueError, r"N=2 \(len\(cu_seqlens\) - 1\)", CHUNK_GDN, args)
+
+
+def test_state_v_first_layout_is_checked():
+    args = gdn_args(state_v_first=True, initial_state=torch.zeros(1, 4, 16, 8))
+    expect_error(ValueError, r"\[N, HV, V, K\]", CHUNK_GDN, args)
+
+
+@pytest.mark.parametrize(
+    "extra,error,match",
+    [
+        ({"g": torch.randn(1, 20, 4)}, ValueError, "`g` must have 4 dimensions"),
+        ({"allow_neg_eigval": True}, ValueError, "use_beta_sigmoid_in_kernel"),
+        ({"use_gate_in_kernel": True, "safe_gate": True, "A_log": torch.zeros(4)}, ValueError, "`lower_bound`"),
+        ({"use_gate_in_kernel": True, "safe_gate": True, "lower_bound": -7.0}, ValueError, r"\[-5, 0\)"),
+        ({"use_gate_in_kernel": True, "A_log": torch.zeros(4), "dt_bias": torch.zeros(4)}, ValueError, "`dt_bias`"),
+        ({"chunk_size": 16}, ValueError, "`chunk_size`"),
+    ],
+)
+def test_kda_validation(extra, error, match):
+    expect_error(error, match, CHUNK_KDA, kda_args(**extra))
+
+
+def test_other_ops_validate():
+    q = torch.randn(1, 8, 2, 4)
+    expect_error(ValueError, "same number of heads", cula.gla.chunk_gla, {"q": q, "k": q, "v": q[:, :, :1], "g": q})
+    expect_error(
+        ValueError,
+        "`g_gamma` must have shape",
+        cula.lightning.chunk_simple_gla,
+        {"q": q, "k": q, "v": q, "g_gamma": torch.zeros(3)},
+    )
+    lightning = cula.lightning.chunk_lightning_attn
+    expect_error(ValueError, "layer_idx", lightning, {"q": q, "k": q, "v": q, "layer_idx": 4, "num_layers": 4})
+    expect_error(
+        TypeError, "`num_layers` must be an int", lightning, {"q": q, "k": q, "v": q, "layer_idx": 0, "num_layers": 2.0}
+    )
+
+
+# -- dispatch -----------------------------------------------------------------------------------------------
+
+
+def test_cpu_calls_go_to_the_reference_backend_with_reasons():
+    args = gdn_args()
+    decision = cula.explain(CHUNK_GDN, **args)
+    assert decision.backend == "torch"
+    rejected = dict(decision.rejected)
+    assert "CUDA" in rejected["cute"] and "CUDA" in rejected["fla"]
+    o, state = CHUNK_GDN(**args, output_final_state=True)
+    assert cula.last_decision(CHUNK_GDN).backend == "torch"
+    assert o.shape == args["v"].shape and state.dtype == torch.float32
+
+
+@pytest.mark.parametrize("forced", ["cute", "fla"])
+def test_forcing_a_backend_that_cannot_serve_raises(monkeypatch, forced):
+    monkeypatch.setenv("CULA_BACKEND", forced)
+    with pytest.raises(cula.BackendUnavailableError, match=f"cannot run on '{forced}'"):
+        CHUNK_GDN(**gdn_args())
+
+
+def test_forcing_torch_and_bad_values(monkeypatch):
+    monkeypatch.setenv("CULA_BACKEND", "torch")
+    assert cula.explain(CHUNK_KDA, **kda_args()).backend == "torch"
+    monkeypatch.setenv("CULA_BACKEND", "triton")
+    with pytest.raises(ValueError, match="CULA_BACKEND"):
+        CHUNK_KDA(**kda_args())
+
+
+class FakeCuda:
+    """Pretends the call's tensors sit on a GPU of compute capability ``cc`` (dispatch reads only these)."""
+
+    def __init__(self, monkeypatch, cc):
+        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cc)
+
+
+def test_kernel_tables_pick_by_arch_and_support(monkeypatch):
+    op = CHUNK_GDN.cula_op
+    saved = list(op.kernels)
+    monkeypatch.setattr(op, "kernels", [])
+    op.register_kernel(CuteKernel("sm90_kernel", 9, lambda a: (a["q"].shape[-1] == 16, "needs K=16"), lambda a: "sm90"))
+    op.register_kernel(CuteKernel("sm100_kernel", 10, lambda a: (True, ""), lambda a: "sm100"))
+    FakeCuda(monkeypatch, (9, 0))
+    monkeypatch.setattr(dispatch, "fla_function", lambda target: None)
+    decision = cula.explain(CHUNK_GDN, **gdn_args())
+    assert (decision.backend, decision.reason) == ("cute", "sm90_kernel on sm_90")
+    assert CHUNK_GDN(**gdn_args()) == "sm90"
+    decision = cula.explain(CHUNK_GDN, **gdn_args(K=32))
+    assert decision.backend == "fla" and "needs K=16" in dict(decision.rejected)["cute"]
+    FakeCuda(monkeypatch, (10, 0))
+    assert CHUNK_GDN(**gdn_args(K=32)) == "sm100"
+    FakeCuda(monkeypatch, (8, 0))
+    assert "no CuTe DSL kernel for sm_80" in dict(cula.explain(CHUNK_GDN, **gdn_args()).rejected)["cute"]
+    assert op.kernels != saved
+
+
+def test_explain_rejects_non_entry_points():
+    with pytest.raises(TypeError, match="not a cuLA entry point"):
+        cula.explain(torch.add)
+
+
+# -- FLA's registry -----------------------------------------------------------------------------------------
+
+
+def test_fla_registry_calls_cula_on_cpu():
+    fla_gdn = fla_fn("fla.ops.gated_delta_rule:chunk_gated_delta_rule")
+    fla_kda = fla_fn("fla.ops.kda:chunk_kda")
+    cula.register_with_fla()
+    for fla_op, ours, args in ((fla_gdn, CHUNK_GDN, gdn_args()), (fla_kda, CHUNK_KDA, kda_args())):
+        ours.cula_op.last = None
+        o, _ = fla_op(**args)
+        assert cula.last_decision(ours).backend == "torch"
+        torch.testing.assert_close(o, ours(**args)[0])
