@@ -1,0 +1,75 @@
+"""In-kernel input transforms of FLA 0.6.0, in fp32 PyTorch.
+
+Each function mirrors the formula FLA's kernels apply when the matching ``*_in_kernel`` flag is set:
+``fla/modules/norm/l2norm.py``, ``fla/ops/common/gate.py`` (beta sigmoid), ``fla/ops/gated_delta_rule/gate.py`` and
+``fla/ops/kda/gate.py``. Results are fp32 (fp64 when the input is fp64).
+"""
+
+import torch
+import torch.nn.functional as F
+
+L2NORM_EPS = 1e-6
+
+
+def to_compute(x: torch.Tensor) -> torch.Tensor:
+    """Upcast to the compute dtype: fp32, or fp64 when ``x`` already is fp64."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim (FLA's ``l2norm_fwd``; eps is added under the root)."""
+    x = to_compute(x)
+    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
+
+
+def beta_sigmoid(beta: torch.Tensor, allow_neg_eigval: bool = False) -> torch.Tensor:
+    """``sigmoid(beta)``, doubled to ``[0, 2)`` when ``allow_neg_eigval`` (FLA's ``fused_beta_sigmoid``)."""
+    beta = torch.sigmoid(to_compute(beta))
+    return beta * 2 if allow_neg_eigval else beta
+
+
+def gdn_gate(g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """GDN decay ``-exp(A_log) * softplus(g + dt_bias)``; ``g`` is ``[..., HV]``, ``A_log``/``dt_bias`` ``[HV]``."""
+    g = to_compute(g)
+    if dt_bias is not None:
+        g = g + dt_bias.to(g.dtype)
+    return -A_log.to(g.dtype).exp() * F.softplus(g)
+
+
+def kda_gate(
+    g: torch.Tensor,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+) -> torch.Tensor:
+    """KDA per-key decay for ``g`` of shape ``[..., HV, K]``, ``A_log`` ``[HV]``, ``dt_bias`` ``[HV * K]``.
+
+    Without ``lower_bound``: ``-exp(A_log) * softplus(g + dt_bias)``.
+    With ``lower_bound`` (FLA applies it whenever it is set, whatever ``safe_gate`` says):
+    ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))``, and ``lower_bound * sigmoid(g + dt_bias)`` if ``A_log`` is None.
+    """
+    g = to_compute(g)
+    HV = g.shape[-2]
+    if dt_bias is not None:
+        g = g + dt_bias.to(g.dtype).view(HV, -1)
+    if lower_bound is None:
+        return -A_log.to(g.dtype).view(HV, 1).exp() * F.softplus(g)
+    if A_log is not None:
+        g = A_log.to(g.dtype).view(HV, 1).exp() * g
+    return lower_bound * torch.sigmoid(g)
+
+
+def qk_beta_transforms(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    beta: torch.Tensor,
+    use_qk_l2norm_in_kernel: bool,
+    use_beta_sigmoid_in_kernel: bool,
+    allow_neg_eigval: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The q/k L2 norm and the beta sigmoid of the delta-rule ops (GDN and KDA share them)."""
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    if use_beta_sigmoid_in_kernel:
+        beta = beta_sigmoid(beta, allow_neg_eigval)
+    return q, k, beta
