@@ -238,7 +238,7 @@ def host_overhead_us(op: str, device: str, calls: int = 200) -> dict[str, float]
 
 
 def run_cpu_case(case: Case) -> Row:
-    """cuLA's reference backend vs FLA's naive recurrence, fp32 on the CPU."""
+    """cuLA's reference backend vs FLA's naive recurrence, fp32 on the CPU (output only)."""
     import cula
 
     row = Row(case.op, case.name, "fwd (CPU, reference backend)")
@@ -249,26 +249,41 @@ def run_cpu_case(case: Case) -> Row:
         o, _ = cula_fn(**args)
         row.cula_backend = cula.last_decision(cula_fn).backend
         row.cula_ms = timed(lambda: cula_fn(**args))
-        if naive is not None:
-            o_ref = naive(args)
-            row.fla_ms = timed(lambda: naive(args))
-            row.rel_rmse = rel_rmse(o, o_ref)
-            row.speedup = row.fla_ms / row.cula_ms
+        o_ref = naive(args)
+        row.fla_ms = timed(lambda: naive(args))
+        row.rel_rmse = rel_rmse(o, o_ref)
+        row.speedup = row.fla_ms / row.cula_ms
     row.notes.append("FLA column: FLA's naive recurrence (its Triton kernels need a GPU)")
     return row
 
 
 def naive_fn(op: str):
-    """FLA's naive recurrence for ``op`` taking our benchmark arguments (no in-kernel transforms), or None."""
+    """FLA's naive recurrence for ``op`` on our benchmark arguments (KDA's in-kernel transforms applied first)."""
     if op == "gdn":
         from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
 
         return lambda a: naive_recurrent_gated_delta_rule(a["q"], a["k"], a["v"], a["beta"], a["g"])[0]
+    if op == "kda":
+        from fla.ops.kda.naive import naive_recurrent_kda
+
+        from cula.ops.gates import kda_gate, l2norm
+
+        def kda(a):
+            g = kda_gate(a["g"], a["A_log"], a["dt_bias"], a["lower_bound"])
+            return naive_recurrent_kda(l2norm(a["q"]), l2norm(a["k"]), a["v"], g, a["beta"].sigmoid())[0]
+
+        return kda
     if op == "gla":
         from fla.ops.gla.naive import naive_recurrent_gla
 
         return lambda a: naive_recurrent_gla(a["q"], a["k"], a["v"], a["g"])[0]
-    return None
+    from fla.ops.simple_gla.naive import naive_recurrent_simple_gla
+
+    def simple_gla(a):
+        g = a["g_gamma"].expand(*a["q"].shape[:3])
+        return naive_recurrent_simple_gla(a["q"], a["k"], a["v"], g)[0]
+
+    return simple_gla
 
 
 def timed(fn, repeats: int = 3) -> float:
@@ -366,7 +381,7 @@ def markdown(env: dict, rows: list[Row], overhead: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ops", default="gdn,kda", help="comma list of gdn, kda, gla, simple_gla")
+    parser.add_argument("--ops", default="gdn,kda,gla,simple_gla", help="comma list of gdn, kda, gla, simple_gla")
     parser.add_argument("--grid", default="core,varlen,long", help="comma list of core, varlen, long")
     parser.add_argument("--modes", default="fwd", help="comma list of fwd, fwdbwd")
     parser.add_argument("--out", default="results", help="folder for benchmark.json and the markdown table")

@@ -1,16 +1,25 @@
 #!/usr/bin/env bash
 # On a GPU machine: the GPU tests, then the cuLA-vs-FLA benchmark, results and logs into one folder.
 #   bash scripts/gpu_check.sh OUTDIR [benchmark arguments...]
-# On the project's H200 test machine, first `. .device/b/setup.sh` (see NOTES.md, "GPU runs").
+# FLA autotunes each op at each new shape on its first call (up to minutes). Its choices are kept on disk
+# (TRITON_CACHE_AUTOTUNING) and packed into OUTDIR/fla_autotune.tgz; pass that file back through
+# FLA_AUTOTUNE_TGZ on a later run to skip the autotuning. On the project's H200 test machine, first
+# `. .device/b/setup.sh` (see NOTES.md, "GPU runs").
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUTDIR [benchmark args]}
 shift
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/cula_triton_cache}
+mkdir -p "$TRITON_CACHE_DIR"
+if [ -n "${FLA_AUTOTUNE_TGZ:-}" ] && [ -f "$FLA_AUTOTUNE_TGZ" ]; then
+  tar -xzf "$FLA_AUTOTUNE_TGZ" -C "$TRITON_CACHE_DIR"
+fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv > "$out/gpu.txt" 2>&1
 python3 -m pytest -q -m gpu -rs tests 2>&1 | tee "$out/gpu_tests.log"
 tests=${PIPESTATUS[0]}
 python3 -m benchmarks.run --out "$out" "$@" 2>&1 | tee "$out/benchmark.log"
 bench=${PIPESTATUS[0]}
+(cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -print0 | tar -czf "$out/fla_autotune.tgz" --null -T -)
 echo "gpu tests exit $tests, benchmark exit $bench" | tee -a "$out/gpu.txt"
 [ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]
