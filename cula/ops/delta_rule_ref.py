@@ -110,14 +110,14 @@ def _chunk_scan(
 def _fold_value_columns(q, k, v, g, beta, S):
     """Turn each value column into its own head (V = 1), for a per-value gate or beta.
 
-    Inputs are [N, T, HV, *] (g with gv already added: [N, T, HV, V, Kg]); S [N, HV, K, V].
+    Inputs are [N, T, HV, *] (g with gv already added: [N, T, HV, V or 1, Kg]); S [N, HV, K, V].
     """
     N, T, HV, V = v.shape
     q, k = (x.unsqueeze(3).expand(-1, -1, -1, V, -1).flatten(2, 3) for x in (q, k))
     if beta is not None:
         beta = (beta if beta.dim() == 4 else beta.unsqueeze(-1)).expand(N, T, HV, V).flatten(2, 3)
     S = S.movedim(-1, 2).flatten(1, 2).unsqueeze(-1)
-    return q, k, v.flatten(2, 3).unsqueeze(-1), g.flatten(2, 3), beta, S
+    return q, k, v.flatten(2, 3).unsqueeze(-1), g.expand(N, T, HV, V, -1).flatten(2, 3), beta, S
 
 
 def linear_attn_ref(

@@ -1,0 +1,286 @@
+"""The PyTorch reference backend against FLA 0.6.0's naive recurrences (CPU, fresh random inputs every run)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from fla.ops.gated_delta_rule.gate import naive_gdn_gate
+from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+from fla.ops.gla.naive import naive_recurrent_gla
+from fla.ops.kda.gate import naive_kda_gate, naive_kda_lowerbound_gate
+from fla.ops.kda.naive import naive_recurrent_kda
+from fla.ops.simple_gla.naive import naive_recurrent_simple_gla
+
+from cula.gdn import reference as gdn
+from cula.gla import reference as gla
+from cula.kda import reference as kda
+from cula.lightning import reference as lightning
+
+TOL = 1e-5
+DELTA = ("kda", "gdn")  # variants with beta
+
+
+def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def assert_close(pairs, tol=TOL):
+    for name, (x, ref) in pairs.items():
+        assert x.shape == ref.shape, name
+        assert rel(x, ref) < tol, f"{name}: rel rmse {rel(x, ref):.2e}"
+
+
+def make_inputs(variant, T, H=2, HV=None, K=16, V=32, B=2, N=None, h0=True, dtype=torch.float32):
+    """Random inputs in FLA layout; ``N`` rows of initial state (default B). k is unit-norm for the delta rule."""
+    HV = HV or H
+    x = {
+        "q": torch.randn(B, T, H, K, dtype=dtype),
+        "k": torch.randn(B, T, H, K, dtype=dtype),
+        "v": torch.randn(B, T, HV, V, dtype=dtype),
+        "g": F.logsigmoid(torch.randn(B, T, HV, K) if variant in ("kda", "gla") else torch.randn(B, T, HV)).to(dtype),
+    }
+    if variant in DELTA:
+        x["k"] = F.normalize(x["k"], dim=-1)
+        x["beta"] = torch.rand(B, T, HV, dtype=dtype)
+    x["h0"] = torch.randn(N or B, HV, K, V) if h0 else None
+    return x
+
+
+def oracle(variant, x):
+    """FLA's naive recurrence (fp32) for one batch; returns (o, final state)."""
+    h0, G = x["h0"], x["v"].shape[2] // x["q"].shape[2]
+    if variant == "kda":
+        return naive_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=h0, output_final_state=True)
+    if variant == "gdn":
+        q, k = (x[n].repeat_interleave(G, dim=2) for n in "qk")
+        return naive_recurrent_gated_delta_rule(q, k, x["v"], x["beta"], x["g"], None, h0, True)
+    if variant == "gla":
+        return naive_recurrent_gla(x["q"], x["k"], x["v"], x["g"], initial_state=h0, output_final_state=True)
+    return naive_recurrent_simple_gla(x["q"], x["k"], x["v"], x["g"], initial_state=h0, output_final_state=True)
+
+
+def oracle_varlen(variant, x, cu):
+    """The oracle run sequence by sequence over a packed batch of one."""
+    outs, states = [], []
+    for i in range(len(cu) - 1):
+        seq = {n: t[:, cu[i] : cu[i + 1]] for n, t in x.items() if n != "h0"}
+        seq["h0"] = None if x["h0"] is None else x["h0"][i : i + 1]
+        o, s = oracle(variant, seq)
+        outs.append(o)
+        states.append(s)
+    return torch.cat(outs, 1), torch.cat(states)
+
+
+REFERENCE = {
+    ("kda", True): kda.chunk_kda,
+    ("kda", False): kda.fused_recurrent_kda,
+    ("gdn", True): gdn.chunk_gated_delta_rule,
+    ("gdn", False): gdn.fused_recurrent_gated_delta_rule,
+    ("gla", True): gla.chunk_gla,
+    ("gla", False): gla.fused_recurrent_gla,
+    ("simple_gla", True): lightning.chunk_simple_gla,
+    ("simple_gla", False): lightning.fused_recurrent_simple_gla,
+}
+
+
+def run_reference(variant, chunk, x, **kwargs):
+    """Call the reference entry point with FLA's argument names."""
+    args = {"q": x["q"], "k": x["k"], "v": x["v"], "initial_state": x["h0"], "output_final_state": True}
+    args["gk" if (variant, chunk) == ("gla", False) else "g"] = x["g"]
+    if variant in DELTA:
+        args["beta"] = x["beta"]
+    return REFERENCE[variant, chunk](**args, **kwargs)
+
+
+VARIANTS = [(v, c) for v in ("kda", "gdn", "gla", "simple_gla") for c in (True, False)]
+
+
+@pytest.mark.parametrize("variant,chunk", VARIANTS)
+@pytest.mark.parametrize("T", [1, 63, 65, 130])
+def test_matches_naive(variant, chunk, T):
+    gva = 2 if variant in DELTA else 1
+    x = make_inputs(variant, T, H=2, HV=2 * gva, h0=T != 63)
+    o, s = run_reference(variant, chunk, x)
+    o_ref, s_ref = oracle(variant, x)
+    assert_close({"o": (o, o_ref), "state": (s, s_ref)})
+
+
+@pytest.mark.parametrize("variant,chunk", VARIANTS)
+def test_varlen(variant, chunk):
+    lengths = [1, 63, 1, 70]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    x = make_inputs(variant, sum(lengths), B=1, N=len(lengths), HV=4 if variant in DELTA else 2)
+    o, s = run_reference(variant, chunk, x, cu_seqlens=cu)
+    o_ref, s_ref = oracle_varlen(variant, x, cu.tolist())
+    assert_close({"o": (o, o_ref), "state": (s, s_ref)})
+
+
+@pytest.mark.parametrize("variant,chunk", VARIANTS)
+def test_state_v_first(variant, chunk):
+    x = make_inputs(variant, 65)
+    o_ref, s_ref = oracle(variant, x)
+    x["h0"] = x["h0"].transpose(-1, -2).contiguous()
+    o, s = run_reference(variant, chunk, x, state_v_first=True)
+    assert_close({"o": (o, o_ref), "state": (s.transpose(-1, -2), s_ref)})
+
+
+def test_no_final_state_and_dtypes():
+    x = make_inputs("kda", 20, dtype=torch.bfloat16, h0=False)
+    for chunk, gate in ((True, "kda"), (False, "kda"), (True, "gdn"), (False, "gdn")):
+        y = make_inputs(gate, 20, dtype=torch.bfloat16, h0=False) if gate == "gdn" else x
+        o, s = run_reference(gate, chunk, y)
+        assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
+    o, s = kda.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"])
+    assert o.shape == x["v"].shape and s is None
+
+
+def test_high_dim_and_strong_decay():
+    """D = 128, and per-key gates at FLA's lower bound (-5 per step: exp(-320) across a chunk) stay finite."""
+    x = make_inputs("kda", 130, H=1, K=128, V=128, B=1)
+    x["g"] = -5 * torch.rand_like(x["g"])
+    o, s = run_reference("kda", True, x)
+    o_ref, s_ref = oracle("kda", x)
+    assert torch.isfinite(o).all()
+    assert_close({"o": (o, o_ref), "state": (s, s_ref)})
+
+
+def l2(x):
+    return x / torch.sqrt(x.square().sum(-1, keepdim=True) + 1e-6)
+
+
+@pytest.mark.parametrize("chunk", [True, False])
+@pytest.mark.parametrize("neg", [False, True])
+def test_gdn_in_kernel_options(chunk, neg):
+    x = make_inputs("gdn", 65, HV=4)
+    x["k"] = torch.randn_like(x["k"]) * 3
+    A_log, dt_bias = torch.randn(4), torch.randn(4)
+    o, s = run_reference(
+        "gdn", chunk, x, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=neg,
+        use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+    )  # fmt: skip
+    y = dict(x, q=l2(x["q"]), k=l2(x["k"]), beta=torch.sigmoid(x["beta"]) * (2 if neg else 1))
+    y["g"] = naive_gdn_gate(x["g"], A_log, dt_bias)
+    o_ref, s_ref = oracle("gdn", y)
+    assert_close({"o": (o, o_ref), "state": (s, s_ref)})
+
+
+@pytest.mark.parametrize("chunk", [True, False])
+@pytest.mark.parametrize("gate", ["softplus", "lower_bound", "lower_bound_no_A"])
+def test_kda_in_kernel_options(chunk, gate):
+    HV, K = 4, 16
+    x = make_inputs("kda", 65, HV=HV, K=K)
+    x["g"] = torch.randn_like(x["g"])
+    A_log = None if gate == "lower_bound_no_A" else torch.randn(HV)
+    dt_bias = torch.randn(HV * K)
+    lower_bound = None if gate == "softplus" else -5.0
+    o, s = run_reference(
+        "kda", chunk, x, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True,
+        use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, safe_gate=chunk and bool(lower_bound),
+    )  # fmt: skip
+    if lower_bound is None:
+        g = naive_kda_gate(x["g"], A_log, dt_bias)
+    else:
+        g = naive_kda_lowerbound_gate(x["g"], A_log, dt_bias, lower_bound)
+    y = dict(x, q=l2(x["q"]), k=l2(x["k"]), beta=2 * torch.sigmoid(x["beta"]), g=g)
+    o_ref, s_ref = oracle("kda", y)
+    assert_close({"o": (o, o_ref), "state": (s, s_ref)})
+
+
+def loop_ref(q, k, v, gk=None, gv=None, beta=None, h0=None, reverse=False):
+    """Per-token fp64 recurrence with every gate kind (gk scalar or per key, gv per value, beta per head or value)."""
+    q, k, v = (t.double() for t in (q, k, v))
+    B, T, H, K = q.shape
+    HV, V = v.shape[2:]
+    q, k = (t.repeat_interleave(HV // H, dim=2) for t in (q * K**-0.5, k))
+    S = torch.zeros(B, HV, K, V, dtype=torch.float64) if h0 is None else h0.double()
+    o = torch.zeros_like(v)
+    for t in reversed(range(T)) if reverse else range(T):
+        if gk is not None:
+            S = S * (gk[:, t].double().exp()[..., None] if gk.dim() == 4 else gk[:, t].double().exp()[..., None, None])
+        if gv is not None:
+            S = S * gv[:, t].double().exp()[..., None, :]
+        u = v[:, t]
+        if beta is not None:
+            b = beta[:, t].double()
+            u = (b if b.dim() == 3 else b[..., None]) * (u - torch.einsum("bhk,bhkv->bhv", k[:, t], S))
+        S = S + k[:, t, :, :, None] * u[:, :, None, :]
+        o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], S)
+    return o, S
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_fused_recurrent_gla_gv_reverse(reverse):
+    x = make_inputs("gla", 70)
+    gv = F.logsigmoid(torch.randn_like(x["v"]))
+    o, s = gla.fused_recurrent_gla(
+        x["q"], x["k"], x["v"], gk=x["g"], gv=gv, initial_state=x["h0"], output_final_state=True, reverse=reverse
+    )
+    o_ref, s_ref = loop_ref(x["q"], x["k"], x["v"], gk=x["g"], gv=gv, h0=x["h0"], reverse=reverse)
+    assert_close({"o": (o, o_ref), "state": (s, s_ref)})
+
+
+def test_fused_recurrent_reverse_varlen():
+    lengths = [1, 63, 1, 70]
+    cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    x = make_inputs("simple_gla", sum(lengths), B=1, N=len(lengths))
+    g_gamma = -torch.rand(2)
+    o, s = lightning.fused_recurrent_simple_gla(
+        x["q"], x["k"], x["v"], g=x["g"], g_gamma=g_gamma, initial_state=x["h0"], output_final_state=True,
+        reverse=True, cu_seqlens=torch.tensor(cu),
+    )  # fmt: skip
+    pieces = [
+        loop_ref(*(x[n][:, a:b] for n in "qkv"), gk=(x["g"] + g_gamma)[:, a:b], h0=x["h0"][i : i + 1], reverse=True)
+        for i, (a, b) in enumerate(zip(cu[:-1], cu[1:], strict=True))
+    ]
+    assert_close({"o": (o, torch.cat([p[0] for p in pieces], 1)), "state": (s, torch.cat([p[1] for p in pieces]))})
+
+
+def test_fused_recurrent_delta_all_gates():
+    """GDN's fused_recurrent composes g, gk and gv, with a per-value beta; KDA takes a per-value beta too."""
+    x = make_inputs("kda", 65, HV=4)
+    g, gv = F.logsigmoid(torch.randn(x["beta"].shape)), F.logsigmoid(torch.randn_like(x["v"]))
+    beta = torch.rand_like(x["v"])
+    common = {"initial_state": x["h0"], "output_final_state": True}
+    o, s = gdn.fused_recurrent_gated_delta_rule(x["q"], x["k"], x["v"], g=g, gk=x["g"], gv=gv, beta=beta, **common)
+    o_ref, s_ref = loop_ref(x["q"], x["k"], x["v"], gk=x["g"] + g[..., None], gv=gv, beta=beta, h0=x["h0"])
+    assert_close({"gdn o": (o, o_ref), "gdn state": (s, s_ref)})
+    o, s = kda.fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], beta, **common)
+    o_ref, s_ref = loop_ref(x["q"], x["k"], x["v"], gk=x["g"], beta=beta, h0=x["h0"])
+    assert_close({"kda o": (o, o_ref), "kda state": (s, s_ref)})
+
+
+@pytest.mark.parametrize("chunk", [True, False])
+@pytest.mark.parametrize("layer_idx", [0, 5])
+def test_lightning(chunk, layer_idx):
+    H, L = 4, 8
+    x = make_inputs("simple_gla", 65, H=H)
+    fn = lightning.chunk_lightning_attn if chunk else lightning.fused_recurrent_lightning_attn
+    o, s = fn(x["q"], x["k"], x["v"], layer_idx, L, initial_state=x["h0"], output_final_state=True)
+    gamma = torch.tensor([-(8 / H) * (1 - layer_idx / L) * h for h in range(H)])
+    o_ref, s_ref = oracle("simple_gla", dict(x, g=gamma.expand_as(x["g"])))
+    assert_close({"o": (o, o_ref), "state": (s, s_ref)})
+
+
+def test_unsupported_arguments():
+    x = make_inputs("kda", 8)
+    with pytest.raises(NotImplementedError, match="cp_context"):
+        kda.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], cp_context=object())
+    with pytest.raises(NotImplementedError, match="return_intermediate_states"):
+        kda.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], return_intermediate_states=True)
+    with pytest.raises(NotImplementedError, match="cp_context"):
+        gdn.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"][..., 0], x["beta"], cp_context=object())
+
+
+@pytest.mark.parametrize("variant", ["kda", "gdn", "gla", "simple_gla"])
+def test_gradients(variant):
+    x = make_inputs(variant, 65, HV=4 if variant in DELTA else 2)
+    leaves = {n: t.requires_grad_() for n, t in x.items()}
+    do, dht = torch.randn_like(x["v"]), torch.randn_like(x["h0"])
+
+    def grads(fn):
+        o, s = fn()
+        return dict(
+            zip(leaves, torch.autograd.grad((o * do).sum() + (s * dht).sum(), list(leaves.values())), strict=True)
+        )
+
+    ours, ref = grads(lambda: run_reference(variant, True, x)), grads(lambda: oracle(variant, x))
+    assert_close({f"d{n}": (ours[n], ref[n]) for n in leaves}, tol=1e-4)
