@@ -84,11 +84,11 @@ REFERENCE = {
 
 def run_reference(variant, chunk, x, **kwargs):
     """Call the reference entry point with FLA's argument names."""
-    args = {"q": x["q"], "k": x["k"], "v": x["v"], "initial_state": x["h0"], "output_final_state": True}
+    args = {"q": x["q"], "k": x["k"], "v": x["v"], "initial_state": x["h0"], "output_final_state": True, **kwargs}
     args["gk" if (variant, chunk) == ("gla", False) else "g"] = x["g"]
     if variant in DELTA:
         args["beta"] = x["beta"]
-    return REFERENCE[variant, chunk](**args, **kwargs)
+    return REFERENCE[variant, chunk](**args)
 
 
 VARIANTS = [(v, c) for v in ("kda", "gdn", "gla", "simple_gla") for c in (True, False)]
@@ -123,14 +123,21 @@ def test_state_v_first(variant, chunk):
     assert_close({"o": (o, o_ref), "state": (s.transpose(-1, -2), s_ref)})
 
 
-def test_no_final_state_and_dtypes():
-    x = make_inputs("kda", 20, dtype=torch.bfloat16, h0=False)
-    for chunk, gate in ((True, "kda"), (False, "kda"), (True, "gdn"), (False, "gdn")):
-        y = make_inputs(gate, 20, dtype=torch.bfloat16, h0=False) if gate == "gdn" else x
-        o, s = run_reference(gate, chunk, y)
-        assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
-    o, s = kda.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"])
-    assert o.shape == x["v"].shape and s is None
+@pytest.mark.parametrize("variant,chunk", VARIANTS)
+def test_dtypes_and_no_final_state(variant, chunk):
+    """bf16 in: o comes back in bf16, the final state in fp32; no state unless asked for."""
+    x = make_inputs(variant, 20, dtype=torch.bfloat16, h0=False)
+    o, s = run_reference(variant, chunk, x)
+    assert o.dtype == torch.bfloat16 and o.shape == x["v"].shape and s.dtype == torch.float32
+    assert run_reference(variant, chunk, x, output_final_state=False)[1] is None
+
+
+@pytest.mark.parametrize("chunk", [True, False])
+def test_explicit_scale(chunk):
+    x = make_inputs("kda", 65, HV=4)
+    o, s = run_reference("kda", chunk, x, scale=0.3)
+    o_ref, s_ref = naive_recurrent_kda(*(x[n] for n in ("q", "k", "v", "g", "beta")), 0.3, x["h0"], True)
+    assert_close({"o": (o, o_ref), "state": (s, s_ref)})
 
 
 def test_high_dim_and_strong_decay():
@@ -147,41 +154,46 @@ def l2(x):
     return x / torch.sqrt(x.square().sum(-1, keepdim=True) + 1e-6)
 
 
-@pytest.mark.parametrize("chunk", [True, False])
-@pytest.mark.parametrize("neg", [False, True])
-def test_gdn_in_kernel_options(chunk, neg):
-    x = make_inputs("gdn", 65, HV=4)
-    x["k"] = torch.randn_like(x["k"]) * 3
-    A_log, dt_bias = torch.randn(4), torch.randn(4)
-    o, s = run_reference(
-        "gdn", chunk, x, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=neg,
-        use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
-    )  # fmt: skip
-    y = dict(x, q=l2(x["q"]), k=l2(x["k"]), beta=torch.sigmoid(x["beta"]) * (2 if neg else 1))
-    y["g"] = naive_gdn_gate(x["g"], A_log, dt_bias)
-    o_ref, s_ref = oracle("gdn", y)
-    assert_close({"o": (o, o_ref), "state": (s, s_ref)})
+def raw_in_kernel(variant, gate, neg, T=65, HV=4, K=16):
+    """Raw (pre-transform) inputs, the gate parameters and the flags for the in-kernel options."""
+    x = make_inputs(variant, T, HV=HV, K=K)
+    x.update(k=3 * torch.randn_like(x["k"]), g=torch.randn_like(x["g"]), beta=torch.randn_like(x["beta"]))
+    params = {"A_log": None if gate == "lower_bound_no_A" else torch.randn(HV)}
+    params["dt_bias"] = torch.randn(HV * K if variant == "kda" else HV)
+    flags = {"use_qk_l2norm_in_kernel": True, "use_beta_sigmoid_in_kernel": True, "allow_neg_eigval": neg}
+    flags["use_gate_in_kernel"] = True
+    if gate != "softplus":
+        flags["lower_bound"] = -5.0
+    return x, params, flags
 
 
-@pytest.mark.parametrize("chunk", [True, False])
-@pytest.mark.parametrize("gate", ["softplus", "lower_bound", "lower_bound_no_A"])
-def test_kda_in_kernel_options(chunk, gate):
-    HV, K = 4, 16
-    x = make_inputs("kda", 65, HV=HV, K=K)
-    x["g"] = torch.randn_like(x["g"])
-    A_log = None if gate == "lower_bound_no_A" else torch.randn(HV)
-    dt_bias = torch.randn(HV * K)
-    lower_bound = None if gate == "softplus" else -5.0
-    o, s = run_reference(
-        "kda", chunk, x, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True,
-        use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, safe_gate=chunk and bool(lower_bound),
-    )  # fmt: skip
-    if lower_bound is None:
-        g = naive_kda_gate(x["g"], A_log, dt_bias)
+def transformed(variant, x, params, flags):
+    """What FLA's in-kernel transforms make of ``x``, built from FLA's own naive gate functions."""
+    if variant == "gdn":
+        g = naive_gdn_gate(x["g"], params["A_log"], params["dt_bias"])
+    elif "lower_bound" in flags:
+        g = naive_kda_lowerbound_gate(x["g"], params["A_log"], params["dt_bias"], flags["lower_bound"])
     else:
-        g = naive_kda_lowerbound_gate(x["g"], A_log, dt_bias, lower_bound)
-    y = dict(x, q=l2(x["q"]), k=l2(x["k"]), beta=2 * torch.sigmoid(x["beta"]), g=g)
-    o_ref, s_ref = oracle("kda", y)
+        g = naive_kda_gate(x["g"], params["A_log"], params["dt_bias"])
+    beta = torch.sigmoid(x["beta"]) * (2 if flags["allow_neg_eigval"] else 1)
+    return dict(x, q=l2(x["q"]), k=l2(x["k"]), beta=beta, g=g)
+
+
+IN_KERNEL = [
+    ("gdn", "softplus", False),
+    ("gdn", "softplus", True),
+    ("kda", "softplus", True),
+    ("kda", "lower_bound", False),
+    ("kda", "lower_bound_no_A", True),
+]
+
+
+@pytest.mark.parametrize("chunk", [True, False])
+@pytest.mark.parametrize("variant,gate,neg", IN_KERNEL)
+def test_in_kernel_options(chunk, variant, gate, neg):
+    x, params, flags = raw_in_kernel(variant, gate, neg)
+    o, s = run_reference(variant, chunk, x, **params, **flags, safe_gate=chunk and gate != "softplus")
+    o_ref, s_ref = oracle(variant, transformed(variant, x, params, flags))
     assert_close({"o": (o, o_ref), "state": (s, s_ref)})
 
 
@@ -270,17 +282,28 @@ def test_unsupported_arguments():
         gdn.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"][..., 0], x["beta"], cp_context=object())
 
 
+def gradients(fn, leaves, do, dht):
+    o, s = fn()
+    loss = (o * do).sum() + (s * dht).sum()
+    return dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values())), strict=True))
+
+
 @pytest.mark.parametrize("variant", ["kda", "gdn", "gla", "simple_gla"])
 def test_gradients(variant):
     x = make_inputs(variant, 65, HV=4 if variant in DELTA else 2)
     leaves = {n: t.requires_grad_() for n, t in x.items()}
     do, dht = torch.randn_like(x["v"]), torch.randn_like(x["h0"])
+    ours = gradients(lambda: run_reference(variant, True, x), leaves, do, dht)
+    ref = gradients(lambda: oracle(variant, x), leaves, do, dht)
+    assert_close({f"d{n}": (ours[n], ref[n]) for n in leaves}, tol=1e-4)
 
-    def grads(fn):
-        o, s = fn()
-        return dict(
-            zip(leaves, torch.autograd.grad((o * do).sum() + (s * dht).sum(), list(leaves.values())), strict=True)
-        )
 
-    ours, ref = grads(lambda: run_reference(variant, True, x)), grads(lambda: oracle(variant, x))
+@pytest.mark.parametrize("variant,gate,neg", [c for c in IN_KERNEL if c[2]])
+def test_gradients_in_kernel(variant, gate, neg):
+    """Gradients reach the raw q, k, g, beta and A_log / dt_bias through the in-kernel transforms."""
+    x, params, flags = raw_in_kernel(variant, gate, neg)
+    leaves = {n: t.requires_grad_() for n, t in {**x, **params}.items() if t is not None}
+    do, dht = torch.randn_like(x["v"]), torch.randn_like(x["h0"])
+    ours = gradients(lambda: run_reference(variant, True, x, **params, **flags), leaves, do, dht)
+    ref = gradients(lambda: oracle(variant, transformed(variant, x, params, flags)), leaves, do, dht)
     assert_close({f"d{n}": (ours[n], ref[n]) for n in leaves}, tol=1e-4)
