@@ -104,6 +104,13 @@ def per_head(name: str, x, B: int, T: int, HV: int, optional: bool = False) -> N
     shape(name, x, (B, T, HV), "[B, T, HV]")
 
 
+def beta_(beta, B: int, T: int, HV: int, V: int, optional: bool = False) -> None:
+    """beta: [B, T, HV], or per value channel [B, T, HV, V] (the fused-recurrent ops accept both)."""
+    tensor("beta", beta, None, optional=optional)
+    if beta is not None and tuple(beta.shape) not in ((B, T, HV), (B, T, HV, V)):
+        raise ValueError(f"`beta` must have shape [B, T, HV] = {(B, T, HV)} or [B, T, HV, V], got {tuple(beta.shape)}")
+
+
 def head_params(
     use_gate_in_kernel: bool, A_log, dt_bias, HV: int, dt_bias_numel: int, a_log_required: bool = True
 ) -> None:

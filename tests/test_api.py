@@ -138,6 +138,16 @@ def test_kda_validation(extra, error, match):
     expect_error(error, match, CHUNK_KDA, kda_args(**extra))
 
 
+def test_recurrent_ops_take_per_value_beta():
+    args = gdn_args()
+    args["beta"] = torch.rand(1, 20, 4, 8)
+    o, _ = cula.gdn.fused_recurrent_gated_delta_rule(**args)
+    assert o.shape == args["v"].shape and torch.isfinite(o).all()
+    args["beta"] = torch.rand(1, 20, 4, 3)
+    expect_error(ValueError, r"`beta` must have shape \[B, T, HV\]", cula.gdn.fused_recurrent_gated_delta_rule, args)
+    expect_error(ValueError, "`beta` must have shape", cula.kda.fused_recurrent_kda, kda_args(beta=args["beta"]))
+
+
 def test_other_ops_validate():
     q = torch.randn(1, 8, 2, 4)
     expect_error(ValueError, "same number of heads", cula.gla.chunk_gla, {"q": q, "k": q, "v": q[:, :, :1], "g": q})

@@ -21,7 +21,7 @@ def _validate_chunk(args: dict[str, Any]) -> None:
 def _validate_recurrent(args: dict[str, Any]) -> None:
     B, T, H, HV, K, V, N = validation.common(args, allow_gva=True)
     validation.per_head("g", args["g"], B, T, HV, optional=True)
-    validation.per_head("beta", args["beta"], B, T, HV, optional=True)
+    validation.beta_(args["beta"], B, T, HV, V, optional=True)
     validation.tensor("gk", args["gk"], 4, optional=True)
     validation.shape("gk", args["gk"], (B, T, HV, K), "[B, T, HV, K]")
     validation.tensor("gv", args["gv"], 4, optional=True)

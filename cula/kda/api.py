@@ -11,11 +11,25 @@ from cula.dispatch import Op, bind, call_args
 from cula.kda import reference
 
 
-def _validate(args: dict[str, Any]) -> None:
-    B, T, H, HV, K, V, N = validation.common(args, allow_gva=True)
+def _validate_chunk(args: dict[str, Any]) -> None:
+    B, T, H, HV, K, V, N = _validate_common(args)
+    validation.per_head("beta", args["beta"], B, T, HV)
+    if args["allow_neg_eigval"] and not args["use_beta_sigmoid_in_kernel"]:
+        raise ValueError("`allow_neg_eigval=True` needs use_beta_sigmoid_in_kernel=True")
+    chunk_size = args.get("chunk_size", 64)
+    if chunk_size not in (32, 64):
+        raise ValueError(f"`chunk_size` must be 32 or 64 for KDA, got {chunk_size}")
+
+
+def _validate_recurrent(args: dict[str, Any]) -> None:
+    B, T, H, HV, K, V, N = _validate_common(args)
+    validation.beta_(args["beta"], B, T, HV, V)
+
+
+def _validate_common(args: dict[str, Any]) -> tuple[int, ...]:
+    B, T, H, HV, K, V, N = dims = validation.common(args, allow_gva=True)
     validation.tensor("g", args["g"], 4)
     validation.shape("g", args["g"], (B, T, HV, K), "[B, T, HV, K]")
-    validation.per_head("beta", args["beta"], B, T, HV)
     lower_bound = args.get("lower_bound")
     use_gate = args.get("use_gate_in_kernel", False)
     validation.head_params(use_gate, args.get("A_log"), args.get("dt_bias"), HV, HV * K, lower_bound is None)
@@ -24,11 +38,7 @@ def _validate(args: dict[str, Any]) -> None:
             raise ValueError("`lower_bound` must be set when safe_gate=True and use_gate_in_kernel=True")
         if not -5 <= lower_bound < 0:
             raise ValueError(f"`lower_bound` must lie in [-5, 0), got {lower_bound}")
-    if args.get("allow_neg_eigval", False) and not args.get("use_beta_sigmoid_in_kernel", False):
-        raise ValueError("`allow_neg_eigval=True` needs use_beta_sigmoid_in_kernel=True")
-    chunk_size = args.get("chunk_size", 64)
-    if chunk_size not in (32, 64):
-        raise ValueError(f"`chunk_size` must be 32 or 64 for KDA, got {chunk_size}")
+    return dims
 
 
 def chunk_kda(
@@ -88,8 +98,10 @@ def fused_recurrent_kda(
     return RECURRENT.call(call_args(locals()))
 
 
-CHUNK = bind(Op("kda.chunk_kda", "fla.ops.kda:chunk_kda", reference.chunk_kda, _validate), chunk_kda)
+CHUNK = bind(Op("kda.chunk_kda", "fla.ops.kda:chunk_kda", reference.chunk_kda, _validate_chunk), chunk_kda)
 RECURRENT = bind(
-    Op("kda.fused_recurrent_kda", "fla.ops.kda:fused_recurrent_kda", reference.fused_recurrent_kda, _validate),
+    Op(
+        "kda.fused_recurrent_kda", "fla.ops.kda:fused_recurrent_kda", reference.fused_recurrent_kda, _validate_recurrent
+    ),
     fused_recurrent_kda,
 )
