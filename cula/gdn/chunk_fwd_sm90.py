@@ -1,0 +1,640 @@
+"""Gated DeltaNet chunked-prefill forward for SM90 (sm_90a), CuTe DSL.
+
+One CTA per (sequence, value head) walks the sequence in chunks of C = 64 tokens and keeps the fp32 state on chip
+across all chunks. Math per chunk (FLA convention; state S is K x V; G = cumulative log gate inside the chunk):
+
+    A     = tril(diag(beta) (K K^T * exp(G_i - G_j)), -1)          Tinv = (I + A)^-1
+    Y     = diag(beta) (V - (K * exp(G)) S)                         V_new = Tinv Y        (= U - W S)
+    O     = scale (Q * exp(G)) S + tril(scale Q K^T * exp(G_i - G_j)) V_new
+    S    <- exp(G_last) S + (K * exp(G_last - G))^T V_new
+
+The kernel works on S^T (V x K): each of the two math warpgroups holds 64 value rows x 128 key columns of S^T as
+a wgmma fp32 accumulator (64 registers per thread), so every product with S uses S^T (converted to bf16) as the
+register A operand and the token tiles in shared memory as the B operand:
+
+    S^T K^T, S^T Q^T   (A = S^T regs, B = K/Q tile, K-major)
+    V_new^T = Y^T Tinv^T                 (A = Y^T regs, B = Tinv in smem)
+    O^T    += V_new^T P^T                (A = V_new^T regs, B = P in smem)
+    S^T    += (V_new^T * decay) K        (A = regs, B = the same K tile read MN-major)
+
+Shapes (torch order): q, k [B, T, H, K] bf16; v [B, T, HV, V] bf16; g [B, T, HV] fp32 (natural-log gate, already
+activated); beta [B, T, HV] bf16/fp32; o [B, T, HV, V] bf16; state [N, HV, K, V] fp32 ([N, HV, V, K] when
+state_v_first). Varlen: B == 1 and cu_seqlens [N + 1]. GVA: value head hv reads q/k head hv // (HV / H).
+"""
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+import torch
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from cula import runtime
+
+CHUNK = 64
+SUPPORTED_DIMS = (128,)
+_LOG2E = math.log2(math.e)
+
+
+def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, **_) -> tuple[bool, str]:
+    """Whether :func:`chunk_gated_delta_rule_fwd_sm90` can serve these inputs, and why not."""
+    if not (q.is_cuda and k.is_cuda and v.is_cuda):
+        return False, "tensors are not on a CUDA device"
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False, f"needs an SM90 (compute capability 9.0) GPU, got {torch.cuda.get_device_capability(q.device)}"
+    if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
+        return False, f"q, k, v must be bfloat16 (got {q.dtype}, {k.dtype}, {v.dtype})"
+    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:2] != q.shape[:2]:
+        return False, "expected q, k [B, T, H, K] and v [B, T, HV, V]"
+    K, V, H, HV = q.shape[-1], v.shape[-1], q.shape[2], v.shape[2]
+    if K not in SUPPORTED_DIMS or V not in SUPPORTED_DIMS:
+        return False, f"head dims K={K}, V={V} not supported (supported: K = V in {SUPPORTED_DIMS})"
+    if HV % H != 0:
+        return False, f"HV={HV} must be a multiple of H={H}"
+    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+        return False, "q, k, v must be contiguous"
+    if g is not None and (g.dtype != torch.float32 or g.shape != v.shape[:3]):
+        return False, "g must be float32 [B, T, HV]"
+    if beta is not None and (beta.dtype not in (torch.float32, torch.bfloat16) or beta.shape != v.shape[:3]):
+        return False, "beta must be float32 or bfloat16 [B, T, HV]"
+    if cu_seqlens is not None and q.shape[0] != 1:
+        return False, "varlen (cu_seqlens) needs B == 1"
+    if initial_state is not None and initial_state.dtype != torch.float32:
+        return False, "initial_state must be float32"
+    return True, ""
+
+
+class GDNChunkFwdSm90:
+    """Fused GDN forward: TMA loads of q/k/v chunks through a 2-stage mbarrier pipeline, wgmma for every product,
+    the chunk's triangular inverse solved in-kernel in fp32, the state in registers across chunks.
+
+    Threads: 256 = two warpgroups. WG w owns value rows [64 w, 64 w + 64) of S^T. Per chunk:
+      1. WG0: K K^T -> A (fp32, smem);  WG1: Q K^T -> P (bf16, smem)          [wgmma SS]
+      2. all 256 threads: Tinv = (I + A)^-1 column by column (fp32 forward substitution) -> smem bf16
+      3. each WG on its 64 value rows: S^T K^T, S^T Q^T, V_new^T, O^T, state update       [wgmma RS]
+      4. O staged through smem, stored with rows past the sequence end masked; thread 0 refills the TMA stage,
+         warp 0 publishes the next chunk's cumulative gates (loaded from global one chunk ahead).
+    """
+
+    def __init__(
+        self,
+        head_dim: int = 128,
+        beta_fp32: bool = True,
+        is_varlen: bool = False,
+        has_initial_state: bool = False,
+        state_v_first: bool = False,
+    ):
+        assert head_dim in SUPPORTED_DIMS
+        self.D = head_dim
+        self.C = CHUNK
+        self.beta_fp32 = beta_fp32
+        self.is_varlen = is_varlen
+        self.has_h0 = has_initial_state
+        self.state_v_first = state_v_first
+        self.stages = 2
+        self.threads = 256
+        self.a_stride = 68  # padded fp32 row of A (16-byte aligned rows, fewer bank conflicts)
+        self.o_stride = self.D + 8  # padded bf16 row of the O staging tile
+
+    # ---------------------------------------------------------------- host side
+    @cute.jit
+    def __call__(self, q, k, v, g, beta, o, h0, ht, cu_seqlens, scale, stream):
+
+        D, C = self.D, self.C
+        bf16 = cutlass.BFloat16
+        OM = warpgroup.OperandMajorMode
+        RMEM = warpgroup.OperandSource.RMEM
+
+        # token tiles (C x D), D contiguous, 128B swizzle; the K tile is also read MN-major (D x C) for S^T += X K:
+        # both views address the same bytes (8-token x 64-dim swizzle atoms, token blocks fastest)
+        tile_k_major = cute.tile_to_shape(
+            warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, bf16),
+            (C, D, self.stages),
+            order=(0, 1, 2),
+        )
+        # q and k tiles side by side, (C, D, q|k, stage): the two SS products then differ only by an index
+        tile_qk = cute.tile_to_shape(
+            warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, bf16),
+            (C, D, 2, self.stages),
+            order=(0, 1, 2, 3),
+        )
+        tile_mn_major = cute.tile_to_shape(
+            warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, bf16),
+            (D, C, 2, self.stages),
+            order=(1, 0, 2, 3),
+        )
+        cc_layout = cute.tile_to_shape(
+            warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, bf16), (C, C), order=(0, 1)
+        )
+
+        # (rows, cols) = (M, N) of each product; K extent comes from the operands
+        mma_ss = sm90_utils.make_trivial_tiled_mma(bf16, bf16, OM.K, OM.K, cutlass.Float32, (1, 1, 1), (C, C))
+        mma_rs = sm90_utils.make_trivial_tiled_mma(bf16, bf16, OM.K, OM.K, cutlass.Float32, (1, 1, 1), (C, C), RMEM)
+        mma_state = sm90_utils.make_trivial_tiled_mma(bf16, bf16, OM.K, OM.MN, cutlass.Float32, (1, 1, 1), (C, D), RMEM)
+
+        # TMA views with the tiled modes first: (T, D, heads, B)
+        def tma_view(x):
+            return cute.make_tensor(
+                x.iterator,
+                cute.make_layout(
+                    (x.shape[1], x.shape[3], x.shape[2], x.shape[0]),
+                    stride=(x.stride[1], x.stride[3], x.stride[2], x.stride[0]),
+                ),
+            )
+
+        one_tile = cute.slice_(tile_k_major, (None, None, 0))
+        op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, mQ = cpasync.make_tiled_tma_atom(op, tma_view(q), one_tile, (C, D))
+        tma_k, mK = cpasync.make_tiled_tma_atom(op, tma_view(k), one_tile, (C, D))
+        tma_v, mV = cpasync.make_tiled_tma_atom(op, tma_view(v), one_tile, (C, D))
+
+        stages = self.stages
+
+        @cute.struct
+        class Storage:
+            full: cute.struct.MemRange[cutlass.Int64, stages]
+            sG: cute.struct.MemRange[cutlass.Float32, 2 * C]
+            sBeta: cute.struct.MemRange[cutlass.Float32, 2 * C]
+            sA: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, C * self.a_stride], 128]
+            sO: cute.struct.Align[cute.struct.MemRange[bf16, C * self.o_stride], 128]
+            sQK: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_qk)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_k_major)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(cc_layout)], 1024]
+            sT: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(cc_layout)], 1024]
+
+        self.storage = Storage
+        self.tma_bytes = 3 * C * D * 2
+        HV = v.shape[2]
+        N = ht.shape[0]
+        self.kernel(
+            mma_ss,
+            mma_rs,
+            mma_state,
+            tma_q,
+            mQ,
+            tma_k,
+            mK,
+            tma_v,
+            mV,
+            g,
+            beta,
+            o,
+            h0,
+            ht,
+            cu_seqlens,
+            q.shape[2],
+            q.shape[1],
+            scale,
+            tile_qk,
+            tile_k_major,
+            tile_mn_major,
+            cc_layout,
+        ).launch(grid=(HV, N, 1), block=(self.threads, 1, 1), smem=Storage.size_in_bytes(), stream=stream)
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(
+        self,
+        mma_ss,
+        mma_rs,
+        mma_state,
+        tma_q,
+        mQ,
+        tma_k,
+        mK,
+        tma_v,
+        mV,
+        mG,
+        mBeta,
+        mO,
+        mH0,
+        mHt,
+        mCu,
+        H,
+        T,
+        scale,
+        tile_qk,
+        tile_k_major,
+        tile_mn_major,
+        cc_layout,
+    ):
+
+        C, D = self.C, self.D
+        f32 = cutlass.Float32
+        tidx, _, _ = cute.arch.thread_idx()
+        hv, n, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        wg = warp // 4  # math warpgroup: value rows [64 wg, 64 wg + 64) of S^T
+        wtid = tidx % 128
+        HV = mG.shape[2]
+        h = hv // (HV // H)
+
+        # sequence bounds: varlen packs all sequences in batch 0
+        b = n
+        tok0 = cutlass.Int32(0)
+        seqlen = T
+        if cutlass.const_expr(self.is_varlen):
+            b = cutlass.Int32(0)
+            tok0 = cutlass.Int32(mCu[n])
+            seqlen = cutlass.Int32(mCu[n + 1]) - tok0
+        n_chunks = (seqlen + C - 1) // C
+
+        smem = cutlass.memory.SmemAllocator()
+        st = smem.allocate(self.storage)
+        full = st.full.data_ptr()
+        sG = st.sG.get_tensor(cute.make_layout((C, 2)))  # log2-domain cumulative gate, 2 slots
+        sBeta = st.sBeta.get_tensor(cute.make_layout((C, 2)))
+        sA = st.sA.get_tensor(cute.make_layout((C, self.a_stride), stride=(self.a_stride, 1)))
+        sO = st.sO.get_tensor(cute.make_layout((C, self.o_stride), stride=(self.o_stride, 1)))
+        sQK = st.sQK.get_tensor(tile_qk.outer, swizzle=tile_qk.inner)
+        sQ = sQK[None, None, 0, None]
+        sK = sQK[None, None, 1, None]
+        sV = st.sV.get_tensor(tile_k_major.outer, swizzle=tile_k_major.inner)
+        # the k tiles read MN-major (D, C): same bytes as sK
+        sK_mn = cute.make_tensor(cute.recast_ptr(sQK.iterator, tile_mn_major.inner), tile_mn_major.outer)
+        sK_mn = sK_mn[None, None, 1, None]
+        sP = st.sP.get_tensor(cc_layout.outer, swizzle=cc_layout.inner)
+        sT = st.sT.get_tensor(cc_layout.outer, swizzle=cc_layout.inner)
+
+        # TMA partitions: this head's (T, D) plane, shifted to the sequence start, cut in C-token tiles
+        tQs, tQg = self.tma_tiles(tma_q, mQ[None, None, h, b], tok0, sQ)
+        tKs, tKg = self.tma_tiles(tma_k, mK[None, None, h, b], tok0, sK)
+        tVs, tVg = self.tma_tiles(tma_v, mV[None, None, hv, b], tok0, sV)
+        tma = (tma_q, tQg, tQs, tma_k, tKg, tKs, tma_v, tVg, tVs)
+
+        if warp == 0:
+            cpasync.prefetch_descriptor(tma_q)
+            cpasync.prefetch_descriptor(tma_k)
+            cpasync.prefetch_descriptor(tma_v)
+        if tidx == 0:
+            for s in cutlass.range_constexpr(self.stages):
+                cute.arch.mbarrier_init(full + s, 1)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        if warp == 0:
+            for s in cutlass.range_constexpr(self.stages):
+                if s < n_chunks:
+                    self.issue_tma(tma, full, cutlass.Int32(s), lane)
+
+        if warp == 0:
+            g0 = self.load_gates(mG, mBeta, b, hv, tok0, seqlen, cutlass.Int32(0), lane)
+            self.publish_gates(sG, sBeta, 0, g0, lane)
+
+        # ---- per-thread MMA partitions (each warpgroup works on its own 64 rows)
+        thr_ss = mma_ss.get_slice(wtid)
+        thr_rs = mma_rs.get_slice(wtid)
+        thr_st = mma_state.get_slice(wtid)
+        # SS operands (A = K or Q rows, B = K rows)
+        tSSa = thr_ss.make_fragment_A(thr_ss.partition_A(sQK))
+        tSSb_K = thr_ss.make_fragment_B(thr_ss.partition_B(sK))
+        # RS operands
+        tRSb_K = thr_rs.make_fragment_B(thr_rs.partition_B(sK))
+        tRSb_Q = thr_rs.make_fragment_B(thr_rs.partition_B(sQ))
+        tRSb_T = thr_rs.make_fragment_B(thr_rs.partition_B(sT))
+        tRSb_P = thr_rs.make_fragment_B(thr_rs.partition_B(sP))
+        tSTb_K = thr_st.make_fragment_B(thr_st.partition_B(sK_mn))
+        # coordinates of accumulator elements
+        cCC = thr_rs.partition_C(cute.make_identity_tensor((C, C)))
+        cST = thr_st.partition_C(cute.make_identity_tensor((C, D)))
+        cSS = thr_ss.partition_C(cute.make_identity_tensor((C, C)))
+
+        acc_cc_shape = thr_rs.partition_shape_C((C, C))
+        acc_s = thr_st.make_fragment_C(thr_st.partition_shape_C((C, D)))  # S^T rows of this WG, fp32
+        row0 = wg * C
+
+        if cutlass.const_expr(self.has_h0):
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                rh, kh = cST[i]
+                acc_s[i] = mH0[n, hv, kh, row0 + rh]
+        else:
+            acc_s.fill(0.0)
+
+        cute.arch.sync_threads()
+
+        for c in cutlass.range(n_chunks, unroll=1):
+            stage = c % self.stages
+            slot = c % 2
+            L = cutlass.min(seqlen - c * C, C)
+            g_last = sG[L - 1, slot]
+
+            # warp 0 fetches the next chunk's gates now; they are published at the end of this chunk
+            nxt = self.load_gates(mG, mBeta, b, hv, tok0, seqlen, c + 1, lane)
+
+            cute.arch.mbarrier_wait(full + stage, (c // self.stages) % 2)
+
+            # ---- 1. WG0: A = strict-lower(beta_i K K^T exp(G_i - G_j)); WG1: P = lower(scale Q K^T exp(G_i - G_j))
+            acc_x = thr_ss.make_fragment_C(thr_ss.partition_shape_C((C, C)))
+            warpgroup.fence()
+            self.gemm(mma_ss, acc_x, tSSa[None, None, None, 1 - wg, stage], tSSb_K[None, None, None, stage], True)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            if wg == 0:
+                for i in cutlass.range_constexpr(cute.size(acc_x)):
+                    ra, ja = cSS[i]
+                    va = f32(0.0)
+                    if ja < ra:
+                        if ra < L:
+                            va = acc_x[i] * sBeta[ra, slot] * cute.math.exp2(sG[ra, slot] - sG[ja, slot], fastmath=True)
+                    # column j stored at (j % 4) * 16 + j // 4: the solver reads 16 contiguous entries per thread
+                    sA[ra, (ja % 4) * 16 + ja // 4] = va
+            else:
+                for i in cutlass.range_constexpr(cute.size(acc_x)):
+                    rp, jp = cSS[i]
+                    vp = f32(0.0)
+                    if jp <= rp:
+                        vp = acc_x[i] * scale * cute.math.exp2(sG[rp, slot] - sG[jp, slot], fastmath=True)
+                    sP[rp, jp] = vp.to(cutlass.BFloat16)
+            # sP is read by wgmma (async proxy) after ordinary stores
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+
+            # ---- 2. Tinv = (I + A)^-1: column col solved by 4 lanes, lane q owns rows i = 4 m + q
+            col = warp * 8 + lane % 8
+            q4 = lane // 8
+            x = cute.make_rmem_tensor(cute.make_layout(16), f32)
+            for m in cutlass.range_constexpr(16):
+                x[m] = f32(0.0)
+                if 4 * m + q4 == col:
+                    x[m] = f32(1.0)
+            for i in cutlass.range_constexpr(1, C):
+                part = f32(0.0)
+                for m in cutlass.range_constexpr((i + 3) // 4):
+                    part = part + sA[i, q4 * 16 + m] * x[m]
+                part = part + cute.arch.shuffle_sync_bfly(part, 8)
+                part = part + cute.arch.shuffle_sync_bfly(part, 16)
+                xi = -part
+                if i == col:
+                    xi = f32(1.0) - part
+                if q4 == i % 4:
+                    x[i // 4] = xi
+            for m in cutlass.range_constexpr(16):
+                sT[4 * m + q4, col] = x[m].to(cutlass.BFloat16)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+
+            # ---- 3. state products on this WG's 64 value rows
+            rS = self.acc_to_operand(acc_s)
+            acc_k = thr_rs.make_fragment_C(acc_cc_shape)
+            acc_o = thr_rs.make_fragment_C(acc_cc_shape)
+            warpgroup.fence()
+            self.gemm(mma_rs, acc_k, rS, tRSb_K[None, None, None, stage], True)
+            self.gemm(mma_rs, acc_o, rS, tRSb_Q[None, None, None, stage], True)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+
+            # Y^T[v, j] = beta_j (V[j, v] - exp(G_j) (S^T K^T)[v, j]), zero past the sequence end
+            for i in cutlass.range_constexpr(cute.size(acc_k)):
+                r, j = cCC[i]
+                y = f32(0.0)
+                if j < L:
+                    vv = sV[j, row0 + r, stage].to(f32)
+                    y = sBeta[j, slot] * (vv - cute.math.exp2(sG[j, slot], fastmath=True) * acc_k[i])
+                acc_k[i] = y
+            rY = self.acc_to_operand(acc_k)
+            acc_vn = thr_rs.make_fragment_C(acc_cc_shape)
+            warpgroup.fence()
+            self.gemm(mma_rs, acc_vn, rY, tRSb_T, True)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+
+            # O^T = scale exp(G_i) S^T Q^T + V_new^T P^T;  S^T = exp(G_last) S^T + (V_new^T exp(G_last - G_j)) K
+            for i in cutlass.range_constexpr(cute.size(acc_o)):
+                r, j = cCC[i]
+                acc_o[i] = acc_o[i] * scale * cute.math.exp2(sG[j, slot], fastmath=True)
+            rVn = self.acc_to_operand(acc_vn)
+            for i in cutlass.range_constexpr(cute.size(acc_vn)):
+                r, j = cCC[i]
+                d = f32(0.0)
+                if j < L:
+                    d = cute.math.exp2(g_last - sG[j, slot], fastmath=True)
+                acc_vn[i] = acc_vn[i] * d
+            rVd = self.acc_to_operand(acc_vn)
+            decay = cute.math.exp2(g_last, fastmath=True)
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                acc_s[i] = acc_s[i] * decay
+            warpgroup.fence()
+            self.gemm(mma_rs, acc_o, rVn, tRSb_P, False)
+            self.gemm(mma_state, acc_s, rVd, tSTb_K[None, None, None, stage], False)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+
+            # ---- 4. O^T -> smem (token-major), then masked coalesced stores
+            for i in cutlass.range_constexpr(cute.size(acc_o)):
+                r, j = cCC[i]
+                sO[j, row0 + r] = acc_o[i].to(cutlass.BFloat16)
+            if warp == 0:
+                self.publish_gates(sG, sBeta, 1 - slot, nxt, lane)
+            cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+
+            if warp == 0:
+                if c + self.stages < n_chunks:
+                    self.issue_tma(tma, full, c + self.stages, lane)
+
+            vec = 8
+            per_row = D // vec
+            for it in cutlass.range_constexpr(C * per_row // self.threads):
+                idx = tidx + it * self.threads
+                r = idx // per_row
+                c0 = (idx % per_row) * vec
+                if r < L:
+                    src = cute.local_tile(sO, (1, vec), (r, c0 // vec))
+                    dst = cute.local_tile(mO[b, tok0 + c * C + r, hv, None], (vec,), (c0 // vec,))
+                    frag = cute.make_rmem_tensor(cute.make_layout((1, vec)), cutlass.BFloat16)
+                    cute.autovec_copy(src, frag)
+                    cute.autovec_copy(cute.make_tensor(frag.iterator, cute.make_layout(vec)), dst)
+
+        # ---- final state
+        for i in cutlass.range_constexpr(cute.size(acc_s)):
+            rf, kf = cST[i]
+            mHt[n, hv, kf, row0 + rf] = acc_s[i]
+
+    # ---------------------------------------------------------------- helpers
+    @cute.jit
+    def tma_tiles(self, atom, gX, tok0, sX):
+        gX = cute.local_tile(cute.domain_offset((tok0, 0), gX), (self.C, self.D), (None, 0))
+        return cpasync.tma_partition(
+            atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2)
+        )
+
+    @cute.jit
+    def issue_tma(self, tma, full, chunk, lane):
+        """One warp (the copies elect their issuing lane): the q, k, v tiles of ``chunk`` into its stage, completing
+        on the stage's barrier."""
+        tma_q, tQg, tQs, tma_k, tKg, tKs, tma_v, tVg, tVs = tma
+        s = chunk % self.stages
+        if lane == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(full + s, self.tma_bytes)
+        cute.copy(tma_q, tQg[None, chunk], tQs[None, s], tma_bar_ptr=full + s)
+        cute.copy(tma_k, tKg[None, chunk], tKs[None, s], tma_bar_ptr=full + s)
+        cute.copy(tma_v, tVg[None, chunk], tVs[None, s], tma_bar_ptr=full + s)
+
+    @cute.jit
+    def load_gates(self, mG, mBeta, b, hv, tok0, seqlen, chunk, lane):
+        """Gates of one chunk, two tokens per lane; tokens past the sequence end get g = 0, beta = 0."""
+        f32 = cutlass.Float32
+        g_lo, g_hi, b_lo, b_hi = f32(0.0), f32(0.0), f32(0.0), f32(0.0)
+        t = chunk * self.C + lane
+        if t < seqlen:
+            g_lo = mG[b, tok0 + t, hv]
+            b_lo = mBeta[b, tok0 + t, hv].to(f32)
+        if t + 32 < seqlen:
+            g_hi = mG[b, tok0 + t + 32, hv]
+            b_hi = mBeta[b, tok0 + t + 32, hv].to(f32)
+        return g_lo, g_hi, b_lo, b_hi
+
+    @cute.jit
+    def publish_gates(self, sG, sBeta, slot, gates, lane):
+        """Inclusive prefix sum of g over the chunk (warp scan), stored in log2 units, with beta."""
+        g_lo, g_hi, b_lo, b_hi = gates
+        for i in cutlass.range_constexpr(5):
+            up_lo = cute.arch.shuffle_sync_up(g_lo, 1 << i)
+            up_hi = cute.arch.shuffle_sync_up(g_hi, 1 << i)
+            if lane >= (1 << i):
+                g_lo = g_lo + up_lo
+                g_hi = g_hi + up_hi
+        g_hi = g_hi + cute.arch.shuffle_sync(g_lo, 31)
+        sG[lane, slot] = g_lo * _LOG2E
+        sG[lane + 32, slot] = g_hi * _LOG2E
+        sBeta[lane, slot] = b_lo
+        sBeta[lane + 32, slot] = b_hi
+
+    @cute.jit
+    def gemm(self, tiled_mma, acc, a_frag, b_frag, zero_init):
+        """acc (+)= A B over all k-blocks of the operands (wgmma, issued not waited)."""
+
+        for kb in cutlass.range_constexpr(cute.size(a_frag, mode=[2])):
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, not (zero_init and kb == 0))
+            cute.gemm(tiled_mma, acc, a_frag[None, None, kb], b_frag[None, None, kb], acc)
+
+    @cute.jit
+    def acc_to_operand(self, acc):
+        """bf16 copy of a (64 x N) fp32 wgmma accumulator laid out as the register A operand of a (64 x N) x
+        (N x .) wgmma: per 8-column block each thread holds (2 cols, 2 rows); an A k-block of 16 is two such blocks,
+        so the register order is unchanged and only the layout's grouping differs."""
+
+        n8 = cute.size(acc) // 4
+        a_layout = cute.make_layout(((2, 2, 2), 1, n8 // 2), stride=((1, 2, 4), 0, 8))
+        frag = cute.make_rmem_tensor(a_layout, cutlass.BFloat16)
+        flat = cute.make_tensor(frag.iterator, cute.make_layout(cute.size(acc)))
+        acc_flat = cute.make_tensor(acc.iterator, cute.make_layout(cute.size(acc)))
+        flat.store(acc_flat.load().to(cutlass.BFloat16))
+        return frag
+
+
+# -------------------------------------------------------------------- compile + Python entry
+def _fake_args(kernel: GDNChunkFwdSm90):
+    sym = runtime.sym_int
+    B, T, H, HV, N = sym(), sym(), sym(), sym(), sym()
+    D = kernel.D
+    bf16 = cutlass.BFloat16
+    beta_t = cutlass.Float32 if kernel.beta_fp32 else bf16
+    state_shape = (N, HV, D, D)
+    # (N, HV, K, V) logical shape; with state_v_first the storage is V-major-last, i.e. K contiguous
+    state_order = (3, 2, 0, 1) if kernel.state_v_first else None
+    return (
+        runtime.fake_tensor(bf16, (B, T, H, D)),
+        runtime.fake_tensor(bf16, (B, T, H, D)),
+        runtime.fake_tensor(bf16, (B, T, HV, D)),
+        runtime.fake_tensor(cutlass.Float32, (B, T, HV), align=4),
+        runtime.fake_tensor(beta_t, (B, T, HV), align=2),
+        runtime.fake_tensor(bf16, (B, T, HV, D)),
+        runtime.fake_tensor(cutlass.Float32, state_shape, state_order),
+        runtime.fake_tensor(cutlass.Float32, state_shape, state_order),
+        runtime.fake_tensor(cutlass.Int32, (sym(),), align=4),
+        cutlass.Float32(1.0),
+        runtime.fake_stream(),
+    )
+
+
+def compile_gdn_fwd_sm90(
+    arch="sm_90a",
+    keep_artifacts=False,
+    head_dim=128,
+    beta_fp32=True,
+    is_varlen=False,
+    has_initial_state=False,
+    state_v_first=False,
+):
+    kernel = GDNChunkFwdSm90(head_dim, beta_fp32, is_varlen, has_initial_state, state_v_first)
+    return runtime.compile_kernel(kernel, _fake_args(kernel), arch, keep_artifacts)
+
+
+_DUMMY: dict = {}
+
+
+def _dummy_i32(device):
+    t = _DUMMY.get(device)
+    if t is None:
+        t = _DUMMY[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return t
+
+
+def chunk_gated_delta_rule_fwd_sm90(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    cu_seqlens=None,
+    state_v_first=False,
+    out=None,
+    final_state_out=None,
+):
+    """GDN chunked forward on SM90. Returns ``(o, final_state or None)``; see the module docstring for shapes.
+
+    ``out`` / ``final_state_out`` may be given to write into preallocated tensors."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if scale is None:
+        scale = K**-0.5
+    if cu_seqlens is not None:
+        N = cu_seqlens.numel() - 1
+        cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
+    else:
+        N = B
+        cu = _dummy_i32(q.device)
+    o = out if out is not None else torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device)
+    state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+    ht = final_state_out
+    if ht is None:
+        ht = torch.empty(state_shape, dtype=torch.float32, device=q.device)
+    h0 = initial_state.contiguous() if initial_state is not None else ht
+    if state_v_first:
+        # the kernel takes (N, HV, K, V)-shaped tensors; a transposed view carries the V-first storage
+        h0_arg, ht_arg = h0.transpose(-1, -2), ht.transpose(-1, -2)
+    else:
+        h0_arg, ht_arg = h0, ht
+    beta_fp32 = beta.dtype == torch.float32
+    key = (
+        "GDNChunkFwdSm90",
+        K,
+        beta_fp32,
+        cu_seqlens is not None,
+        initial_state is not None,
+        state_v_first,
+        runtime.device_arch(q.device),
+    )
+    fn = runtime.get_or_compile(
+        key,
+        lambda: compile_gdn_fwd_sm90(
+            key[-1], False, K, beta_fp32, cu_seqlens is not None, initial_state is not None, state_v_first
+        ),
+    )
+    fn(q, k, v, g, beta, o, h0_arg, ht_arg, cu, float(scale))
+    return o, (ht if output_final_state else None)
+
+
+runtime.register_kernel(
+    "gdn_chunk_fwd_sm90",
+    ["sm_90a"],
+    lambda arch, keep_artifacts=True: compile_gdn_fwd_sm90(
+        arch, keep_artifacts, is_varlen=True, has_initial_state=True
+    ),
+    ["wgmma.mma_async", "cp.async.bulk.tensor"],
+)
