@@ -238,3 +238,22 @@ def test_fla_registry_calls_cula_on_cpu():
         o, _ = fla_op(**args)
         assert cula.last_decision(ours).backend == "torch"
         torch.testing.assert_close(o, ours(**args)[0])
+
+
+def test_gdn_sm90_kernel_is_chosen_for_what_it_supports(monkeypatch):
+    FakeCuda(monkeypatch, (9, 0))
+    args = gdn_args(T=70, K=128, V=128, HV=4)
+    args = {n: t.bfloat16() if n in ("q", "k", "v") else t for n, t in args.items()}
+    decision = cula.explain(CHUNK_GDN, **args)
+    assert (decision.backend, decision.reason) == ("cute", "gdn.chunk_fwd_sm90 on sm_90")
+    for change, why in [
+        ({"q": args["q"].float(), "k": args["k"].float(), "v": args["v"].float()}, "bfloat16"),
+        ({"chunk_size": 32}, "chunk_size=32"),
+        ({"q": args["q"][..., :64], "k": args["k"][..., :64]}, "head dims K=64"),
+        ({"q": args["q"].detach().requires_grad_(True)}, "require grad"),
+    ]:
+        decision = cula.explain(CHUNK_GDN, **{**args, **change})
+        assert decision.backend != "cute" and why in dict(decision.rejected)["cute"], decision
+    with torch.no_grad():
+        grad_free = cula.explain(CHUNK_GDN, **{**args, "q": args["q"].detach().requires_grad_(True)})
+    assert grad_free.backend == "cute"

@@ -7,8 +7,9 @@ from typing import Any
 import torch
 
 from cula import validation
-from cula.dispatch import Op, bind, call_args
+from cula.dispatch import CuteKernel, Op, bind, call_args
 from cula.gdn import reference
+from cula.ops.gates import gdn_gate, qk_beta_transforms
 
 
 def _validate_chunk(args: dict[str, Any]) -> None:
@@ -99,3 +100,55 @@ RECURRENT = bind(
     ),
     fused_recurrent_gated_delta_rule,
 )
+
+
+def _requires_grad(args: dict[str, Any]) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in args.values())
+
+
+def _sm90_supports(args: dict[str, Any]) -> tuple[bool, str]:
+    if _requires_grad(args):
+        return False, "inputs require grad: forward-only kernel (backward kernel not landed)"
+    if args.get("cp_context") is not None:
+        return False, "context parallelism (cp_context) is served by FLA only"
+    if args.get("chunk_size", 64) != 64:
+        return False, f"chunk_size={args['chunk_size']}: the kernel uses 64"
+    from cula.gdn import chunk_fwd_sm90  # imports the CuTe DSL: only on an SM90 device
+
+    return chunk_fwd_sm90.supports(
+        args["q"], args["k"], args["v"], None, None, args["initial_state"], args["cu_seqlens"]
+    )
+
+
+def _sm90_run(args: dict[str, Any]):
+    from cula.gdn.chunk_fwd_sm90 import chunk_gated_delta_rule_fwd_sm90
+
+    q, k, v = args["q"], args["k"], args["v"]
+    # The in-kernel options run as separate element-wise passes for now; fusing them into the kernel saves
+    # one read and write of q, k and the gates.
+    q2, k2, beta = qk_beta_transforms(
+        q,
+        k,
+        args["beta"],
+        args["use_qk_l2norm_in_kernel"],
+        args["use_beta_sigmoid_in_kernel"],
+        args["allow_neg_eigval"],
+    )
+    g = args["g"]
+    g = gdn_gate(g, args.get("A_log"), args.get("dt_bias")) if args.get("use_gate_in_kernel") else g.float()
+    o, final_state = chunk_gated_delta_rule_fwd_sm90(
+        q2.to(q.dtype).contiguous(),
+        k2.to(k.dtype).contiguous(),
+        v.contiguous(),
+        g.contiguous(),
+        beta.contiguous(),
+        args["scale"],
+        args["initial_state"],
+        args["output_final_state"],
+        args["cu_seqlens"],
+        args["state_v_first"],
+    )
+    return o.to(q.dtype), final_state
+
+
+CHUNK.register_kernel(CuteKernel("gdn.chunk_fwd_sm90", 9, _sm90_supports, _sm90_run))
