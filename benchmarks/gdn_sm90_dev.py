@@ -77,7 +77,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--fla", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--once", help="B,T,H: two plain calls at one shape (for a profiler), nothing else")
     args = ap.parse_args()
+    if args.once:
+        B, T, H = (int(x) for x in args.once.split(","))
+        q, k, v, g, beta = inputs(B, T, H)
+        for _ in range(2):
+            chunk_gated_delta_rule_fwd_sm90(q, k, v, g, beta, 128**-0.5, None, True)
+        torch.cuda.synchronize()
+        return
     res = {"device": torch.cuda.get_device_name()}
 
     q, k, v, g, beta = inputs(2, 4096, 8)

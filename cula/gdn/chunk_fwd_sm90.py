@@ -94,7 +94,7 @@ class GDNChunkFwdSm90:
         self.state_v_first = state_v_first
         self.stages = 2
         self.threads = 256
-        self.a_stride = 68  # padded fp32 row of A (16-byte aligned rows, fewer bank conflicts)
+        self.a_stride = 68  # padded fp32 row of A^T: 16-byte aligned rows, conflict-free stores from the accumulator
         self.o_stride = self.D + 8  # padded bf16 row of the O staging tile
 
     # ---------------------------------------------------------------- host side
@@ -320,9 +320,6 @@ class GDNChunkFwdSm90:
             L = cutlass.min(seqlen - c * C, C)
             g_last = sG[L - 1, slot]
 
-            # warp 0 fetches the next chunk's gates now; they are published at the end of this chunk
-            nxt = self.load_gates(mG, mBeta, b, hv, tok0, seqlen, c + 1, lane)
-
             cute.arch.mbarrier_wait(full + stage, (c // self.stages) % 2)
 
             # ---- 1. WG0: A = strict-lower(beta_i K K^T exp(G_i - G_j)); WG1: P = lower(scale Q K^T exp(G_i - G_j))
@@ -338,8 +335,8 @@ class GDNChunkFwdSm90:
                     if ja < ra:
                         if ra < L:
                             va = acc_x[i] * sBeta[ra, slot] * cute.math.exp2(sG[ra, slot] - sG[ja, slot], fastmath=True)
-                    # column j stored at (j % 4) * 16 + j // 4: the solver reads 16 contiguous entries per thread
-                    sA[ra, (ja % 4) * 16 + ja // 4] = va
+                    # stored transposed: the solver walks A column by column
+                    sA[ja, ra] = va
             else:
                 for i in cutlass.range_constexpr(cute.size(acc_x)):
                     rp, jp = cSS[i]
@@ -351,27 +348,13 @@ class GDNChunkFwdSm90:
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
 
-            # ---- 2. Tinv = (I + A)^-1: column col solved by 4 lanes, lane q owns rows i = 4 m + q
-            col = warp * 8 + lane % 8
-            q4 = lane // 8
-            x = cute.make_rmem_tensor(cute.make_layout(16), f32)
-            for m in cutlass.range_constexpr(16):
-                x[m] = f32(0.0)
-                if 4 * m + q4 == col:
-                    x[m] = f32(1.0)
-            for i in cutlass.range_constexpr(1, C):
-                part = f32(0.0)
-                for m in cutlass.range_constexpr((i + 3) // 4):
-                    part = part + sA[i, q4 * 16 + m] * x[m]
-                part = part + cute.arch.shuffle_sync_bfly(part, 8)
-                part = part + cute.arch.shuffle_sync_bfly(part, 16)
-                xi = -part
-                if i == col:
-                    xi = f32(1.0) - part
-                if q4 == i % 4:
-                    x[i // 4] = xi
-            for m in cutlass.range_constexpr(16):
-                sT[4 * m + q4, col] = x[m].to(cutlass.BFloat16)
+            # ---- 2. Tinv = (I + A)^-1, one column per thread of warps 0-1; meanwhile warp 2 fetches the next
+            # chunk's gates into the other slot (its last readers passed the previous chunk's final barrier)
+            if warp < 2:
+                self.solve_unit_lower(sA, sT, tidx)
+            if warp == 2:
+                nxt = self.load_gates(mG, mBeta, b, hv, tok0, seqlen, c + 1, lane)
+                self.publish_gates(sG, sBeta, 1 - slot, nxt, lane)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
 
@@ -383,38 +366,46 @@ class GDNChunkFwdSm90:
             self.gemm(mma_rs, acc_k, rS, tRSb_K[None, None, None, stage], True)
             self.gemm(mma_rs, acc_o, rS, tRSb_Q[None, None, None, stage], True)
             warpgroup.commit_group()
+
+            # while those run: per-column factors of this thread's 16 accumulator columns (element i has column
+            # slot (i % 2) + 2 (i // 4)), zero past the sequence end; and the state's chunk decay
+            e_g = cute.make_rmem_tensor(cute.make_layout(16), f32)  # exp(G_j)
+            e_d = cute.make_rmem_tensor(cute.make_layout(16), f32)  # exp(G_last - G_j)
+            b_j = cute.make_rmem_tensor(cute.make_layout(16), f32)  # beta_j
+            for kc in cutlass.range_constexpr(16):
+                rc, jc = cCC[(kc % 2) + 4 * (kc // 2)]
+                gj = sG[jc, slot]
+                e_g[kc] = cute.math.exp2(gj, fastmath=True)
+                e_d[kc] = f32(0.0)
+                b_j[kc] = f32(0.0)
+                if jc < L:
+                    e_d[kc] = cute.math.exp2(g_last - gj, fastmath=True)
+                    b_j[kc] = sBeta[jc, slot]
+            decay = cute.math.exp2(g_last, fastmath=True)
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                acc_s[i] = acc_s[i] * decay
             warpgroup.wait_group(0)
 
             # Y^T[v, j] = beta_j (V[j, v] - exp(G_j) (S^T K^T)[v, j]), zero past the sequence end
             for i in cutlass.range_constexpr(cute.size(acc_k)):
                 r, j = cCC[i]
-                y = f32(0.0)
-                if j < L:
-                    vv = sV[j, row0 + r, stage].to(f32)
-                    y = sBeta[j, slot] * (vv - cute.math.exp2(sG[j, slot], fastmath=True) * acc_k[i])
-                acc_k[i] = y
+                kc = (i % 2) + 2 * (i // 4)
+                acc_k[i] = b_j[kc] * (sV[j, row0 + r, stage].to(f32) - e_g[kc] * acc_k[i])
             rY = self.acc_to_operand(acc_k)
             acc_vn = thr_rs.make_fragment_C(acc_cc_shape)
             warpgroup.fence()
             self.gemm(mma_rs, acc_vn, rY, tRSb_T, True)
             warpgroup.commit_group()
+            # O^T inter-chunk part scaled while V_new^T is computed
+            for i in cutlass.range_constexpr(cute.size(acc_o)):
+                acc_o[i] = acc_o[i] * scale * e_g[(i % 2) + 2 * (i // 4)]
             warpgroup.wait_group(0)
 
-            # O^T = scale exp(G_i) S^T Q^T + V_new^T P^T;  S^T = exp(G_last) S^T + (V_new^T exp(G_last - G_j)) K
-            for i in cutlass.range_constexpr(cute.size(acc_o)):
-                r, j = cCC[i]
-                acc_o[i] = acc_o[i] * scale * cute.math.exp2(sG[j, slot], fastmath=True)
+            # O^T += V_new^T P^T;  S^T += (V_new^T exp(G_last - G_j)) K
             rVn = self.acc_to_operand(acc_vn)
             for i in cutlass.range_constexpr(cute.size(acc_vn)):
-                r, j = cCC[i]
-                d = f32(0.0)
-                if j < L:
-                    d = cute.math.exp2(g_last - sG[j, slot], fastmath=True)
-                acc_vn[i] = acc_vn[i] * d
+                acc_vn[i] = acc_vn[i] * e_d[(i % 2) + 2 * (i // 4)]
             rVd = self.acc_to_operand(acc_vn)
-            decay = cute.math.exp2(g_last, fastmath=True)
-            for i in cutlass.range_constexpr(cute.size(acc_s)):
-                acc_s[i] = acc_s[i] * decay
             warpgroup.fence()
             self.gemm(mma_rs, acc_o, rVn, tRSb_P, False)
             self.gemm(mma_state, acc_s, rVd, tSTb_K[None, None, None, stage], False)
@@ -425,8 +416,6 @@ class GDNChunkFwdSm90:
             for i in cutlass.range_constexpr(cute.size(acc_o)):
                 r, j = cCC[i]
                 sO[j, row0 + r] = acc_o[i].to(cutlass.BFloat16)
-            if warp == 0:
-                self.publish_gates(sG, sBeta, 1 - slot, nxt, lane)
             cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
 
             if warp == 0:
@@ -500,6 +489,29 @@ class GDNChunkFwdSm90:
         sG[lane + 32, slot] = g_hi * _LOG2E
         sBeta[lane, slot] = b_lo
         sBeta[lane + 32, slot] = b_hi
+
+    @cute.jit
+    def solve_unit_lower(self, sAt, sT, col):
+        """Column ``col`` of (I + A)^-1 for strictly lower A (given transposed in ``sAt``), by right-looking forward
+        substitution in fp32: once x_j is final, every later row takes its update at once, so the only serial
+        dependence per step is one FMA; A's column j is read as broadcast 16-byte vectors."""
+        f32 = cutlass.Float32
+        C = self.C
+        acc = cute.make_rmem_tensor(cute.make_layout(C), f32)
+        acc.fill(0.0)
+        a4 = cute.make_rmem_tensor(cute.make_layout((1, 4)), f32)
+        for j in cutlass.range_constexpr(C):
+            xj = -acc[j]
+            if j == col:
+                xj = f32(1.0) - acc[j]
+            acc[j] = xj
+            for blk in cutlass.range_constexpr((j + 1) // 4, C // 4):
+                cute.autovec_copy(cute.local_tile(sAt, (1, 4), (j, blk)), a4)
+                for e in cutlass.range_constexpr(4):
+                    if 4 * blk + e > j:
+                        acc[4 * blk + e] = acc[4 * blk + e] + a4[0, e] * xj
+        for i in cutlass.range_constexpr(C):
+            sT[i, col] = acc[i].to(cutlass.BFloat16)
 
     @cute.jit
     def gemm(self, tiled_mma, acc, a_frag, b_frag, zero_init):
