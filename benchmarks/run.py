@@ -306,13 +306,13 @@ def gpu_grid(ops: list[str], grids: list[str], D: int = 128) -> list[Case]:
     for op in ops:
         if "core" in grids:
             cases += [Case(op, 1, 8192, 64, D), Case(op, 2, 16384, 64, D), Case(op, 8, 2048, 32, D)]
-        if "long" in grids:
-            cases.append(Case(op, 1, 65536, 8, D))
         if "varlen" in grids:
             for n, total in ((10, 4096 * 4), (20, 16384 * 2)):
                 for kind in ("uniform", "random", "skewed"):
                     lengths = varlen_lengths(kind, n, total, rng)
                     cases.append(Case(op, 1, total, 32, D, lengths, kind))
+        if "long" in grids:
+            cases.append(Case(op, 1, 65536, 8, D))
     return cases
 
 
