@@ -80,7 +80,8 @@ def check_kernel(name: str, arch: str) -> Report:
     spec = runtime.registered_kernels()[name]
     t0 = time.perf_counter()
     try:
-        compiled = spec.compile_fn(arch, keep_artifacts=True)
+        with runtime.keeping_artifacts():
+            compiled = spec.compile_fn(arch)
     except Exception:  # noqa: BLE001 - reported as a failed check
         return Report(name, arch, False, time.perf_counter() - t0, {}, None, traceback.format_exc(limit=5))
     seconds = time.perf_counter() - t0

@@ -7,6 +7,7 @@ on the current torch stream (about 7 us host time per call instead of ~60 us thr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import tempfile
 import threading
@@ -15,6 +16,19 @@ from typing import Any
 
 _CACHE: dict[Hashable, Any] = {}
 _CACHE_LOCK = threading.Lock()
+_KEEP = threading.local()
+
+
+@contextlib.contextmanager
+def keeping_artifacts():
+    """Inside this block every :func:`compile_kernel` keeps PTX and cubin (``compiled.artifacts``), so a
+    ``compile_fn(arch)`` registered without a keep flag can still be inspected by the compile check."""
+    prev = getattr(_KEEP, "on", False)
+    _KEEP.on = True
+    try:
+        yield
+    finally:
+        _KEEP.on = prev
 
 
 def compile_options(arch: str | None = None, keep_artifacts: bool = False, dump_dir: str | None = None) -> str:
@@ -36,7 +50,8 @@ def compile_kernel(kernel_obj: Any, fake_args: Sequence[Any], arch: str | None =
     """
     import cutlass.cute as cute
 
-    return cute.compile(kernel_obj, *fake_args, options=compile_options(arch, keep_artifacts))
+    keep = keep_artifacts or getattr(_KEEP, "on", False)
+    return cute.compile(kernel_obj, *fake_args, options=compile_options(arch, keep))
 
 
 def fake_tensor(dtype, shape: Sequence[Any], stride_order: Sequence[int] | None = None, align: int = 16):
@@ -107,8 +122,8 @@ _REGISTRY: dict[str, KernelSpec] = {}
 def register_kernel(
     name: str, archs: Sequence[str], compile_fn: Callable[..., Any], expected_ptx: Sequence[str] = ()
 ) -> KernelSpec:
-    """Register a kernel for ``python -m cula.compile_check``. ``compile_fn(arch, keep_artifacts=True)`` must
-    compile without a GPU."""
+    """Register a kernel for ``python -m cula.compile_check``. ``compile_fn(arch)`` must compile through
+    :func:`compile_kernel` without a GPU; the check runs it inside :func:`keeping_artifacts`."""
     spec = KernelSpec(name, tuple(archs), compile_fn, tuple(expected_ptx))
     _REGISTRY[name] = spec
     return spec

@@ -645,8 +645,6 @@ def chunk_gated_delta_rule_fwd_sm90(
 runtime.register_kernel(
     "gdn_chunk_fwd_sm90",
     ["sm_90a"],
-    lambda arch, keep_artifacts=True: compile_gdn_fwd_sm90(
-        arch, keep_artifacts, is_varlen=True, has_initial_state=True
-    ),
+    lambda arch: compile_gdn_fwd_sm90(arch, is_varlen=True, has_initial_state=True),
     ["wgmma.mma_async", "cp.async.bulk.tensor"],
 )
