@@ -66,15 +66,15 @@ def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, **
 
 
 class GDNChunkFwdSm90:
-    """Fused GDN forward: TMA loads of q/k/v chunks through a 2-stage mbarrier pipeline, wgmma for every product,
+    """Fused GDN forward: TMA loads of q/k/v chunks through a 2-stage mbarrier ring, wgmma for every product,
     the chunk's triangular inverse solved in-kernel in fp32, the state in registers across chunks.
 
     Threads: 256 = two warpgroups. WG w owns value rows [64 w, 64 w + 64) of S^T. Per chunk:
-      1. WG0: K K^T -> A (fp32, smem);  WG1: Q K^T -> P (bf16, smem)          [wgmma SS]
-      2. all 256 threads: Tinv = (I + A)^-1 column by column (fp32 forward substitution) -> smem bf16
+      1. WG0: K K^T -> A (fp32, smem, transposed);  WG1: Q K^T -> P (bf16, smem)          [wgmma SS]
+      2. warps 0-1: Tinv = (I + A)^-1, one column per thread (fp32 right-looking forward substitution) -> smem
+         bf16; meanwhile warp 2 loads and scans the next chunk's gates into the other gate slot
       3. each WG on its 64 value rows: S^T K^T, S^T Q^T, V_new^T, O^T, state update       [wgmma RS]
-      4. O staged through smem, stored with rows past the sequence end masked; thread 0 refills the TMA stage,
-         warp 0 publishes the next chunk's cumulative gates (loaded from global one chunk ahead).
+      4. O staged through smem and stored with rows past the sequence end masked; warp 0 refills the TMA stage.
     """
 
     def __init__(
@@ -544,7 +544,7 @@ def _fake_args(kernel: GDNChunkFwdSm90):
     bf16 = cutlass.BFloat16
     beta_t = cutlass.Float32 if kernel.beta_fp32 else bf16
     state_shape = (N, HV, D, D)
-    # (N, HV, K, V) logical shape; with state_v_first the storage is V-major-last, i.e. K contiguous
+    # (N, HV, K, V) logical shape; with state_v_first the storage is [N, HV, V, K], i.e. K contiguous
     state_order = (3, 2, 0, 1) if kernel.state_v_first else None
     return (
         runtime.fake_tensor(bf16, (B, T, H, D)),
