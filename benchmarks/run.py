@@ -165,7 +165,7 @@ def bench(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
     return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
-def run_gpu_case(case: Case, mode: str) -> Row:
+def run_gpu_case(case: Case, mode: str, with_fla: bool = True) -> Row:
     import cula
 
     row = Row(case.op, case.name, mode)
@@ -187,9 +187,11 @@ def run_gpu_case(case: Case, mode: str) -> Row:
         return call
 
     do = torch.randn_like(args["v"])
+    o_fla = s_fla = None
     try:
-        o_fla, s_fla = fla_fn(**args)  # first call autotunes
-        row.fla_ms = bench(step(fla_fn))
+        if with_fla:
+            o_fla, s_fla = fla_fn(**args)  # first call autotunes
+            row.fla_ms = bench(step(fla_fn))
     except Exception as error:  # FLA refuses some ops on some triton versions: record it, time cuLA anyway
         o_fla = s_fla = None
         row.notes.append(f"FLA failed: {type(error).__name__}: {str(error)[:200]}")
@@ -386,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ops", default="gdn,kda,gla,simple_gla", help="comma list of gdn, kda, gla, simple_gla")
     parser.add_argument("--grid", default="core,varlen,long", help="comma list of core, varlen, long")
     parser.add_argument("--modes", default="fwd", help="comma list of fwd, fwdbwd")
+    parser.add_argument("--no-fla", action="store_true", help="time cuLA alone (no FLA autotuning): for kernel work")
     parser.add_argument("--out", default="results", help="folder for benchmark.json and the markdown table")
     parser.add_argument("--markdown-name", default=None, help="default BENCHMARK_H200.md on an H200, else BENCHMARK.md")
     args = parser.parse_args(argv)
@@ -411,10 +414,11 @@ def main(argv: list[str] | None = None) -> int:
     if torch.cuda.is_available():
         for case in gpu_grid(ops, args.grid.split(",")):
             for mode in args.modes.split(","):
-                add(run_gpu_case(case, mode))
-        for op in ops:
-            overhead[op] = host_overhead_us(op, "cuda")
-        save()
+                add(run_gpu_case(case, mode, with_fla=not args.no_fla))
+        if not args.no_fla:  # the host-time comparison calls FLA too
+            for op in ops:
+                overhead[op] = host_overhead_us(op, "cuda")
+            save()
     else:
         print("No CUDA GPU: timing cuLA's PyTorch reference backend at a small size on the CPU.", flush=True)
         for op in ops:

@@ -36,13 +36,12 @@ def recurrence(q, k, v, g, beta, scale, h0=None, cu_seqlens=None):
     return o, torch.stack(hts)
 
 
-def make_inputs(B, T, H, HV, D=128, beta_dtype=torch.float32, seed=0, device="cuda"):
-    gen = torch.Generator(device=device).manual_seed(seed)
-    q = F.normalize(torch.randn(B, T, H, D, device=device, generator=gen), dim=-1).bfloat16()
-    k = F.normalize(torch.randn(B, T, H, D, device=device, generator=gen), dim=-1).bfloat16()
-    v = torch.randn(B, T, HV, D, device=device, generator=gen).bfloat16()
-    g = F.logsigmoid(torch.randn(B, T, HV, device=device, generator=gen) + 3.0) * 0.5
-    beta = torch.rand(B, T, HV, device=device, generator=gen).sigmoid().to(beta_dtype)
+def make_inputs(B, T, H, HV, D=128, beta_dtype=torch.float32, device="cuda"):
+    q = F.normalize(torch.randn(B, T, H, D, device=device), dim=-1).bfloat16()
+    k = F.normalize(torch.randn(B, T, H, D, device=device), dim=-1).bfloat16()
+    v = torch.randn(B, T, HV, D, device=device).bfloat16()
+    g = F.logsigmoid(torch.randn(B, T, HV, device=device) + 3.0) * 0.5
+    beta = torch.rand(B, T, HV, device=device).sigmoid().to(beta_dtype)
     return q, k, v, g.float(), beta
 
 
