@@ -193,6 +193,25 @@ def fla_function(target: str) -> Callable:
     return getattr(importlib.import_module(module), name)
 
 
+def requires_grad(args: dict[str, Any]) -> bool:
+    """Whether the call builds an autograd graph (some tensor argument requires grad, grad mode on)."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in args.values())
+
+
+def fla_gated_backward_ok(args: dict[str, Any]) -> Verdict:
+    """FLA 0.6.0 raises in the backward of its gated chunk ops (``chunk_bwd_dqkwg`` with ``g``) on Hopper under
+    triton >= 3.4.0, < 3.7.1, unless tilelang serves that kernel: such training calls must not go to FLA."""
+    if args.get("g") is None or not requires_grad(args):
+        return True, ""
+    from importlib.util import find_spec
+
+    from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+
+    if IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1 and find_spec("tilelang") is None:
+        return False, "FLA 0.6.0 refuses this gated backward on Hopper with triton < 3.7.1 (and no tilelang)"
+    return True, ""
+
+
 def call_args(local_vars: dict[str, Any]) -> dict[str, Any]:
     """An entry point's ``locals()`` as keyword arguments, with its ``**kwargs`` merged in."""
     args = dict(local_vars)

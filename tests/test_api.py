@@ -257,3 +257,19 @@ def test_gdn_sm90_kernel_is_chosen_for_what_it_supports(monkeypatch):
     with torch.no_grad():
         grad_free = cula.explain(CHUNK_GDN, **{**args, "q": args["q"].detach().requires_grad_(True)})
     assert grad_free.backend == "cute"
+
+
+def test_training_skips_fla_where_its_gated_backward_raises(monkeypatch):
+    import fla.utils
+
+    FakeCuda(monkeypatch, (9, 0))
+    monkeypatch.setattr(fla.utils, "IS_NVIDIA_HOPPER", True)
+    monkeypatch.setattr(fla.utils, "TRITON_ABOVE_3_4_0", True)
+    monkeypatch.setattr(fla.utils, "TRITON_ABOVE_3_7_1", False)
+    args = gdn_args()
+    assert cula.explain(CHUNK_GDN, **args).backend == "fla"  # forward only: FLA serves it
+    args["q"].requires_grad_(True)
+    decision = cula.explain(CHUNK_GDN, **args)
+    assert decision.backend == "torch" and "triton < 3.7.1" in dict(decision.rejected)["fla"]
+    monkeypatch.setattr(fla.utils, "TRITON_ABOVE_3_7_1", True)
+    assert cula.explain(CHUNK_GDN, **args).backend == "fla"

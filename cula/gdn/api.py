@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from cula import validation
-from cula.dispatch import CuteKernel, Op, bind, call_args
+from cula.dispatch import CuteKernel, Op, bind, call_args, fla_gated_backward_ok, requires_grad
 from cula.gdn import reference
 from cula.ops.gates import gdn_gate, qk_beta_transforms
 
@@ -88,6 +88,7 @@ CHUNK = bind(
         "fla.ops.gated_delta_rule:chunk_gated_delta_rule",
         reference.chunk_gated_delta_rule,
         _validate_chunk,
+        fla_supports=fla_gated_backward_ok,
     ),
     chunk_gated_delta_rule,
 )
@@ -102,12 +103,8 @@ RECURRENT = bind(
 )
 
 
-def _requires_grad(args: dict[str, Any]) -> bool:
-    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in args.values())
-
-
 def _sm90_supports(args: dict[str, Any]) -> tuple[bool, str]:
-    if _requires_grad(args):
+    if requires_grad(args):
         return False, "inputs require grad: forward-only kernel (backward kernel not landed)"
     if args.get("cp_context") is not None:
         return False, "context parallelism (cp_context) is served by FLA only"

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from cula import validation
-from cula.dispatch import Op, bind, call_args
+from cula.dispatch import Op, bind, call_args, fla_gated_backward_ok
 from cula.lightning import reference
 
 
@@ -104,6 +104,7 @@ CHUNK_SIMPLE_GLA = bind(
         "fla.ops.simple_gla:chunk_simple_gla",
         reference.chunk_simple_gla,
         _validate_simple_gla,
+        fla_supports=fla_gated_backward_ok,
     ),
     chunk_simple_gla,
 )
