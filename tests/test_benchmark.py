@@ -1,0 +1,47 @@
+"""The benchmark on a CPU machine (the README's main job) and the arguments it hands FLA on a GPU."""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+import pytest
+
+import cula
+from benchmarks import run as bench
+from cula.dispatch import fla_function
+
+OPS = ["gdn", "kda", "gla", "simple_gla"]
+
+
+def test_cpu_run_writes_a_table_and_json(tmp_path):
+    assert bench.main(["--ops", ",".join(OPS), "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "benchmark.json").read_text())
+    assert [row["op"] for row in result["rows"]] == OPS
+    for row in result["rows"]:
+        assert row["cula_backend"] == "torch" and row["cula_ms"] > 0 and row["fla_ms"] > 0
+        assert row["rel_rmse"] < 1e-4, row
+    table = (tmp_path / "BENCHMARK.md").read_text()
+    assert "none (CPU only" in table and table.count("| torch |") == len(OPS)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("lengths", [None, [3, 100, 1]])
+def test_gpu_grid_arguments_fit_fla_and_cula(op, lengths):
+    case = bench.Case(op, 1, sum(lengths) if lengths else 64, 2, 32, lengths, "t")
+    args = bench.make_inputs(case, "cpu", bench.torch.bfloat16, requires_grad=False)
+    cula_fn, target = bench.entry_points(op)
+    inspect.signature(fla_function(target)).bind(**args)
+    assert cula.explain(cula_fn, **args).backend == "torch"  # binds and validates as a real call would
+
+
+def test_grid_and_floor():
+    cases = bench.gpu_grid(["gdn"], ["core", "varlen", "long"])
+    names = [c.name for c in cases]
+    assert names[:3] == ["B=1 T=8192 H=64", "B=2 T=16384 H=64", "B=8 T=2048 H=32"] and names[-1] == "B=1 T=65536 H=8"
+    varlen = [c for c in cases if c.lengths is not None]
+    assert len(varlen) == 6 and {len(c.lengths) for c in varlen} == {10, 20}
+    assert all(sum(c.lengths) == c.T and min(c.lengths) >= 1 for c in varlen)
+    flops, bytes_ = bench.floor(cases[1])
+    # DESIGN-NOTES: B2 T16384 H64 GDN is about 0.5 ms by either term on the H200
+    assert 0.45 < flops / 687e12 * 1e3 < 0.6 and 0.45 < bytes_ / 4.3e12 * 1e3 < 0.6
