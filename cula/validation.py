@@ -63,8 +63,11 @@ def qkv(q, k, v, allow_gva: bool) -> tuple[int, int, int, int, int, int]:
     return B, T, H, HV, K, V
 
 
-def cu_seqlens_(cu_seqlens, B: int, T: int) -> int:
-    """cu_seqlens: int32/int64 [N+1], starts at 0, non-decreasing, ends at T; only with B == 1. Returns N."""
+def cu_seqlens_(cu_seqlens, B: int, T: int, cu_seqlens_cpu=None) -> int:
+    """cu_seqlens: int32/int64 [N+1], starts at 0, non-decreasing, ends at T; only with B == 1. Returns N.
+
+    The offsets are read from ``cu_seqlens_cpu`` when the caller gives that host copy (FLA's argument), which
+    spares a device synchronisation."""
     if cu_seqlens is None:
         return B
     tensor("cu_seqlens", cu_seqlens, 1, (torch.int32, torch.int64))
@@ -72,7 +75,11 @@ def cu_seqlens_(cu_seqlens, B: int, T: int) -> int:
         raise ValueError(f"`cu_seqlens` needs the batch size of q to be 1 (flatten the sequences), got B={B}")
     if cu_seqlens.numel() < 2:
         raise ValueError(f"`cu_seqlens` must hold N+1 >= 2 offsets, got {cu_seqlens.numel()}")
-    offsets = cu_seqlens.tolist()  # one small copy; a wrong offset would otherwise read out of bounds
+    tensor("cu_seqlens_cpu", cu_seqlens_cpu, 1, (torch.int32, torch.int64), optional=True)
+    if cu_seqlens_cpu is not None and tuple(cu_seqlens_cpu.shape) != tuple(cu_seqlens.shape):
+        raise ValueError(f"`cu_seqlens_cpu` must have the shape of `cu_seqlens`, got {tuple(cu_seqlens_cpu.shape)}")
+    # one small copy; a wrong offset would otherwise make a kernel read out of bounds
+    offsets = (cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu).tolist()
     if offsets[0] != 0 or offsets[-1] != T:
         raise ValueError(f"`cu_seqlens` must start at 0 and end at T={T}, got {offsets[0]} ... {offsets[-1]}")
     if any(b < a for a, b in zip(offsets, offsets[1:], strict=False)):
@@ -132,7 +139,7 @@ def common(args: dict, allow_gva: bool) -> tuple[int, int, int, int, int, int, i
     B, T, H, HV, K, V = qkv(args["q"], args["k"], args["v"], allow_gva)
     scale(args.get("scale"))
     cu_seqlens = args.get("cu_seqlens")
-    N = cu_seqlens_(cu_seqlens, B, T)
+    N = cu_seqlens_(cu_seqlens, B, T, args.get("cu_seqlens_cpu"))
     state(args.get("initial_state"), N, HV, K, V, bool(args.get("state_v_first", False)), cu_seqlens is not None)
     same_device(**{n: t for n, t in args.items() if n != "cu_seqlens" and n != "cu_seqlens_cpu"})
     return B, T, H, HV, K, V, N

@@ -118,6 +118,17 @@ def test_varlen_needs_batch_one_and_one_state_per_sequence():
     expect_error(ValueError, r"N=2 \(len\(cu_seqlens\) - 1\)", CHUNK_GDN, args)
 
 
+def test_host_copy_of_cu_seqlens_is_checked_too():
+    cu = torch.tensor([0, 5, 20])
+    o, _ = CHUNK_GDN(**gdn_args(cu_seqlens=cu, cu_seqlens_cpu=cu.clone()))
+    assert o.shape == (1, 20, 4, 8)
+    args = gdn_args(cu_seqlens=cu, cu_seqlens_cpu=torch.tensor([0, 21, 20]))
+    expect_error(ValueError, "non-decreasing", CHUNK_GDN, args)
+    expect_error(
+        ValueError, "`cu_seqlens_cpu` must have the shape", CHUNK_GDN, gdn_args(cu_seqlens=cu, cu_seqlens_cpu=cu[:2])
+    )
+
+
 def test_state_v_first_layout_is_checked():
     args = gdn_args(state_v_first=True, initial_state=torch.zeros(1, 4, 16, 8))
     expect_error(ValueError, r"\[N, HV, V, K\]", CHUNK_GDN, args)
