@@ -92,7 +92,7 @@ def expect_error(error, match, fn, args):
         (lambda a: a.update(v=torch.randn(1, 19, 4, 8)), ValueError, "`v` must have shape"),
         (lambda a: a.update(q=a["q"].long()), TypeError, "`q` must have dtype"),
         (lambda a: a.update(q=a["q"].bfloat16()), TypeError, "share one dtype"),
-        (lambda a: a.update(q=a["q"].numpy()), TypeError, "`q` must be a torch.Tensor"),
+        (lambda a: a.update(q=a["q"].tolist()), TypeError, "`q` must be a torch.Tensor"),
         (lambda a: a.update(g=a["g"][..., :3]), ValueError, "`g` must have shape"),
         (lambda a: a.update(beta=a["beta"][:, :5]), ValueError, "`beta` must have shape"),
         (lambda a: a.update(initial_state=torch.zeros(1, 4, 16, 8).double()), TypeError, "`initial_state` must have"),
