@@ -20,6 +20,7 @@ import importlib
 import inspect
 import logging
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,7 +72,7 @@ class Op:
 
     name: str
     fla_target: str  # "module:function" of FLA's op
-    reference: Callable
+    reference: Callable[[dict[str, Any]], Any]  # takes the bound arguments
     validate: Callable[[dict[str, Any]], None]
     fla_supports: SupportsFn | None = None
     kernels: list[CuteKernel] = field(default_factory=list)
@@ -112,7 +113,7 @@ class Op:
         return (True, f"FLA Triton {self.fla_target}"), lambda a: _call_fla(fn, a)
 
     def _torch(self, args: dict[str, Any]) -> tuple[Verdict, Callable | None]:
-        return (True, "PyTorch reference backend"), lambda a: self.reference(**a)
+        return (True, "PyTorch reference backend"), self.reference
 
     def decide(self, args: dict[str, Any]) -> tuple[Decision, Callable]:
         forced = os.environ.get(ENV_BACKEND, "").strip().lower()
@@ -213,7 +214,13 @@ def fla_gated_backward_ok(args: dict[str, Any]) -> Verdict:
 
 
 def call_args(local_vars: dict[str, Any]) -> dict[str, Any]:
-    """An entry point's ``locals()`` as keyword arguments, with its ``**kwargs`` merged in."""
+    """An entry point's ``locals()`` as keyword arguments, with its ``**kwargs`` merged in and FLA's deprecated
+    ``transpose_state_layout`` turned into ``state_v_first`` as FLA does."""
     args = dict(local_vars)
     args.update(args.pop("kwargs", {}))
+    if "transpose_state_layout" in args and "state_v_first" in args:
+        if args["state_v_first"]:
+            raise ValueError("pass `state_v_first` or the deprecated `transpose_state_layout`, not both")
+        warnings.warn("`transpose_state_layout` is deprecated: use `state_v_first`", DeprecationWarning, stacklevel=3)
+        args["state_v_first"] = bool(args.pop("transpose_state_layout"))
     return args

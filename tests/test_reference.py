@@ -1,4 +1,7 @@
-"""The PyTorch reference backend against FLA 0.6.0's naive recurrences (CPU, fresh random inputs every run)."""
+"""The PyTorch reference backend against FLA 0.6.0's naive recurrences (CPU, fresh random inputs every run).
+
+The entry points are called through cuLA's public API: on a CPU their dispatch serves every call with the
+reference backend (tests/test_api.py checks that decision)."""
 
 import pytest
 import torch
@@ -10,10 +13,7 @@ from fla.ops.kda.gate import naive_kda_gate, naive_kda_lowerbound_gate
 from fla.ops.kda.naive import naive_recurrent_kda
 from fla.ops.simple_gla.naive import naive_recurrent_simple_gla
 
-from cula.gdn import reference as gdn
-from cula.gla import reference as gla
-from cula.kda import reference as kda
-from cula.lightning import reference as lightning
+from cula import gdn, gla, kda, lightning
 
 TOL = 1e-5
 DELTA = ("kda", "gdn")  # variants with beta

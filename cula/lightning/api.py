@@ -102,7 +102,7 @@ CHUNK_SIMPLE_GLA = bind(
     Op(
         "lightning.chunk_simple_gla",
         "fla.ops.simple_gla:chunk_simple_gla",
-        reference.chunk_simple_gla,
+        reference.simple_gla,
         _validate_simple_gla,
         fla_supports=fla_gated_backward_ok,
     ),
@@ -112,7 +112,7 @@ RECURRENT_SIMPLE_GLA = bind(
     Op(
         "lightning.fused_recurrent_simple_gla",
         "fla.ops.simple_gla:fused_recurrent_simple_gla",
-        reference.fused_recurrent_simple_gla,
+        reference.simple_gla,
         _validate_simple_gla,
     ),
     fused_recurrent_simple_gla,
@@ -121,7 +121,7 @@ CHUNK_LIGHTNING = bind(
     Op(
         "lightning.chunk_lightning_attn",
         "fla.ops.lightning_attn:chunk_lightning_attn",
-        reference.chunk_lightning_attn,
+        reference.lightning_attn,
         _validate_lightning,
     ),
     chunk_lightning_attn,
@@ -130,7 +130,7 @@ RECURRENT_LIGHTNING = bind(
     Op(
         "lightning.fused_recurrent_lightning_attn",
         "fla.ops.lightning_attn:fused_recurrent_lightning_attn",
-        reference.fused_recurrent_lightning_attn,
+        reference.lightning_attn,
         _validate_lightning,
     ),
     fused_recurrent_lightning_attn,

@@ -1,91 +1,37 @@
-"""PyTorch reference backend for simple GLA and Lightning Attention with FLA 0.6.0's signatures; fp32 math.
+"""PyTorch reference backend for simple GLA and Lightning Attention (``fla.ops.simple_gla``,
+``fla.ops.lightning_attn`` semantics), fp32 chunked math.
 
-``fla.ops.simple_gla`` / ``fla.ops.lightning_attn``: ``o`` comes back in ``q.dtype``, the final state in fp32
-(fp64 for fp64 inputs). Lightning is simple GLA with ``g_gamma`` from ``layer_idx`` / ``num_layers``. Inputs are
-assumed valid (the public API validates them).
+Each function takes the entry point's bound arguments (a dict, already validated) and returns ``o`` in ``q.dtype``
+and the final state in fp32 (fp64 for fp64 inputs) or None. The chunked and the fused-recurrent entry points share
+one function: ``reverse`` is read from the arguments where the entry point has it.
 """
 
 import torch
 
-from cula.ops.gla_ref import lightning_g_gamma, simple_gla_ref
+from cula.ops.delta_rule_ref import linear_attn_call
+from cula.ops.gates import to_compute
 
 
-def chunk_simple_gla(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor | None = None,
-    g_gamma: torch.Tensor | None = None,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    state_v_first: bool = False,
-    cu_seqlens: torch.LongTensor | None = None,
-    cu_seqlens_cpu: torch.LongTensor | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    o, ht = simple_gla_ref(
-        q, k, v, g=g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
-    )  # fmt: skip
-    return o.to(q.dtype), ht
+def lightning_g_gamma(num_heads: int, layer_idx: int, num_layers: int, device=None) -> torch.Tensor:
+    """Lightning Attention's per-head log decay, exactly as ``fla.ops.lightning_attn`` builds it (fp32 [H])."""
+    return -(8 / num_heads * (1 - layer_idx / num_layers)) * torch.arange(num_heads, dtype=torch.float, device=device)
 
 
-def fused_recurrent_simple_gla(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor | None = None,
-    g_gamma: torch.Tensor | None = None,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    reverse: bool = False,
-    state_v_first: bool = False,
-    cu_seqlens: torch.LongTensor | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    state_v_first = state_v_first or kwargs.get("transpose_state_layout", False)
-    o, ht = simple_gla_ref(
-        q, k, v, g=g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, reverse=reverse, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
-    )  # fmt: skip
-    return o.to(q.dtype), ht
+def _simple_gla(args: dict, g, g_gamma) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scalar log gate ``g`` [B, T, H] plus the constant per-head ``g_gamma`` [H] (either may be None)."""
+    if g_gamma is not None:
+        gamma = to_compute(g_gamma).expand(*args["v"].shape[:3])
+        g = gamma if g is None else to_compute(g) + gamma
+    o, ht = linear_attn_call(args, args["q"], args["k"], g=g)
+    return o.to(args["q"].dtype), ht
 
 
-def chunk_lightning_attn(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    layer_idx: int,
-    num_layers: int,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    cu_seqlens: torch.LongTensor | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    g_gamma = lightning_g_gamma(q.shape[2], layer_idx, num_layers, device=q.device)
-    return chunk_simple_gla(
-        q, k, v, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-    )  # fmt: skip
+def simple_gla(args: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``chunk_simple_gla`` and ``fused_recurrent_simple_gla``."""
+    return _simple_gla(args, args["g"], args["g_gamma"])
 
 
-def fused_recurrent_lightning_attn(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    layer_idx: int,
-    num_layers: int,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    reverse: bool = False,
-    cu_seqlens: torch.LongTensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    g_gamma = lightning_g_gamma(q.shape[2], layer_idx, num_layers, device=q.device)
-    return fused_recurrent_simple_gla(
-        q, k, v, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, reverse=reverse, cu_seqlens=cu_seqlens,
-    )  # fmt: skip
+def lightning_attn(args: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``chunk_lightning_attn`` and ``fused_recurrent_lightning_attn``."""
+    q = args["q"]
+    return _simple_gla(args, None, lightning_g_gamma(q.shape[2], args["layer_idx"], args["num_layers"], q.device))

@@ -190,3 +190,18 @@ def linear_attn_ref(
     if not output_final_state:
         return o, None
     return o, (S.transpose(-1, -2) if state_v_first else S).contiguous()
+
+
+def linear_attn_call(args: dict, q, k, g=None, gv=None, beta=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`linear_attn_ref` for an entry point's bound arguments ``args``: scale, states, varlen and ``reverse`` come
+    from there, the transformed inputs from the caller. Arguments that change results and that the reference
+    cannot honour raise NotImplementedError."""
+    if args.get("cp_context") is not None:
+        raise NotImplementedError("cula reference: `cp_context` (context parallelism) is not supported")
+    if args.get("return_intermediate_states"):
+        raise NotImplementedError("cula reference: `return_intermediate_states=True` is not supported")
+    return linear_attn_ref(
+        q, k, args["v"], g=g, gv=gv, beta=beta, scale=args["scale"], initial_state=args["initial_state"],
+        output_final_state=args["output_final_state"], state_v_first=args.get("state_v_first", False),
+        cu_seqlens=args["cu_seqlens"], reverse=args.get("reverse", False),
+    )  # fmt: skip
