@@ -58,12 +58,17 @@ class Decision:
 
 @dataclass
 class CuteKernel:
-    """A CuTe DSL kernel registered for one compute-capability major (9 = SM90, 10 = SM100)."""
+    """A CuTe DSL kernel registered for one compute-capability major (9 = SM90, 10 = SM100).
+
+    ``faster_than_fla`` (optional) estimates whether the kernel beats FLA on a call it supports; when it says no
+    and FLA can serve the call, dispatch hands the call to FLA (unless ``CULA_BACKEND=cute`` forces the kernel).
+    """
 
     name: str
     arch_major: int
     supports: SupportsFn
     run: Callable[[dict[str, Any]], Any]
+    faster_than_fla: SupportsFn | None = None
 
 
 @dataclass
@@ -82,7 +87,7 @@ class Op:
         self.kernels = [k for k in self.kernels if k.name != kernel.name] + [kernel]
 
     # -- backends ---------------------------------------------------------------------------------------------
-    def _cute(self, args: dict[str, Any]) -> tuple[Verdict, Callable | None]:
+    def _cute(self, args: dict[str, Any], forced: bool = False) -> tuple[Verdict, Callable | None]:
         q = args["q"]
         if not q.is_cuda:
             return (False, f"tensors are on {q.device.type}, CuTe DSL kernels need CUDA"), None
@@ -92,6 +97,8 @@ class Op:
             if kernel.arch_major != major:
                 continue
             ok, why = kernel.supports(args)
+            if ok and not forced and kernel.faster_than_fla is not None and self._fla(args)[0][0]:
+                ok, why = kernel.faster_than_fla(args)
             if ok:
                 return (True, f"{kernel.name} on sm_{major}{minor}"), kernel.run
             reasons.append(f"{kernel.name}: {why}")
@@ -123,7 +130,7 @@ class Op:
         for name in BACKENDS:
             if forced and name != forced:
                 continue
-            (ok, why), run = getattr(self, f"_{name}")(args)
+            (ok, why), run = self._cute(args, bool(forced)) if name == "cute" else getattr(self, f"_{name}")(args)
             if ok:
                 decision = Decision(self.name, name, why, tuple(rejected))
                 return decision, run

@@ -211,9 +211,11 @@ def test_forcing_torch_and_bad_values(monkeypatch):
 class FakeCuda:
     """Pretends the call's tensors sit on a GPU of compute capability ``cc`` (dispatch reads only these)."""
 
-    def __init__(self, monkeypatch, cc):
+    def __init__(self, monkeypatch, cc, sms=132):
         monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cc)
+        props = type("Props", (), {"multi_processor_count": sms})
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
 
 
 def test_kernel_tables_pick_by_arch_and_support(monkeypatch):
@@ -288,3 +290,18 @@ def test_training_skips_fla_where_its_gated_backward_raises(monkeypatch):
     assert decision.backend == "torch" and "triton < 3.7.1" in dict(decision.rejected)["fla"]
     monkeypatch.setattr(fla.utils, "TRITON_ABOVE_3_7_1", True)
     assert cula.explain(CHUNK_GDN, **args).backend == "fla"
+
+
+def test_gdn_goes_to_fla_where_the_kernel_is_expected_slower(monkeypatch):
+    FakeCuda(monkeypatch, (9, 0))
+    T, H = 8192, 64  # B1 T8192 H64: 64 CTAs each walking 128 chunks; FLA was faster on the H200
+    args = {n: torch.empty(1, T, H, 128, dtype=torch.bfloat16) for n in ("q", "k", "v")}
+    args.update(g=torch.zeros(1, T, H), beta=torch.ones(1, T, H))
+    decision = cula.explain(CHUNK_GDN, **args)
+    assert decision.backend == "fla" and "FLA expected faster" in dict(decision.rejected)["cute"]
+    monkeypatch.setenv("CULA_BACKEND", "cute")
+    assert cula.explain(CHUNK_GDN, **args).backend == "cute"
+    monkeypatch.delenv("CULA_BACKEND")
+    # the same tokens as 8 sequences of 1024 (varlen) spread over 512 CTAs: the kernel
+    cu = torch.arange(0, T + 1, 1024)
+    assert cula.explain(CHUNK_GDN, **args, cu_seqlens=cu, cu_seqlens_cpu=cu).backend == "cute"

@@ -45,3 +45,20 @@ def test_grid_and_floor():
     flops, bytes_ = bench.floor(cases[1])
     # DESIGN-NOTES: B2 T16384 H64 GDN is about 0.5 ms by either term on the H200
     assert 0.45 < flops / 687e12 * 1e3 < 0.6 and 0.45 < bytes_ / 4.3e12 * 1e3 < 0.6
+
+
+def test_gdn_dispatch_model_matches_the_h200_measurements():
+    """The SM90 GDN kernel's time model (used by dispatch to prefer FLA where the kernel is slower) against the
+    committed side-by-side H200 run: within 30 % of every measured kernel time, and picking the faster side."""
+    from pathlib import Path
+
+    from cula.gdn.api import sm90_vs_fla_ms
+
+    measured = json.loads((Path(bench.__file__).parent / "results" / "h200_gdn_fwd.json").read_text())
+    cases = {c.name: c for c in bench.gpu_grid(["gdn"], ["core", "varlen", "long"])}
+    assert len(measured["rows"]) == len(cases)
+    for row in measured["rows"]:
+        case = cases[row["shape"]]
+        ours, fla = sm90_vs_fla_ms(case.lengths or [case.T] * case.B, case.H, 132)
+        assert abs(ours / row["cula_ms"] - 1) < 0.3, (row["shape"], ours, row["cula_ms"])
+        assert (ours <= fla) == (row["cula_ms"] <= row["fla_ms"]), (row["shape"], ours, fla)

@@ -117,6 +117,40 @@ def _sm90_supports(args: dict[str, Any]) -> tuple[bool, str]:
     )
 
 
+# FLA 0.6.0's chunk_gated_delta_rule forward on the H200 at D = 128 (BENCHMARK_H200.md): about 1.65 ns per
+# token-head whatever the shape, and never under its host time per call on tiny inputs (0.38 ms).
+FLA_NS_PER_TOKEN_HEAD = 1.65
+FLA_MIN_MS = 0.38
+
+
+def sm90_vs_fla_ms(lengths: list[int], HV: int, num_sms: int) -> tuple[float, float]:
+    """Estimated forward times (ms) of the SM90 kernel and of FLA for sequences of these lengths."""
+    from cula.gdn.chunk_fwd_sm90 import CHUNK, estimated_ms
+
+    ours = estimated_ms([-(-n // CHUNK) for n in lengths], HV, num_sms)
+    return ours, max(FLA_NS_PER_TOKEN_HEAD * sum(lengths) * HV / 1e6, FLA_MIN_MS)
+
+
+def _sm90_faster_than_fla(args: dict[str, Any]) -> tuple[bool, str]:
+    from cula.gdn.chunk_fwd_sm90 import CHUNK
+
+    q, v, cu_seqlens = args["q"], args["v"], args["cu_seqlens"]
+    if cu_seqlens is None:
+        lengths = [q.shape[1]] * q.shape[0]
+    else:
+        host = args.get("cu_seqlens_cpu")
+        offsets = (cu_seqlens if host is None else host).tolist()
+        lengths = [b - a for a, b in zip(offsets, offsets[1:], strict=False)]
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    ours, fla = sm90_vs_fla_ms(lengths, v.shape[2], sms)
+    if ours <= fla:
+        return True, ""
+    return False, (
+        f"FLA expected faster: one CTA walks up to {-(-max(lengths) // CHUNK)} chunks in series here "
+        f"(kernel est. {ours:.2f} ms, FLA est. {fla:.2f} ms); CULA_BACKEND=cute forces the kernel"
+    )
+
+
 def _sm90_run(args: dict[str, Any]):
     from cula.gdn.chunk_fwd_sm90 import chunk_gated_delta_rule_fwd_sm90
 
@@ -148,4 +182,4 @@ def _sm90_run(args: dict[str, Any]):
     return o.to(q.dtype), final_state
 
 
-CHUNK.register_kernel(CuteKernel("gdn.chunk_fwd_sm90", 9, _sm90_supports, _sm90_run))
+CHUNK.register_kernel(CuteKernel("gdn.chunk_fwd_sm90", 9, _sm90_supports, _sm90_run, _sm90_faster_than_fla))

@@ -34,6 +34,9 @@ from cula import runtime
 
 CHUNK = 64
 SUPPORTED_DIMS = (128,)
+# One CTA walks its chunks in series at about this many microseconds each (v2b on the H200, NOTES.md); the
+# kernel runs one CTA per SM.
+CHUNK_LATENCY_US = 9.2
 _LOG2E = math.log2(math.e)
 
 
@@ -63,6 +66,13 @@ def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, **
     if initial_state is not None and initial_state.dtype != torch.float32:
         return False, "initial_state must be float32"
     return True, ""
+
+
+def estimated_ms(chunks_per_sequence: list[int], HV: int, num_sms: int) -> float:
+    """The kernel's time from its chunk walks: the longest chain of chunks one CTA walks, or all chunk-CTAs spread
+    over the SMs, whichever is longer (matches the H200 timings of BENCHMARK_H200.md within about 25 %)."""
+    spread = math.ceil(sum(chunks_per_sequence) * HV / num_sms)
+    return CHUNK_LATENCY_US * max(max(chunks_per_sequence, default=0), spread) / 1e3
 
 
 class GDNChunkFwdSm90:
