@@ -63,6 +63,11 @@ def qkv(q, k, v, allow_gva: bool) -> tuple[int, int, int, int, int, int]:
     return B, T, H, HV, K, V
 
 
+def host_offsets(cu_seqlens, cu_seqlens_cpu=None) -> list[int]:
+    """The varlen offsets as Python ints, from the host copy ``cu_seqlens_cpu`` when the caller gave one."""
+    return (cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu).tolist()
+
+
 def cu_seqlens_(cu_seqlens, B: int, T: int, cu_seqlens_cpu=None) -> int:
     """cu_seqlens: int32/int64 [N+1], starts at 0, non-decreasing, ends at T; only with B == 1. Returns N.
 
@@ -79,7 +84,7 @@ def cu_seqlens_(cu_seqlens, B: int, T: int, cu_seqlens_cpu=None) -> int:
     if cu_seqlens_cpu is not None and tuple(cu_seqlens_cpu.shape) != tuple(cu_seqlens.shape):
         raise ValueError(f"`cu_seqlens_cpu` must have the shape of `cu_seqlens`, got {tuple(cu_seqlens_cpu.shape)}")
     # one small copy; a wrong offset would otherwise make a kernel read out of bounds
-    offsets = (cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu).tolist()
+    offsets = host_offsets(cu_seqlens, cu_seqlens_cpu)
     if offsets[0] != 0 or offsets[-1] != T:
         raise ValueError(f"`cu_seqlens` must start at 0 and end at T={T}, got {offsets[0]} ... {offsets[-1]}")
     if any(b < a for a, b in zip(offsets, offsets[1:], strict=False)):

@@ -138,8 +138,7 @@ def _sm90_faster_than_fla(args: dict[str, Any]) -> tuple[bool, str]:
     if cu_seqlens is None:
         lengths = [q.shape[1]] * q.shape[0]
     else:
-        host = args.get("cu_seqlens_cpu")
-        offsets = (cu_seqlens if host is None else host).tolist()
+        offsets = validation.host_offsets(cu_seqlens, args.get("cu_seqlens_cpu"))
         lengths = [b - a for a, b in zip(offsets, offsets[1:], strict=False)]
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     ours, fla = sm90_vs_fla_ms(lengths, v.shape[2], sms)
