@@ -2,8 +2,9 @@
 # On a GPU machine: the GPU tests, then the cuLA-vs-FLA benchmark, results and logs into one folder.
 #   bash scripts/gpu_check.sh OUTDIR [benchmark arguments...]
 # FLA autotunes each op at each new shape on its first call (up to minutes). Its choices are kept on disk
-# (TRITON_CACHE_AUTOTUNING) and packed into OUTDIR/fla_autotune.tgz; pass that file back through
-# FLA_AUTOTUNE_TGZ on a later run to skip the autotuning. On the project's H200 test machine, first
+# (TRITON_CACHE_AUTOTUNING) and packed into OUTDIR/fla_autotune.tgz; a later run reads them back from
+# FLA_AUTOTUNE_TGZ (default: benchmarks/results/fla_autotune_h200.tgz, FLA's GDN forward choices from the project's
+# H200 with triton 3.6) and skips that autotuning. On the project's H200 test machine, first
 # `. .device/b/setup.sh` (see NOTES.md, "GPU runs").
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUTDIR [benchmark args]}
@@ -12,7 +13,8 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/cula_triton_cache}
 mkdir -p "$TRITON_CACHE_DIR"
-if [ -n "${FLA_AUTOTUNE_TGZ:-}" ] && [ -f "$FLA_AUTOTUNE_TGZ" ]; then
+FLA_AUTOTUNE_TGZ=${FLA_AUTOTUNE_TGZ:-benchmarks/results/fla_autotune_h200.tgz}
+if [ -f "$FLA_AUTOTUNE_TGZ" ]; then
   tar -xzf "$FLA_AUTOTUNE_TGZ" -C "$TRITON_CACHE_DIR"
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv > "$out/gpu.txt" 2>&1
