@@ -113,7 +113,7 @@ class GDNChunkFwdSm90:
 
         D, C = self.D, self.C
         bf16 = cutlass.BFloat16
-        OM = warpgroup.OperandMajorMode
+        OM = cute.nvgpu.OperandMajorMode
         RMEM = warpgroup.OperandSource.RMEM
 
         # token tiles (C x D), D contiguous, 128B swizzle; the K tile is also read MN-major (D x C) for S^T += X K:
