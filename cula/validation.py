@@ -68,13 +68,14 @@ def host_offsets(cu_seqlens, cu_seqlens_cpu=None) -> list[int]:
     return (cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu).tolist()
 
 
-def cu_seqlens_(cu_seqlens, B: int, T: int, cu_seqlens_cpu=None) -> int:
-    """cu_seqlens: int32/int64 [N+1], starts at 0, non-decreasing, ends at T; only with B == 1. Returns N.
+def cu_seqlens_(cu_seqlens, B: int, T: int, cu_seqlens_cpu=None) -> list[int] | None:
+    """cu_seqlens: int32/int64 [N+1], starts at 0, non-decreasing, ends at T; only with B == 1. Returns the
+    offsets as Python ints (None without cu_seqlens).
 
     The offsets are read from ``cu_seqlens_cpu`` when the caller gives that host copy (FLA's argument), which
     spares a device synchronisation."""
     if cu_seqlens is None:
-        return B
+        return None
     tensor("cu_seqlens", cu_seqlens, 1, (torch.int32, torch.int64))
     if B != 1:
         raise ValueError(f"`cu_seqlens` needs the batch size of q to be 1 (flatten the sequences), got B={B}")
@@ -89,7 +90,7 @@ def cu_seqlens_(cu_seqlens, B: int, T: int, cu_seqlens_cpu=None) -> int:
         raise ValueError(f"`cu_seqlens` must start at 0 and end at T={T}, got {offsets[0]} ... {offsets[-1]}")
     if any(b < a for a, b in zip(offsets, offsets[1:], strict=False)):
         raise ValueError(f"`cu_seqlens` must be non-decreasing, got {offsets}")
-    return len(offsets) - 1
+    return offsets
 
 
 def state(initial_state, N: int, HV: int, K: int, V: int, state_v_first: bool, varlen: bool) -> None:
@@ -140,11 +141,17 @@ def head_params(
 
 
 def common(args: dict, allow_gva: bool) -> tuple[int, int, int, int, int, int, int]:
-    """Checks shared by every op: q/k/v, scale, cu_seqlens and initial_state. Returns B, T, H, HV, K, V, N."""
+    """Checks shared by every op: q/k/v, scale, cu_seqlens and initial_state. Returns B, T, H, HV, K, V, N.
+
+    For ops that take ``cu_seqlens_cpu``, fills it in from the offsets read here when the caller left it out."""
     B, T, H, HV, K, V = qkv(args["q"], args["k"], args["v"], allow_gva)
     scale(args.get("scale"))
     cu_seqlens = args.get("cu_seqlens")
-    N = cu_seqlens_(cu_seqlens, B, T, args.get("cu_seqlens_cpu"))
+    offsets = cu_seqlens_(cu_seqlens, B, T, args.get("cu_seqlens_cpu"))
+    N = B if offsets is None else len(offsets) - 1
+    if offsets is not None and "cu_seqlens_cpu" in args and args["cu_seqlens_cpu"] is None:
+        # hand the host copy on, so that later steps (the GDN time model, FLA) do not copy the offsets again
+        args["cu_seqlens_cpu"] = torch.tensor(offsets, dtype=cu_seqlens.dtype)
     state(args.get("initial_state"), N, HV, K, V, bool(args.get("state_v_first", False)), cu_seqlens is not None)
     same_device(**{n: t for n, t in args.items() if n != "cu_seqlens" and n != "cu_seqlens_cpu"})
     return B, T, H, HV, K, V, N

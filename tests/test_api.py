@@ -124,6 +124,13 @@ def test_host_copy_of_cu_seqlens_is_checked_too():
     )
 
 
+def test_validation_hands_on_the_host_offsets_it_read():
+    args = cula.dispatch.call_args(gdn_args(cu_seqlens=torch.tensor([0, 5, 20], dtype=torch.int32)))
+    args.update(cu_seqlens_cpu=None, initial_state=None, state_v_first=False, scale=None)
+    CHUNK_GDN.cula_op.validate(args)
+    assert args["cu_seqlens_cpu"].tolist() == [0, 5, 20] and args["cu_seqlens_cpu"].dtype == torch.int32
+
+
 def test_deprecated_transpose_state_layout_means_state_v_first():
     args = gdn_args(initial_state=torch.randn(1, 4, 8, 16), output_final_state=True)
     with pytest.warns(DeprecationWarning, match="state_v_first"):
