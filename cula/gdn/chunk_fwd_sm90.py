@@ -31,6 +31,7 @@ import torch
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cula import runtime
+from cula.ops import sm90_blocks as blocks
 
 CHUNK = 64
 SUPPORTED_DIMS = (128,)
@@ -143,21 +144,11 @@ class GDNChunkFwdSm90:
         mma_rs = sm90_utils.make_trivial_tiled_mma(bf16, bf16, OM.K, OM.K, cutlass.Float32, (1, 1, 1), (C, C), RMEM)
         mma_state = sm90_utils.make_trivial_tiled_mma(bf16, bf16, OM.K, OM.MN, cutlass.Float32, (1, 1, 1), (C, D), RMEM)
 
-        # TMA views with the tiled modes first: (T, D, heads, B)
-        def tma_view(x):
-            return cute.make_tensor(
-                x.iterator,
-                cute.make_layout(
-                    (x.shape[1], x.shape[3], x.shape[2], x.shape[0]),
-                    stride=(x.stride[1], x.stride[3], x.stride[2], x.stride[0]),
-                ),
-            )
-
         one_tile = cute.slice_(tile_k_major, (None, None, 0))
         op = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q, mQ = cpasync.make_tiled_tma_atom(op, tma_view(q), one_tile, (C, D))
-        tma_k, mK = cpasync.make_tiled_tma_atom(op, tma_view(k), one_tile, (C, D))
-        tma_v, mV = cpasync.make_tiled_tma_atom(op, tma_view(v), one_tile, (C, D))
+        tma_q, mQ = cpasync.make_tiled_tma_atom(op, blocks.tma_view(q), one_tile, (C, D))
+        tma_k, mK = cpasync.make_tiled_tma_atom(op, blocks.tma_view(k), one_tile, (C, D))
+        tma_v, mV = cpasync.make_tiled_tma_atom(op, blocks.tma_view(v), one_tile, (C, D))
 
         stages = self.stages
 
@@ -269,9 +260,9 @@ class GDNChunkFwdSm90:
         sT = st.sT.get_tensor(cc_layout.outer, swizzle=cc_layout.inner)
 
         # TMA partitions: this head's (T, D) plane, shifted to the sequence start, cut in C-token tiles
-        tQs, tQg = self.tma_tiles(tma_q, mQ[None, None, h, b], tok0, sQ)
-        tKs, tKg = self.tma_tiles(tma_k, mK[None, None, h, b], tok0, sK)
-        tVs, tVg = self.tma_tiles(tma_v, mV[None, None, hv, b], tok0, sV)
+        tQs, tQg = blocks.tma_chunk_tiles(tma_q, mQ[None, None, h, b], tok0, sQ)
+        tKs, tKg = blocks.tma_chunk_tiles(tma_k, mK[None, None, h, b], tok0, sK)
+        tVs, tVg = blocks.tma_chunk_tiles(tma_v, mV[None, None, hv, b], tok0, sV)
         tma = (tma_q, tQg, tQs, tma_k, tKg, tKs, tma_v, tVg, tVs)
 
         if warp == 0:
@@ -335,7 +326,7 @@ class GDNChunkFwdSm90:
             # ---- 1. WG0: A = strict-lower(beta_i K K^T exp(G_i - G_j)); WG1: P = lower(scale Q K^T exp(G_i - G_j))
             acc_x = thr_ss.make_fragment_C(thr_ss.partition_shape_C((C, C)))
             warpgroup.fence()
-            self.gemm(mma_ss, acc_x, tSSa[None, None, None, 1 - wg, stage], tSSb_K[None, None, None, stage], True)
+            blocks.gemm(mma_ss, acc_x, tSSa[None, None, None, 1 - wg, stage], tSSb_K[None, None, None, stage], True)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
             if wg == 0:
@@ -361,7 +352,7 @@ class GDNChunkFwdSm90:
             # ---- 2. Tinv = (I + A)^-1, one column per thread of warps 0-1; meanwhile warp 2 fetches the next
             # chunk's gates into the other slot (its last readers passed the previous chunk's final barrier)
             if warp < 2:
-                self.solve_unit_lower(sA, sT, tidx)
+                blocks.solve_unit_lower(sA, sT, tidx)
             if warp == 2:
                 nxt = self.load_gates(mG, mBeta, b, hv, tok0, seqlen, c + 1, lane)
                 self.publish_gates(sG, sBeta, 1 - slot, nxt, lane)
@@ -369,12 +360,12 @@ class GDNChunkFwdSm90:
             cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
 
             # ---- 3. state products on this WG's 64 value rows
-            rS = self.acc_to_operand(acc_s)
+            rS = blocks.acc_to_operand(acc_s)
             acc_k = thr_rs.make_fragment_C(acc_cc_shape)
             acc_o = thr_rs.make_fragment_C(acc_cc_shape)
             warpgroup.fence()
-            self.gemm(mma_rs, acc_k, rS, tRSb_K[None, None, None, stage], True)
-            self.gemm(mma_rs, acc_o, rS, tRSb_Q[None, None, None, stage], True)
+            blocks.gemm(mma_rs, acc_k, rS, tRSb_K[None, None, None, stage], True)
+            blocks.gemm(mma_rs, acc_o, rS, tRSb_Q[None, None, None, stage], True)
             warpgroup.commit_group()
 
             # while those run: per-column factors of this thread's 16 accumulator columns (element i has column
@@ -401,10 +392,10 @@ class GDNChunkFwdSm90:
                 r, j = cCC[i]
                 kc = (i % 2) + 2 * (i // 4)
                 acc_k[i] = b_j[kc] * (sV[j, row0 + r, stage].to(f32) - e_g[kc] * acc_k[i])
-            rY = self.acc_to_operand(acc_k)
+            rY = blocks.acc_to_operand(acc_k)
             acc_vn = thr_rs.make_fragment_C(acc_cc_shape)
             warpgroup.fence()
-            self.gemm(mma_rs, acc_vn, rY, tRSb_T, True)
+            blocks.gemm(mma_rs, acc_vn, rY, tRSb_T, True)
             warpgroup.commit_group()
             # O^T inter-chunk part scaled while V_new^T is computed
             for i in cutlass.range_constexpr(cute.size(acc_o)):
@@ -412,13 +403,13 @@ class GDNChunkFwdSm90:
             warpgroup.wait_group(0)
 
             # O^T += V_new^T P^T;  S^T += (V_new^T exp(G_last - G_j)) K
-            rVn = self.acc_to_operand(acc_vn)
+            rVn = blocks.acc_to_operand(acc_vn)
             for i in cutlass.range_constexpr(cute.size(acc_vn)):
                 acc_vn[i] = acc_vn[i] * e_d[(i % 2) + 2 * (i // 4)]
-            rVd = self.acc_to_operand(acc_vn)
+            rVd = blocks.acc_to_operand(acc_vn)
             warpgroup.fence()
-            self.gemm(mma_rs, acc_o, rVn, tRSb_P, False)
-            self.gemm(mma_state, acc_s, rVd, tSTb_K[None, None, None, stage], False)
+            blocks.gemm(mma_rs, acc_o, rVn, tRSb_P, False)
+            blocks.gemm(mma_state, acc_s, rVd, tSTb_K[None, None, None, stage], False)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
 
@@ -451,13 +442,6 @@ class GDNChunkFwdSm90:
             mHt[n, hv, kf, row0 + rf] = acc_s[i]
 
     # ---------------------------------------------------------------- helpers
-    @cute.jit
-    def tma_tiles(self, atom, gX, tok0, sX):
-        gX = cute.local_tile(cute.domain_offset((tok0, 0), gX), (self.C, self.D), (None, 0))
-        return cpasync.tma_partition(
-            atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2)
-        )
-
     @cute.jit
     def issue_tma(self, tma, full, chunk, lane):
         """One warp (the copies elect their issuing lane): the q, k, v tiles of ``chunk`` into its stage, completing
@@ -499,51 +483,6 @@ class GDNChunkFwdSm90:
         sG[lane + 32, slot] = g_hi * _LOG2E
         sBeta[lane, slot] = b_lo
         sBeta[lane + 32, slot] = b_hi
-
-    @cute.jit
-    def solve_unit_lower(self, sAt, sT, col):
-        """Column ``col`` of (I + A)^-1 for strictly lower A (given transposed in ``sAt``), by right-looking forward
-        substitution in fp32: once x_j is final, every later row takes its update at once, so the only serial
-        dependence per step is one FMA; A's column j is read as broadcast 16-byte vectors."""
-        f32 = cutlass.Float32
-        C = self.C
-        acc = cute.make_rmem_tensor(cute.make_layout(C), f32)
-        acc.fill(0.0)
-        a4 = cute.make_rmem_tensor(cute.make_layout((1, 4)), f32)
-        for j in cutlass.range_constexpr(C):
-            xj = -acc[j]
-            if j == col:
-                xj = f32(1.0) - acc[j]
-            acc[j] = xj
-            for blk in cutlass.range_constexpr((j + 1) // 4, C // 4):
-                cute.autovec_copy(cute.local_tile(sAt, (1, 4), (j, blk)), a4)
-                for e in cutlass.range_constexpr(4):
-                    if 4 * blk + e > j:
-                        acc[4 * blk + e] = acc[4 * blk + e] + a4[0, e] * xj
-        for i in cutlass.range_constexpr(C):
-            sT[i, col] = acc[i].to(cutlass.BFloat16)
-
-    @cute.jit
-    def gemm(self, tiled_mma, acc, a_frag, b_frag, zero_init):
-        """acc (+)= A B over all k-blocks of the operands (wgmma, issued not waited)."""
-
-        for kb in cutlass.range_constexpr(cute.size(a_frag, mode=[2])):
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, not (zero_init and kb == 0))
-            cute.gemm(tiled_mma, acc, a_frag[None, None, kb], b_frag[None, None, kb], acc)
-
-    @cute.jit
-    def acc_to_operand(self, acc):
-        """bf16 copy of a (64 x N) fp32 wgmma accumulator laid out as the register A operand of a (64 x N) x
-        (N x .) wgmma: per 8-column block each thread holds (2 cols, 2 rows); an A k-block of 16 is two such blocks,
-        so the register order is unchanged and only the layout's grouping differs."""
-
-        n8 = cute.size(acc) // 4
-        a_layout = cute.make_layout(((2, 2, 2), 1, n8 // 2), stride=((1, 2, 4), 0, 8))
-        frag = cute.make_rmem_tensor(a_layout, cutlass.BFloat16)
-        flat = cute.make_tensor(frag.iterator, cute.make_layout(cute.size(acc)))
-        acc_flat = cute.make_tensor(acc.iterator, cute.make_layout(cute.size(acc)))
-        flat.store(acc_flat.load().to(cutlass.BFloat16))
-        return frag
 
 
 # -------------------------------------------------------------------- compile + Python entry
