@@ -1,0 +1,93 @@
+"""Splitting long sequences across CTAs for the fused delta-rule chunk kernels (GDN, KDA).
+
+A fused kernel runs one CTA per (sequence, value head) and walks its chunks in series, so a few long sequences
+with few heads leave most SMs idle (B1 T65536 H8 runs 8 CTAs). The recurrence is affine in the state: over a
+segment, ``S_end = M S_start + S_local`` with ``S_local`` the segment's final state from a zero start and ``M``
+(K x K) its transition, which is the final state of the same recurrence run with ``v = 0`` from ``S = I``. The
+outputs are affine as well: ``o = o_local + o_hom``, ``o_hom`` being the output of the ``v = 0`` recurrence started
+from ``S_start``. A kernel that runs these three modes over a list of token ranges therefore splits a sequence:
+
+- ``"full"``: every segment from a zero state; writes ``o_local``, returns ``S_local``;
+- ``"transition"``: ``v = 0`` from ``S = I``, no output; returns ``M`` (segments whose successor needs a start);
+- ``"correction"``: ``v = 0`` from the given starts; adds ``o_hom`` to ``o``; returns the final states.
+
+Between the passes the starts chain through one K x K by K x V product per segment (``chain_starts``).
+Costs three walks of a segment instead of one walk of the sequence, so it pays only when the longest sequence
+is well over three times the chunks each SM gets when all of them are spread (``plan_segments``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+# (mode, starts, ends, initial states or None, out) -> final states [len(starts), HV, K, K or V] fp32
+RangeRunner = Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]
+
+
+def plan_segments(lengths: list[int], HV: int, num_sms: int, chunk: int = 64) -> list[list[int]] | None:
+    """Cut points per sequence (token counts from its start, a multiple of ``chunk``) that spread the chunk walks
+    over ``num_sms`` CTAs, one CTA per SM; None when splitting would not beat walking each sequence whole."""
+    chunks = [-(-n // chunk) for n in lengths]
+    total = sum(chunks)
+    if total == 0:
+        return None
+    budget = max(num_sms // HV, 1)  # CTAs per head that still fit one wave
+    spread = math.ceil(total * HV / num_sms)
+    seg = max(math.ceil(total / budget), 1)
+    while sum(-(-c // seg) for c in chunks) > max(budget, len(chunks)):
+        seg += 1
+    # three passes over segments of `seg` chunks against one pass over the longest sequence
+    if 3 * max(seg, spread) >= max(chunks):
+        return None
+    return [list(range(seg * chunk, n, seg * chunk)) for n in lengths]
+
+
+def split_forward(
+    run: RangeRunner,
+    offsets: list[int],
+    cuts: list[list[int]],
+    initial_state: torch.Tensor | None,
+    out: torch.Tensor,
+    need_final_state: bool,
+) -> torch.Tensor | None:
+    """Run one op over sequences ``[offsets[n], offsets[n+1])`` of the flattened token axis, each cut at
+    ``offsets[n] + cuts[n]``. ``initial_state`` is [N, HV, K, V] fp32 or None; ``out`` receives o. Returns the
+    final states [N, HV, K, V] (or None when not needed)."""
+    dev = out.device
+    segs = []  # (sequence, start, end)
+    for n, (a, b) in enumerate(zip(offsets[:-1], offsets[1:], strict=True)):
+        bounds = [a] + [a + c for c in cuts[n]] + [b]
+        segs += [(n, s, e) for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
+
+    def ranges(idx):
+        t = torch.tensor([[segs[i][1] for i in idx], [segs[i][2] for i in idx]], dtype=torch.int32)
+        t = t.to(dev, non_blocking=True)
+        return t[0], t[1]
+
+    all_idx = list(range(len(segs)))
+    local = run("full", *ranges(all_idx), None, out)
+    last = {n: i for i, (n, _, _) in enumerate(segs)}  # each sequence's last segment
+    trans_idx = [i for i in all_idx if last[segs[i][0]] != i]
+    trans = run("transition", *ranges(trans_idx), None, out) if trans_idx else None
+    trans_of = {i: j for j, i in enumerate(trans_idx)}
+
+    # starts: S_start(first) = h0 (or zero); S_start(next) = M S_start + S_local
+    starts: list[torch.Tensor | None] = [None] * len(segs)
+    state: dict[int, torch.Tensor | None] = {}
+    for i, (n, _, _) in enumerate(segs):
+        s = state.get(n, None if initial_state is None else initial_state[n])
+        starts[i] = s
+        if i in trans_of:
+            state[n] = local[i] if s is None else torch.matmul(trans[trans_of[i]], s) + local[i]
+    corr_idx = [i for i in all_idx if starts[i] is not None]
+    final = {}
+    if corr_idx:
+        h0 = torch.stack([starts[i] for i in corr_idx])
+        hom = run("correction", *ranges(corr_idx), h0, out)
+        final = {segs[i][0]: hom[j] + local[i] for j, i in enumerate(corr_idx) if last[segs[i][0]] == i}
+    if not need_final_state:
+        return None
+    return torch.stack([final.get(n, local[i]) for n, i in sorted(last.items())])

@@ -1,0 +1,76 @@
+"""Sequence splitting (cula.ops.segment_split) on the CPU: the split passes, run by the fp32 reference over token
+ranges, must give the outputs and final states of the unsplit recurrence (GDN scalar gate and KDA per-key gate)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cula.ops.delta_rule_ref import linear_attn_ref
+from cula.ops.segment_split import plan_segments, split_forward
+
+
+def reference_runner(q, k, v, g, beta, scale):
+    """The RangeRunner contract, on the flattened token axis of [1, T, ...] inputs, by the chunked reference."""
+
+    def run(mode, starts, ends, h0, out):
+        idx = torch.cat([torch.arange(int(a), int(b)) for a, b in zip(starts, ends, strict=True)])
+        cu = torch.tensor([0] + torch.cumsum(ends - starts, 0).tolist())
+        vv = v[:, idx] if mode == "full" else torch.zeros_like(v[:, idx])
+        if mode == "transition":
+            K = q.shape[-1]
+            vv = torch.zeros(*v[:, idx].shape[:-1], K, dtype=v.dtype)
+            h0 = torch.eye(K).expand(len(starts), v.shape[2], K, K).contiguous()
+        o, ht = linear_attn_ref(
+            q[:, idx], k[:, idx], vv, g=g[:, idx], beta=beta[:, idx], scale=scale,
+            initial_state=h0, output_final_state=True, cu_seqlens=cu,
+        )  # fmt: skip
+        if mode == "full":
+            out[:, idx] = o
+        elif mode == "correction":
+            out[:, idx] += o
+        return ht
+
+    return run
+
+
+def make(T, H, HV, K, per_key):
+    q = F.normalize(torch.randn(1, T, H, K, dtype=torch.float64), dim=-1)
+    k = F.normalize(torch.randn(1, T, H, K, dtype=torch.float64), dim=-1)
+    v = torch.randn(1, T, HV, K, dtype=torch.float64)
+    g = F.logsigmoid(torch.randn(1, T, HV, *((K,) if per_key else ()), dtype=torch.float64) + 2)
+    beta = torch.rand(1, T, HV, dtype=torch.float64)
+    return q, k, v, g, beta
+
+
+@pytest.mark.parametrize("per_key", [False, True])
+@pytest.mark.parametrize("with_h0", [False, True])
+def test_split_matches_unsplit(per_key, with_h0):
+    lengths = [1, 300, 64, 450]  # cut: 300 at 64/128, 450 at 192; 1 and 64 stay whole
+    cuts = [[], [64, 128], [], [192]]
+    offsets = [0] + torch.cumsum(torch.tensor(lengths), 0).tolist()
+    H, HV, K = 1, 2, 16
+    q, k, v, g, beta = make(offsets[-1], H, HV, K, per_key)
+    h0 = torch.randn(len(lengths), HV, K, K, dtype=torch.float64) if with_h0 else None
+    cu = torch.tensor(offsets)
+    o_ref, ht_ref = linear_attn_ref(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    out = torch.full_like(o_ref, float("nan"))
+    ht = split_forward(reference_runner(q, k, v, g, beta, K**-0.5), offsets, cuts, h0, out, True)
+    torch.testing.assert_close(out, o_ref, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(ht, ht_ref, rtol=1e-9, atol=1e-9)
+
+
+def test_plan_segments():
+    # B1 T65536 H8 on 132 SMs: 16 segments of 64 chunks per head (128 CTAs in one wave)
+    cuts = plan_segments([65536], 8, 132)
+    assert cuts == [list(range(4096, 65536, 4096))]
+    # many heads or balanced batches: walking whole sequences is at least as fast
+    assert plan_segments([8192], 64, 132) is None
+    assert plan_segments([2048] * 8, 32, 132) is None
+    # cut points are chunk multiples inside each sequence, and the segments fit one wave
+    lengths = [40000, 100, 9000]
+    cuts = plan_segments(lengths, 4, 132)
+    assert cuts is not None
+    segments = sum(len(c) + 1 for c in cuts)
+    assert segments * 4 <= 132
+    for n, c in zip(lengths, cuts, strict=True):
+        assert all(x % 64 == 0 and 0 < x < n for x in c) and c == sorted(c)
