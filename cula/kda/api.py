@@ -7,8 +7,9 @@ from typing import Any
 import torch
 
 from cula import validation
-from cula.dispatch import Op, bind, call_args
+from cula.dispatch import CuteKernel, Op, bind, call_args, requires_grad
 from cula.kda import reference
+from cula.ops.gates import kda_gate, qk_beta_transforms
 
 
 def _validate_chunk(args: dict[str, Any]) -> None:
@@ -105,3 +106,64 @@ RECURRENT = bind(
     ),
     fused_recurrent_kda,
 )
+
+
+def _sm90_supports(args: dict[str, Any]) -> tuple[bool, str]:
+    if requires_grad(args):
+        return False, "inputs require grad: forward-only kernel (backward kernel not landed)"
+    if args.get("cp_context") is not None:
+        return False, "context parallelism (cp_context) is served by FLA only"
+    if args.get("chunk_size", 64) != 64:
+        return False, f"chunk_size={args['chunk_size']}: the kernel uses 64"
+    if not args.get("safe_gate", False):
+        return False, "unbounded gate (safe_gate=False): FLA's exact path serves it"
+    lower_bound = args.get("lower_bound")
+    if lower_bound is not None and lower_bound < -5:
+        return False, f"lower_bound={lower_bound}: the kernel's intra-chunk factors need gates >= -5"
+    if args.get("return_intermediate_states", False):
+        return False, "return_intermediate_states: the kernel keeps the per-chunk states on chip"
+    if args.get("use_graph", False):
+        return False, "use_graph (FLA's static CUDA-graph buffers) is served by FLA only"
+    from cula.kda import chunk_fwd_sm90  # imports the CuTe DSL: only on an SM90 device
+
+    # g and beta are checked after the pre-passes of _sm90_run, which give them the kernel's dtypes
+    return chunk_fwd_sm90.supports(
+        args["q"], args["k"], args["v"], None, None, args["initial_state"], args["cu_seqlens"]
+    )
+
+
+def _sm90_run(args: dict[str, Any]):
+    from cula.kda.chunk_fwd_sm90 import chunk_kda_fwd_sm90
+
+    q, k, v = args["q"], args["k"], args["v"]
+    # The in-kernel options run as separate element-wise passes for now (as for GDN); fusing them into the
+    # kernel saves one read and write of q, k and the gates.
+    q2, k2, beta = qk_beta_transforms(
+        q,
+        k,
+        args["beta"],
+        args["use_qk_l2norm_in_kernel"],
+        args["use_beta_sigmoid_in_kernel"],
+        args["allow_neg_eigval"],
+    )
+    if beta.dtype not in (torch.float32, torch.bfloat16):
+        beta = beta.float()
+    g = args["g"]
+    if args.get("use_gate_in_kernel"):
+        g = kda_gate(g, args.get("A_log"), args.get("dt_bias"), args.get("lower_bound"))
+    o, final_state = chunk_kda_fwd_sm90(
+        q2.to(q.dtype).contiguous(),
+        k2.to(k.dtype).contiguous(),
+        v.contiguous(),
+        g.float().contiguous(),
+        beta.contiguous(),
+        args["scale"],
+        args["initial_state"],
+        args["output_final_state"],
+        args["cu_seqlens"],
+        args["state_v_first"],
+    )
+    return o.to(q.dtype), final_state
+
+
+CHUNK.register_kernel(CuteKernel("kda.chunk_fwd_sm90", 9, _sm90_supports, _sm90_run))

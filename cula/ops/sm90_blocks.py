@@ -5,6 +5,8 @@ All are ``@cute.jit`` functions inlined into the calling kernel:
 - :func:`tma_view` / :func:`tma_chunk_tiles`: TMA views of a ``[B, T, heads, D]`` tensor cut in ``C``-token tiles.
 - :func:`gemm`: ``acc (+)= A B`` over all k-blocks with wgmma (issued, not waited).
 - :func:`acc_to_operand`: a (64 x N) fp32 wgmma accumulator as the bf16 register A operand of the next wgmma.
+- :func:`acc_to_operand_split`: the same as a bf16 pair hi + lo that carries the accumulator to ~16 bits.
+- :func:`empty_operand`: an uninitialised bf16 register A operand, in the register order of a (64 x N) accumulator.
 - :func:`solve_unit_lower`: one column of ``(I + A)^-1`` for a strictly lower ``A`` (the chunk's WY/UT inverse).
 """
 
@@ -53,6 +55,29 @@ def acc_to_operand(acc):
     acc_flat = cute.make_tensor(acc.iterator, cute.make_layout(cute.size(acc)))
     flat.store(acc_flat.load().to(cutlass.BFloat16))
     return frag
+
+
+@cute.jit
+def acc_to_operand_split(acc):
+    """:func:`acc_to_operand` as two bf16 operands, hi = bf16(acc) and lo = bf16(acc - hi): a product taken with
+    both (two wgmmas into one accumulator) sees the accumulator to about 16 mantissa bits instead of 8."""
+    hi = acc_to_operand(acc)
+    n8 = cute.size(acc) // 4
+    lo = cute.make_rmem_tensor(cute.make_layout(((2, 2, 2), 1, n8 // 2), stride=((1, 2, 4), 0, 8)), cutlass.BFloat16)
+    hi_flat = cute.make_tensor(hi.iterator, cute.make_layout(cute.size(acc)))
+    lo_flat = cute.make_tensor(lo.iterator, cute.make_layout(cute.size(acc)))
+    acc_flat = cute.make_tensor(acc.iterator, cute.make_layout(cute.size(acc)))
+    lo_flat.store((acc_flat.load() - hi_flat.load().to(cutlass.Float32)).to(cutlass.BFloat16))
+    return hi, lo
+
+
+@cute.jit
+def empty_operand(n: cutlass.Constexpr):
+    """An uninitialised bf16 register A operand of a (64 x N) x (N x .) wgmma holding ``n`` = N / 2 elements per
+    thread, in the layout :func:`acc_to_operand` returns: its flat element ``i`` sits at the (row, column) of flat
+    element ``i`` of a (64 x N) fp32 accumulator, so a caller fills it from the accumulator's identity partition."""
+    n8 = n // 4
+    return cute.make_rmem_tensor(cute.make_layout(((2, 2, 2), 1, n8 // 2), stride=((1, 2, 4), 0, 8)), cutlass.BFloat16)
 
 
 @cute.jit

@@ -1,0 +1,661 @@
+"""Kimi Delta Attention (KDA) chunked-prefill forward for SM90 (sm_90a), CuTe DSL.
+
+One CTA per (sequence, value head) walks the sequence in chunks of C = 64 tokens and keeps the fp32 state on chip
+across all chunks. KDA is GDN with a per-key gate: g_t in R^K (natural log, <= 0). Per token (FLA convention, state
+S is K x V):  S' = diag(exp(g_t)) S;  u_t = beta_t (v_t - S'^T k_t);  S = S' + k_t u_t^T;  o_t = S^T (scale q_t).
+Per chunk, with G the inclusive cumulative sum of g over the chunk's tokens (C x K, per key channel):
+
+    A     = strict_tril(diag(beta) sum_k K_ik K_jk exp(G_ik - G_jk))         Tinv = (I + A)^-1
+    Y     = diag(beta) (V - (K * exp(G)) S)                                   V_new = Tinv Y
+    O     = scale (Q * exp(G)) S + tril(scale sum_k Q_ik K_jk exp(G_ik - G_jk)) V_new
+    S    <- diag(exp(G_last)) S + (K * exp(G_last - G))^T V_new
+
+As in the GDN kernel (cula/gdn/chunk_fwd_sm90.py) the state is held as S^T (V x K): each of the two math
+warpgroups keeps 64 value rows x 128 key columns as a wgmma fp32 accumulator, every product with S takes S^T (bf16)
+as the register A operand, and the per-channel gate factors ride in bf16 B tiles built in shared memory each chunk:
+K * 2^G and Q * 2^G (K-major) for S^T K^T and S^T Q^T, K * 2^(G_last - G) (read MN-major) for the state update; the
+chunk decay multiplies the state's columns (key channels) by 2^G_last. G is kept in log2 units.
+
+Intra-chunk factors (A and P): exp(G_ik - G_jk) has a per-channel factor inside the sum over k, so A and P are
+products of scaled operands, L_i . R_j with L_ik = x_ik 2^(G_ik - G_rk), R_jk = k_jk 2^(G_rk - G_jk) for a reference
+token r. One reference cannot serve all 64 tokens (factors reach 2^(+-64 * 5 / ln 2)); the kernel splits the
+columns j into two 32-token halves with references r = 16 and r = 48. Within a half |j - r| <= 16, so with every
+g_t >= lower_bound >= -5 (FLA's safe_gate promise) R stays in [2^-116, 2^116]; the left factor is at most 2^116
+too (rows of the half's own block; rows before the block are masked to zero). Rows after the block (i >= 32
+against r = 16) have left factors <= 1 that may underflow to zero: only when their true products with R are below
+e^(-87 + 75) ~ 5e-6, far under bf16 resolution. Everything else is exact up to bf16 rounding of the operands.
+
+Shapes (torch order): q, k [B, T, H, K] bf16; v [B, T, HV, V] bf16; g [B, T, HV, K] fp32 (natural-log gate,
+already activated, >= -5); beta [B, T, HV] bf16/fp32; o [B, T, HV, V] bf16; state [N, HV, K, V] fp32
+([N, HV, V, K] when state_v_first). Varlen: B == 1 and cu_seqlens [N + 1] int32. GVA: value head hv reads q/k head
+hv // (HV / H). K = V = 128.
+"""
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+import torch
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from cula import runtime
+from cula.ops import sm90_blocks as blocks
+
+CHUNK = 64
+SUPPORTED_DIMS = (128,)
+# the lowest gate the intra-chunk factorisation tolerates (module docstring)
+LOWER_BOUND_MIN = -5.0
+_LOG2E = math.log2(math.e)
+
+
+def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, **_) -> tuple[bool, str]:
+    """Whether :func:`chunk_kda_fwd_sm90` can serve these inputs, and why not. The gate bound (g >= -5) is the
+    caller's promise (FLA's ``safe_gate``) and is not checked here."""
+    if not (q.is_cuda and k.is_cuda and v.is_cuda):
+        return False, "tensors are not on a CUDA device"
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False, f"needs an SM90 (compute capability 9.0) GPU, got {torch.cuda.get_device_capability(q.device)}"
+    if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
+        return False, f"q, k, v must be bfloat16 (got {q.dtype}, {k.dtype}, {v.dtype})"
+    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:2] != q.shape[:2]:
+        return False, "expected q, k [B, T, H, K] and v [B, T, HV, V]"
+    K, V, H, HV = q.shape[-1], v.shape[-1], q.shape[2], v.shape[2]
+    if K not in SUPPORTED_DIMS or V not in SUPPORTED_DIMS or K != V:
+        return False, f"head dims K={K}, V={V} not supported (supported: K = V in {SUPPORTED_DIMS})"
+    if HV % H != 0:
+        return False, f"HV={HV} must be a multiple of H={H}"
+    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+        return False, "q, k, v must be contiguous"
+    if g is not None and (g.dtype != torch.float32 or tuple(g.shape) != (*v.shape[:3], K) or not g.is_contiguous()):
+        return False, "g must be contiguous float32 [B, T, HV, K]"
+    if beta is not None and (beta.dtype not in (torch.float32, torch.bfloat16) or beta.shape != v.shape[:3]):
+        return False, "beta must be float32 or bfloat16 [B, T, HV]"
+    if cu_seqlens is not None and q.shape[0] != 1:
+        return False, "varlen (cu_seqlens) needs B == 1"
+    if initial_state is not None and initial_state.dtype != torch.float32:
+        return False, "initial_state must be float32"
+    return True, ""
+
+
+class KDAChunkFwdSm90:
+    """Fused KDA forward: TMA loads of the q/k/g and v chunk tiles (one buffer each, refilled as soon as the
+    chunk's last reader is done), wgmma for every product, the chunk's triangular inverse solved in-kernel in fp32,
+    the state in registers across chunks.
+
+    Threads: 256 = two warpgroups. WG w owns value rows [64 w, 64 w + 64) of S^T. Per chunk:
+      0. WG0 threads (one key channel each): G = cumsum(g) * log2(e) in place in the g tile, G_last, 2^G_last;
+         threads 128-191: beta. Then all threads: R_j = k_j 2^(G_r - G_j) (r = 16 | 48 per 32-token half) -> smem
+      1. WG0: A = K-left . R (fp32, smem, transposed);  WG1: P = Q-left . R (bf16, smem); the left operands
+         x_i 2^(G_i - G_r) are built in registers                                          [wgmma RS, N = 32 x 2]
+      2. warps 0-1: Tinv = (I + A)^-1, one column per thread -> smem bf16; warps 2-7 meanwhile build the B tiles
+         K 2^G, Q 2^G and K 2^(G_last - G) (zero past the sequence end); then warp 0 refills q/k/g
+      3. each WG on its 64 value rows: S^T (K 2^G)^T, S^T (Q 2^G)^T, V_new^T, O^T, state decay and update [wgmma RS]
+      4. O staged through smem and stored with rows past the sequence end masked; warp 0 refills v.
+
+    Shared memory: q|k 32 KB, v 16 KB, g/G 32 KB (fp32), R, K 2^G, Q 2^G, K 2^(G_last - G) 16 KB each, A^T 17 KB
+    (fp32, padded rows), O staging 17 KB, P and Tinv 8 KB each: about 197 KB.
+    """
+
+    def __init__(
+        self,
+        head_dim: int = 128,
+        beta_fp32: bool = True,
+        is_varlen: bool = False,
+        has_initial_state: bool = False,
+        state_v_first: bool = False,
+    ):
+        assert head_dim in SUPPORTED_DIMS
+        self.D = head_dim
+        self.C = CHUNK
+        self.half = CHUNK // 2  # intra-chunk column halves, reference tokens half // 2 and half + half // 2
+        self.beta_fp32 = beta_fp32
+        self.is_varlen = is_varlen
+        self.has_h0 = has_initial_state
+        self.state_v_first = state_v_first
+        self.threads = 256
+        self.a_stride = 68  # padded fp32 row of A^T: 16-byte aligned rows, conflict-free stores from the accumulator
+        self.o_stride = self.D + 8  # padded bf16 row of the O staging tile
+
+    # ---------------------------------------------------------------- host side
+    @cute.jit
+    def __call__(self, q, k, v, g, beta, o, h0, ht, cu_seqlens, scale, stream):
+
+        D, C, Hf = self.D, self.C, self.half
+        bf16 = cutlass.BFloat16
+        f32 = cutlass.Float32
+        OM = cute.nvgpu.OperandMajorMode
+        RMEM = warpgroup.OperandSource.RMEM
+        atom_k = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, bf16)
+
+        # q and k tiles side by side (C, D, q|k, 1); v (C, D, 1); the gate tile (C, D, 1) fp32, 128B swizzle so the
+        # per-channel scan and the operand builders read it without bank conflicts
+        tile_qk = cute.tile_to_shape(atom_k, (C, D, 2, 1), order=(0, 1, 2, 3))
+        tile_v = cute.tile_to_shape(atom_k, (C, D, 1), order=(0, 1, 2))
+        tile_g = cute.tile_to_shape(
+            warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, f32), (C, D, 1), order=(0, 1, 2)
+        )
+        # derived B tiles: R in two 32-token halves (Hf, D, 2); K 2^G | Q 2^G (C, D, 2); K 2^(G_last - G) read
+        # MN-major (D, C) and written through that view
+        tile_r = cute.tile_to_shape(atom_k, (Hf, D, 2), order=(0, 1, 2))
+        tile_xg = cute.tile_to_shape(atom_k, (C, D, 2), order=(0, 1, 2))
+        tile_kd = cute.tile_to_shape(
+            warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, bf16), (D, C), order=(1, 0)
+        )
+        cc_layout = cute.tile_to_shape(atom_k, (C, C), order=(0, 1))
+
+        # (rows, cols) = (M, N) of each product; K extent comes from the operands
+        mma_half = sm90_utils.make_trivial_tiled_mma(bf16, bf16, OM.K, OM.K, f32, (1, 1, 1), (C, Hf), RMEM)
+        mma_rs = sm90_utils.make_trivial_tiled_mma(bf16, bf16, OM.K, OM.K, f32, (1, 1, 1), (C, C), RMEM)
+        mma_state = sm90_utils.make_trivial_tiled_mma(bf16, bf16, OM.K, OM.MN, f32, (1, 1, 1), (C, D), RMEM)
+
+        one_tile = cute.slice_(tile_v, (None, None, 0))
+        op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, mQ = cpasync.make_tiled_tma_atom(op, blocks.tma_view(q), one_tile, (C, D))
+        tma_k, mK = cpasync.make_tiled_tma_atom(op, blocks.tma_view(k), one_tile, (C, D))
+        tma_v, mV = cpasync.make_tiled_tma_atom(op, blocks.tma_view(v), one_tile, (C, D))
+        tma_g, mGt = cpasync.make_tiled_tma_atom(op, blocks.tma_view(g), cute.slice_(tile_g, (None, None, 0)), (C, D))
+
+        @cute.struct
+        class Storage:
+            bars: cute.struct.MemRange[cutlass.Int64, 2]  # q/k/g loaded, v loaded
+            sBeta: cute.struct.MemRange[f32, C]
+            sGl: cute.struct.MemRange[f32, D]
+            sDec: cute.struct.MemRange[f32, D]
+            sA: cute.struct.Align[cute.struct.MemRange[f32, C * self.a_stride], 128]
+            sO: cute.struct.Align[cute.struct.MemRange[bf16, C * self.o_stride], 128]
+            sGt: cute.struct.Align[cute.struct.MemRange[f32, cute.cosize(tile_g)], 1024]
+            sQK: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_qk)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_v)], 1024]
+            sR: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_r)], 1024]
+            sXG: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_xg)], 1024]
+            sKD: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_kd)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(cc_layout)], 1024]
+            sT: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(cc_layout)], 1024]
+
+        self.storage = Storage
+        self.qkg_bytes = 2 * C * D * 2 + C * D * 4
+        self.v_bytes = C * D * 2
+        HV = v.shape[2]
+        N = ht.shape[0]
+        self.kernel(
+            mma_half,
+            mma_rs,
+            mma_state,
+            tma_q,
+            mQ,
+            tma_k,
+            mK,
+            tma_v,
+            mV,
+            tma_g,
+            mGt,
+            beta,
+            o,
+            h0,
+            ht,
+            cu_seqlens,
+            q.shape[2],
+            q.shape[1],
+            HV,
+            scale,
+            tile_qk,
+            tile_v,
+            tile_g,
+            tile_r,
+            tile_xg,
+            tile_kd,
+            cc_layout,
+        ).launch(grid=(HV, N, 1), block=(self.threads, 1, 1), smem=Storage.size_in_bytes(), stream=stream)
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(
+        self,
+        mma_half,
+        mma_rs,
+        mma_state,
+        tma_q,
+        mQ,
+        tma_k,
+        mK,
+        tma_v,
+        mV,
+        tma_g,
+        mGt,
+        mBeta,
+        mO,
+        mH0,
+        mHt,
+        mCu,
+        H,
+        T,
+        HV,
+        scale,
+        tile_qk,
+        tile_v,
+        tile_g,
+        tile_r,
+        tile_xg,
+        tile_kd,
+        cc_layout,
+    ):
+
+        C, D, Hf = self.C, self.D, self.half
+        f32 = cutlass.Float32
+        bf16 = cutlass.BFloat16
+        tidx, _, _ = cute.arch.thread_idx()
+        hv, n, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        wg = warp // 4  # math warpgroup: value rows [64 wg, 64 wg + 64) of S^T
+        wtid = tidx % 128
+        h = hv // (HV // H)
+
+        # sequence bounds: varlen packs all sequences in batch 0
+        b = n
+        tok0 = cutlass.Int32(0)
+        seqlen = T
+        if cutlass.const_expr(self.is_varlen):
+            b = cutlass.Int32(0)
+            tok0 = cutlass.Int32(mCu[n])
+            seqlen = cutlass.Int32(mCu[n + 1]) - tok0
+        n_chunks = (seqlen + C - 1) // C
+
+        smem = cutlass.memory.SmemAllocator()
+        st = smem.allocate(self.storage)
+        bar_qkg = st.bars.data_ptr()
+        bar_v = bar_qkg + 1
+        sBeta = st.sBeta.get_tensor(cute.make_layout(C))
+        sGl = st.sGl.get_tensor(cute.make_layout(D))  # G_last (log2 units) per key channel
+        sDec = st.sDec.get_tensor(cute.make_layout(D))  # 2^G_last: the chunk's state decay per key channel
+        sA = st.sA.get_tensor(cute.make_layout((C, self.a_stride), stride=(self.a_stride, 1)))
+        sO = st.sO.get_tensor(cute.make_layout((C, self.o_stride), stride=(self.o_stride, 1)))
+        sGt3 = st.sGt.get_tensor(tile_g.outer, swizzle=tile_g.inner)
+        sG = sGt3[None, None, 0]
+        sQK = st.sQK.get_tensor(tile_qk.outer, swizzle=tile_qk.inner)
+        sQ3 = sQK[None, None, 0, None]
+        sK3 = sQK[None, None, 1, None]
+        sV3 = st.sV.get_tensor(tile_v.outer, swizzle=tile_v.inner)
+        sV = sV3[None, None, 0]
+        sR = st.sR.get_tensor(tile_r.outer, swizzle=tile_r.inner)
+        sXG = st.sXG.get_tensor(tile_xg.outer, swizzle=tile_xg.inner)
+        sKG = sXG[None, None, 0]
+        sQG = sXG[None, None, 1]
+        sKD = st.sKD.get_tensor(tile_kd.outer, swizzle=tile_kd.inner)  # (D, C): element [k, j]
+        sP = st.sP.get_tensor(cc_layout.outer, swizzle=cc_layout.inner)
+        sT = st.sT.get_tensor(cc_layout.outer, swizzle=cc_layout.inner)
+
+        # TMA partitions: this head's (T, D) plane, shifted to the sequence start, cut in C-token tiles
+        tQs, tQg = blocks.tma_chunk_tiles(tma_q, mQ[None, None, h, b], tok0, sQ3)
+        tKs, tKg = blocks.tma_chunk_tiles(tma_k, mK[None, None, h, b], tok0, sK3)
+        tVs, tVg = blocks.tma_chunk_tiles(tma_v, mV[None, None, hv, b], tok0, sV3)
+        tGs, tGg = blocks.tma_chunk_tiles(tma_g, mGt[None, None, hv, b], tok0, sGt3)
+        tma_qkg = (tma_q, tQg, tQs, tma_k, tKg, tKs, tma_g, tGg, tGs)
+
+        if warp == 0:
+            cpasync.prefetch_descriptor(tma_q)
+            cpasync.prefetch_descriptor(tma_k)
+            cpasync.prefetch_descriptor(tma_v)
+            cpasync.prefetch_descriptor(tma_g)
+        if tidx == 0:
+            cute.arch.mbarrier_init(bar_qkg, 1)
+            cute.arch.mbarrier_init(bar_v, 1)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        if warp == 0:
+            if n_chunks > 0:
+                self.issue_qkg(tma_qkg, bar_qkg, cutlass.Int32(0), lane)
+                self.issue_v(tma_v, tVg, tVs, bar_v, cutlass.Int32(0), lane)
+
+        # ---- per-thread MMA partitions (each warpgroup works on its own 64 rows)
+        thr_h = mma_half.get_slice(wtid)
+        thr_rs = mma_rs.get_slice(wtid)
+        thr_st = mma_state.get_slice(wtid)
+        tHb_R = thr_h.make_fragment_B(thr_h.partition_B(sR))
+        tRSb_KG = thr_rs.make_fragment_B(thr_rs.partition_B(sKG))
+        tRSb_QG = thr_rs.make_fragment_B(thr_rs.partition_B(sQG))
+        tRSb_T = thr_rs.make_fragment_B(thr_rs.partition_B(sT))
+        tRSb_P = thr_rs.make_fragment_B(thr_rs.partition_B(sP))
+        tSTb_KD = thr_st.make_fragment_B(thr_st.partition_B(sKD))
+        # coordinates of accumulator elements
+        cH = thr_h.partition_C(cute.make_identity_tensor((C, Hf)))
+        cCC = thr_rs.partition_C(cute.make_identity_tensor((C, C)))
+        cST = thr_st.partition_C(cute.make_identity_tensor((C, D)))
+
+        acc_cc_shape = thr_rs.partition_shape_C((C, C))
+        acc_h_shape = thr_h.partition_shape_C((C, Hf))
+        acc_s = thr_st.make_fragment_C(thr_st.partition_shape_C((C, D)))  # S^T rows of this WG, fp32
+        row0 = wg * C
+
+        if cutlass.const_expr(self.has_h0):
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                rh, kh = cST[i]
+                acc_s[i] = mH0[n, hv, kh, row0 + rh]
+        else:
+            acc_s.fill(0.0)
+
+        for c in cutlass.range(n_chunks, unroll=1):
+            L = cutlass.min(seqlen - c * C, C)
+            cute.arch.mbarrier_wait(bar_qkg, c % 2)
+
+            # ---- 0. G = cumsum(g) in log2 units, in place (one key channel per WG0 thread; tokens past the
+            # sequence end get g = 0); beta (0 past the end)
+            if tidx < D:
+                run = f32(0.0)
+                for t in cutlass.range_constexpr(C):
+                    gt = f32(0.0)
+                    if t < L:
+                        gt = sG[t, tidx] * _LOG2E
+                    run = run + gt
+                    sG[t, tidx] = run
+                gl = sG[L - 1, tidx]
+                sGl[tidx] = gl
+                sDec[tidx] = cute.math.exp2(gl, fastmath=True)
+            elif tidx < D + C:
+                tb = tidx - D
+                bt = f32(0.0)
+                if tb < L:
+                    bt = mBeta[b, tok0 + c * C + tb, hv].to(f32)
+                sBeta[tb] = bt
+            cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+
+            # R_j = k_j 2^(G_r - G_j), r the reference token of j's half; |j - r| <= 16 keeps it in range
+            for it in cutlass.range_constexpr(C * D // self.threads):
+                j = 2 * it + tidx // D
+                kk = tidx % D
+                hf = (2 * it) // Hf  # the half of row j (constant per iteration)
+                ref = Hf * hf + Hf // 2
+                xr = sK3[j, kk, 0].to(f32) * cute.math.exp2(sG[ref, kk] - sG[j, kk], fastmath=True)
+                sR[j - Hf * hf, kk, hf] = xr.to(bf16)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+
+            # ---- 1. WG0: A = strict-lower(beta_i sum_k K_ik K_jk 2^(G_ik - G_jk)); WG1: P = lower(scale Q ...).
+            # Left operands in registers: x_i 2^(G_i - G_r) per half (rows before the second half's block are
+            # zero: their factor against r = 48 would overflow and their entries are above the diagonal)
+            l0 = blocks.empty_operand(cute.size(cST))
+            l1 = blocks.empty_operand(cute.size(cST))
+            for i in cutlass.range_constexpr(cute.size(cST)):
+                ri, ki = cST[i]
+                x = sQK[ri, ki, 1 - wg, 0].to(f32)
+                gi = sG[ri, ki]
+                l0[i] = (x * cute.math.exp2(gi - sG[Hf // 2, ki], fastmath=True)).to(bf16)
+                x1 = f32(0.0)
+                if ri >= Hf:
+                    x1 = x * cute.math.exp2(gi - sG[Hf + Hf // 2, ki], fastmath=True)
+                l1[i] = x1.to(bf16)
+            acc0 = thr_h.make_fragment_C(acc_h_shape)
+            acc1 = thr_h.make_fragment_C(acc_h_shape)
+            warpgroup.fence()
+            blocks.gemm(mma_half, acc0, l0, tHb_R[None, None, None, 0], True)
+            blocks.gemm(mma_half, acc1, l1, tHb_R[None, None, None, 1], True)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            if wg == 0:
+                for i in cutlass.range_constexpr(cute.size(acc0)):
+                    ra, ja = cH[i]
+                    bi = sBeta[ra]  # 0 past the sequence end
+                    va = f32(0.0)
+                    if ja < ra:
+                        va = acc0[i] * bi
+                    # stored transposed: the solver walks A column by column
+                    sA[ja, ra] = va
+                    vb = f32(0.0)
+                    if ja + Hf < ra:
+                        vb = acc1[i] * bi
+                    sA[ja + Hf, ra] = vb
+            else:
+                for i in cutlass.range_constexpr(cute.size(acc0)):
+                    rp, jp = cH[i]
+                    vp = f32(0.0)
+                    if jp <= rp:
+                        vp = acc0[i] * scale
+                    sP[rp, jp] = vp.to(bf16)
+                    vq = f32(0.0)
+                    if jp + Hf <= rp:
+                        vq = acc1[i] * scale
+                    sP[rp, jp + Hf] = vq.to(bf16)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+
+            # ---- 2. warps 0-1: Tinv = (I + A)^-1, one column per thread; warps 2-7: the B tiles of the state
+            # products, 32 channels of one token per warp and step
+            if warp < 2:
+                blocks.solve_unit_lower(sA, sT, tidx)
+            else:
+                segs = C * (D // 32)
+                workers = self.threads // 32 - 2
+                # a rolled loop: unrolled, its loop-invariant smem addresses would be hoisted and spilled
+                for it in cutlass.range((segs + workers - 1) // workers, unroll=1):
+                    seg = (warp - 2) + workers * it
+                    if seg < segs:
+                        j = seg // (D // 32)
+                        kk = (seg % (D // 32)) * 32 + lane
+                        gj = sG[j, kk]
+                        eg = cute.math.exp2(gj, fastmath=True)
+                        kj = sK3[j, kk, 0].to(f32)
+                        sKG[j, kk] = (kj * eg).to(bf16)
+                        sQG[j, kk] = (sQ3[j, kk, 0].to(f32) * eg).to(bf16)
+                        kd = f32(0.0)
+                        if j < L:
+                            kd = kj * cute.math.exp2(sGl[kk] - gj, fastmath=True)
+                        sKD[kk, j] = kd.to(bf16)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+
+            # q, k and g of this chunk are consumed: fetch the next chunk's
+            if warp == 0:
+                if c + 1 < n_chunks:
+                    self.issue_qkg(tma_qkg, bar_qkg, c + 1, lane)
+
+            # ---- 3. state products on this WG's 64 value rows
+            cute.arch.mbarrier_wait(bar_v, c % 2)
+            rS = blocks.acc_to_operand(acc_s)
+            acc_k = thr_rs.make_fragment_C(acc_cc_shape)
+            acc_o = thr_rs.make_fragment_C(acc_cc_shape)
+            warpgroup.fence()
+            blocks.gemm(mma_rs, acc_k, rS, tRSb_KG, True)
+            blocks.gemm(mma_rs, acc_o, rS, tRSb_QG, True)
+            warpgroup.commit_group()
+
+            # while those run: beta of this thread's 16 accumulator columns (element i has column slot
+            # (i % 2) + 2 (i // 4)), and the state's chunk decay per key channel (column of S^T)
+            b_j = cute.make_rmem_tensor(cute.make_layout(16), f32)
+            for kc in cutlass.range_constexpr(16):
+                rc, jc = cCC[(kc % 2) + 4 * (kc // 2)]
+                b_j[kc] = sBeta[jc]
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                rd, kd_ = cST[i]
+                acc_s[i] = acc_s[i] * sDec[kd_]
+            warpgroup.wait_group(0)
+
+            # Y^T[v, j] = beta_j (V[j, v] - (S^T (K 2^G)^T)[v, j]), zero past the sequence end
+            for i in cutlass.range_constexpr(cute.size(acc_k)):
+                r, j = cCC[i]
+                acc_k[i] = b_j[(i % 2) + 2 * (i // 4)] * (sV[j, row0 + r].to(f32) - acc_k[i])
+            # Y and V_new enter their products as bf16 hi + lo pairs: the state and O then keep ~16 bits of them
+            # (a single bf16 rounding here costs about 2e-3 relative error in the state)
+            rY, rY_lo = blocks.acc_to_operand_split(acc_k)
+            acc_vn = thr_rs.make_fragment_C(acc_cc_shape)
+            warpgroup.fence()
+            blocks.gemm(mma_rs, acc_vn, rY, tRSb_T, True)
+            blocks.gemm(mma_rs, acc_vn, rY_lo, tRSb_T, False)
+            warpgroup.commit_group()
+            # O^T inter-chunk part scaled while V_new^T is computed
+            for i in cutlass.range_constexpr(cute.size(acc_o)):
+                acc_o[i] = acc_o[i] * scale
+            warpgroup.wait_group(0)
+
+            # O^T += V_new^T P^T;  S^T += V_new^T (K 2^(G_last - G))
+            rVn, rVn_lo = blocks.acc_to_operand_split(acc_vn)
+            warpgroup.fence()
+            blocks.gemm(mma_rs, acc_o, rVn, tRSb_P, False)
+            blocks.gemm(mma_rs, acc_o, rVn_lo, tRSb_P, False)
+            blocks.gemm(mma_state, acc_s, rVn, tSTb_KD, False)
+            blocks.gemm(mma_state, acc_s, rVn_lo, tSTb_KD, False)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+
+            # ---- 4. O^T -> smem (token-major), then masked coalesced stores
+            for i in cutlass.range_constexpr(cute.size(acc_o)):
+                r, j = cCC[i]
+                sO[j, row0 + r] = acc_o[i].to(bf16)
+            cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+
+            # v of this chunk is consumed: fetch the next chunk's
+            if warp == 0:
+                if c + 1 < n_chunks:
+                    self.issue_v(tma_v, tVg, tVs, bar_v, c + 1, lane)
+
+            vec = 8
+            per_row = D // vec
+            for it in cutlass.range_constexpr(C * per_row // self.threads):
+                idx = tidx + it * self.threads
+                r = idx // per_row
+                c0 = (idx % per_row) * vec
+                if r < L:
+                    src = cute.local_tile(sO, (1, vec), (r, c0 // vec))
+                    dst = cute.local_tile(mO[b, tok0 + c * C + r, hv, None], (vec,), (c0 // vec,))
+                    frag = cute.make_rmem_tensor(cute.make_layout((1, vec)), bf16)
+                    cute.autovec_copy(src, frag)
+                    cute.autovec_copy(cute.make_tensor(frag.iterator, cute.make_layout(vec)), dst)
+
+        # ---- final state
+        for i in cutlass.range_constexpr(cute.size(acc_s)):
+            rf, kf = cST[i]
+            mHt[n, hv, kf, row0 + rf] = acc_s[i]
+
+    # ---------------------------------------------------------------- helpers
+    @cute.jit
+    def issue_qkg(self, tma, bar, chunk, lane):
+        """One warp (the copies elect their issuing lane): the q, k and g tiles of ``chunk``, completing on
+        ``bar``."""
+        tma_q, tQg, tQs, tma_k, tKg, tKs, tma_g, tGg, tGs = tma
+        if lane == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, self.qkg_bytes)
+        cute.copy(tma_q, tQg[None, chunk], tQs[None, 0], tma_bar_ptr=bar)
+        cute.copy(tma_k, tKg[None, chunk], tKs[None, 0], tma_bar_ptr=bar)
+        cute.copy(tma_g, tGg[None, chunk], tGs[None, 0], tma_bar_ptr=bar)
+
+    @cute.jit
+    def issue_v(self, tma_v, tVg, tVs, bar, chunk, lane):
+        """One warp: the v tile of ``chunk``, completing on ``bar``."""
+        if lane == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, self.v_bytes)
+        cute.copy(tma_v, tVg[None, chunk], tVs[None, 0], tma_bar_ptr=bar)
+
+
+# -------------------------------------------------------------------- compile + Python entry
+def _fake_args(kernel: KDAChunkFwdSm90):
+    sym = runtime.sym_int
+    B, T, H, HV, N = sym(), sym(), sym(), sym(), sym()
+    D = kernel.D
+    bf16 = cutlass.BFloat16
+    beta_t = cutlass.Float32 if kernel.beta_fp32 else bf16
+    state_shape = (N, HV, D, D)
+    # (N, HV, K, V) logical shape; with state_v_first the storage is [N, HV, V, K], i.e. K contiguous
+    state_order = (3, 2, 0, 1) if kernel.state_v_first else None
+    return (
+        runtime.fake_tensor(bf16, (B, T, H, D)),
+        runtime.fake_tensor(bf16, (B, T, H, D)),
+        runtime.fake_tensor(bf16, (B, T, HV, D)),
+        runtime.fake_tensor(cutlass.Float32, (B, T, HV, D)),
+        runtime.fake_tensor(beta_t, (B, T, HV), align=2),
+        runtime.fake_tensor(bf16, (B, T, HV, D)),
+        runtime.fake_tensor(cutlass.Float32, state_shape, state_order),
+        runtime.fake_tensor(cutlass.Float32, state_shape, state_order),
+        runtime.fake_tensor(cutlass.Int32, (sym(),), align=4),
+        cutlass.Float32(1.0),
+        runtime.fake_stream(),
+    )
+
+
+def compile_kda_fwd_sm90(
+    arch="sm_90a",
+    keep_artifacts=False,
+    head_dim=128,
+    beta_fp32=True,
+    is_varlen=False,
+    has_initial_state=False,
+    state_v_first=False,
+):
+    kernel = KDAChunkFwdSm90(head_dim, beta_fp32, is_varlen, has_initial_state, state_v_first)
+    return runtime.compile_kernel(kernel, _fake_args(kernel), arch, keep_artifacts)
+
+
+_DUMMY: dict = {}
+
+
+def _dummy_i32(device):
+    t = _DUMMY.get(device)
+    if t is None:
+        t = _DUMMY[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return t
+
+
+def chunk_kda_fwd_sm90(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    cu_seqlens=None,
+    state_v_first=False,
+    out=None,
+    final_state_out=None,
+):
+    """KDA chunked forward on SM90. Returns ``(o, final_state or None)``; see the module docstring for shapes.
+    ``g`` must satisfy g >= -5 (FLA's ``safe_gate``). ``out`` / ``final_state_out`` may be given to write into
+    preallocated tensors."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if scale is None:
+        scale = K**-0.5
+    if cu_seqlens is not None:
+        N = cu_seqlens.numel() - 1
+        cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
+    else:
+        N = B
+        cu = _dummy_i32(q.device)
+    o = out if out is not None else torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device)
+    state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+    ht = final_state_out
+    if ht is None:
+        ht = torch.empty(state_shape, dtype=torch.float32, device=q.device)
+    h0 = initial_state.contiguous() if initial_state is not None else ht
+    if state_v_first:
+        # the kernel takes (N, HV, K, V)-shaped tensors; a transposed view carries the V-first storage
+        h0_arg, ht_arg = h0.transpose(-1, -2), ht.transpose(-1, -2)
+    else:
+        h0_arg, ht_arg = h0, ht
+    beta_fp32 = beta.dtype == torch.float32
+    key = (
+        "KDAChunkFwdSm90",
+        K,
+        beta_fp32,
+        cu_seqlens is not None,
+        initial_state is not None,
+        state_v_first,
+        runtime.device_arch(q.device),
+    )
+    fn = runtime.get_or_compile(
+        key,
+        lambda: compile_kda_fwd_sm90(
+            key[-1], False, K, beta_fp32, cu_seqlens is not None, initial_state is not None, state_v_first
+        ),
+    )
+    fn(q, k, v, g, beta, o, h0_arg, ht_arg, cu, float(scale))
+    return o, (ht if output_final_state else None)
+
+
+runtime.register_kernel(
+    "kda_chunk_fwd_sm90",
+    ["sm_90a"],
+    lambda arch: compile_kda_fwd_sm90(arch, is_varlen=True, has_initial_state=True),
+    ["wgmma.mma_async", "cp.async.bulk.tensor"],
+)

@@ -1,0 +1,177 @@
+"""KDA chunked forward on SM90 (cula.kda.chunk_fwd_sm90) against an fp64 per-token recurrence; its dispatch."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cula
+
+cutlass = pytest.importorskip("cutlass")
+
+needs_sm90 = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="needs an SM90 GPU"
+)
+LOWER_BOUND = -5.0
+
+
+def recurrence(q, k, v, g, beta, scale, h0=None, cu_seqlens=None):
+    """fp64 per-token KDA: S' = diag(exp(g_t)) S; u = beta_t (v_t - S'^T k_t); S = S' + k_t u^T; o_t = S^T (scale q_t).
+    g is [B, T, HV, K] (per key channel)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    rep = HV // H
+    q, k = (x.double().repeat_interleave(rep, dim=2) for x in (q, k))
+    v, g, beta = v.double(), g.double(), beta.double()
+    bounds = (
+        [(b, 0, T) for b in range(B)]
+        if cu_seqlens is None
+        else [(0, int(cu_seqlens[i]), int(cu_seqlens[i + 1])) for i in range(len(cu_seqlens) - 1)]
+    )
+    o = torch.zeros(B, T, HV, V, dtype=torch.float64, device=q.device)
+    hts = []
+    for n, (b, t0, t1) in enumerate(bounds):
+        S = h0[n].double().clone() if h0 is not None else torch.zeros(HV, K, V, dtype=torch.float64, device=q.device)
+        for t in range(t0, t1):
+            S = S * g[b, t].exp()[:, :, None]
+            u = beta[b, t][:, None] * (v[b, t] - torch.einsum("hkv,hk->hv", S, k[b, t]))
+            S = S + k[b, t][:, :, None] * u[:, None, :]
+            o[b, t] = torch.einsum("hkv,hk->hv", S, scale * q[b, t])
+        hts.append(S)
+    return o, torch.stack(hts)
+
+
+def make_inputs(B, T, H, HV, D=128, beta_dtype=torch.float32, stress=False, device="cuda"):
+    """Gates lower_bound * sigmoid(randn) (FLA's bounded form); ``stress`` pins a third of them near the bound."""
+    q = F.normalize(torch.randn(B, T, H, D, device=device), dim=-1).bfloat16()
+    k = F.normalize(torch.randn(B, T, H, D, device=device), dim=-1).bfloat16()
+    v = torch.randn(B, T, HV, D, device=device).bfloat16()
+    g = LOWER_BOUND * torch.sigmoid(torch.randn(B, T, HV, D, device=device))
+    if stress:
+        near = torch.rand(B, T, HV, D, device=device) < 0.33
+        g = torch.where(near, torch.full_like(g, LOWER_BOUND * 0.999), g)
+        g[..., :8] = LOWER_BOUND  # some channels at the bound on every token
+    beta = torch.rand(B, T, HV, device=device).sigmoid().to(beta_dtype)
+    return q, k, v, g.float().contiguous(), beta
+
+
+def rel_rmse(x, ref):
+    return ((x.double() - ref).norm() / ref.norm()).item()
+
+
+def run_case(B, T, H, HV, cu=None, h0=False, state_v_first=False, beta_dtype=torch.float32, stress=False):
+    from cula.kda.chunk_fwd_sm90 import chunk_kda_fwd_sm90, supports
+
+    q, k, v, g, beta = make_inputs(B, T, H, HV, beta_dtype=beta_dtype, stress=stress)
+    N = B if cu is None else len(cu) - 1
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
+    init = torch.randn(N, HV, 128, 128, device="cuda") * 0.1 if h0 else None
+    ok, why = supports(q, k, v, g, beta, initial_state=init, cu_seqlens=cu_t)
+    assert ok, why
+    scale = 128**-0.5
+    o_ref, ht_ref = recurrence(q, k, v, g, beta, scale, init, cu)
+    o = torch.full((B, T, HV, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+    ht = torch.full((N, HV, 128, 128), float("nan"), device="cuda")
+    init_arg = init.transpose(-1, -2).contiguous() if (h0 and state_v_first) else init
+    o, ht = chunk_kda_fwd_sm90(q, k, v, g, beta, scale, init_arg, True, cu_t, state_v_first, out=o, final_state_out=ht)
+    torch.cuda.synchronize()
+    if state_v_first:
+        ht = ht.transpose(-1, -2)
+    assert rel_rmse(o, o_ref) <= 5e-3, rel_rmse(o, o_ref)
+    assert rel_rmse(ht, ht_ref) <= 5e-3, rel_rmse(ht, ht_ref)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("T", [63, 64, 65, 130, 1000])
+def test_fixed_length(T):
+    run_case(2, T, 2, 2)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("T", [64, 300])
+def test_gates_at_the_bound(T):
+    run_case(1, T, 2, 2, stress=True)
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gva_initial_state_bf16_beta():
+    run_case(1, 200, 2, 4, h0=True, beta_dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("state_v_first", [False, True])
+def test_varlen(state_v_first):
+    run_case(1, 700, 1, 2, cu=[0, 1, 65, 300, 700], h0=True, state_v_first=state_v_first)
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_public_api_with_in_kernel_options(monkeypatch):
+    B, T, H, HV, D = 1, 150, 2, 4, 128
+    dev = "cuda"
+    args = {
+        "q": torch.randn(B, T, H, D, device=dev).bfloat16(),
+        "k": torch.randn(B, T, H, D, device=dev).bfloat16(),
+        "v": torch.randn(B, T, HV, D, device=dev).bfloat16(),
+        "g": torch.randn(B, T, HV, D, device=dev).bfloat16(),
+        "beta": torch.randn(B, T, HV, device=dev).bfloat16(),
+        "initial_state": torch.randn(B, HV, D, D, device=dev) * 0.05,
+        "output_final_state": True,
+        "safe_gate": True,
+        "lower_bound": LOWER_BOUND,
+        "use_gate_in_kernel": True,
+        "use_qk_l2norm_in_kernel": True,
+        "use_beta_sigmoid_in_kernel": True,
+        "A_log": torch.empty(HV, device=dev).uniform_(0, 1.5).log(),
+        "dt_bias": torch.randn(HV * D, device=dev) * 0.5,
+    }
+    fn = cula.kda.chunk_kda
+    o, ht = fn(**args)
+    decision = cula.last_decision(fn)
+    assert decision.backend == "cute" and "kda.chunk_fwd_sm90" in decision.reason, decision
+    monkeypatch.setenv("CULA_BACKEND", "torch")
+    o_ref, ht_ref = fn(**args)
+    assert cula.last_decision(fn).backend == "torch"
+    assert rel_rmse(o, o_ref.double()) <= 5e-3, rel_rmse(o, o_ref.double())
+    assert rel_rmse(ht, ht_ref.double()) <= 5e-3, rel_rmse(ht, ht_ref.double())
+
+
+def test_compiles_for_sm90_on_cpu():
+    from cula import compile_check
+
+    report = compile_check.check_kernel("kda_chunk_fwd_sm90", "sm_90a")
+    assert report.ok, report.error
+    assert report.counts["wgmma.mma_async"] > 0
+    assert report.counts["cp.async.bulk.tensor"] > 0
+
+
+def test_dispatch_picks_the_sm90_kernel_only_for_bounded_gates(monkeypatch):
+    """On a pretend SM90 device (CPU tensors claiming CUDA): what the kernel serves, and the reasons it declines."""
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    B, T, H, HV, D = 1, 70, 2, 4, 128
+    args = {
+        "q": torch.randn(B, T, H, D).bfloat16(),
+        "k": torch.randn(B, T, H, D).bfloat16(),
+        "v": torch.randn(B, T, HV, D).bfloat16(),
+        "g": -torch.rand(B, T, HV, D),
+        "beta": torch.rand(B, T, HV),
+        "safe_gate": True,
+        "lower_bound": LOWER_BOUND,
+    }
+    fn = cula.kda.chunk_kda
+    decision = cula.explain(fn, **args)
+    assert (decision.backend, decision.reason) == ("cute", "kda.chunk_fwd_sm90 on sm_90"), decision
+    for change, why in [
+        ({"safe_gate": False}, "unbounded gate (safe_gate=False)"),
+        ({"chunk_size": 32}, "chunk_size=32"),
+        ({"q": args["q"].float(), "k": args["k"].float(), "v": args["v"].float()}, "bfloat16"),
+        ({"q": args["q"][..., :64], "k": args["k"][..., :64], "g": args["g"][..., :64]}, "head dims K=64"),
+        ({"q": args["q"].detach().requires_grad_(True)}, "require grad"),
+        ({"return_intermediate_states": True}, "return_intermediate_states"),
+    ]:
+        decision = cula.explain(fn, **{**args, **change})
+        assert decision.backend != "cute" and why in dict(decision.rejected)["cute"], decision
