@@ -49,7 +49,7 @@ def rel_rmse(x, ref):
     return ((x.double() - ref).norm() / ref.norm()).item()
 
 
-def run_case(B, T, H, HV, cu=None, h0=False, state_v_first=False, beta_dtype=torch.float32):
+def run_case(B, T, H, HV, cu=None, h0=False, state_v_first=False, beta_dtype=torch.float32, split=False):
     from cula.gdn.chunk_fwd_sm90 import chunk_gated_delta_rule_fwd_sm90, supports
 
     q, k, v, g, beta = make_inputs(B, T, H, HV, beta_dtype=beta_dtype)
@@ -63,9 +63,11 @@ def run_case(B, T, H, HV, cu=None, h0=False, state_v_first=False, beta_dtype=tor
     o = torch.full((B, T, HV, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
     ht = torch.full((N, HV, 128, 128), float("nan"), device="cuda")
     init_arg = init.transpose(-1, -2).contiguous() if (h0 and state_v_first) else init
+    cu_cpu = None if cu is None else torch.tensor(cu)
     o, ht = chunk_gated_delta_rule_fwd_sm90(
-        q, k, v, g, beta, scale, init_arg, True, cu_t, state_v_first, out=o, final_state_out=ht
-    )
+        q, k, v, g, beta, scale, init_arg, True, cu_t, state_v_first, out=o, final_state_out=ht,
+        cu_seqlens_cpu=cu_cpu, split=split,
+    )  # fmt: skip
     torch.cuda.synchronize()
     if state_v_first:
         ht = ht.transpose(-1, -2)
@@ -93,10 +95,25 @@ def test_varlen(state_v_first):
     run_case(1, 1 + 1 + 70 + 64 + 129 + 1, 2, 4, cu=[0, 1, 2, 72, 136, 265, 266], h0=True, state_v_first=state_v_first)
 
 
+@pytest.mark.gpu
+@needs_sm90
+def test_split_sequences():
+    """Long sequences cut every 1024 tokens (cula.ops.segment_split): three kernel passes, starts chained."""
+    run_case(2, 2100, 1, 2, split=True)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("state_v_first", [False, True])
+def test_split_varlen_initial_state(state_v_first):
+    run_case(1, 3700, 2, 2, cu=[0, 1, 1500, 1501, 3700], h0=True, state_v_first=state_v_first, split=True)
+
+
 def test_compiles_for_sm90_on_cpu():
     from cula import compile_check
 
-    report = compile_check.check_kernel("gdn_chunk_fwd_sm90", "sm_90a")
-    assert report.ok, report.error
-    assert report.counts["wgmma.mma_async"] > 0
-    assert report.counts["cp.async.bulk.tensor"] > 0
+    for name in ("gdn_chunk_fwd_sm90", "gdn_chunk_fwd_sm90[transition]", "gdn_chunk_fwd_sm90[correction]"):
+        report = compile_check.check_kernel(name, "sm_90a")
+        assert report.ok, (name, report.error)
+        assert report.counts["wgmma.mma_async"] > 0
+        assert report.counts["cp.async.bulk.tensor"] > 0

@@ -125,9 +125,9 @@ FLA_MIN_MS = 0.38
 
 def sm90_vs_fla_ms(lengths: list[int], HV: int, num_sms: int) -> tuple[float, float]:
     """Estimated forward times (ms) of the SM90 kernel and of FLA for sequences of these lengths."""
-    from cula.gdn.chunk_fwd_sm90 import CHUNK, estimated_ms
+    from cula.gdn.chunk_fwd_sm90 import estimated_ms
 
-    ours = estimated_ms([-(-n // CHUNK) for n in lengths], HV, num_sms)
+    ours = estimated_ms(lengths, HV, num_sms)
     return ours, max(FLA_NS_PER_TOKEN_HEAD * sum(lengths) * HV / 1e6, FLA_MIN_MS)
 
 
@@ -177,6 +177,7 @@ def _sm90_run(args: dict[str, Any]):
         args["output_final_state"],
         args["cu_seqlens"],
         args["state_v_first"],
+        cu_seqlens_cpu=args.get("cu_seqlens_cpu"),
     )
     return o.to(q.dtype), final_state
 

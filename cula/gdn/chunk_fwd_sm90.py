@@ -31,9 +31,11 @@ import torch
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cula import runtime
+from cula.ops import segment_split
 from cula.ops import sm90_blocks as blocks
 
 CHUNK = 64
+MODES = ("full", "transition", "correction")  # see GDNChunkFwdSm90 and cula.ops.segment_split
 SUPPORTED_DIMS = (128,)
 # One CTA walks its chunks in series at about this many microseconds each (v2b on the H200, NOTES.md); the
 # kernel runs one CTA per SM.
@@ -69,11 +71,17 @@ def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, **
     return True, ""
 
 
-def estimated_ms(chunks_per_sequence: list[int], HV: int, num_sms: int) -> float:
+def estimated_ms(lengths: list[int], HV: int, num_sms: int) -> float:
     """The kernel's time from its chunk walks: the longest chain of chunks one CTA walks, or all chunk-CTAs spread
-    over the SMs, whichever is longer (matches the H200 timings of BENCHMARK_H200.md within about 25 %)."""
-    spread = math.ceil(sum(chunks_per_sequence) * HV / num_sms)
-    return CHUNK_LATENCY_US * max(max(chunks_per_sequence, default=0), spread) / 1e3
+    over the SMs, whichever is longer; when the sequences get split (``cula.ops.segment_split``), three passes over
+    segments instead (matches the H200 timings of BENCHMARK_H200.md within about 30 %)."""
+    chunks = [-(-n // CHUNK) for n in lengths]
+    spread = math.ceil(sum(chunks) * HV / num_sms)
+    cuts = segment_split.plan_segments(lengths, HV, num_sms, CHUNK)
+    if cuts is None:
+        return CHUNK_LATENCY_US * max(max(chunks, default=0), spread) / 1e3
+    seg = max(-(-(c[0] if c else n) // CHUNK) for c, n in zip(cuts, lengths, strict=True))
+    return 3 * CHUNK_LATENCY_US * max(seg, spread) / 1e3
 
 
 class GDNChunkFwdSm90:
@@ -95,14 +103,23 @@ class GDNChunkFwdSm90:
         is_varlen: bool = False,
         has_initial_state: bool = False,
         state_v_first: bool = False,
+        mode: str = "full",
     ):
         assert head_dim in SUPPORTED_DIMS
+        assert mode in MODES and (mode == "full" or is_varlen)
         self.D = head_dim
         self.C = CHUNK
         self.beta_fp32 = beta_fp32
         self.is_varlen = is_varlen
         self.has_h0 = has_initial_state
         self.state_v_first = state_v_first
+        # sequence splitting (cula.ops.segment_split): "transition" runs v = 0 from S = I without output,
+        # "correction" runs v = 0 from the given states and adds its output to o
+        self.mode = mode
+        self.load_v = mode == "full"
+        self.make_o = mode != "transition"
+        if mode == "correction":
+            self.has_h0 = True
         self.stages = 2
         self.threads = 256
         self.a_stride = 68  # padded fp32 row of A^T: 16-byte aligned rows, conflict-free stores from the accumulator
@@ -110,7 +127,7 @@ class GDNChunkFwdSm90:
 
     # ---------------------------------------------------------------- host side
     @cute.jit
-    def __call__(self, q, k, v, g, beta, o, h0, ht, cu_seqlens, scale, stream):
+    def __call__(self, q, k, v, g, beta, o, h0, ht, starts, ends, scale, stream):
 
         D, C = self.D, self.C
         bf16 = cutlass.BFloat16
@@ -165,9 +182,9 @@ class GDNChunkFwdSm90:
             sT: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(cc_layout)], 1024]
 
         self.storage = Storage
-        self.tma_bytes = 3 * C * D * 2
+        self.tma_bytes = (1 + int(self.make_o) + int(self.load_v)) * C * D * 2
         HV = v.shape[2]
-        N = ht.shape[0]
+        N = starts.shape[0] if self.is_varlen else q.shape[0]
         self.kernel(
             mma_ss,
             mma_rs,
@@ -183,7 +200,8 @@ class GDNChunkFwdSm90:
             o,
             h0,
             ht,
-            cu_seqlens,
+            starts,
+            ends,
             q.shape[2],
             q.shape[1],
             scale,
@@ -211,7 +229,8 @@ class GDNChunkFwdSm90:
         mO,
         mH0,
         mHt,
-        mCu,
+        mStart,
+        mEnd,
         H,
         T,
         scale,
@@ -238,8 +257,8 @@ class GDNChunkFwdSm90:
         seqlen = T
         if cutlass.const_expr(self.is_varlen):
             b = cutlass.Int32(0)
-            tok0 = cutlass.Int32(mCu[n])
-            seqlen = cutlass.Int32(mCu[n + 1]) - tok0
+            tok0 = cutlass.Int32(mStart[n])
+            seqlen = cutlass.Int32(mEnd[n]) - tok0
         n_chunks = (seqlen + C - 1) // C
 
         smem = cutlass.memory.SmemAllocator()
@@ -310,6 +329,12 @@ class GDNChunkFwdSm90:
             for i in cutlass.range_constexpr(cute.size(acc_s)):
                 rh, kh = cST[i]
                 acc_s[i] = mH0[n, hv, kh, row0 + rh]
+        elif cutlass.const_expr(self.mode == "transition"):
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                rh, kh = cST[i]
+                acc_s[i] = f32(0.0)
+                if kh == row0 + rh:
+                    acc_s[i] = f32(1.0)
         else:
             acc_s.fill(0.0)
 
@@ -325,10 +350,11 @@ class GDNChunkFwdSm90:
 
             # ---- 1. WG0: A = strict-lower(beta_i K K^T exp(G_i - G_j)); WG1: P = lower(scale Q K^T exp(G_i - G_j))
             acc_x = thr_ss.make_fragment_C(thr_ss.partition_shape_C((C, C)))
-            warpgroup.fence()
-            blocks.gemm(mma_ss, acc_x, tSSa[None, None, None, 1 - wg, stage], tSSb_K[None, None, None, stage], True)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
+            if wg == 0 or cutlass.const_expr(self.make_o):
+                warpgroup.fence()
+                blocks.gemm(mma_ss, acc_x, tSSa[None, None, None, 1 - wg, stage], tSSb_K[None, None, None, stage], True)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
             if wg == 0:
                 for i in cutlass.range_constexpr(cute.size(acc_x)):
                     ra, ja = cSS[i]
@@ -338,7 +364,7 @@ class GDNChunkFwdSm90:
                             va = acc_x[i] * sBeta[ra, slot] * cute.math.exp2(sG[ra, slot] - sG[ja, slot], fastmath=True)
                     # stored transposed: the solver walks A column by column
                     sA[ja, ra] = va
-            else:
+            elif cutlass.const_expr(self.make_o):
                 for i in cutlass.range_constexpr(cute.size(acc_x)):
                     rp, jp = cSS[i]
                     vp = f32(0.0)
@@ -365,7 +391,8 @@ class GDNChunkFwdSm90:
             acc_o = thr_rs.make_fragment_C(acc_cc_shape)
             warpgroup.fence()
             blocks.gemm(mma_rs, acc_k, rS, tRSb_K[None, None, None, stage], True)
-            blocks.gemm(mma_rs, acc_o, rS, tRSb_Q[None, None, None, stage], True)
+            if cutlass.const_expr(self.make_o):
+                blocks.gemm(mma_rs, acc_o, rS, tRSb_Q[None, None, None, stage], True)
             warpgroup.commit_group()
 
             # while those run: per-column factors of this thread's 16 accumulator columns (element i has column
@@ -391,15 +418,19 @@ class GDNChunkFwdSm90:
             for i in cutlass.range_constexpr(cute.size(acc_k)):
                 r, j = cCC[i]
                 kc = (i % 2) + 2 * (i // 4)
-                acc_k[i] = b_j[kc] * (sV[j, row0 + r, stage].to(f32) - e_g[kc] * acc_k[i])
+                vv = f32(0.0)
+                if cutlass.const_expr(self.load_v):
+                    vv = sV[j, row0 + r, stage].to(f32)
+                acc_k[i] = b_j[kc] * (vv - e_g[kc] * acc_k[i])
             rY = blocks.acc_to_operand(acc_k)
             acc_vn = thr_rs.make_fragment_C(acc_cc_shape)
             warpgroup.fence()
             blocks.gemm(mma_rs, acc_vn, rY, tRSb_T, True)
             warpgroup.commit_group()
             # O^T inter-chunk part scaled while V_new^T is computed
-            for i in cutlass.range_constexpr(cute.size(acc_o)):
-                acc_o[i] = acc_o[i] * scale * e_g[(i % 2) + 2 * (i // 4)]
+            if cutlass.const_expr(self.make_o):
+                for i in cutlass.range_constexpr(cute.size(acc_o)):
+                    acc_o[i] = acc_o[i] * scale * e_g[(i % 2) + 2 * (i // 4)]
             warpgroup.wait_group(0)
 
             # O^T += V_new^T P^T;  S^T += (V_new^T exp(G_last - G_j)) K
@@ -408,33 +439,42 @@ class GDNChunkFwdSm90:
                 acc_vn[i] = acc_vn[i] * e_d[(i % 2) + 2 * (i // 4)]
             rVd = blocks.acc_to_operand(acc_vn)
             warpgroup.fence()
-            blocks.gemm(mma_rs, acc_o, rVn, tRSb_P, False)
+            if cutlass.const_expr(self.make_o):
+                blocks.gemm(mma_rs, acc_o, rVn, tRSb_P, False)
             blocks.gemm(mma_state, acc_s, rVd, tSTb_K[None, None, None, stage], False)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
 
             # ---- 4. O^T -> smem (token-major), then masked coalesced stores
-            for i in cutlass.range_constexpr(cute.size(acc_o)):
-                r, j = cCC[i]
-                sO[j, row0 + r] = acc_o[i].to(cutlass.BFloat16)
+            if cutlass.const_expr(self.make_o):
+                for i in cutlass.range_constexpr(cute.size(acc_o)):
+                    r, j = cCC[i]
+                    sO[j, row0 + r] = acc_o[i].to(cutlass.BFloat16)
             cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
 
             if warp == 0:
                 if c + self.stages < n_chunks:
                     self.issue_tma(tma, full, c + self.stages, lane)
 
-            vec = 8
-            per_row = D // vec
-            for it in cutlass.range_constexpr(C * per_row // self.threads):
-                idx = tidx + it * self.threads
-                r = idx // per_row
-                c0 = (idx % per_row) * vec
-                if r < L:
-                    src = cute.local_tile(sO, (1, vec), (r, c0 // vec))
-                    dst = cute.local_tile(mO[b, tok0 + c * C + r, hv, None], (vec,), (c0 // vec,))
-                    frag = cute.make_rmem_tensor(cute.make_layout((1, vec)), cutlass.BFloat16)
-                    cute.autovec_copy(src, frag)
-                    cute.autovec_copy(cute.make_tensor(frag.iterator, cute.make_layout(vec)), dst)
+            if cutlass.const_expr(self.make_o):
+                vec = 8
+                per_row = D // vec
+                for it in cutlass.range_constexpr(C * per_row // self.threads):
+                    idx = tidx + it * self.threads
+                    r = idx // per_row
+                    c0 = (idx % per_row) * vec
+                    if r < L:
+                        src = cute.local_tile(sO, (1, vec), (r, c0 // vec))
+                        dst = cute.local_tile(mO[b, tok0 + c * C + r, hv, None], (vec,), (c0 // vec,))
+                        frag = cute.make_rmem_tensor(cute.make_layout((1, vec)), cutlass.BFloat16)
+                        cute.autovec_copy(src, frag)
+                        flat = cute.make_tensor(frag.iterator, cute.make_layout(vec))
+                        if cutlass.const_expr(self.mode == "correction"):
+                            old = cute.make_rmem_tensor(cute.make_layout(vec), cutlass.BFloat16)
+                            cute.autovec_copy(dst, old)
+                            total = flat.load().to(cutlass.Float32) + old.load().to(cutlass.Float32)
+                            flat.store(total.to(cutlass.BFloat16))
+                        cute.autovec_copy(flat, dst)
 
         # ---- final state
         for i in cutlass.range_constexpr(cute.size(acc_s)):
@@ -450,9 +490,11 @@ class GDNChunkFwdSm90:
         s = chunk % self.stages
         if lane == 0:
             cute.arch.mbarrier_arrive_and_expect_tx(full + s, self.tma_bytes)
-        cute.copy(tma_q, tQg[None, chunk], tQs[None, s], tma_bar_ptr=full + s)
+        if cutlass.const_expr(self.make_o):
+            cute.copy(tma_q, tQg[None, chunk], tQs[None, s], tma_bar_ptr=full + s)
         cute.copy(tma_k, tKg[None, chunk], tKs[None, s], tma_bar_ptr=full + s)
-        cute.copy(tma_v, tVg[None, chunk], tVs[None, s], tma_bar_ptr=full + s)
+        if cutlass.const_expr(self.load_v):
+            cute.copy(tma_v, tVg[None, chunk], tVs[None, s], tma_bar_ptr=full + s)
 
     @cute.jit
     def load_gates(self, mG, mBeta, b, hv, tok0, seqlen, chunk, lane):
@@ -495,6 +537,7 @@ def _fake_args(kernel: GDNChunkFwdSm90):
     state_shape = (N, HV, D, D)
     # (N, HV, K, V) logical shape; with state_v_first the storage is [N, HV, V, K], i.e. K contiguous
     state_order = (3, 2, 0, 1) if kernel.state_v_first else None
+    n_ranges = sym()
     return (
         runtime.fake_tensor(bf16, (B, T, H, D)),
         runtime.fake_tensor(bf16, (B, T, H, D)),
@@ -504,7 +547,8 @@ def _fake_args(kernel: GDNChunkFwdSm90):
         runtime.fake_tensor(bf16, (B, T, HV, D)),
         runtime.fake_tensor(cutlass.Float32, state_shape, state_order),
         runtime.fake_tensor(cutlass.Float32, state_shape, state_order),
-        runtime.fake_tensor(cutlass.Int32, (sym(),), align=4),
+        runtime.fake_tensor(cutlass.Int32, (n_ranges,), align=4),
+        runtime.fake_tensor(cutlass.Int32, (n_ranges,), align=4),
         cutlass.Float32(1.0),
         runtime.fake_stream(),
     )
@@ -518,8 +562,9 @@ def compile_gdn_fwd_sm90(
     is_varlen=False,
     has_initial_state=False,
     state_v_first=False,
+    mode="full",
 ):
-    kernel = GDNChunkFwdSm90(head_dim, beta_fp32, is_varlen, has_initial_state, state_v_first)
+    kernel = GDNChunkFwdSm90(head_dim, beta_fp32, is_varlen, has_initial_state, state_v_first, mode)
     return runtime.compile_kernel(kernel, _fake_args(kernel), arch, keep_artifacts)
 
 
@@ -531,6 +576,46 @@ def _dummy_i32(device):
     if t is None:
         t = _DUMMY[device] = torch.zeros(1, dtype=torch.int32, device=device)
     return t
+
+
+def _launch(q, k, v, g, beta, o, h0, ht, starts, ends, scale, state_v_first, mode="full"):
+    """One kernel launch. ``starts``/``ends``: int32 token ranges of the sequences in batch row 0 (varlen or split
+    segments), or None for one sequence per batch row. ``h0`` None: zero (or identity) start."""
+    K = q.shape[-1]
+    beta_fp32 = beta.dtype == torch.float32
+    is_varlen = starts is not None
+    key = (
+        "GDNChunkFwdSm90",
+        K,
+        beta_fp32,
+        is_varlen,
+        h0 is not None,
+        state_v_first,
+        mode,
+        runtime.device_arch(q.device),
+    )
+    fn = runtime.get_or_compile(
+        key,
+        lambda: compile_gdn_fwd_sm90(key[-1], False, K, beta_fp32, is_varlen, h0 is not None, state_v_first, mode),
+    )
+    if state_v_first:
+        # the kernel takes (N, HV, K, V)-shaped tensors; a transposed view carries the V-first storage
+        ht = ht.transpose(-1, -2)
+        h0 = None if h0 is None else h0.transpose(-1, -2)
+    dummy = _dummy_i32(q.device)
+    fn(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        o,
+        ht if h0 is None else h0,
+        ht,
+        dummy if starts is None else starts,
+        dummy if ends is None else ends,
+        float(scale),
+    )
 
 
 def chunk_gated_delta_rule_fwd_sm90(
@@ -546,48 +631,65 @@ def chunk_gated_delta_rule_fwd_sm90(
     state_v_first=False,
     out=None,
     final_state_out=None,
+    cu_seqlens_cpu=None,
+    split=None,
 ):
     """GDN chunked forward on SM90. Returns ``(o, final_state or None)``; see the module docstring for shapes.
 
-    ``out`` / ``final_state_out`` may be given to write into preallocated tensors."""
+    ``out`` / ``final_state_out`` may be given to write into preallocated tensors. Long sequences with few heads
+    are split across CTAs (``cula.ops.segment_split``) when that is expected to be faster; ``split`` True/False
+    forces it on/off (a cut per 64 * 16 tokens when forced on). Varlen batches are split only when their offsets
+    are on the host (``cu_seqlens_cpu``)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if scale is None:
         scale = K**-0.5
-    if cu_seqlens is not None:
-        N = cu_seqlens.numel() - 1
-        cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
-    else:
-        N = B
-        cu = _dummy_i32(q.device)
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     o = out if out is not None else torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device)
+
+    offsets = None
+    if cu_seqlens is None:
+        offsets = [b * T for b in range(B + 1)]
+    elif cu_seqlens_cpu is not None:
+        offsets = [int(x) for x in cu_seqlens_cpu.tolist()]
+    cuts = None
+    if offsets is not None and split is not False:
+        lengths = [e - s for s, e in zip(offsets[:-1], offsets[1:], strict=True)]
+        if split:
+            cuts = [list(range(CHUNK * 16, n, CHUNK * 16)) for n in lengths]
+        else:
+            sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+            cuts = segment_split.plan_segments(lengths, HV, sms, CHUNK)
+    if cuts is not None:
+        flat = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta, o)]
+        h0 = initial_state
+        if h0 is not None and state_v_first:
+            h0 = h0.transpose(-1, -2)
+
+        def run(mode, starts, ends, h0_, out_):
+            Vd = K if mode == "transition" else V
+            ht_ = torch.empty(starts.numel(), HV, K, Vd, dtype=torch.float32, device=q.device)
+            _launch(*flat[:5], flat[5], h0_, ht_, starts, ends, scale, False, mode)
+            return ht_
+
+        ht = segment_split.split_forward(run, offsets, cuts, h0, flat[5], output_final_state)
+        if ht is not None and state_v_first:
+            ht = ht.transpose(-1, -2).contiguous()
+        if ht is not None and final_state_out is not None:
+            final_state_out.copy_(ht)
+            ht = final_state_out
+        return o, ht
+
     state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
     ht = final_state_out
     if ht is None:
         ht = torch.empty(state_shape, dtype=torch.float32, device=q.device)
-    h0 = initial_state.contiguous() if initial_state is not None else ht
-    if state_v_first:
-        # the kernel takes (N, HV, K, V)-shaped tensors; a transposed view carries the V-first storage
-        h0_arg, ht_arg = h0.transpose(-1, -2), ht.transpose(-1, -2)
-    else:
-        h0_arg, ht_arg = h0, ht
-    beta_fp32 = beta.dtype == torch.float32
-    key = (
-        "GDNChunkFwdSm90",
-        K,
-        beta_fp32,
-        cu_seqlens is not None,
-        initial_state is not None,
-        state_v_first,
-        runtime.device_arch(q.device),
-    )
-    fn = runtime.get_or_compile(
-        key,
-        lambda: compile_gdn_fwd_sm90(
-            key[-1], False, K, beta_fp32, cu_seqlens is not None, initial_state is not None, state_v_first
-        ),
-    )
-    fn(q, k, v, g, beta, o, h0_arg, ht_arg, cu, float(scale))
+    starts = ends = None
+    if cu_seqlens is not None:
+        cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
+        starts, ends = cu[:-1], cu[1:]
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    _launch(q, k, v, g, beta, o, h0, ht, starts, ends, scale, state_v_first)
     return o, (ht if output_final_state else None)
 
 
@@ -597,3 +699,10 @@ runtime.register_kernel(
     lambda arch: compile_gdn_fwd_sm90(arch, is_varlen=True, has_initial_state=True),
     ["wgmma.mma_async", "cp.async.bulk.tensor"],
 )
+for _mode in ("transition", "correction"):  # the passes that split long sequences
+    runtime.register_kernel(
+        f"gdn_chunk_fwd_sm90[{_mode}]",
+        ["sm_90a"],
+        lambda arch, m=_mode: compile_gdn_fwd_sm90(arch, is_varlen=True, mode=m),
+        ["wgmma.mma_async", "cp.async.bulk.tensor"],
+    )
