@@ -231,3 +231,30 @@ def call_args(local_vars: dict[str, Any]) -> dict[str, Any]:
         warnings.warn("`transpose_state_layout` is deprecated: use `state_v_first`", DeprecationWarning, stacklevel=3)
         args["state_v_first"] = bool(args.pop("transpose_state_layout"))
     return args
+
+
+def kernel_vs_fla(
+    args: dict[str, Any],
+    kernel_ms: Callable[[list[int], int, int], float],
+    fla_ns_per_token_head: float,
+    fla_min_ms: float,
+) -> Verdict:
+    """Whether a chunk kernel is expected to beat FLA on these arguments: ``kernel_ms(lengths, HV, num_sms)``
+    against FLA's measured rate (``fla_ns_per_token_head``, never under ``fla_min_ms``)."""
+    from cula import validation
+
+    q, v, cu_seqlens = args["q"], args["v"], args["cu_seqlens"]
+    if cu_seqlens is None:
+        lengths = [q.shape[1]] * q.shape[0]
+    else:
+        offsets = validation.host_offsets(cu_seqlens, args.get("cu_seqlens_cpu"))
+        lengths = [b - a for a, b in zip(offsets, offsets[1:], strict=False)]
+    HV = v.shape[2]
+    ours = kernel_ms(lengths, HV, torch.cuda.get_device_properties(q.device).multi_processor_count)
+    fla = max(fla_ns_per_token_head * sum(lengths) * HV / 1e6, fla_min_ms)
+    if ours <= fla:
+        return True, ""
+    return False, (
+        f"FLA expected faster: the kernel walks up to {-(-max(lengths) // 64)} chunks in series here "
+        f"(kernel est. {ours:.2f} ms, FLA est. {fla:.2f} ms); CULA_BACKEND=cute forces the kernel"
+    )

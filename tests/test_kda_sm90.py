@@ -1,5 +1,7 @@
 """KDA chunked forward on SM90 (cula.kda.chunk_fwd_sm90) against an fp64 per-token recurrence; its dispatch."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -152,6 +154,9 @@ def test_dispatch_picks_the_sm90_kernel_only_for_bounded_gates(monkeypatch):
     """On a pretend SM90 device (CPU tensors claiming CUDA): what the kernel serves, and the reasons it declines."""
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(multi_processor_count=132)
+    )
     B, T, H, HV, D = 1, 70, 2, 4, 128
     args = {
         "q": torch.randn(B, T, H, D).bfloat16(),
@@ -175,3 +180,9 @@ def test_dispatch_picks_the_sm90_kernel_only_for_bounded_gates(monkeypatch):
     ]:
         decision = cula.explain(fn, **{**args, **change})
         assert decision.backend != "cute" and why in dict(decision.rejected)["cute"], decision
+    # B1 T8192 with 64 value heads: the kernel's one-CTA-per-head chain is expected to lose to FLA
+    T, HV = 8192, 64
+    long = {**args, "q": torch.zeros(1, T, H, D).bfloat16(), "k": torch.zeros(1, T, H, D).bfloat16()}
+    long.update(v=torch.zeros(1, T, HV, D).bfloat16(), g=torch.zeros(1, T, HV, D), beta=torch.zeros(1, T, HV))
+    decision = cula.explain(fn, **long)
+    assert decision.backend != "cute" and "FLA expected faster" in dict(decision.rejected)["cute"], decision

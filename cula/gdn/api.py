@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from cula import validation
-from cula.dispatch import CuteKernel, Op, bind, call_args, fla_gated_backward_ok, requires_grad
+from cula.dispatch import CuteKernel, Op, bind, call_args, fla_gated_backward_ok, kernel_vs_fla, requires_grad
 from cula.gdn import reference
 from cula.ops.gates import gdn_gate, qk_beta_transforms
 
@@ -132,22 +132,9 @@ def sm90_vs_fla_ms(lengths: list[int], HV: int, num_sms: int) -> tuple[float, fl
 
 
 def _sm90_faster_than_fla(args: dict[str, Any]) -> tuple[bool, str]:
-    from cula.gdn.chunk_fwd_sm90 import CHUNK
+    from cula.gdn.chunk_fwd_sm90 import estimated_ms
 
-    q, v, cu_seqlens = args["q"], args["v"], args["cu_seqlens"]
-    if cu_seqlens is None:
-        lengths = [q.shape[1]] * q.shape[0]
-    else:
-        offsets = validation.host_offsets(cu_seqlens, args.get("cu_seqlens_cpu"))
-        lengths = [b - a for a, b in zip(offsets, offsets[1:], strict=False)]
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    ours, fla = sm90_vs_fla_ms(lengths, v.shape[2], sms)
-    if ours <= fla:
-        return True, ""
-    return False, (
-        f"FLA expected faster: one CTA walks up to {-(-max(lengths) // CHUNK)} chunks in series here "
-        f"(kernel est. {ours:.2f} ms, FLA est. {fla:.2f} ms); CULA_BACKEND=cute forces the kernel"
-    )
+    return kernel_vs_fla(args, estimated_ms, FLA_NS_PER_TOKEN_HEAD, FLA_MIN_MS)
 
 
 def _sm90_run(args: dict[str, Any]):

@@ -72,16 +72,9 @@ def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, **
 
 
 def estimated_ms(lengths: list[int], HV: int, num_sms: int) -> float:
-    """The kernel's time from its chunk walks: the longest chain of chunks one CTA walks, or all chunk-CTAs spread
-    over the SMs, whichever is longer; when the sequences get split (``cula.ops.segment_split``), three passes over
-    segments instead (matches the H200 timings of BENCHMARK_H200.md within about 30 %)."""
-    chunks = [-(-n // CHUNK) for n in lengths]
-    spread = math.ceil(sum(chunks) * HV / num_sms)
-    cuts = segment_split.plan_segments(lengths, HV, num_sms, CHUNK)
-    if cuts is None:
-        return CHUNK_LATENCY_US * max(max(chunks, default=0), spread) / 1e3
-    seg = max(-(-(c[0] if c else n) // CHUNK) for c, n in zip(cuts, lengths, strict=True))
-    return 3 * CHUNK_LATENCY_US * max(seg, spread) / 1e3
+    """The kernel's time for sequences of these lengths, split where the entry splits them (matches the H200
+    timings of BENCHMARK_H200.md within about 30 %)."""
+    return segment_split.chunk_walk_ms(lengths, HV, num_sms, CHUNK_LATENCY_US, splittable=True)
 
 
 class GDNChunkFwdSm90:

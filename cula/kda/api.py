@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from cula import validation
-from cula.dispatch import CuteKernel, Op, bind, call_args, requires_grad
+from cula.dispatch import CuteKernel, Op, bind, call_args, kernel_vs_fla, requires_grad
 from cula.kda import reference
 from cula.ops.gates import kda_gate, qk_beta_transforms
 
@@ -166,4 +166,16 @@ def _sm90_run(args: dict[str, Any]):
     return o.to(q.dtype), final_state
 
 
-CHUNK.register_kernel(CuteKernel("kda.chunk_fwd_sm90", 9, _sm90_supports, _sm90_run))
+# FLA 0.6.0's chunk_kda forward on the H200 at D = 128 (safe_gate, lower_bound=-5): about 3.2 ns per token-head
+# (../shared/device/README.md and the 2026-12-03 dev run, NOTES.md); its minimum per call is taken from GDN's.
+FLA_NS_PER_TOKEN_HEAD = 3.2
+FLA_MIN_MS = 0.38
+
+
+def _sm90_faster_than_fla(args: dict[str, Any]) -> tuple[bool, str]:
+    from cula.kda.chunk_fwd_sm90 import estimated_ms
+
+    return kernel_vs_fla(args, estimated_ms, FLA_NS_PER_TOKEN_HEAD, FLA_MIN_MS)
+
+
+CHUNK.register_kernel(CuteKernel("kda.chunk_fwd_sm90", 9, _sm90_supports, _sm90_run, _sm90_faster_than_fla))

@@ -40,9 +40,13 @@ import torch
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cula import runtime
+from cula.ops import segment_split
 from cula.ops import sm90_blocks as blocks
 
 CHUNK = 64
+# One CTA walks its chunks in series at about this many microseconds each (H200, dev run of 2026-12-03: 4.80 ms at
+# B2 T16384 H64 = 256 chunks per CTA in one wave; NOTES.md); the kernel runs one CTA per SM.
+CHUNK_LATENCY_US = 18.8
 SUPPORTED_DIMS = (128,)
 # the lowest gate the intra-chunk factorisation tolerates (module docstring)
 LOWER_BOUND_MIN = -5.0
@@ -76,6 +80,11 @@ def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, **
     if initial_state is not None and initial_state.dtype != torch.float32:
         return False, "initial_state must be float32"
     return True, ""
+
+
+def estimated_ms(lengths: list[int], HV: int, num_sms: int) -> float:
+    """The kernel's time for sequences of these lengths (it does not split sequences yet)."""
+    return segment_split.chunk_walk_ms(lengths, HV, num_sms, CHUNK_LATENCY_US, splittable=False)
 
 
 class KDAChunkFwdSm90:

@@ -23,11 +23,12 @@ from collections.abc import Callable
 
 import torch
 
+CHUNK = 64
 # (mode, starts, ends, initial states or None, out) -> final states [len(starts), HV, K, K or V] fp32
 RangeRunner = Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]
 
 
-def plan_segments(lengths: list[int], HV: int, num_sms: int, chunk: int = 64) -> list[list[int]] | None:
+def plan_segments(lengths: list[int], HV: int, num_sms: int, chunk: int = CHUNK) -> list[list[int]] | None:
     """Cut points per sequence (token counts from its start, a multiple of ``chunk``) that spread the chunk walks
     over ``num_sms`` CTAs, one CTA per SM; None when splitting would not beat walking each sequence whole."""
     chunks = [-(-n // chunk) for n in lengths]
@@ -43,6 +44,19 @@ def plan_segments(lengths: list[int], HV: int, num_sms: int, chunk: int = 64) ->
     if 3 * max(seg, spread) >= max(chunks):
         return None
     return [list(range(seg * chunk, n, seg * chunk)) for n in lengths]
+
+
+def chunk_walk_ms(lengths: list[int], HV: int, num_sms: int, latency_us: float, splittable: bool) -> float:
+    """A fused chunk kernel's time from its chunk walks at ``latency_us`` per chunk and CTA (one CTA per SM): the
+    longest chain one CTA walks, or all chunk-CTAs spread over the SMs, whichever is longer; with ``splittable``,
+    three passes over segments where :func:`plan_segments` splits."""
+    chunks = [-(-n // CHUNK) for n in lengths]
+    spread = math.ceil(sum(chunks) * HV / num_sms)
+    cuts = plan_segments(lengths, HV, num_sms, CHUNK) if splittable else None
+    if cuts is None:
+        return latency_us * max(max(chunks, default=0), spread) / 1e3
+    seg = max(-(-(c[0] if c else n) // CHUNK) for c, n in zip(cuts, lengths, strict=True))
+    return 3 * latency_us * max(seg, spread) / 1e3
 
 
 def split_forward(
