@@ -123,11 +123,16 @@ FLA_NS_PER_TOKEN_HEAD = 1.65
 FLA_MIN_MS = 0.38
 
 
-def sm90_vs_fla_ms(lengths: list[int], HV: int, num_sms: int) -> tuple[float, float]:
+# A varlen call without cu_seqlens_cpu reads the offsets from the device: the GPU idles from that sync until the
+# launch (about 0.3 ms per call in the 2026-12-03 13:23 H200 run, BENCHMARK_H200.md).
+VARLEN_SYNC_MS = 0.3
+
+
+def sm90_vs_fla_ms(lengths: list[int], HV: int, num_sms: int, offsets_synced: bool = False) -> tuple[float, float]:
     """Estimated forward times (ms) of the SM90 kernel and of FLA for sequences of these lengths."""
     from cula.gdn.chunk_fwd_sm90 import estimated_ms
 
-    ours = estimated_ms(lengths, HV, num_sms)
+    ours = estimated_ms(lengths, HV, num_sms) + (VARLEN_SYNC_MS if offsets_synced else 0.0)
     return ours, max(FLA_NS_PER_TOKEN_HEAD * sum(lengths) * HV / 1e6, FLA_MIN_MS)
 
 
