@@ -233,6 +233,17 @@ def call_args(local_vars: dict[str, Any]) -> dict[str, Any]:
     return args
 
 
+def chunk_fwd_kernel_declines(args: dict[str, Any]) -> Verdict | None:
+    """What every forward-only chunk kernel declines: training calls, context parallelism, chunk sizes but 64."""
+    if requires_grad(args):
+        return False, "inputs require grad: forward-only kernel (backward kernel not landed)"
+    if args.get("cp_context") is not None:
+        return False, "context parallelism (cp_context) is served by FLA only"
+    if args.get("chunk_size", 64) != 64:
+        return False, f"chunk_size={args['chunk_size']}: the kernel uses 64"
+    return None
+
+
 def kernel_vs_fla(
     args: dict[str, Any],
     kernel_ms: Callable[[list[int], int, int], float],

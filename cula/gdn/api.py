@@ -7,9 +7,17 @@ from typing import Any
 import torch
 
 from cula import validation
-from cula.dispatch import CuteKernel, Op, bind, call_args, fla_gated_backward_ok, kernel_vs_fla, requires_grad
+from cula.dispatch import (
+    CuteKernel,
+    Op,
+    bind,
+    call_args,
+    chunk_fwd_kernel_declines,
+    fla_gated_backward_ok,
+    kernel_vs_fla,
+)
 from cula.gdn import reference
-from cula.ops.gates import gdn_gate, qk_beta_transforms
+from cula.ops.gates import gdn_gate, kernel_qk_beta
 
 
 def _validate_chunk(args: dict[str, Any]) -> None:
@@ -104,12 +112,9 @@ RECURRENT = bind(
 
 
 def _sm90_supports(args: dict[str, Any]) -> tuple[bool, str]:
-    if requires_grad(args):
-        return False, "inputs require grad: forward-only kernel (backward kernel not landed)"
-    if args.get("cp_context") is not None:
-        return False, "context parallelism (cp_context) is served by FLA only"
-    if args.get("chunk_size", 64) != 64:
-        return False, f"chunk_size={args['chunk_size']}: the kernel uses 64"
+    declined = chunk_fwd_kernel_declines(args)
+    if declined:
+        return declined
     from cula.gdn import chunk_fwd_sm90  # imports the CuTe DSL: only on an SM90 device
 
     return chunk_fwd_sm90.supports(
@@ -145,25 +150,15 @@ def _sm90_faster_than_fla(args: dict[str, Any]) -> tuple[bool, str]:
 def _sm90_run(args: dict[str, Any]):
     from cula.gdn.chunk_fwd_sm90 import chunk_gated_delta_rule_fwd_sm90
 
-    q, k, v = args["q"], args["k"], args["v"]
-    # The in-kernel options run as separate element-wise passes for now; fusing them into the kernel saves
-    # one read and write of q, k and the gates.
-    q2, k2, beta = qk_beta_transforms(
-        q,
-        k,
-        args["beta"],
-        args["use_qk_l2norm_in_kernel"],
-        args["use_beta_sigmoid_in_kernel"],
-        args["allow_neg_eigval"],
-    )
+    q, k, beta = kernel_qk_beta(args)
     g = args["g"]
     g = gdn_gate(g, args.get("A_log"), args.get("dt_bias")) if args.get("use_gate_in_kernel") else g.float()
     o, final_state = chunk_gated_delta_rule_fwd_sm90(
-        q2.to(q.dtype).contiguous(),
-        k2.to(k.dtype).contiguous(),
-        v.contiguous(),
+        q,
+        k,
+        args["v"].contiguous(),
         g.contiguous(),
-        beta.contiguous(),
+        beta,
         args["scale"],
         args["initial_state"],
         args["output_final_state"],
@@ -171,7 +166,7 @@ def _sm90_run(args: dict[str, Any]):
         args["state_v_first"],
         cu_seqlens_cpu=args.get("cu_seqlens_cpu"),
     )
-    return o.to(q.dtype), final_state
+    return o, final_state
 
 
 CHUNK.register_kernel(CuteKernel("gdn.chunk_fwd_sm90", 9, _sm90_supports, _sm90_run, _sm90_faster_than_fla))

@@ -7,9 +7,9 @@ from typing import Any
 import torch
 
 from cula import validation
-from cula.dispatch import CuteKernel, Op, bind, call_args, kernel_vs_fla, requires_grad
+from cula.dispatch import CuteKernel, Op, bind, call_args, chunk_fwd_kernel_declines, kernel_vs_fla
 from cula.kda import reference
-from cula.ops.gates import kda_gate, qk_beta_transforms
+from cula.ops.gates import kda_gate, kernel_qk_beta
 
 
 def _validate_chunk(args: dict[str, Any]) -> None:
@@ -109,12 +109,9 @@ RECURRENT = bind(
 
 
 def _sm90_supports(args: dict[str, Any]) -> tuple[bool, str]:
-    if requires_grad(args):
-        return False, "inputs require grad: forward-only kernel (backward kernel not landed)"
-    if args.get("cp_context") is not None:
-        return False, "context parallelism (cp_context) is served by FLA only"
-    if args.get("chunk_size", 64) != 64:
-        return False, f"chunk_size={args['chunk_size']}: the kernel uses 64"
+    declined = chunk_fwd_kernel_declines(args)
+    if declined:
+        return declined
     if not args.get("safe_gate", False):
         return False, "unbounded gate (safe_gate=False): FLA's exact path serves it"
     lower_bound = args.get("lower_bound")
@@ -135,35 +132,23 @@ def _sm90_supports(args: dict[str, Any]) -> tuple[bool, str]:
 def _sm90_run(args: dict[str, Any]):
     from cula.kda.chunk_fwd_sm90 import chunk_kda_fwd_sm90
 
-    q, k, v = args["q"], args["k"], args["v"]
-    # The in-kernel options run as separate element-wise passes for now (as for GDN); fusing them into the
-    # kernel saves one read and write of q, k and the gates.
-    q2, k2, beta = qk_beta_transforms(
-        q,
-        k,
-        args["beta"],
-        args["use_qk_l2norm_in_kernel"],
-        args["use_beta_sigmoid_in_kernel"],
-        args["allow_neg_eigval"],
-    )
-    if beta.dtype not in (torch.float32, torch.bfloat16):
-        beta = beta.float()
+    q, k, beta = kernel_qk_beta(args)
     g = args["g"]
     if args.get("use_gate_in_kernel"):
         g = kda_gate(g, args.get("A_log"), args.get("dt_bias"), args.get("lower_bound"))
     o, final_state = chunk_kda_fwd_sm90(
-        q2.to(q.dtype).contiguous(),
-        k2.to(k.dtype).contiguous(),
-        v.contiguous(),
+        q,
+        k,
+        args["v"].contiguous(),
         g.float().contiguous(),
-        beta.contiguous(),
+        beta,
         args["scale"],
         args["initial_state"],
         args["output_final_state"],
         args["cu_seqlens"],
         args["state_v_first"],
     )
-    return o.to(q.dtype), final_state
+    return o, final_state
 
 
 # FLA 0.6.0's chunk_kda forward on the H200 at D = 128 (safe_gate, lower_bound=-5): about 3.2 ns per token-head

@@ -73,3 +73,21 @@ def qk_beta_transforms(
     if use_beta_sigmoid_in_kernel:
         beta = beta_sigmoid(beta, allow_neg_eigval)
     return q, k, beta
+
+
+def kernel_qk_beta(args: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The delta-rule kernels' pre-passes over an entry point's bound arguments: q and k (L2-normed when asked)
+    back in q's dtype, and beta (sigmoid when asked) in fp32 or bf16, all contiguous. They run as separate
+    element-wise passes for now; fusing them into the kernels saves one read and write of q, k and beta."""
+    q, k, beta = qk_beta_transforms(
+        args["q"],
+        args["k"],
+        args["beta"],
+        args["use_qk_l2norm_in_kernel"],
+        args["use_beta_sigmoid_in_kernel"],
+        args["allow_neg_eigval"],
+    )
+    if beta.dtype not in (torch.float32, torch.bfloat16):
+        beta = beta.float()
+    dtype = args["q"].dtype
+    return q.to(dtype).contiguous(), k.to(dtype).contiguous(), beta.contiguous()

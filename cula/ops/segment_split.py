@@ -11,7 +11,7 @@ from ``S_start``. A kernel that runs these three modes over a list of token rang
 - ``"transition"``: ``v = 0`` from ``S = I``, no output; returns ``M`` (segments whose successor needs a start);
 - ``"correction"``: ``v = 0`` from the given starts; adds ``o_hom`` to ``o``; returns the final states.
 
-Between the passes the starts chain through one K x K by K x V product per segment (``chain_starts``).
+Between the passes the starts chain through one K x K by K x V product per segment (``split_forward``).
 Costs three walks of a segment instead of one walk of the sequence, so it pays only when the longest sequence
 is well over three times the chunks each SM gets when all of them are spread (``plan_segments``).
 """

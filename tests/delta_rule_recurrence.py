@@ -1,0 +1,41 @@
+"""Shared by the SM90 kernel tests: the fp64 per-token delta-rule recurrence (GDN and KDA), the error measure and
+the SM90 skip marker."""
+
+import pytest
+import torch
+
+needs_sm90 = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="needs an SM90 GPU"
+)
+
+
+def recurrence(q, k, v, g, beta, scale, h0=None, cu_seqlens=None):
+    """fp64 per token: S' = diag(exp(g_t)) S; u = beta_t (v_t - S'^T k_t); S = S' + k_t u^T; o_t = S^T (scale q_t).
+    g is [B, T, HV] (GDN, one gate per head) or [B, T, HV, K] (KDA, one per key channel)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    rep = HV // H
+    q, k = (x.double().repeat_interleave(rep, dim=2) for x in (q, k))
+    v, g, beta = v.double(), g.double(), beta.double()
+    if g.dim() == 3:
+        g = g[..., None]  # a per-head gate acts on every key channel
+    bounds = (
+        [(b, 0, T) for b in range(B)]
+        if cu_seqlens is None
+        else [(0, int(cu_seqlens[i]), int(cu_seqlens[i + 1])) for i in range(len(cu_seqlens) - 1)]
+    )
+    o = torch.zeros(B, T, HV, V, dtype=torch.float64, device=q.device)
+    hts = []
+    for n, (b, t0, t1) in enumerate(bounds):
+        S = h0[n].double().clone() if h0 is not None else torch.zeros(HV, K, V, dtype=torch.float64, device=q.device)
+        for t in range(t0, t1):
+            S = S * g[b, t].exp()[:, :, None]
+            u = beta[b, t][:, None] * (v[b, t] - torch.einsum("hkv,hk->hv", S, k[b, t]))
+            S = S + k[b, t][:, :, None] * u[:, None, :]
+            o[b, t] = torch.einsum("hkv,hk->hv", S, scale * q[b, t])
+        hts.append(S)
+    return o, torch.stack(hts)
+
+
+def rel_rmse(x, ref):
+    return ((x.double() - ref).norm() / ref.norm()).item()
