@@ -83,9 +83,10 @@ class GDNChunkFwdSm90:
 
     Threads: 256 = two warpgroups. WG w owns value rows [64 w, 64 w + 64) of S^T. Per chunk:
       1. WG0: K K^T -> A (fp32, smem, transposed);  WG1: Q K^T -> P (bf16, smem)          [wgmma SS]
-      2. warps 0-1: Tinv = (I + A)^-1, one column per thread (fp32 right-looking forward substitution) -> smem
-         bf16; meanwhile warp 2 loads and scans the next chunk's gates into the other gate slot
-      3. each WG on its 64 value rows: S^T K^T, S^T Q^T, V_new^T, O^T, state update       [wgmma RS]
+      2. each WG issues S^T K^T and S^T Q^T on its rows [wgmma RS, async]; meanwhile Tinv = (I + A)^-1 by
+         16-blocks: warps 0-1 invert the diagonal blocks, then all threads join them (fp32, CUDA cores) -> smem
+         bf16; warp 2 loads and scans the next chunk's gates into the other gate slot
+      3. each WG on its 64 value rows: V_new^T, O^T, state update                         [wgmma RS]
       4. O staged through smem and stored with rows past the sequence end masked; warp 0 refills the TMA stage.
     """
 
@@ -330,6 +331,10 @@ class GDNChunkFwdSm90:
                     acc_s[i] = f32(1.0)
         else:
             acc_s.fill(0.0)
+        # the blocks of Tinv above its diagonal 16-blocks are never written by the blocked solve: zero them once
+        for it in cutlass.range_constexpr(C * C // self.threads):
+            idx = tidx + it * self.threads
+            sT[idx // C, idx % C] = cutlass.BFloat16(0.0)
 
         cute.arch.sync_threads()
 
@@ -348,37 +353,34 @@ class GDNChunkFwdSm90:
                 blocks.gemm(mma_ss, acc_x, tSSa[None, None, None, 1 - wg, stage], tSSb_K[None, None, None, stage], True)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
+            # this thread's accumulator elements lie on 2 rows and 16 columns: their gates are read once
+            g_r, b_r, g_c = self.row_col_gates(sG, sBeta, cSS, slot)
             if wg == 0:
                 for i in cutlass.range_constexpr(cute.size(acc_x)):
                     ra, ja = cSS[i]
+                    rr, kc = (i // 2) % 2, (i % 2) + 2 * (i // 4)
                     va = f32(0.0)
                     if ja < ra:
                         if ra < L:
-                            va = acc_x[i] * sBeta[ra, slot] * cute.math.exp2(sG[ra, slot] - sG[ja, slot], fastmath=True)
+                            va = acc_x[i] * b_r[rr] * cute.math.exp2(g_r[rr] - g_c[kc], fastmath=True)
                     # stored transposed: the solver walks A column by column
                     sA[ja, ra] = va
             elif cutlass.const_expr(self.make_o):
                 for i in cutlass.range_constexpr(cute.size(acc_x)):
                     rp, jp = cSS[i]
+                    rr, kc = (i // 2) % 2, (i % 2) + 2 * (i // 4)
                     vp = f32(0.0)
                     if jp <= rp:
-                        vp = acc_x[i] * scale * cute.math.exp2(sG[rp, slot] - sG[jp, slot], fastmath=True)
+                        vp = acc_x[i] * scale * cute.math.exp2(g_r[rr] - g_c[kc], fastmath=True)
                     sP[rp, jp] = vp.to(cutlass.BFloat16)
             # sP is read by wgmma (async proxy) after ordinary stores
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
 
-            # ---- 2. Tinv = (I + A)^-1, one column per thread of warps 0-1; meanwhile warp 2 fetches the next
-            # chunk's gates into the other slot (its last readers passed the previous chunk's final barrier)
-            if warp < 2:
-                blocks.solve_unit_lower(sA, sT, tidx)
-            if warp == 2:
-                nxt = self.load_gates(mG, mBeta, b, hv, tok0, seqlen, c + 1, lane)
-                self.publish_gates(sG, sBeta, 1 - slot, nxt, lane)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
-
-            # ---- 3. state products on this WG's 64 value rows
+            # ---- 2. S^T K^T and S^T Q^T (they do not need Tinv) run on the tensor cores while the CUDA cores solve
+            # Tinv = (I + A)^-1 by 16-blocks; warp 2 fetches the next chunk's gates into the other slot (its last
+            # readers passed the previous chunk's final barrier), loads issued first and published last so that
+            # their latency stalls no barrier
             rS = blocks.acc_to_operand(acc_s)
             acc_k = thr_rs.make_fragment_C(acc_cc_shape)
             acc_o = thr_rs.make_fragment_C(acc_cc_shape)
@@ -387,8 +389,20 @@ class GDNChunkFwdSm90:
             if cutlass.const_expr(self.make_o):
                 blocks.gemm(mma_rs, acc_o, rS, tRSb_Q[None, None, None, stage], True)
             warpgroup.commit_group()
+            nxt = (f32(0.0), f32(0.0), f32(0.0), f32(0.0))
+            if warp == 2:
+                nxt = self.load_gates(mG, mBeta, b, hv, tok0, seqlen, c + 1, lane)
+            if warp < 2:
+                blocks.solve_diag16(sA, sT, tidx)
+            cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+            blocks.solve_merge(sA, sT, tidx, 1, self.threads)
+            if warp == 2:
+                self.publish_gates(sG, sBeta, 1 - slot, nxt, lane)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
 
-            # while those run: per-column factors of this thread's 16 accumulator columns (element i has column
+            # ---- 3. the other state products on this WG's 64 value rows; first, while S^T K^T may still run:
+            # per-column factors of this thread's 16 accumulator columns (element i has column
             # slot (i % 2) + 2 (i // 4)), zero past the sequence end; and the state's chunk decay
             e_g = cute.make_rmem_tensor(cute.make_layout(16), f32)  # exp(G_j)
             e_d = cute.make_rmem_tensor(cute.make_layout(16), f32)  # exp(G_last - G_j)
@@ -488,6 +502,23 @@ class GDNChunkFwdSm90:
         cute.copy(tma_k, tKg[None, chunk], tKs[None, s], tma_bar_ptr=full + s)
         if cutlass.const_expr(self.load_v):
             cute.copy(tma_v, tVg[None, chunk], tVs[None, s], tma_bar_ptr=full + s)
+
+    @cute.jit
+    def row_col_gates(self, sG, sBeta, cCC, slot):
+        """Gates at this thread's 2 accumulator rows and 16 columns of a (C x C) tile (element i: row slot
+        (i // 2) % 2, column slot (i % 2) + 2 (i // 4)): G and beta per row, G per column."""
+        f32 = cutlass.Float32
+        g_r = cute.make_rmem_tensor(cute.make_layout(2), f32)
+        b_r = cute.make_rmem_tensor(cute.make_layout(2), f32)
+        g_c = cute.make_rmem_tensor(cute.make_layout(16), f32)
+        for rr in cutlass.range_constexpr(2):
+            r, _ = cCC[2 * rr]
+            g_r[rr] = sG[r, slot]
+            b_r[rr] = sBeta[r, slot]
+        for kc in cutlass.range_constexpr(16):
+            _, j = cCC[(kc % 2) + 4 * (kc // 2)]
+            g_c[kc] = sG[j, slot]
+        return g_r, b_r, g_c
 
     @cute.jit
     def load_gates(self, mG, mBeta, b, hv, tok0, seqlen, chunk, lane):

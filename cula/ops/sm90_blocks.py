@@ -8,6 +8,8 @@ All are ``@cute.jit`` functions inlined into the calling kernel:
 - :func:`acc_to_operand_split`: the same as a bf16 pair hi + lo that carries the accumulator to ~16 bits.
 - :func:`empty_operand`: an uninitialised bf16 register A operand, in the register order of a (64 x N) accumulator.
 - :func:`solve_unit_lower`: one column of ``(I + A)^-1`` for a strictly lower ``A`` (the chunk's WY/UT inverse).
+- :func:`solve_diag16` then :func:`solve_merge`: the same inverse by 16-blocks, on 64 then 256 threads (15 serial
+  steps per column instead of 63; measured on the H200 in the GDN kernel: ~2 us less per chunk).
 """
 
 import cutlass
@@ -103,3 +105,101 @@ def solve_unit_lower(sAt, sT, col):
                     acc[4 * blk + e] = acc[4 * blk + e] + a4[0, e] * xj
     for i in cutlass.range_constexpr(C):
         sT[i, col] = acc[i].to(cutlass.BFloat16)
+
+
+@cute.jit
+def solve_diag16(sAt, sT, tid):
+    """Level 0 of the blocked ``(I + A)^-1`` (64 x 64, A strictly lower, given transposed in ``sAt``: fp32,
+    ``sAt[j, i] = A[i, j]``, rows 16-byte aligned). ``tid`` in [0, 64) inverts column ``tid % 16`` of diagonal
+    16-block ``tid // 16`` by right-looking forward substitution (15 steps instead of 63 for the whole matrix) and
+    writes it to ``sT`` (bf16) and, fp32 and row-major, over that diagonal block of ``sAt``. Only the block's own
+    16 threads (half a warp) read that block, so a warp barrier orders the overwrite. :func:`solve_merge` follows
+    after a CTA barrier."""
+    f32 = cutlass.Float32
+    n = 16
+    o = (tid // n) * n
+    col = tid % n
+    acc = cute.make_rmem_tensor(cute.make_layout(n), f32)
+    acc.fill(0.0)
+    a4 = cute.make_rmem_tensor(cute.make_layout((1, 4)), f32)
+    for j in cutlass.range_constexpr(n):
+        xj = -acc[j]
+        if j == col:
+            xj = f32(1.0) - acc[j]
+        acc[j] = xj
+        for blk in cutlass.range_constexpr((j + 1) // 4, n // 4):
+            cute.autovec_copy(cute.local_tile(sAt, (1, 4), (o + j, o // 4 + blk)), a4)
+            for e in cutlass.range_constexpr(4):
+                if 4 * blk + e > j:
+                    acc[4 * blk + e] = acc[4 * blk + e] + a4[0, e] * xj
+    cute.arch.sync_warp()
+    for i in cutlass.range_constexpr(n):
+        sAt[o + i, o + col] = acc[i]
+        sT[o + i, o + col] = acc[i].to(cutlass.BFloat16)
+
+
+@cute.jit
+def solve_merge(sAt, sT, tid, barrier_id: cutlass.Constexpr, num_threads: cutlass.Constexpr):
+    """Levels 1 and 2 of the blocked inverse, on 256 threads after :func:`solve_diag16` and a CTA barrier: each
+    level joins two diagonal inverses T_lo, T_hi with ``T_21 = -T_hi (A_21 T_lo)`` (16 -> 32, both 32-blocks at
+    once; then 32 -> 64), as fp32 products on CUDA cores, 4 columns per thread. Results go to ``sT`` (bf16),
+    whose blocks above the diagonal 16-blocks must hold zeros (written once by the caller). ``sAt`` is worked in
+    place: T's blocks are kept row-major where A^T's zero half was; products stage in its rows 32-63, columns
+    0-31. The blocks of A^T above the diagonal that are not yet overwritten are skipped, not read as zeros."""
+    assert num_threads == 256
+    f32 = cutlass.Float32
+    bf16 = cutlass.BFloat16
+    t4 = cute.make_rmem_tensor(cute.make_layout((1, 4)), f32)
+    acc = cute.make_rmem_tensor(cute.make_layout(4), f32)
+    # ---- level 1 (threads 0-127): pair p joins diagonal blocks 2p, 2p + 1 at offset a
+    p = tid // 64
+    a = p * 32
+    i1 = (tid // 4) % 16
+    c1 = tid % 4
+    if tid < 128:
+        acc.fill(0.0)
+        for k in cutlass.range_constexpr(16):
+            aik = sAt[a + k, a + 16 + i1]  # A[a + 16 + i, a + k]
+            cute.autovec_copy(cute.local_tile(sAt, (1, 4), (a + k, a // 4 + c1)), t4)
+            for e in cutlass.range_constexpr(4):
+                acc[e] = acc[e] + aik * t4[0, e]
+        for e in cutlass.range_constexpr(4):
+            sAt[32 + 16 * p + i1, 4 * c1 + e] = acc[e]
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
+    if tid < 128:
+        acc.fill(0.0)
+        for k in cutlass.range_constexpr(16):
+            tik = sAt[a + 16 + i1, a + 16 + k]
+            cute.autovec_copy(cute.local_tile(sAt, (1, 4), (32 + 16 * p + k, c1)), t4)
+            for e in cutlass.range_constexpr(4):
+                acc[e] = acc[e] - tik * t4[0, e]
+        for e in cutlass.range_constexpr(4):
+            sAt[a + 16 + i1, a + 4 * c1 + e] = acc[e]
+            sT[a + 16 + i1, a + 4 * c1 + e] = acc[e].to(bf16)
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
+    # ---- level 2 (all threads): rows 32 + i2 of columns 4 c2 .. 4 c2 + 3
+    i2 = tid // 8
+    c2 = tid % 8
+    acc.fill(0.0)
+    for k in cutlass.range_constexpr(32):
+        aik = sAt[k, 32 + i2]  # A[32 + i, k]
+        if cutlass.const_expr(k < 16):
+            if c2 >= 4:  # T_lo[k, j] = 0 for k < 16 <= j: there sAt still holds A^T
+                aik = f32(0.0)
+        cute.autovec_copy(cute.local_tile(sAt, (1, 4), (k, c2)), t4)
+        for e in cutlass.range_constexpr(4):
+            acc[e] = acc[e] + aik * t4[0, e]
+    for e in cutlass.range_constexpr(4):
+        sAt[32 + i2, 4 * c2 + e] = acc[e]
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
+    acc.fill(0.0)
+    for k in cutlass.range_constexpr(32):
+        tik = sAt[32 + i2, 32 + k]
+        if cutlass.const_expr(k >= 16):
+            if i2 < 16:  # T_hi[i, k] = 0 for i < 16 <= k (A^T there)
+                tik = f32(0.0)
+        cute.autovec_copy(cute.local_tile(sAt, (1, 4), (32 + k, c2)), t4)
+        for e in cutlass.range_constexpr(4):
+            acc[e] = acc[e] - tik * t4[0, e]
+    for e in cutlass.range_constexpr(4):
+        sT[32 + i2, 4 * c2 + e] = acc[e].to(bf16)
