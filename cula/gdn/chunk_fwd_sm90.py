@@ -294,8 +294,9 @@ class GDNChunkFwdSm90:
                     self.issue_tma(tma, full, cutlass.Int32(s), lane)
 
         if warp == 0:
-            g0 = self.load_gates(mG, mBeta, b, hv, tok0, seqlen, cutlass.Int32(0), lane)
-            self.publish_gates(sG, sBeta, 0, g0, lane)
+            if n_chunks > 0:
+                g0 = self.load_gates(mG, mBeta, b, hv, tok0, seqlen, cutlass.Int32(0), lane)
+                self.publish_gates(sG, sBeta, 0, g0, cutlass.Int32(0), seqlen, lane)
 
         # ---- per-thread MMA partitions (each warpgroup works on its own 64 rows)
         thr_ss = mma_ss.get_slice(wtid)
@@ -344,6 +345,10 @@ class GDNChunkFwdSm90:
             L = cutlass.min(seqlen - c * C, C)
             g_last = sG[L - 1, slot]
 
+            # the next chunk's gates: loaded here by every warp (no branch, so nothing waits for them), published
+            # by warp 2 into the other slot at the end of this chunk (the last readers of that slot were done at
+            # the previous chunk's final barrier)
+            nxt = self.load_gates(mG, mBeta, b, hv, tok0, seqlen, c + 1, lane)
             cute.arch.mbarrier_wait(full + stage, (c // self.stages) % 2)
 
             # ---- 1. WG0: A = strict-lower(beta_i K K^T exp(G_i - G_j)); WG1: P = lower(scale Q K^T exp(G_i - G_j))
@@ -366,21 +371,23 @@ class GDNChunkFwdSm90:
                     # stored transposed: the solver walks A column by column
                     sA[ja, ra] = va
             elif cutlass.const_expr(self.make_o):
+                # elements i, i + 1 (i even) are columns j, j + 1 of one row: stored as one 4-byte pair
+                pair = cute.make_rmem_tensor(cute.make_layout((1, 2)), cutlass.BFloat16)
                 for i in cutlass.range_constexpr(cute.size(acc_x)):
                     rp, jp = cSS[i]
                     rr, kc = (i // 2) % 2, (i % 2) + 2 * (i // 4)
                     vp = f32(0.0)
                     if jp <= rp:
                         vp = acc_x[i] * scale * cute.math.exp2(g_r[rr] - g_c[kc], fastmath=True)
-                    sP[rp, jp] = vp.to(cutlass.BFloat16)
+                    pair[0, i % 2] = vp.to(cutlass.BFloat16)
+                    if cutlass.const_expr(i % 2 == 1):
+                        cute.autovec_copy(pair, cute.local_tile(sP, (1, 2), (rp, jp // 2)))
             # sP is read by wgmma (async proxy) after ordinary stores
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
 
             # ---- 2. S^T K^T and S^T Q^T (they do not need Tinv) run on the tensor cores while the CUDA cores solve
-            # Tinv = (I + A)^-1 by 16-blocks; warp 2 fetches the next chunk's gates into the other slot (its last
-            # readers passed the previous chunk's final barrier), loads issued first and published last so that
-            # their latency stalls no barrier
+            # Tinv = (I + A)^-1 by 16-blocks
             rS = blocks.acc_to_operand(acc_s)
             acc_k = thr_rs.make_fragment_C(acc_cc_shape)
             acc_o = thr_rs.make_fragment_C(acc_cc_shape)
@@ -389,15 +396,10 @@ class GDNChunkFwdSm90:
             if cutlass.const_expr(self.make_o):
                 blocks.gemm(mma_rs, acc_o, rS, tRSb_Q[None, None, None, stage], True)
             warpgroup.commit_group()
-            nxt = (f32(0.0), f32(0.0), f32(0.0), f32(0.0))
-            if warp == 2:
-                nxt = self.load_gates(mG, mBeta, b, hv, tok0, seqlen, c + 1, lane)
             if warp < 2:
                 blocks.solve_diag16(sA, sT, tidx)
             cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
             blocks.solve_merge(sA, sT, tidx, 1, self.threads)
-            if warp == 2:
-                self.publish_gates(sG, sBeta, 1 - slot, nxt, lane)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
 
@@ -457,6 +459,8 @@ class GDNChunkFwdSm90:
                 for i in cutlass.range_constexpr(cute.size(acc_o)):
                     r, j = cCC[i]
                     sO[j, row0 + r] = acc_o[i].to(cutlass.BFloat16)
+            if warp == 2:
+                self.publish_gates(sG, sBeta, 1 - slot, nxt, c + 1, seqlen, lane)
             cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
 
             if warp == 0:
@@ -522,22 +526,25 @@ class GDNChunkFwdSm90:
 
     @cute.jit
     def load_gates(self, mG, mBeta, b, hv, tok0, seqlen, chunk, lane):
-        """Gates of one chunk, two tokens per lane; tokens past the sequence end get g = 0, beta = 0."""
-        f32 = cutlass.Float32
-        g_lo, g_hi, b_lo, b_hi = f32(0.0), f32(0.0), f32(0.0), f32(0.0)
+        """Raw gates of one chunk, two tokens per lane. The token index is clamped into the sequence instead of
+        branching, so the loads stay in flight until :meth:`publish_gates` uses them (needs seqlen >= 1)."""
         t = chunk * self.C + lane
-        if t < seqlen:
-            g_lo = mG[b, tok0 + t, hv]
-            b_lo = mBeta[b, tok0 + t, hv].to(f32)
-        if t + 32 < seqlen:
-            g_hi = mG[b, tok0 + t + 32, hv]
-            b_hi = mBeta[b, tok0 + t + 32, hv].to(f32)
-        return g_lo, g_hi, b_lo, b_hi
+        t_lo = tok0 + cutlass.min(t, seqlen - 1)
+        t_hi = tok0 + cutlass.min(t + 32, seqlen - 1)
+        return mG[b, t_lo, hv], mG[b, t_hi, hv], mBeta[b, t_lo, hv], mBeta[b, t_hi, hv]
 
     @cute.jit
-    def publish_gates(self, sG, sBeta, slot, gates, lane):
-        """Inclusive prefix sum of g over the chunk (warp scan), stored in log2 units, with beta."""
+    def publish_gates(self, sG, sBeta, slot, gates, chunk, seqlen, lane):
+        """Inclusive prefix sum of g over the chunk (warp scan), stored in log2 units, with beta; tokens past the
+        sequence end get g = 0, beta = 0."""
+        f32 = cutlass.Float32
         g_lo, g_hi, b_lo, b_hi = gates
+        t = chunk * self.C + lane
+        zero = f32(0.0)
+        g_lo = g_lo if t < seqlen else zero
+        g_hi = g_hi if t + 32 < seqlen else zero
+        b_lo = b_lo.to(f32) if t < seqlen else zero
+        b_hi = b_hi.to(f32) if t + 32 < seqlen else zero
         for i in cutlass.range_constexpr(5):
             up_lo = cute.arch.shuffle_sync_up(g_lo, 1 << i)
             up_hi = cute.arch.shuffle_sync_up(g_hi, 1 << i)

@@ -97,8 +97,9 @@ class KDAChunkFwdSm90:
          threads 128-191: beta. Then all threads: R_j = k_j 2^(G_r - G_j) (r = 16 | 48 per 32-token half) -> smem
       1. WG0: A = K-left . R (fp32, smem, transposed);  WG1: P = Q-left . R (bf16, smem); the left operands
          x_i 2^(G_i - G_r) are built in registers                                          [wgmma RS, N = 32 x 2]
-      2. warps 0-1: Tinv = (I + A)^-1, one column per thread -> smem bf16; warps 2-7 meanwhile build the B tiles
-         K 2^G, Q 2^G and K 2^(G_last - G) (zero past the sequence end); then warp 0 refills q/k/g
+      2. Tinv = (I + A)^-1 by 16-blocks: warps 0-1 invert the diagonal blocks while warps 2-7 build the B tiles
+         K 2^G, Q 2^G and K 2^(G_last - G) (zero past the sequence end); then all threads join the blocks; then
+         warp 0 refills q/k/g
       3. each WG on its 64 value rows: S^T (K 2^G)^T, S^T (Q 2^G)^T, V_new^T, O^T, state decay and update [wgmma RS]
       4. O staged through smem and stored with rows past the sequence end masked; warp 0 refills v.
 
@@ -344,6 +345,11 @@ class KDAChunkFwdSm90:
                 acc_s[i] = mH0[n, hv, kh, row0 + rh]
         else:
             acc_s.fill(0.0)
+        # the blocks of Tinv above its diagonal 16-blocks are never written by the blocked solve: zero them once
+        # (the barriers of the first chunk's steps 0-1 order this before any use)
+        for it in cutlass.range_constexpr(C * C // self.threads):
+            idx = tidx + it * self.threads
+            sT[idx // C, idx % C] = cutlass.BFloat16(0.0)
 
         for c in cutlass.range(n_chunks, unroll=1):
             L = cutlass.min(seqlen - c * C, C)
@@ -429,10 +435,10 @@ class KDAChunkFwdSm90:
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
 
-            # ---- 2. warps 0-1: Tinv = (I + A)^-1, one column per thread; warps 2-7: the B tiles of the state
-            # products, 32 channels of one token per warp and step
+            # ---- 2. Tinv = (I + A)^-1 by 16-blocks: warps 0-1 invert the diagonal blocks while warps 2-7 build the B
+            # tiles of the state products (32 channels of one token per warp and step); then all threads join them
             if warp < 2:
-                blocks.solve_unit_lower(sA, sT, tidx)
+                blocks.solve_diag16(sA, sT, tidx)
             else:
                 segs = C * (D // 32)
                 workers = self.threads // 32 - 2
@@ -451,6 +457,8 @@ class KDAChunkFwdSm90:
                         if j < L:
                             kd = kj * cute.math.exp2(sGl[kk] - gj, fastmath=True)
                         sKD[kk, j] = kd.to(bf16)
+            cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+            blocks.solve_merge(sA, sT, tidx, 1, self.threads)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
 

@@ -142,64 +142,85 @@ def solve_diag16(sAt, sT, tid):
 def solve_merge(sAt, sT, tid, barrier_id: cutlass.Constexpr, num_threads: cutlass.Constexpr):
     """Levels 1 and 2 of the blocked inverse, on 256 threads after :func:`solve_diag16` and a CTA barrier: each
     level joins two diagonal inverses T_lo, T_hi with ``T_21 = -T_hi (A_21 T_lo)`` (16 -> 32, both 32-blocks at
-    once; then 32 -> 64), as fp32 products on CUDA cores, 4 columns per thread. Results go to ``sT`` (bf16),
-    whose blocks above the diagonal 16-blocks must hold zeros (written once by the caller). ``sAt`` is worked in
-    place: T's blocks are kept row-major where A^T's zero half was; products stage in its rows 32-63, columns
-    0-31. The blocks of A^T above the diagonal that are not yet overwritten are skipped, not read as zeros."""
+    once on threads 0-127; then 32 -> 64 on all), as fp32 products on CUDA cores, a 2 x 2 output block per thread
+    taken as a sum of outer products (8-byte loads, broadcast within a warp). Results go to ``sT`` (bf16), whose
+    blocks above the diagonal 16-blocks must hold zeros (written once by the caller). ``sAt`` is worked in place:
+    T's blocks are kept row-major where A^T's zero half was, and products stage in its rows 32-63, columns 0-31.
+    The blocks of A^T above the diagonal that are not yet overwritten are masked, not read as zeros."""
     assert num_threads == 256
     f32 = cutlass.Float32
     bf16 = cutlass.BFloat16
+    x2 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
+    y2 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
     t4 = cute.make_rmem_tensor(cute.make_layout((1, 4)), f32)
-    acc = cute.make_rmem_tensor(cute.make_layout(4), f32)
-    # ---- level 1 (threads 0-127): pair p joins diagonal blocks 2p, 2p + 1 at offset a
+    u4 = cute.make_rmem_tensor(cute.make_layout((1, 4)), f32)
+    acc = cute.make_rmem_tensor(cute.make_layout((2, 2)), f32)
+
+    # ---- level 1 (threads 0-127): pair p joins diagonal blocks 2p, 2p + 1 at offset a; rows 2 ib, cols 2 jb
     p = tid // 64
     a = p * 32
-    i1 = (tid // 4) % 16
-    c1 = tid % 4
+    ib = (tid % 64) // 8
+    jb = tid % 8
     if tid < 128:
         acc.fill(0.0)
         for k in cutlass.range_constexpr(16):
-            aik = sAt[a + k, a + 16 + i1]  # A[a + 16 + i, a + k]
-            cute.autovec_copy(cute.local_tile(sAt, (1, 4), (a + k, a // 4 + c1)), t4)
-            for e in cutlass.range_constexpr(4):
-                acc[e] = acc[e] + aik * t4[0, e]
-        for e in cutlass.range_constexpr(4):
-            sAt[32 + 16 * p + i1, 4 * c1 + e] = acc[e]
+            # A[a + 16 + i, a + k] = sAt[a + k, a + 16 + i];  T_lo[k, j] = sAt[a + k, a + j]
+            cute.autovec_copy(cute.local_tile(sAt, (1, 2), (a + k, (a + 16) // 2 + ib)), x2)
+            cute.autovec_copy(cute.local_tile(sAt, (1, 2), (a + k, a // 2 + jb)), y2)
+            for r in cutlass.range_constexpr(2):
+                for q in cutlass.range_constexpr(2):
+                    acc[r, q] = acc[r, q] + x2[0, r] * y2[0, q]
+        for r in cutlass.range_constexpr(2):
+            for q in cutlass.range_constexpr(2):
+                sAt[32 + 16 * p + 2 * ib + r, 2 * jb + q] = acc[r, q]
     cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
     if tid < 128:
         acc.fill(0.0)
-        for k in cutlass.range_constexpr(16):
-            tik = sAt[a + 16 + i1, a + 16 + k]
-            cute.autovec_copy(cute.local_tile(sAt, (1, 4), (32 + 16 * p + k, c1)), t4)
+        for k4 in cutlass.range_constexpr(4):
+            # T_hi[i, k] = sAt[a + 16 + i, a + 16 + k] (4 k per load); M1[k, j] in the staging rows
+            cute.autovec_copy(cute.local_tile(sAt, (1, 4), (a + 16 + 2 * ib, (a + 16) // 4 + k4)), t4)
+            cute.autovec_copy(cute.local_tile(sAt, (1, 4), (a + 17 + 2 * ib, (a + 16) // 4 + k4)), u4)
             for e in cutlass.range_constexpr(4):
-                acc[e] = acc[e] - tik * t4[0, e]
-        for e in cutlass.range_constexpr(4):
-            sAt[a + 16 + i1, a + 4 * c1 + e] = acc[e]
-            sT[a + 16 + i1, a + 4 * c1 + e] = acc[e].to(bf16)
+                cute.autovec_copy(cute.local_tile(sAt, (1, 2), (32 + 16 * p + 4 * k4 + e, jb)), y2)
+                for q in cutlass.range_constexpr(2):
+                    acc[0, q] = acc[0, q] - t4[0, e] * y2[0, q]
+                    acc[1, q] = acc[1, q] - u4[0, e] * y2[0, q]
+        for r in cutlass.range_constexpr(2):
+            for q in cutlass.range_constexpr(2):
+                sAt[a + 16 + 2 * ib + r, a + 2 * jb + q] = acc[r, q]
+                sT[a + 16 + 2 * ib + r, a + 2 * jb + q] = acc[r, q].to(bf16)
     cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
-    # ---- level 2 (all threads): rows 32 + i2 of columns 4 c2 .. 4 c2 + 3
-    i2 = tid // 8
-    c2 = tid % 8
+
+    # ---- level 2 (all threads): rows 32 + 2 ib2, columns 2 jb2
+    ib2 = tid // 16
+    jb2 = tid % 16
     acc.fill(0.0)
     for k in cutlass.range_constexpr(32):
-        aik = sAt[k, 32 + i2]  # A[32 + i, k]
+        cute.autovec_copy(cute.local_tile(sAt, (1, 2), (k, 16 + ib2)), x2)  # A[32 + i, k]
+        cute.autovec_copy(cute.local_tile(sAt, (1, 2), (k, jb2)), y2)  # T_lo[k, j]
         if cutlass.const_expr(k < 16):
-            if c2 >= 4:  # T_lo[k, j] = 0 for k < 16 <= j: there sAt still holds A^T
-                aik = f32(0.0)
-        cute.autovec_copy(cute.local_tile(sAt, (1, 4), (k, c2)), t4)
-        for e in cutlass.range_constexpr(4):
-            acc[e] = acc[e] + aik * t4[0, e]
-    for e in cutlass.range_constexpr(4):
-        sAt[32 + i2, 4 * c2 + e] = acc[e]
+            if jb2 >= 8:  # T_lo[k, j] = 0 for k < 16 <= j: there sAt still holds A^T
+                y2.fill(0.0)
+        for r in cutlass.range_constexpr(2):
+            for q in cutlass.range_constexpr(2):
+                acc[r, q] = acc[r, q] + x2[0, r] * y2[0, q]
+    for r in cutlass.range_constexpr(2):
+        for q in cutlass.range_constexpr(2):
+            sAt[32 + 2 * ib2 + r, 2 * jb2 + q] = acc[r, q]
     cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
     acc.fill(0.0)
-    for k in cutlass.range_constexpr(32):
-        tik = sAt[32 + i2, 32 + k]
-        if cutlass.const_expr(k >= 16):
-            if i2 < 16:  # T_hi[i, k] = 0 for i < 16 <= k (A^T there)
-                tik = f32(0.0)
-        cute.autovec_copy(cute.local_tile(sAt, (1, 4), (32 + k, c2)), t4)
+    for k4 in cutlass.range_constexpr(8):
+        cute.autovec_copy(cute.local_tile(sAt, (1, 4), (32 + 2 * ib2, 8 + k4)), t4)  # T_hi[i, 4 k4 ..]
+        cute.autovec_copy(cute.local_tile(sAt, (1, 4), (33 + 2 * ib2, 8 + k4)), u4)
+        if cutlass.const_expr(k4 >= 4):
+            if ib2 < 8:  # T_hi[i, k] = 0 for i < 16 <= k (A^T there)
+                t4.fill(0.0)
+                u4.fill(0.0)
         for e in cutlass.range_constexpr(4):
-            acc[e] = acc[e] - tik * t4[0, e]
-    for e in cutlass.range_constexpr(4):
-        sT[32 + i2, 4 * c2 + e] = acc[e].to(bf16)
+            cute.autovec_copy(cute.local_tile(sAt, (1, 2), (32 + 4 * k4 + e, jb2)), y2)  # M[k, j]
+            for q in cutlass.range_constexpr(2):
+                acc[0, q] = acc[0, q] - t4[0, e] * y2[0, q]
+                acc[1, q] = acc[1, q] - u4[0, e] * y2[0, q]
+    for r in cutlass.range_constexpr(2):
+        for q in cutlass.range_constexpr(2):
+            sT[32 + 2 * ib2 + r, 2 * jb2 + q] = acc[r, q].to(bf16)
