@@ -37,9 +37,10 @@ from cula.ops import sm90_blocks as blocks
 CHUNK = 64
 MODES = ("full", "transition", "correction")  # see GDNChunkFwdSm90 and cula.ops.segment_split
 SUPPORTED_DIMS = (128,)
-# One CTA walks its chunks in series at about this many microseconds each (v2b on the H200, NOTES.md); the
+# One CTA walks its chunks in series at about this many microseconds each (H200 dev runs of 2026-12-03 session 8:
+# 1.73 ms at B2 T16384 H64 = 256 chunks per CTA in one wave; NOTES.md); the
 # kernel runs one CTA per SM.
-CHUNK_LATENCY_US = 9.2
+CHUNK_LATENCY_US = 6.6
 _LOG2E = math.log2(math.e)
 
 
@@ -357,7 +358,11 @@ class GDNChunkFwdSm90:
                 warpgroup.fence()
                 blocks.gemm(mma_ss, acc_x, tSSa[None, None, None, 1 - wg, stage], tSSb_K[None, None, None, stage], True)
                 warpgroup.commit_group()
-                warpgroup.wait_group(0)
+            # while it runs: the previous chunk's O (staged in smem, a full chunk) to global memory
+            if cutlass.const_expr(self.make_o):
+                if c > 0:
+                    self.store_o(sO, mO, b, tok0 + (c - 1) * C, hv, C, tidx)
+            warpgroup.wait_group(0)
             # this thread's accumulator elements lie on 2 rows and 16 columns: their gates are read once
             g_r, b_r, g_c = self.row_col_gates(sG, sBeta, cSS, slot)
             if wg == 0:
@@ -454,7 +459,7 @@ class GDNChunkFwdSm90:
             warpgroup.commit_group()
             warpgroup.wait_group(0)
 
-            # ---- 4. O^T -> smem (token-major), then masked coalesced stores
+            # ---- 4. O^T -> smem (token-major); stored during the next chunk (or after the loop)
             if cutlass.const_expr(self.make_o):
                 for i in cutlass.range_constexpr(cute.size(acc_o)):
                     r, j = cCC[i]
@@ -467,25 +472,10 @@ class GDNChunkFwdSm90:
                 if c + self.stages < n_chunks:
                     self.issue_tma(tma, full, c + self.stages, lane)
 
-            if cutlass.const_expr(self.make_o):
-                vec = 8
-                per_row = D // vec
-                for it in cutlass.range_constexpr(C * per_row // self.threads):
-                    idx = tidx + it * self.threads
-                    r = idx // per_row
-                    c0 = (idx % per_row) * vec
-                    if r < L:
-                        src = cute.local_tile(sO, (1, vec), (r, c0 // vec))
-                        dst = cute.local_tile(mO[b, tok0 + c * C + r, hv, None], (vec,), (c0 // vec,))
-                        frag = cute.make_rmem_tensor(cute.make_layout((1, vec)), cutlass.BFloat16)
-                        cute.autovec_copy(src, frag)
-                        flat = cute.make_tensor(frag.iterator, cute.make_layout(vec))
-                        if cutlass.const_expr(self.mode == "correction"):
-                            old = cute.make_rmem_tensor(cute.make_layout(vec), cutlass.BFloat16)
-                            cute.autovec_copy(dst, old)
-                            total = flat.load().to(cutlass.Float32) + old.load().to(cutlass.Float32)
-                            flat.store(total.to(cutlass.BFloat16))
-                        cute.autovec_copy(flat, dst)
+        # the last chunk's O (the loop stores each chunk's O during the next chunk's first product)
+        if cutlass.const_expr(self.make_o):
+            if n_chunks > 0:
+                self.store_o(sO, mO, b, tok0 + (n_chunks - 1) * C, hv, seqlen - (n_chunks - 1) * C, tidx)
 
         # ---- final state
         for i in cutlass.range_constexpr(cute.size(acc_s)):
@@ -493,6 +483,29 @@ class GDNChunkFwdSm90:
             mHt[n, hv, kf, row0 + rf] = acc_s[i]
 
     # ---------------------------------------------------------------- helpers
+    @cute.jit
+    def store_o(self, sO, mO, b, tok, hv, rows, tidx):
+        """The O tile staged in ``sO`` (token-major) to tokens [tok, tok + rows) of head ``hv``: 16-byte coalesced
+        stores by all threads, rows past ``rows`` masked; the correction pass adds to what ``mO`` holds."""
+        vec = 8
+        per_row = self.D // vec
+        for it in cutlass.range_constexpr(self.C * per_row // self.threads):
+            idx = tidx + it * self.threads
+            r = idx // per_row
+            c0 = (idx % per_row) * vec
+            if r < rows:
+                src = cute.local_tile(sO, (1, vec), (r, c0 // vec))
+                dst = cute.local_tile(mO[b, tok + r, hv, None], (vec,), (c0 // vec,))
+                frag = cute.make_rmem_tensor(cute.make_layout((1, vec)), cutlass.BFloat16)
+                cute.autovec_copy(src, frag)
+                flat = cute.make_tensor(frag.iterator, cute.make_layout(vec))
+                if cutlass.const_expr(self.mode == "correction"):
+                    old = cute.make_rmem_tensor(cute.make_layout(vec), cutlass.BFloat16)
+                    cute.autovec_copy(dst, old)
+                    total = flat.load().to(cutlass.Float32) + old.load().to(cutlass.Float32)
+                    flat.store(total.to(cutlass.BFloat16))
+                cute.autovec_copy(flat, dst)
+
     @cute.jit
     def issue_tma(self, tma, full, chunk, lane):
         """One warp (the copies elect their issuing lane): the q, k, v tiles of ``chunk`` into its stage, completing

@@ -44,9 +44,9 @@ from cula.ops import segment_split
 from cula.ops import sm90_blocks as blocks
 
 CHUNK = 64
-# One CTA walks its chunks in series at about this many microseconds each (H200, dev run of 2026-12-03: 4.80 ms at
+# One CTA walks its chunks in series at about this many microseconds each (H200, dev run of 2026-12-03: 4.77 ms at
 # B2 T16384 H64 = 256 chunks per CTA in one wave; NOTES.md); the kernel runs one CTA per SM.
-CHUNK_LATENCY_US = 18.8
+CHUNK_LATENCY_US = 18.6
 SUPPORTED_DIMS = (128,)
 # the lowest gate the intra-chunk factorisation tolerates (module docstring)
 LOWER_BOUND_MIN = -5.0
