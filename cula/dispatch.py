@@ -244,14 +244,43 @@ def chunk_fwd_kernel_declines(args: dict[str, Any]) -> Verdict | None:
     return None
 
 
-def kernel_vs_fla(
-    args: dict[str, Any],
+# A varlen call whose offsets are only on the device (no ``cu_seqlens_cpu``) syncs to read them, and the GPU idles
+# from that sync until the kernel launches: about 0.3 ms per call on the project's H200 host (BENCHMARK_H200.md
+# varlen rows against the kernel's chunk-walk time).
+OFFSET_SYNC_MS = 0.3
+
+
+@dataclass(frozen=True)
+class FlaTime:
+    """FLA's forward time for one op, as measured on the H200: ``ns_per_token_head`` per token and value head,
+    never under ``min_ms`` (its host time per call) nor under ``chunk_us`` per chunk of the longest sequence (its
+    state pass walks a sequence's chunks in series, which dominates for one long sequence with few heads)."""
+
+    ns_per_token_head: float
+    min_ms: float
+    chunk_us: float = 0.0
+
+    def ms(self, lengths: list[int], HV: int) -> float:
+        chain = self.chunk_us * -(-max(lengths, default=0) // 64) / 1e3
+        return max(self.ns_per_token_head * sum(lengths) * HV / 1e6, self.min_ms, chain)
+
+
+def expected_ms(
+    lengths: list[int],
+    HV: int,
+    num_sms: int,
     kernel_ms: Callable[[list[int], int, int], float],
-    fla_ns_per_token_head: float,
-    fla_min_ms: float,
-) -> Verdict:
-    """Whether a chunk kernel is expected to beat FLA on these arguments: ``kernel_ms(lengths, HV, num_sms)``
-    against FLA's measured rate (``fla_ns_per_token_head``, never under ``fla_min_ms``)."""
+    fla: FlaTime,
+    offsets_synced: bool,
+) -> tuple[float, float]:
+    """(kernel, FLA) expected forward times in ms for sequences of these lengths; ``offsets_synced``: the call
+    reads varlen offsets from the device before launching the kernel (:data:`OFFSET_SYNC_MS`)."""
+    ours = kernel_ms(lengths, HV, num_sms) + (OFFSET_SYNC_MS if offsets_synced else 0.0)
+    return ours, fla.ms(lengths, HV)
+
+
+def kernel_vs_fla(args: dict[str, Any], kernel_ms: Callable[[list[int], int, int], float], fla: FlaTime) -> Verdict:
+    """Whether a chunk kernel is expected to beat FLA on these arguments (:func:`expected_ms`)."""
     from cula import validation
 
     q, v, cu_seqlens = args["q"], args["v"], args["cu_seqlens"]
@@ -260,12 +289,13 @@ def kernel_vs_fla(
     else:
         offsets = validation.host_offsets(cu_seqlens, args.get("cu_seqlens_cpu"))
         lengths = [b - a for a, b in zip(offsets, offsets[1:], strict=False)]
-    HV = v.shape[2]
-    ours = kernel_ms(lengths, HV, torch.cuda.get_device_properties(q.device).multi_processor_count)
-    fla = max(fla_ns_per_token_head * sum(lengths) * HV / 1e6, fla_min_ms)
-    if ours <= fla:
+    synced = cu_seqlens is not None and args.get("cu_seqlens_cpu") is None
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    ours, fla_ms = expected_ms(lengths, v.shape[2], sms, kernel_ms, fla, synced)
+    if ours <= fla_ms:
         return True, ""
+    sync = f", {OFFSET_SYNC_MS} ms of it the offset sync (pass cu_seqlens_cpu to avoid it)" if synced else ""
     return False, (
         f"FLA expected faster: the kernel walks up to {-(-max(lengths) // 64)} chunks in series here "
-        f"(kernel est. {ours:.2f} ms, FLA est. {fla:.2f} ms); CULA_BACKEND=cute forces the kernel"
+        f"(kernel est. {ours:.2f} ms{sync}; FLA est. {fla_ms:.2f} ms); CULA_BACKEND=cute forces the kernel"
     )

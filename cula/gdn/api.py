@@ -9,6 +9,7 @@ import torch
 from cula import validation
 from cula.dispatch import (
     CuteKernel,
+    FlaTime,
     Op,
     bind,
     call_args,
@@ -123,28 +124,15 @@ def _sm90_supports(args: dict[str, Any]) -> tuple[bool, str]:
 
 
 # FLA 0.6.0's chunk_gated_delta_rule forward on the H200 at D = 128 (BENCHMARK_H200.md): about 1.65 ns per
-# token-head whatever the shape, and never under its host time per call on tiny inputs (0.38 ms).
-FLA_NS_PER_TOKEN_HEAD = 1.65
-FLA_MIN_MS = 0.38
-
-
-# A varlen call without cu_seqlens_cpu reads the offsets from the device: the GPU idles from that sync until the
-# launch (about 0.3 ms per call in the 2026-12-03 13:23 H200 run, BENCHMARK_H200.md).
-VARLEN_SYNC_MS = 0.3
-
-
-def sm90_vs_fla_ms(lengths: list[int], HV: int, num_sms: int, offsets_synced: bool = False) -> tuple[float, float]:
-    """Estimated forward times (ms) of the SM90 kernel and of FLA for sequences of these lengths."""
-    from cula.gdn.chunk_fwd_sm90 import estimated_ms
-
-    ours = estimated_ms(lengths, HV, num_sms) + (VARLEN_SYNC_MS if offsets_synced else 0.0)
-    return ours, max(FLA_NS_PER_TOKEN_HEAD * sum(lengths) * HV / 1e6, FLA_MIN_MS)
+# token-head, never under its host time per call on tiny inputs (0.38 ms), nor under 1.75 us per chunk of the
+# longest sequence (B1 T65536 H8: 1024 chunks, 1.795 ms in the 2026-12-03 14:20 UTC run).
+FLA_TIME = FlaTime(ns_per_token_head=1.65, min_ms=0.38, chunk_us=1.75)
 
 
 def _sm90_faster_than_fla(args: dict[str, Any]) -> tuple[bool, str]:
     from cula.gdn.chunk_fwd_sm90 import estimated_ms
 
-    return kernel_vs_fla(args, estimated_ms, FLA_NS_PER_TOKEN_HEAD, FLA_MIN_MS)
+    return kernel_vs_fla(args, estimated_ms, FLA_TIME)
 
 
 def _sm90_run(args: dict[str, Any]):

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from cula import validation
-from cula.dispatch import CuteKernel, Op, bind, call_args, chunk_fwd_kernel_declines, kernel_vs_fla
+from cula.dispatch import CuteKernel, FlaTime, Op, bind, call_args, chunk_fwd_kernel_declines, kernel_vs_fla
 from cula.kda import reference
 from cula.ops.gates import kda_gate, kernel_qk_beta
 
@@ -153,14 +153,13 @@ def _sm90_run(args: dict[str, Any]):
 
 # FLA 0.6.0's chunk_kda forward on the H200 at D = 128 (safe_gate, lower_bound=-5): about 3.2 ns per token-head
 # (../shared/device/README.md and the 2026-12-03 dev run, NOTES.md); its minimum per call is taken from GDN's.
-FLA_NS_PER_TOKEN_HEAD = 3.2
-FLA_MIN_MS = 0.38
+FLA_TIME = FlaTime(ns_per_token_head=3.2, min_ms=0.38)
 
 
 def _sm90_faster_than_fla(args: dict[str, Any]) -> tuple[bool, str]:
     from cula.kda.chunk_fwd_sm90 import estimated_ms
 
-    return kernel_vs_fla(args, estimated_ms, FLA_NS_PER_TOKEN_HEAD, FLA_MIN_MS)
+    return kernel_vs_fla(args, estimated_ms, FLA_TIME)
 
 
 CHUNK.register_kernel(CuteKernel("kda.chunk_fwd_sm90", 9, _sm90_supports, _sm90_run, _sm90_faster_than_fla))
