@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from delta_rule_recurrence import needs_sm90, recurrence, rel_rmse
+from delta_rule_recurrence import check_fwd, needs_sm90, rel_rmse
 
 import cula
 
@@ -31,23 +31,11 @@ def make_inputs(B, T, H, HV, D=128, beta_dtype=torch.float32, stress=False, devi
 def run_case(B, T, H, HV, cu=None, h0=False, state_v_first=False, beta_dtype=torch.float32, stress=False):
     from cula.kda.chunk_fwd_sm90 import chunk_kda_fwd_sm90, supports
 
-    q, k, v, g, beta = make_inputs(B, T, H, HV, beta_dtype=beta_dtype, stress=stress)
-    N = B if cu is None else len(cu) - 1
+    inputs = make_inputs(B, T, H, HV, beta_dtype=beta_dtype, stress=stress)
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
-    init = torch.randn(N, HV, 128, 128, device="cuda") * 0.1 if h0 else None
-    ok, why = supports(q, k, v, g, beta, initial_state=init, cu_seqlens=cu_t)
+    ok, why = supports(*inputs, cu_seqlens=cu_t)
     assert ok, why
-    scale = 128**-0.5
-    o_ref, ht_ref = recurrence(q, k, v, g, beta, scale, init, cu)
-    o = torch.full((B, T, HV, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
-    ht = torch.full((N, HV, 128, 128), float("nan"), device="cuda")
-    init_arg = init.transpose(-1, -2).contiguous() if (h0 and state_v_first) else init
-    o, ht = chunk_kda_fwd_sm90(q, k, v, g, beta, scale, init_arg, True, cu_t, state_v_first, out=o, final_state_out=ht)
-    torch.cuda.synchronize()
-    if state_v_first:
-        ht = ht.transpose(-1, -2)
-    assert rel_rmse(o, o_ref) <= 5e-3, rel_rmse(o, o_ref)
-    assert rel_rmse(ht, ht_ref) <= 5e-3, rel_rmse(ht, ht_ref)
+    check_fwd(chunk_kda_fwd_sm90, inputs, cu, h0, state_v_first)
 
 
 @pytest.mark.gpu

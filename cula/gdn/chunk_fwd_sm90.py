@@ -31,7 +31,7 @@ import torch
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cula import runtime
-from cula.ops import segment_split
+from cula.ops import segment_split, sm90_entry
 from cula.ops import sm90_blocks as blocks
 
 CHUNK = 64
@@ -46,29 +46,11 @@ _LOG2E = math.log2(math.e)
 
 def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, **_) -> tuple[bool, str]:
     """Whether :func:`chunk_gated_delta_rule_fwd_sm90` can serve these inputs, and why not."""
-    if not (q.is_cuda and k.is_cuda and v.is_cuda):
-        return False, "tensors are not on a CUDA device"
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
-        return False, f"needs an SM90 (compute capability 9.0) GPU, got {torch.cuda.get_device_capability(q.device)}"
-    if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
-        return False, f"q, k, v must be bfloat16 (got {q.dtype}, {k.dtype}, {v.dtype})"
-    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:2] != q.shape[:2]:
-        return False, "expected q, k [B, T, H, K] and v [B, T, HV, V]"
-    K, V, H, HV = q.shape[-1], v.shape[-1], q.shape[2], v.shape[2]
-    if K not in SUPPORTED_DIMS or V not in SUPPORTED_DIMS:
-        return False, f"head dims K={K}, V={V} not supported (supported: K = V in {SUPPORTED_DIMS})"
-    if HV % H != 0:
-        return False, f"HV={HV} must be a multiple of H={H}"
-    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
-        return False, "q, k, v must be contiguous"
+    ok, why = sm90_entry.supports_qkv(q, k, v, beta, initial_state, cu_seqlens, SUPPORTED_DIMS)
+    if not ok:
+        return ok, why
     if g is not None and (g.dtype != torch.float32 or g.shape != v.shape[:3]):
         return False, "g must be float32 [B, T, HV]"
-    if beta is not None and (beta.dtype not in (torch.float32, torch.bfloat16) or beta.shape != v.shape[:3]):
-        return False, "beta must be float32 or bfloat16 [B, T, HV]"
-    if cu_seqlens is not None and q.shape[0] != 1:
-        return False, "varlen (cu_seqlens) needs B == 1"
-    if initial_state is not None and initial_state.dtype != torch.float32:
-        return False, "initial_state must be float32"
     return True, ""
 
 
@@ -236,6 +218,7 @@ class GDNChunkFwdSm90:
     ):
 
         C, D = self.C, self.D
+        accumulate = self.mode == "correction"  # that pass adds its output to o
         f32 = cutlass.Float32
         tidx, _, _ = cute.arch.thread_idx()
         hv, n, _ = cute.arch.block_idx()
@@ -322,9 +305,7 @@ class GDNChunkFwdSm90:
         row0 = wg * C
 
         if cutlass.const_expr(self.has_h0):
-            for i in cutlass.range_constexpr(cute.size(acc_s)):
-                rh, kh = cST[i]
-                acc_s[i] = mH0[n, hv, kh, row0 + rh]
+            blocks.load_state(acc_s, cST, mH0, n, hv, row0)
         elif cutlass.const_expr(self.mode == "transition"):
             for i in cutlass.range_constexpr(cute.size(acc_s)):
                 rh, kh = cST[i]
@@ -361,7 +342,7 @@ class GDNChunkFwdSm90:
             # while it runs: the previous chunk's O (staged in smem, a full chunk) to global memory
             if cutlass.const_expr(self.make_o):
                 if c > 0:
-                    self.store_o(sO, mO, b, tok0 + (c - 1) * C, hv, C, tidx)
+                    blocks.store_o_rows(sO, mO, b, hv, tok0 + (c - 1) * C, C, tidx, C, D, self.threads, accumulate)
             warpgroup.wait_group(0)
             # this thread's accumulator elements lie on 2 rows and 16 columns: their gates are read once
             g_r, b_r, g_c = self.row_col_gates(sG, sBeta, cSS, slot)
@@ -475,37 +456,24 @@ class GDNChunkFwdSm90:
         # the last chunk's O (the loop stores each chunk's O during the next chunk's first product)
         if cutlass.const_expr(self.make_o):
             if n_chunks > 0:
-                self.store_o(sO, mO, b, tok0 + (n_chunks - 1) * C, hv, seqlen - (n_chunks - 1) * C, tidx)
+                blocks.store_o_rows(
+                    sO,
+                    mO,
+                    b,
+                    hv,
+                    tok0 + (n_chunks - 1) * C,
+                    seqlen - (n_chunks - 1) * C,
+                    tidx,
+                    C,
+                    D,
+                    self.threads,
+                    accumulate,
+                )
 
         # ---- final state
-        for i in cutlass.range_constexpr(cute.size(acc_s)):
-            rf, kf = cST[i]
-            mHt[n, hv, kf, row0 + rf] = acc_s[i]
+        blocks.store_state(acc_s, cST, mHt, n, hv, row0)
 
     # ---------------------------------------------------------------- helpers
-    @cute.jit
-    def store_o(self, sO, mO, b, tok, hv, rows, tidx):
-        """The O tile staged in ``sO`` (token-major) to tokens [tok, tok + rows) of head ``hv``: 16-byte coalesced
-        stores by all threads, rows past ``rows`` masked; the correction pass adds to what ``mO`` holds."""
-        vec = 8
-        per_row = self.D // vec
-        for it in cutlass.range_constexpr(self.C * per_row // self.threads):
-            idx = tidx + it * self.threads
-            r = idx // per_row
-            c0 = (idx % per_row) * vec
-            if r < rows:
-                src = cute.local_tile(sO, (1, vec), (r, c0 // vec))
-                dst = cute.local_tile(mO[b, tok + r, hv, None], (vec,), (c0 // vec,))
-                frag = cute.make_rmem_tensor(cute.make_layout((1, vec)), cutlass.BFloat16)
-                cute.autovec_copy(src, frag)
-                flat = cute.make_tensor(frag.iterator, cute.make_layout(vec))
-                if cutlass.const_expr(self.mode == "correction"):
-                    old = cute.make_rmem_tensor(cute.make_layout(vec), cutlass.BFloat16)
-                    cute.autovec_copy(dst, old)
-                    total = flat.load().to(cutlass.Float32) + old.load().to(cutlass.Float32)
-                    flat.store(total.to(cutlass.BFloat16))
-                cute.autovec_copy(flat, dst)
-
     @cute.jit
     def issue_tma(self, tma, full, chunk, lane):
         """One warp (the copies elect their issuing lane): the q, k, v tiles of ``chunk`` into its stage, completing
@@ -573,24 +541,9 @@ class GDNChunkFwdSm90:
 
 # -------------------------------------------------------------------- compile + Python entry
 def _fake_args(kernel: GDNChunkFwdSm90):
-    sym = runtime.sym_int
-    B, T, H, HV, N = sym(), sym(), sym(), sym(), sym()
-    D = kernel.D
-    bf16 = cutlass.BFloat16
-    beta_t = cutlass.Float32 if kernel.beta_fp32 else bf16
-    state_shape = (N, HV, D, D)
-    # (N, HV, K, V) logical shape; with state_v_first the storage is [N, HV, V, K], i.e. K contiguous
-    state_order = (3, 2, 0, 1) if kernel.state_v_first else None
-    n_ranges = sym()
+    n_ranges = runtime.sym_int()
     return (
-        runtime.fake_tensor(bf16, (B, T, H, D)),
-        runtime.fake_tensor(bf16, (B, T, H, D)),
-        runtime.fake_tensor(bf16, (B, T, HV, D)),
-        runtime.fake_tensor(cutlass.Float32, (B, T, HV), align=4),
-        runtime.fake_tensor(beta_t, (B, T, HV), align=2),
-        runtime.fake_tensor(bf16, (B, T, HV, D)),
-        runtime.fake_tensor(cutlass.Float32, state_shape, state_order),
-        runtime.fake_tensor(cutlass.Float32, state_shape, state_order),
+        *sm90_entry.fake_io(kernel.D, kernel.beta_fp32, kernel.state_v_first, per_key_gate=False),
         runtime.fake_tensor(cutlass.Int32, (n_ranges,), align=4),
         runtime.fake_tensor(cutlass.Int32, (n_ranges,), align=4),
         cutlass.Float32(1.0),
@@ -610,16 +563,6 @@ def compile_gdn_fwd_sm90(
 ):
     kernel = GDNChunkFwdSm90(head_dim, beta_fp32, is_varlen, has_initial_state, state_v_first, mode)
     return runtime.compile_kernel(kernel, _fake_args(kernel), arch, keep_artifacts)
-
-
-_DUMMY: dict = {}
-
-
-def _dummy_i32(device):
-    t = _DUMMY.get(device)
-    if t is None:
-        t = _DUMMY[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return t
 
 
 def _launch(q, k, v, g, beta, o, h0, ht, starts, ends, scale, state_v_first, mode="full"):
@@ -646,7 +589,7 @@ def _launch(q, k, v, g, beta, o, h0, ht, starts, ends, scale, state_v_first, mod
         # the kernel takes (N, HV, K, V)-shaped tensors; a transposed view carries the V-first storage
         ht = ht.transpose(-1, -2)
         h0 = None if h0 is None else h0.transpose(-1, -2)
-    dummy = _dummy_i32(q.device)
+    dummy = sm90_entry.dummy_i32(q.device)
     fn(
         q,
         k,

@@ -40,7 +40,7 @@ import torch
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cula import runtime
-from cula.ops import segment_split
+from cula.ops import segment_split, sm90_entry
 from cula.ops import sm90_blocks as blocks
 
 CHUNK = 64
@@ -56,29 +56,13 @@ _LOG2E = math.log2(math.e)
 def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, **_) -> tuple[bool, str]:
     """Whether :func:`chunk_kda_fwd_sm90` can serve these inputs, and why not. The gate bound (g >= -5) is the
     caller's promise (FLA's ``safe_gate``) and is not checked here."""
-    if not (q.is_cuda and k.is_cuda and v.is_cuda):
-        return False, "tensors are not on a CUDA device"
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
-        return False, f"needs an SM90 (compute capability 9.0) GPU, got {torch.cuda.get_device_capability(q.device)}"
-    if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
-        return False, f"q, k, v must be bfloat16 (got {q.dtype}, {k.dtype}, {v.dtype})"
-    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:2] != q.shape[:2]:
-        return False, "expected q, k [B, T, H, K] and v [B, T, HV, V]"
-    K, V, H, HV = q.shape[-1], v.shape[-1], q.shape[2], v.shape[2]
-    if K not in SUPPORTED_DIMS or V not in SUPPORTED_DIMS or K != V:
-        return False, f"head dims K={K}, V={V} not supported (supported: K = V in {SUPPORTED_DIMS})"
-    if HV % H != 0:
-        return False, f"HV={HV} must be a multiple of H={H}"
-    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
-        return False, "q, k, v must be contiguous"
-    if g is not None and (g.dtype != torch.float32 or tuple(g.shape) != (*v.shape[:3], K) or not g.is_contiguous()):
+    ok, why = sm90_entry.supports_qkv(q, k, v, beta, initial_state, cu_seqlens, SUPPORTED_DIMS)
+    if not ok:
+        return ok, why
+    if g is not None and (
+        g.dtype != torch.float32 or tuple(g.shape) != (*v.shape[:3], q.shape[-1]) or not g.is_contiguous()
+    ):
         return False, "g must be contiguous float32 [B, T, HV, K]"
-    if beta is not None and (beta.dtype not in (torch.float32, torch.bfloat16) or beta.shape != v.shape[:3]):
-        return False, "beta must be float32 or bfloat16 [B, T, HV]"
-    if cu_seqlens is not None and q.shape[0] != 1:
-        return False, "varlen (cu_seqlens) needs B == 1"
-    if initial_state is not None and initial_state.dtype != torch.float32:
-        return False, "initial_state must be float32"
     return True, ""
 
 
@@ -340,9 +324,7 @@ class KDAChunkFwdSm90:
         row0 = wg * C
 
         if cutlass.const_expr(self.has_h0):
-            for i in cutlass.range_constexpr(cute.size(acc_s)):
-                rh, kh = cST[i]
-                acc_s[i] = mH0[n, hv, kh, row0 + rh]
+            blocks.load_state(acc_s, cST, mH0, n, hv, row0)
         else:
             acc_s.fill(0.0)
         # the blocks of Tinv above its diagonal 16-blocks are never written by the blocked solve: zero them once
@@ -526,23 +508,10 @@ class KDAChunkFwdSm90:
                 if c + 1 < n_chunks:
                     self.issue_v(tma_v, tVg, tVs, bar_v, c + 1, lane)
 
-            vec = 8
-            per_row = D // vec
-            for it in cutlass.range_constexpr(C * per_row // self.threads):
-                idx = tidx + it * self.threads
-                r = idx // per_row
-                c0 = (idx % per_row) * vec
-                if r < L:
-                    src = cute.local_tile(sO, (1, vec), (r, c0 // vec))
-                    dst = cute.local_tile(mO[b, tok0 + c * C + r, hv, None], (vec,), (c0 // vec,))
-                    frag = cute.make_rmem_tensor(cute.make_layout((1, vec)), bf16)
-                    cute.autovec_copy(src, frag)
-                    cute.autovec_copy(cute.make_tensor(frag.iterator, cute.make_layout(vec)), dst)
+            blocks.store_o_rows(sO, mO, b, hv, tok0 + c * C, L, tidx, C, D, self.threads, False)
 
         # ---- final state
-        for i in cutlass.range_constexpr(cute.size(acc_s)):
-            rf, kf = cST[i]
-            mHt[n, hv, kf, row0 + rf] = acc_s[i]
+        blocks.store_state(acc_s, cST, mHt, n, hv, row0)
 
     # ---------------------------------------------------------------- helpers
     @cute.jit
@@ -566,24 +535,9 @@ class KDAChunkFwdSm90:
 
 # -------------------------------------------------------------------- compile + Python entry
 def _fake_args(kernel: KDAChunkFwdSm90):
-    sym = runtime.sym_int
-    B, T, H, HV, N = sym(), sym(), sym(), sym(), sym()
-    D = kernel.D
-    bf16 = cutlass.BFloat16
-    beta_t = cutlass.Float32 if kernel.beta_fp32 else bf16
-    state_shape = (N, HV, D, D)
-    # (N, HV, K, V) logical shape; with state_v_first the storage is [N, HV, V, K], i.e. K contiguous
-    state_order = (3, 2, 0, 1) if kernel.state_v_first else None
     return (
-        runtime.fake_tensor(bf16, (B, T, H, D)),
-        runtime.fake_tensor(bf16, (B, T, H, D)),
-        runtime.fake_tensor(bf16, (B, T, HV, D)),
-        runtime.fake_tensor(cutlass.Float32, (B, T, HV, D)),
-        runtime.fake_tensor(beta_t, (B, T, HV), align=2),
-        runtime.fake_tensor(bf16, (B, T, HV, D)),
-        runtime.fake_tensor(cutlass.Float32, state_shape, state_order),
-        runtime.fake_tensor(cutlass.Float32, state_shape, state_order),
-        runtime.fake_tensor(cutlass.Int32, (sym(),), align=4),
+        *sm90_entry.fake_io(kernel.D, kernel.beta_fp32, kernel.state_v_first, per_key_gate=True),
+        runtime.fake_tensor(cutlass.Int32, (runtime.sym_int(),), align=4),
         cutlass.Float32(1.0),
         runtime.fake_stream(),
     )
@@ -600,16 +554,6 @@ def compile_kda_fwd_sm90(
 ):
     kernel = KDAChunkFwdSm90(head_dim, beta_fp32, is_varlen, has_initial_state, state_v_first)
     return runtime.compile_kernel(kernel, _fake_args(kernel), arch, keep_artifacts)
-
-
-_DUMMY: dict = {}
-
-
-def _dummy_i32(device):
-    t = _DUMMY.get(device)
-    if t is None:
-        t = _DUMMY[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return t
 
 
 def chunk_kda_fwd_sm90(
@@ -638,7 +582,7 @@ def chunk_kda_fwd_sm90(
         cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
     else:
         N = B
-        cu = _dummy_i32(q.device)
+        cu = sm90_entry.dummy_i32(q.device)
     o = out if out is not None else torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device)
     state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
     ht = final_state_out

@@ -8,6 +8,8 @@ All are ``@cute.jit`` functions inlined into the calling kernel:
 - :func:`acc_to_operand_split`: the same as a bf16 pair hi + lo that carries the accumulator to ~16 bits.
 - :func:`empty_operand`: an uninitialised bf16 register A operand, in the register order of a (64 x N) accumulator.
 - :func:`solve_unit_lower`: one column of ``(I + A)^-1`` for a strictly lower ``A`` (the chunk's WY/UT inverse).
+- :func:`load_state` / :func:`store_state`: a warpgroup's rows of S^T between its accumulator and global memory.
+- :func:`store_o_rows`: an output tile staged in shared memory to global memory, rows past the end masked.
 - :func:`solve_diag16` then :func:`solve_merge`: the same inverse by 16-blocks, on 64 then 256 threads (15 serial
   steps per column instead of 63; measured on the H200 in the GDN kernel: ~2 us less per chunk).
 """
@@ -80,6 +82,51 @@ def empty_operand(n: cutlass.Constexpr):
     element ``i`` of a (64 x N) fp32 accumulator, so a caller fills it from the accumulator's identity partition."""
     n8 = n // 4
     return cute.make_rmem_tensor(cute.make_layout(((2, 2, 2), 1, n8 // 2), stride=((1, 2, 4), 0, 8)), cutlass.BFloat16)
+
+
+@cute.jit
+def load_state(acc_s, cST, mH0, n, hv, row0):
+    """``acc_s``: this warpgroup's value rows ``[row0, row0 + 64)`` of S^T (fp32 wgmma accumulator with element
+    coordinates ``cST``), read from ``mH0[n, hv]`` indexed (K, V)."""
+    for i in cutlass.range_constexpr(cute.size(acc_s)):
+        rh, kh = cST[i]
+        acc_s[i] = mH0[n, hv, kh, row0 + rh]
+
+
+@cute.jit
+def store_state(acc_s, cST, mHt, n, hv, row0):
+    """The inverse of :func:`load_state`: ``acc_s`` to ``mHt[n, hv]``."""
+    for i in cutlass.range_constexpr(cute.size(acc_s)):
+        rf, kf = cST[i]
+        mHt[n, hv, kf, row0 + rf] = acc_s[i]
+
+
+@cute.jit
+def store_o_rows(
+    sO, mO, b, hv, tok, rows, tid, C: cutlass.Constexpr, D: cutlass.Constexpr, num_threads: cutlass.Constexpr,
+    accumulate: cutlass.Constexpr,
+):  # fmt: skip
+    """A (C x D) bf16 output tile staged token-major in ``sO`` to tokens ``[tok, tok + rows)`` of ``mO[b, :, hv]``:
+    16-byte coalesced stores by ``num_threads`` threads, rows past ``rows`` masked; ``accumulate`` adds the tile to
+    what ``mO`` holds instead."""
+    vec = 8
+    per_row = D // vec
+    for it in cutlass.range_constexpr(C * per_row // num_threads):
+        idx = tid + it * num_threads
+        r = idx // per_row
+        c0 = (idx % per_row) * vec
+        if r < rows:
+            src = cute.local_tile(sO, (1, vec), (r, c0 // vec))
+            dst = cute.local_tile(mO[b, tok + r, hv, None], (vec,), (c0 // vec,))
+            frag = cute.make_rmem_tensor(cute.make_layout((1, vec)), cutlass.BFloat16)
+            cute.autovec_copy(src, frag)
+            flat = cute.make_tensor(frag.iterator, cute.make_layout(vec))
+            if cutlass.const_expr(accumulate):
+                old = cute.make_rmem_tensor(cute.make_layout(vec), cutlass.BFloat16)
+                cute.autovec_copy(dst, old)
+                total = flat.load().to(cutlass.Float32) + old.load().to(cutlass.Float32)
+                flat.store(total.to(cutlass.BFloat16))
+            cute.autovec_copy(flat, dst)
 
 
 @cute.jit
