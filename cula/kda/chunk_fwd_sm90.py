@@ -372,17 +372,26 @@ class KDAChunkFwdSm90:
             # ---- 1. WG0: A = strict-lower(beta_i sum_k K_ik K_jk 2^(G_ik - G_jk)); WG1: P = lower(scale Q ...).
             # Left operands in registers: x_i 2^(G_i - G_r) per half (rows before the second half's block are
             # zero: their factor against r = 48 would overflow and their entries are above the diagonal)
+            # built in pairs and converted two at a time (bf16x2), so every operand register is final before the
+            # wgmma fence (a register packed after it makes ptxas fence each k-block: C7519)
             l0 = blocks.empty_operand(cute.size(cST))
             l1 = blocks.empty_operand(cute.size(cST))
+            l0_flat = cute.make_tensor(l0.iterator, cute.make_layout(cute.size(cST)))
+            l1_flat = cute.make_tensor(l1.iterator, cute.make_layout(cute.size(cST)))
+            p0 = cute.make_rmem_tensor(cute.make_layout(2), f32)
+            p1 = cute.make_rmem_tensor(cute.make_layout(2), f32)
             for i in cutlass.range_constexpr(cute.size(cST)):
                 ri, ki = cST[i]
                 x = sQK[ri, ki, 1 - wg, 0].to(f32)
                 gi = sG[ri, ki]
-                l0[i] = (x * cute.math.exp2(gi - sG[Hf // 2, ki], fastmath=True)).to(bf16)
+                p0[i % 2] = x * cute.math.exp2(gi - sG[Hf // 2, ki], fastmath=True)
                 x1 = f32(0.0)
                 if ri >= Hf:
                     x1 = x * cute.math.exp2(gi - sG[Hf + Hf // 2, ki], fastmath=True)
-                l1[i] = x1.to(bf16)
+                p1[i % 2] = x1
+                if cutlass.const_expr(i % 2 == 1):
+                    cute.local_tile(l0_flat, (2,), (i // 2,)).store(p0.load().to(bf16))
+                    cute.local_tile(l1_flat, (2,), (i // 2,)).store(p1.load().to(bf16))
             acc0 = thr_h.make_fragment_C(acc_h_shape)
             acc1 = thr_h.make_fragment_C(acc_h_shape)
             warpgroup.fence()
