@@ -2,8 +2,10 @@
 
 ``python -m cula.compile_check [--kernel NAME] [--arch ARCH]`` imports every kernel module (modules of the cula
 package named ``*_sm<digits>``; importing registers them through :func:`cula.runtime.register_kernel`), compiles
-each (kernel, arch) with fake tensors, checks its PTX for the expected instructions, prints a table and exits
-non-zero on any compile error or missing instruction.
+each (kernel, arch) with fake tensors, checks its PTX for the expected instructions and its machine code (SASS,
+through the ``cuobjdump`` that ships with triton) for local memory and ptxas-injected ``warpgroup.arrive``, prints a
+table and exits non-zero on any compile error, missing instruction, or unclean SASS of a kernel registered with
+``clean_sass``.
 """
 
 from __future__ import annotations
@@ -13,10 +15,14 @@ import dataclasses
 import importlib
 import pkgutil
 import re
+import shutil
 import struct
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
+from pathlib import Path
 
 from cula import runtime
 
@@ -63,6 +69,38 @@ def cubin_registers(cubin: bytes) -> list[int]:
     return regs
 
 
+def cuobjdump() -> str | None:
+    """The ``cuobjdump`` on PATH, else the one triton ships."""
+    exe = shutil.which("cuobjdump")
+    if exe:
+        return exe
+    try:
+        import triton
+    except ImportError:
+        return None
+    bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return str(bundled) if bundled.exists() else None
+
+
+def sass_of(cubin: bytes) -> str | None:
+    """The disassembled machine code of a cubin, or None without a ``cuobjdump``."""
+    exe = cuobjdump()
+    if exe is None or not cubin:
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([exe, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def sass_counts(sass: str, ptx: str) -> tuple[int, int]:
+    """(local-memory instructions: STL/LDL, i.e. spills; ``warpgroup.arrive`` that ptxas injected: SASS
+    WARPGROUP.ARRIVE beyond the PTX's ``wgmma.fence``, each one a wgmma that waits for register writes)."""
+    local = len(re.findall(r"\b(?:STL|LDL)(?:\.\w+)*\b", sass))
+    injected = max(0, sass.count("WARPGROUP.ARRIVE") - ptx.count("wgmma.fence"))
+    return local, injected
+
+
 @dataclasses.dataclass
 class Report:
     kernel: str
@@ -72,6 +110,8 @@ class Report:
     counts: dict[str, int]
     registers: int | None = None
     error: str = ""
+    local_mem: int | None = None
+    injected_arrives: int | None = None
 
 
 def check_kernel(name: str, arch: str) -> Report:
@@ -90,7 +130,18 @@ def check_kernel(name: str, arch: str) -> Report:
     regs = cubin_registers(compiled.artifacts.CUBIN or b"")
     missing = [s for s, c in counts.items() if c == 0]
     error = f"missing in PTX: {missing}" if missing else ("" if ptx else "no PTX produced")
-    return Report(name, arch, not error, seconds, counts, max(regs) if regs else None, error)
+    sass = sass_of(compiled.artifacts.CUBIN or b"")
+    local = injected = None
+    if sass is not None:
+        local, injected = sass_counts(sass, ptx)
+    if spec.clean_sass and not error:
+        if sass is None:
+            error = "cannot check the SASS: no cuobjdump (it ships with triton)"
+        elif local or injected:
+            error = f"SASS not clean: {local} local-memory instructions (spills), {injected} warpgroup.arrive injected"
+    report = Report(name, arch, not error, seconds, counts, max(regs) if regs else None, error)
+    report.local_mem, report.injected_arrives = local, injected
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,11 +163,13 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             reports.append(check_kernel(name, arch))
 
-    print(f"{'kernel':<32} {'arch':<8} {'status':<6} {'compile s':>9} {'regs':>5}  expected PTX counts")
+    head = f"{'kernel':<32} {'arch':<8} {'status':<6} {'compile s':>9} {'regs':>5} {'lmem':>5} {'arrive+':>7}"
+    print(f"{head}  expected PTX counts")
     for r in reports:
         counts = ", ".join(f"{k}={v}" for k, v in r.counts.items())
-        regs = "-" if r.registers is None else str(r.registers)
-        print(f"{r.kernel:<32} {r.arch:<8} {'ok' if r.ok else 'FAIL':<6} {r.seconds:>9.1f} {regs:>5}  {counts}")
+        regs, lmem, arrive = ("-" if x is None else str(x) for x in (r.registers, r.local_mem, r.injected_arrives))
+        row = f"{r.kernel:<32} {r.arch:<8} {'ok' if r.ok else 'FAIL':<6} {r.seconds:>9.1f} {regs:>5} {lmem:>5} {arrive:>7}"
+        print(f"{row}  {counts}")
     for r in reports:
         if not r.ok:
             print(f"\n{r.kernel} [{r.arch}]: {r.error}", file=sys.stderr)

@@ -1,4 +1,5 @@
-"""The CPU compile check must fail on what it is meant to catch: missing PTX instructions and compile errors."""
+"""The CPU compile check must fail on what it is meant to catch: missing PTX instructions, compile errors, and
+local memory in the machine code of a kernel registered as clean."""
 
 from __future__ import annotations
 
@@ -23,6 +24,28 @@ class AddOne:
         x[tidx] = x[tidx] + cutlass.Float32(1.0)
 
 
+class Shuffle:
+    """Reads and writes a per-thread array at run-time indices: local memory (STL/LDL) in the SASS."""
+
+    @cute.jit
+    def __call__(self, x: cute.Tensor, stream):
+        self.kernel(x).launch(grid=(1, 1, 1), block=(32, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, x: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        buf = cute.make_rmem_tensor(cute.make_layout(256), cutlass.Float32)
+        for i in cutlass.range_constexpr(256):
+            buf[i] = x[i] * cutlass.Float32(i)
+        buf[(tidx * 3) % 256] = x[tidx]  # written and read at run-time indices: the array lives in local memory
+        x[tidx] = buf[(tidx * 7) % 256]
+
+
+def compile_shuffle(arch):
+    fake = [runtime.fake_tensor(cutlass.Float32, (runtime.sym_int(),)), runtime.fake_stream()]
+    return runtime.compile_kernel(Shuffle(), fake, arch=arch)
+
+
 def compile_add_one(arch):
     fake = [runtime.fake_tensor(cutlass.Float32, (runtime.sym_int(),)), runtime.fake_stream()]
     return runtime.compile_kernel(AddOne(), fake, arch=arch)
@@ -37,8 +60,8 @@ def registered(monkeypatch):
     monkeypatch.setattr(runtime, "_REGISTRY", {})
     monkeypatch.setattr(compile_check, "import_kernel_modules", lambda: [])
 
-    def add(name, fn, expected):
-        runtime.register_kernel(name, ["sm_90a"], fn, expected)
+    def add(name, fn, expected, clean_sass=False):
+        runtime.register_kernel(name, ["sm_90a"], fn, expected, clean_sass)
 
     return add
 
@@ -56,3 +79,18 @@ def test_fails_on_missing_instructions_and_compile_errors(registered, capsys):
     assert "does not compile" in compile_check.check_kernel("broken", "sm_90a").error
     assert compile_check.main([]) == 1
     assert "FAIL" in capsys.readouterr().out
+
+
+def test_counts_spills_and_injected_arrives():
+    sass = "STL [R1+0x4], R2 ;\nLDL.64 R4, [R1] ;\nWARPGROUP.ARRIVE ;\nWARPGROUP.ARRIVE ;\nSTG.E [R2], R4 ;"
+    assert compile_check.sass_counts(sass, "wgmma.fence.sync.aligned;") == (2, 1)
+    assert compile_check.sass_counts("HGMMA.64x64x16 ;", "") == (0, 0)
+
+
+def test_fails_on_local_memory_in_a_clean_kernel(registered):
+    registered("add_one", compile_add_one, ["st.global"], clean_sass=True)
+    registered("shuffle", compile_shuffle, ["st.global"], clean_sass=True)
+    clean = compile_check.check_kernel("add_one", "sm_90a")
+    assert clean.ok and clean.local_mem == 0 and clean.injected_arrives == 0, clean
+    spilled = compile_check.check_kernel("shuffle", "sm_90a")
+    assert not spilled.ok and spilled.local_mem > 0 and "SASS not clean" in spilled.error, spilled

@@ -68,5 +68,6 @@ def test_compiles_for_sm90_on_cpu():
     for name in ("gdn_chunk_fwd_sm90", "gdn_chunk_fwd_sm90[transition]", "gdn_chunk_fwd_sm90[correction]"):
         report = compile_check.check_kernel(name, "sm_90a")
         assert report.ok, (name, report.error)
+        assert report.local_mem == 0 and report.injected_arrives == 0
         assert report.counts["wgmma.mma_async"] > 0
         assert report.counts["cp.async.bulk.tensor"] > 0
