@@ -28,14 +28,11 @@ def make_inputs(B, T, H, HV, D=128, beta_dtype=torch.float32, stress=False, devi
     return q, k, v, g.float().contiguous(), beta
 
 
-def run_case(B, T, H, HV, cu=None, h0=False, state_v_first=False, beta_dtype=torch.float32, stress=False):
+def run_case(B, T, H, HV, cu=None, h0=False, state_v_first=False, beta_dtype=torch.float32, stress=False, split=False):
     from cula.kda.chunk_fwd_sm90 import chunk_kda_fwd_sm90, supports
 
     inputs = make_inputs(B, T, H, HV, beta_dtype=beta_dtype, stress=stress)
-    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
-    ok, why = supports(*inputs, cu_seqlens=cu_t)
-    assert ok, why
-    check_fwd(chunk_kda_fwd_sm90, inputs, cu, h0, state_v_first)
+    check_fwd(chunk_kda_fwd_sm90, supports, inputs, cu, h0, state_v_first, split)
 
 
 @pytest.mark.gpu
@@ -97,13 +94,29 @@ def test_public_api_with_in_kernel_options(monkeypatch):
     assert rel_rmse(ht, ht_ref.double()) <= 5e-3, rel_rmse(ht, ht_ref.double())
 
 
+@pytest.mark.gpu
+@needs_sm90
+def test_split_sequences():
+    """Long sequences cut every 1024 tokens (cula.ops.segment_split): three kernel passes, starts chained."""
+    run_case(2, 2100, 1, 2, split=True, stress=True)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("state_v_first", [False, True])
+def test_split_varlen_initial_state(state_v_first):
+    run_case(1, 3700, 2, 2, cu=[0, 1, 1500, 1501, 3700], h0=True, state_v_first=state_v_first, split=True)
+
+
 def test_compiles_for_sm90_on_cpu():
     from cula import compile_check
 
-    report = compile_check.check_kernel("kda_chunk_fwd_sm90", "sm_90a")
-    assert report.ok, report.error
-    assert report.counts["wgmma.mma_async"] > 0
-    assert report.counts["cp.async.bulk.tensor"] > 0
+    for name in ("kda_chunk_fwd_sm90", "kda_chunk_fwd_sm90[transition]", "kda_chunk_fwd_sm90[correction]"):
+        report = compile_check.check_kernel(name, "sm_90a")
+        assert report.ok, (name, report.error)
+        assert report.injected_arrives == 0
+        assert report.counts["wgmma.mma_async"] > 0
+        assert report.counts["cp.async.bulk.tensor"] > 0
 
 
 def test_dispatch_picks_the_sm90_kernel_only_for_bounded_gates(monkeypatch):

@@ -147,6 +147,7 @@ def _sm90_run(args: dict[str, Any]):
         args["output_final_state"],
         args["cu_seqlens"],
         args["state_v_first"],
+        cu_seqlens_cpu=args.get("cu_seqlens_cpu"),
     )
     return o, final_state
 

@@ -44,6 +44,7 @@ from cula.ops import segment_split, sm90_entry
 from cula.ops import sm90_blocks as blocks
 
 CHUNK = 64
+MODES = ("full", "transition", "correction")  # see KDAChunkFwdSm90 and cula.ops.segment_split
 # One CTA walks its chunks in series at about this many microseconds each (H200, dev run of 2026-12-03: 4.77 ms at
 # B2 T16384 H64 = 256 chunks per CTA in one wave; NOTES.md); the kernel runs one CTA per SM.
 CHUNK_LATENCY_US = 18.6
@@ -67,8 +68,8 @@ def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, **
 
 
 def estimated_ms(lengths: list[int], HV: int, num_sms: int) -> float:
-    """The kernel's time for sequences of these lengths (it does not split sequences yet)."""
-    return segment_split.chunk_walk_ms(lengths, HV, num_sms, CHUNK_LATENCY_US, splittable=False)
+    """The kernel's time for sequences of these lengths, split where the entry splits them."""
+    return segment_split.chunk_walk_ms(lengths, HV, num_sms, CHUNK_LATENCY_US, splittable=True)
 
 
 class KDAChunkFwdSm90:
@@ -98,8 +99,10 @@ class KDAChunkFwdSm90:
         is_varlen: bool = False,
         has_initial_state: bool = False,
         state_v_first: bool = False,
+        mode: str = "full",
     ):
         assert head_dim in SUPPORTED_DIMS
+        assert mode in MODES and (mode == "full" or is_varlen)
         self.D = head_dim
         self.C = CHUNK
         self.half = CHUNK // 2  # intra-chunk column halves, reference tokens half // 2 and half + half // 2
@@ -107,13 +110,20 @@ class KDAChunkFwdSm90:
         self.is_varlen = is_varlen
         self.has_h0 = has_initial_state
         self.state_v_first = state_v_first
+        # sequence splitting (cula.ops.segment_split): "transition" runs v = 0 from S = I without output,
+        # "correction" runs v = 0 from the given states and adds its output to o
+        self.mode = mode
+        self.load_v = mode == "full"
+        self.make_o = mode != "transition"
+        if mode == "correction":
+            self.has_h0 = True
         self.threads = 256
         self.a_stride = 68  # padded fp32 row of A^T: 16-byte aligned rows, conflict-free stores from the accumulator
         self.o_stride = self.D + 8  # padded bf16 row of the O staging tile
 
     # ---------------------------------------------------------------- host side
     @cute.jit
-    def __call__(self, q, k, v, g, beta, o, h0, ht, cu_seqlens, scale, stream):
+    def __call__(self, q, k, v, g, beta, o, h0, ht, starts, ends, scale, stream):
 
         D, C, Hf = self.D, self.C, self.half
         bf16 = cutlass.BFloat16
@@ -188,7 +198,8 @@ class KDAChunkFwdSm90:
             o,
             h0,
             ht,
-            cu_seqlens,
+            starts,
+            ends,
             q.shape[2],
             q.shape[1],
             HV,
@@ -221,7 +232,8 @@ class KDAChunkFwdSm90:
         mO,
         mH0,
         mHt,
-        mCu,
+        mStart,
+        mEnd,
         H,
         T,
         HV,
@@ -252,8 +264,8 @@ class KDAChunkFwdSm90:
         seqlen = T
         if cutlass.const_expr(self.is_varlen):
             b = cutlass.Int32(0)
-            tok0 = cutlass.Int32(mCu[n])
-            seqlen = cutlass.Int32(mCu[n + 1]) - tok0
+            tok0 = cutlass.Int32(mStart[n])
+            seqlen = cutlass.Int32(mEnd[n]) - tok0
         n_chunks = (seqlen + C - 1) // C
 
         smem = cutlass.memory.SmemAllocator()
@@ -301,7 +313,8 @@ class KDAChunkFwdSm90:
         if warp == 0:
             if n_chunks > 0:
                 self.issue_qkg(tma_qkg, bar_qkg, cutlass.Int32(0), lane)
-                self.issue_v(tma_v, tVg, tVs, bar_v, cutlass.Int32(0), lane)
+                if cutlass.const_expr(self.load_v):
+                    self.issue_v(tma_v, tVg, tVs, bar_v, cutlass.Int32(0), lane)
 
         # ---- per-thread MMA partitions (each warpgroup works on its own 64 rows)
         thr_h = mma_half.get_slice(wtid)
@@ -323,8 +336,15 @@ class KDAChunkFwdSm90:
         acc_s = thr_st.make_fragment_C(thr_st.partition_shape_C((C, D)))  # S^T rows of this WG, fp32
         row0 = wg * C
 
+        accumulate = self.mode == "correction"  # that pass adds its output to o
         if cutlass.const_expr(self.has_h0):
             blocks.load_state(acc_s, cST, mH0, n, hv, row0)
+        elif cutlass.const_expr(self.mode == "transition"):
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                rh, kh = cST[i]
+                acc_s[i] = f32(0.0)
+                if kh == row0 + rh:
+                    acc_s[i] = f32(1.0)
         else:
             acc_s.fill(0.0)
         # the blocks of Tinv above its diagonal 16-blocks are never written by the blocked solve: zero them once
@@ -459,13 +479,15 @@ class KDAChunkFwdSm90:
                     self.issue_qkg(tma_qkg, bar_qkg, c + 1, lane)
 
             # ---- 3. state products on this WG's 64 value rows
-            cute.arch.mbarrier_wait(bar_v, c % 2)
+            if cutlass.const_expr(self.load_v):
+                cute.arch.mbarrier_wait(bar_v, c % 2)
             rS = blocks.acc_to_operand(acc_s)
             acc_k = thr_rs.make_fragment_C(acc_cc_shape)
             acc_o = thr_rs.make_fragment_C(acc_cc_shape)
             warpgroup.fence()
             blocks.gemm(mma_rs, acc_k, rS, tRSb_KG, True)
-            blocks.gemm(mma_rs, acc_o, rS, tRSb_QG, True)
+            if cutlass.const_expr(self.make_o):
+                blocks.gemm(mma_rs, acc_o, rS, tRSb_QG, True)
             warpgroup.commit_group()
 
             # while those run: beta of this thread's 16 accumulator columns (element i has column slot
@@ -482,7 +504,10 @@ class KDAChunkFwdSm90:
             # Y^T[v, j] = beta_j (V[j, v] - (S^T (K 2^G)^T)[v, j]), zero past the sequence end
             for i in cutlass.range_constexpr(cute.size(acc_k)):
                 r, j = cCC[i]
-                acc_k[i] = b_j[(i % 2) + 2 * (i // 4)] * (sV[j, row0 + r].to(f32) - acc_k[i])
+                vv = f32(0.0)
+                if cutlass.const_expr(self.load_v):
+                    vv = sV[j, row0 + r].to(f32)
+                acc_k[i] = b_j[(i % 2) + 2 * (i // 4)] * (vv - acc_k[i])
             # Y and V_new enter their products as bf16 hi + lo pairs: the state and O then keep ~16 bits of them
             # (a single bf16 rounding here costs about 2e-3 relative error in the state)
             rY, rY_lo = blocks.acc_to_operand_split(acc_k)
@@ -492,32 +517,37 @@ class KDAChunkFwdSm90:
             blocks.gemm(mma_rs, acc_vn, rY_lo, tRSb_T, False)
             warpgroup.commit_group()
             # O^T inter-chunk part scaled while V_new^T is computed
-            for i in cutlass.range_constexpr(cute.size(acc_o)):
-                acc_o[i] = acc_o[i] * scale
+            if cutlass.const_expr(self.make_o):
+                for i in cutlass.range_constexpr(cute.size(acc_o)):
+                    acc_o[i] = acc_o[i] * scale
             warpgroup.wait_group(0)
 
             # O^T += V_new^T P^T;  S^T += V_new^T (K 2^(G_last - G))
             rVn, rVn_lo = blocks.acc_to_operand_split(acc_vn)
             warpgroup.fence()
-            blocks.gemm(mma_rs, acc_o, rVn, tRSb_P, False)
-            blocks.gemm(mma_rs, acc_o, rVn_lo, tRSb_P, False)
+            if cutlass.const_expr(self.make_o):
+                blocks.gemm(mma_rs, acc_o, rVn, tRSb_P, False)
+                blocks.gemm(mma_rs, acc_o, rVn_lo, tRSb_P, False)
             blocks.gemm(mma_state, acc_s, rVn, tSTb_KD, False)
             blocks.gemm(mma_state, acc_s, rVn_lo, tSTb_KD, False)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
 
             # ---- 4. O^T -> smem (token-major), then masked coalesced stores
-            for i in cutlass.range_constexpr(cute.size(acc_o)):
-                r, j = cCC[i]
-                sO[j, row0 + r] = acc_o[i].to(bf16)
+            if cutlass.const_expr(self.make_o):
+                for i in cutlass.range_constexpr(cute.size(acc_o)):
+                    r, j = cCC[i]
+                    sO[j, row0 + r] = acc_o[i].to(bf16)
             cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
 
             # v of this chunk is consumed: fetch the next chunk's
             if warp == 0:
-                if c + 1 < n_chunks:
-                    self.issue_v(tma_v, tVg, tVs, bar_v, c + 1, lane)
+                if cutlass.const_expr(self.load_v):
+                    if c + 1 < n_chunks:
+                        self.issue_v(tma_v, tVg, tVs, bar_v, c + 1, lane)
 
-            blocks.store_o_rows(sO, mO, b, hv, tok0 + c * C, L, tidx, C, D, self.threads, False)
+            if cutlass.const_expr(self.make_o):
+                blocks.store_o_rows(sO, mO, b, hv, tok0 + c * C, L, tidx, C, D, self.threads, accumulate)
 
         # ---- final state
         blocks.store_state(acc_s, cST, mHt, n, hv, row0)
@@ -544,9 +574,11 @@ class KDAChunkFwdSm90:
 
 # -------------------------------------------------------------------- compile + Python entry
 def _fake_args(kernel: KDAChunkFwdSm90):
+    n_ranges = runtime.sym_int()
     return (
         *sm90_entry.fake_io(kernel.D, kernel.beta_fp32, kernel.state_v_first, per_key_gate=True),
-        runtime.fake_tensor(cutlass.Int32, (runtime.sym_int(),), align=4),
+        runtime.fake_tensor(cutlass.Int32, (n_ranges,), align=4),
+        runtime.fake_tensor(cutlass.Int32, (n_ranges,), align=4),
         cutlass.Float32(1.0),
         runtime.fake_stream(),
     )
@@ -560,9 +592,14 @@ def compile_kda_fwd_sm90(
     is_varlen=False,
     has_initial_state=False,
     state_v_first=False,
+    mode="full",
 ):
-    kernel = KDAChunkFwdSm90(head_dim, beta_fp32, is_varlen, has_initial_state, state_v_first)
+    kernel = KDAChunkFwdSm90(head_dim, beta_fp32, is_varlen, has_initial_state, state_v_first, mode)
     return runtime.compile_kernel(kernel, _fake_args(kernel), arch, keep_artifacts)
+
+
+def _launch(*args):
+    sm90_entry.launch("KDAChunkFwdSm90", compile_kda_fwd_sm90, *args)
 
 
 def chunk_kda_fwd_sm90(
@@ -578,49 +615,17 @@ def chunk_kda_fwd_sm90(
     state_v_first=False,
     out=None,
     final_state_out=None,
+    cu_seqlens_cpu=None,
+    split=None,
 ):
     """KDA chunked forward on SM90. Returns ``(o, final_state or None)``; see the module docstring for shapes.
     ``g`` must satisfy g >= -5 (FLA's ``safe_gate``). ``out`` / ``final_state_out`` may be given to write into
-    preallocated tensors."""
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    if scale is None:
-        scale = K**-0.5
-    if cu_seqlens is not None:
-        N = cu_seqlens.numel() - 1
-        cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
-    else:
-        N = B
-        cu = sm90_entry.dummy_i32(q.device)
-    o = out if out is not None else torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device)
-    state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
-    ht = final_state_out
-    if ht is None:
-        ht = torch.empty(state_shape, dtype=torch.float32, device=q.device)
-    h0 = initial_state.contiguous() if initial_state is not None else ht
-    if state_v_first:
-        # the kernel takes (N, HV, K, V)-shaped tensors; a transposed view carries the V-first storage
-        h0_arg, ht_arg = h0.transpose(-1, -2), ht.transpose(-1, -2)
-    else:
-        h0_arg, ht_arg = h0, ht
-    beta_fp32 = beta.dtype == torch.float32
-    key = (
-        "KDAChunkFwdSm90",
-        K,
-        beta_fp32,
-        cu_seqlens is not None,
-        initial_state is not None,
-        state_v_first,
-        runtime.device_arch(q.device),
-    )
-    fn = runtime.get_or_compile(
-        key,
-        lambda: compile_kda_fwd_sm90(
-            key[-1], False, K, beta_fp32, cu_seqlens is not None, initial_state is not None, state_v_first
-        ),
-    )
-    fn(q, k, v, g, beta, o, h0_arg, ht_arg, cu, float(scale))
-    return o, (ht if output_final_state else None)
+    preallocated tensors. Long sequences with few heads are split across CTAs when that is expected to be faster
+    (:func:`cula.ops.sm90_entry.chunk_fwd`); ``split`` True/False forces it on/off."""
+    return sm90_entry.chunk_fwd(
+        _launch, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first, out,
+        final_state_out, cu_seqlens_cpu, split, CHUNK,
+    )  # fmt: skip
 
 
 runtime.register_kernel(
@@ -629,3 +634,10 @@ runtime.register_kernel(
     lambda arch: compile_kda_fwd_sm90(arch, is_varlen=True, has_initial_state=True),
     ["wgmma.mma_async", "cp.async.bulk.tensor"],
 )
+for _mode in ("transition", "correction"):  # the passes that split long sequences
+    runtime.register_kernel(
+        f"kda_chunk_fwd_sm90[{_mode}]",
+        ["sm_90a"],
+        lambda arch, m=_mode: compile_kda_fwd_sm90(arch, is_varlen=True, mode=m),
+        ["wgmma.mma_async", "cp.async.bulk.tensor"],
+    )
