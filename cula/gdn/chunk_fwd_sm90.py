@@ -565,44 +565,8 @@ def compile_gdn_fwd_sm90(
     return runtime.compile_kernel(kernel, _fake_args(kernel), arch, keep_artifacts)
 
 
-def _launch(q, k, v, g, beta, o, h0, ht, starts, ends, scale, state_v_first, mode="full"):
-    """One kernel launch. ``starts``/``ends``: int32 token ranges of the sequences in batch row 0 (varlen or split
-    segments), or None for one sequence per batch row. ``h0`` None: zero (or identity) start."""
-    K = q.shape[-1]
-    beta_fp32 = beta.dtype == torch.float32
-    is_varlen = starts is not None
-    key = (
-        "GDNChunkFwdSm90",
-        K,
-        beta_fp32,
-        is_varlen,
-        h0 is not None,
-        state_v_first,
-        mode,
-        runtime.device_arch(q.device),
-    )
-    fn = runtime.get_or_compile(
-        key,
-        lambda: compile_gdn_fwd_sm90(key[-1], False, K, beta_fp32, is_varlen, h0 is not None, state_v_first, mode),
-    )
-    if state_v_first:
-        # the kernel takes (N, HV, K, V)-shaped tensors; a transposed view carries the V-first storage
-        ht = ht.transpose(-1, -2)
-        h0 = None if h0 is None else h0.transpose(-1, -2)
-    dummy = sm90_entry.dummy_i32(q.device)
-    fn(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        o,
-        ht if h0 is None else h0,
-        ht,
-        dummy if starts is None else starts,
-        dummy if ends is None else ends,
-        float(scale),
-    )
+def _launch(*args):
+    sm90_entry.launch("GDNChunkFwdSm90", compile_gdn_fwd_sm90, *args)
 
 
 def chunk_gated_delta_rule_fwd_sm90(
@@ -624,60 +588,12 @@ def chunk_gated_delta_rule_fwd_sm90(
     """GDN chunked forward on SM90. Returns ``(o, final_state or None)``; see the module docstring for shapes.
 
     ``out`` / ``final_state_out`` may be given to write into preallocated tensors. Long sequences with few heads
-    are split across CTAs (``cula.ops.segment_split``) when that is expected to be faster; ``split`` True/False
-    forces it on/off (a cut per 64 * 16 tokens when forced on). Varlen batches are split only when their offsets
-    are on the host (``cu_seqlens_cpu``)."""
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    if scale is None:
-        scale = K**-0.5
-    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    o = out if out is not None else torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device)
-
-    offsets = None
-    if cu_seqlens is None:
-        offsets = [b * T for b in range(B + 1)]
-    elif cu_seqlens_cpu is not None:
-        offsets = [int(x) for x in cu_seqlens_cpu.tolist()]
-    cuts = None
-    if offsets is not None and split is not False:
-        lengths = [e - s for s, e in zip(offsets[:-1], offsets[1:], strict=True)]
-        if split:
-            cuts = [list(range(CHUNK * 16, n, CHUNK * 16)) for n in lengths]
-        else:
-            sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-            cuts = segment_split.plan_segments(lengths, HV, sms, CHUNK)
-    if cuts is not None:
-        flat = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta, o)]
-        h0 = initial_state
-        if h0 is not None and state_v_first:
-            h0 = h0.transpose(-1, -2)
-
-        def run(mode, starts, ends, h0_, out_):
-            Vd = K if mode == "transition" else V
-            ht_ = torch.empty(starts.numel(), HV, K, Vd, dtype=torch.float32, device=q.device)
-            _launch(*flat[:5], flat[5], h0_, ht_, starts, ends, scale, False, mode)
-            return ht_
-
-        ht = segment_split.split_forward(run, offsets, cuts, h0, flat[5], output_final_state)
-        if ht is not None and state_v_first:
-            ht = ht.transpose(-1, -2).contiguous()
-        if ht is not None and final_state_out is not None:
-            final_state_out.copy_(ht)
-            ht = final_state_out
-        return o, ht
-
-    state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
-    ht = final_state_out
-    if ht is None:
-        ht = torch.empty(state_shape, dtype=torch.float32, device=q.device)
-    starts = ends = None
-    if cu_seqlens is not None:
-        cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
-        starts, ends = cu[:-1], cu[1:]
-    h0 = initial_state.contiguous() if initial_state is not None else None
-    _launch(q, k, v, g, beta, o, h0, ht, starts, ends, scale, state_v_first)
-    return o, (ht if output_final_state else None)
+    are split across CTAs when that is expected to be faster (:func:`cula.ops.sm90_entry.chunk_fwd`); ``split``
+    True/False forces it on/off."""
+    return sm90_entry.chunk_fwd(
+        _launch, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first, out,
+        final_state_out, cu_seqlens_cpu, split, CHUNK,
+    )  # fmt: skip
 
 
 runtime.register_kernel(

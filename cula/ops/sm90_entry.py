@@ -1,10 +1,11 @@
 """Host-side pieces shared by the SM90 chunked-forward entries of the delta-rule family (GDN, KDA): the input
-checks both kernels make, the fake tensors they are compiled with, and a placeholder int32 tensor for unused
-range arguments."""
+checks both kernels make, the fake tensors they are compiled with, a placeholder int32 tensor for unused range
+arguments, and the entry itself (outputs, varlen ranges, sequence splitting) around a kernel's launch."""
 
 import torch
 
 from cula import runtime
+from cula.ops import segment_split
 
 _DUMMY: dict = {}
 
@@ -69,3 +70,105 @@ def dummy_i32(device) -> torch.Tensor:
     if t is None:
         t = _DUMMY[device] = torch.zeros(1, dtype=torch.int32, device=device)
     return t
+
+
+def chunk_fwd(
+    launch,
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale,
+    initial_state,
+    output_final_state,
+    cu_seqlens,
+    state_v_first,
+    out,
+    final_state_out,
+    cu_seqlens_cpu,
+    split,
+    chunk: int,
+):
+    """The Python side of an SM90 chunked forward (GDN, KDA): outputs, varlen ranges, and sequence splitting.
+
+    ``launch(q, k, v, g, beta, o, h0, ht, starts, ends, scale, state_v_first, mode)`` runs the kernel once
+    (``starts``/``ends``: int32 token ranges in batch row 0, or None for one sequence per batch row; ``h0`` None:
+    zero start, or identity for ``mode="transition"``). Long sequences with few heads are split across CTAs
+    (``cula.ops.segment_split``) when the planner expects that to be faster; ``split`` True/False forces it on/off
+    (a cut per 16 chunks when forced on). Varlen batches are split only with their offsets on the host
+    (``cu_seqlens_cpu``). Returns ``(o, final_state or None)``."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if scale is None:
+        scale = K**-0.5
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    o = out if out is not None else torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device)
+
+    offsets = None
+    if cu_seqlens is None:
+        offsets = [b * T for b in range(B + 1)]
+    elif cu_seqlens_cpu is not None:
+        offsets = [int(x) for x in cu_seqlens_cpu.tolist()]
+    cuts = None
+    if offsets is not None and split is not False:
+        lengths = [e - s for s, e in zip(offsets[:-1], offsets[1:], strict=True)]
+        if split:
+            cuts = [list(range(chunk * 16, n, chunk * 16)) for n in lengths]
+        else:
+            sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+            cuts = segment_split.plan_segments(lengths, HV, sms, chunk)
+    if cuts is not None:
+        flat = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta, o)]
+        h0 = initial_state
+        if h0 is not None and state_v_first:
+            h0 = h0.transpose(-1, -2)
+
+        def run(mode, starts, ends, h0_, out_):
+            Vd = K if mode == "transition" else V
+            ht_ = torch.empty(starts.numel(), HV, K, Vd, dtype=torch.float32, device=q.device)
+            launch(*flat[:5], flat[5], h0_, ht_, starts, ends, scale, False, mode)
+            return ht_
+
+        ht = segment_split.split_forward(run, offsets, cuts, h0, flat[5], output_final_state)
+        if ht is not None and state_v_first:
+            ht = ht.transpose(-1, -2).contiguous()
+        if ht is not None and final_state_out is not None:
+            final_state_out.copy_(ht)
+            ht = final_state_out
+        return o, ht
+
+    state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+    ht = final_state_out
+    if ht is None:
+        ht = torch.empty(state_shape, dtype=torch.float32, device=q.device)
+    starts = ends = None
+    if cu_seqlens is not None:
+        cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
+        starts, ends = cu[:-1], cu[1:]
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    launch(q, k, v, g, beta, o, h0, ht, starts, ends, scale, state_v_first, "full")
+    return o, (ht if output_final_state else None)
+
+
+def launch(name, compile_fn, q, k, v, g, beta, o, h0, ht, starts, ends, scale, state_v_first, mode):
+    """One launch of a chunk kernel compiled by ``compile_fn(arch, keep_artifacts, head_dim, beta_fp32, is_varlen,
+    has_initial_state, state_v_first, mode)`` (cached per those constants under ``name``). ``starts``/``ends``:
+    int32 token ranges of the sequences in batch row 0 (varlen or split segments), or None for one sequence per
+    batch row; ``h0`` None: zero (or identity) start."""
+    K = q.shape[-1]
+    beta_fp32 = beta.dtype == torch.float32
+    is_varlen = starts is not None
+    key = (name, K, beta_fp32, is_varlen, h0 is not None, state_v_first, mode, runtime.device_arch(q.device))
+    fn = runtime.get_or_compile(
+        key, lambda: compile_fn(key[-1], False, K, beta_fp32, is_varlen, h0 is not None, state_v_first, mode)
+    )
+    if state_v_first:
+        # the kernel takes (N, HV, K, V)-shaped tensors; a transposed view carries the V-first storage
+        ht = ht.transpose(-1, -2)
+        h0 = None if h0 is None else h0.transpose(-1, -2)
+    dummy = dummy_i32(q.device)
+    fn(
+        q, k, v, g, beta, o, ht if h0 is None else h0, ht,
+        dummy if starts is None else starts, dummy if ends is None else ends, float(scale),
+    )  # fmt: skip

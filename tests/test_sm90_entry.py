@@ -1,0 +1,90 @@
+"""The Python side of the SM90 chunked forwards (cula.ops.sm90_entry.chunk_fwd: outputs, varlen ranges, sequence
+splitting) on the CPU, with the kernel launch replaced by the fp32 reference working to the launch contract; checked
+against the fp64 recurrence through the same harness as the GPU tests."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from delta_rule_recurrence import check_fwd
+
+from cula.ops import sm90_entry
+from cula.ops.delta_rule_ref import linear_attn_ref
+
+
+def reference_launch(q, k, v, g, beta, o, h0, ht, starts, ends, scale, state_v_first, mode):
+    """What a kernel launch does: each sequence (a batch row, or a token range of row 0) from h0 (zero; identity
+    for "transition"), v = 0 unless "full"; o written ("full"), added to ("correction") or left; final states to ht."""
+    B, T, HV, V = v.shape
+    K = q.shape[-1]
+    if starts is None:
+        rows = [(b, 0, T) for b in range(B)]
+    else:
+        rows = [(0, int(s), int(e)) for s, e in zip(starts, ends, strict=True)]
+    for n, (b, s, e) in enumerate(rows):
+        Vd = V if mode != "transition" else K
+        vv = v[b : b + 1, s:e] if mode == "full" else torch.zeros(1, e - s, HV, Vd, dtype=v.dtype)
+        if mode == "transition":
+            start = torch.eye(K).expand(1, HV, K, K)
+        elif h0 is not None:
+            start = (h0[n].transpose(-1, -2) if state_v_first else h0[n])[None]
+        else:
+            start = None
+        o_n, ht_n = linear_attn_ref(
+            q[b : b + 1, s:e], k[b : b + 1, s:e], vv, g=g[b : b + 1, s:e], beta=beta[b : b + 1, s:e], scale=scale,
+            initial_state=start, output_final_state=True,
+        )  # fmt: skip
+        if mode == "full":
+            o[b, s:e] = o_n[0].to(o.dtype)
+        elif mode == "correction":
+            o[b, s:e] = (o[b, s:e].float() + o_n[0]).to(o.dtype)
+        ht[n] = ht_n[0].transpose(-1, -2) if state_v_first else ht_n[0]
+
+
+def entry(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first, **kw):
+    return sm90_entry.chunk_fwd(
+        reference_launch, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first,
+        kw.get("out"), kw.get("final_state_out"), kw.get("cu_seqlens_cpu"), kw.get("split"), 64,
+    )  # fmt: skip
+
+
+def accept(*args, **kwargs):
+    return True, ""
+
+
+def inputs(B, T, H, HV, per_key, D=32):
+    q = F.normalize(torch.randn(B, T, H, D), dim=-1).bfloat16()
+    k = F.normalize(torch.randn(B, T, H, D), dim=-1).bfloat16()
+    v = torch.randn(B, T, HV, D).bfloat16()
+    g = F.logsigmoid(torch.randn(B, T, HV, *((D,) if per_key else ())) + 3.0) * 0.5
+    beta = torch.rand(B, T, HV).sigmoid()
+    return q, k, v, g.float(), beta
+
+
+@pytest.mark.parametrize("per_key", [False, True])
+def test_one_launch(per_key):
+    check_fwd(entry, accept, inputs(2, 100, 1, 2, per_key), h0=True, split=False)
+    check_fwd(entry, accept, inputs(1, 150, 2, 2, per_key), cu=[0, 1, 80, 150], state_v_first=True, split=False)
+
+
+@pytest.mark.parametrize("per_key", [False, True])
+@pytest.mark.parametrize("state_v_first", [False, True])
+def test_split_passes(per_key, state_v_first):
+    """Forced cuts every 1024 tokens: full, transition and correction passes with the chained starts."""
+    check_fwd(entry, accept, inputs(2, 2100, 1, 2, per_key), h0=True, state_v_first=state_v_first, split=True)
+    cu = [0, 1, 1500, 1501, 2300]
+    check_fwd(entry, accept, inputs(1, 2300, 1, 2, per_key), cu, h0=True, state_v_first=state_v_first, split=True)
+
+
+def test_a_wrong_correction_pass_fails():
+    def no_correction(*args):
+        if args[-1] != "correction":
+            reference_launch(*args)
+
+    def broken(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first, **kw):
+        return sm90_entry.chunk_fwd(
+            no_correction, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first,
+            kw.get("out"), kw.get("final_state_out"), kw.get("cu_seqlens_cpu"), kw.get("split"), 64,
+        )  # fmt: skip
+
+    with pytest.raises(AssertionError):
+        check_fwd(broken, accept, inputs(1, 2100, 1, 1, False), h0=True, split=True)
