@@ -43,10 +43,10 @@ def rel_rmse(x, ref):
 
 def check_fwd(fwd, supports, inputs, cu=None, h0=False, state_v_first=False, split=None):
     """Run an SM90 forward entry ``fwd(q, k, v, g, beta, scale, initial_state, True, cu_seqlens, state_v_first,
-    out=, final_state_out=, cu_seqlens_cpu=, split=)`` on ``inputs`` (q, k, v, g, beta) with NaN-poisoned outputs,
+    out=, final_state_out=[, cu_seqlens_cpu=, split=])`` on ``inputs`` (q, k, v, g, beta) with NaN-poisoned outputs,
     after ``supports`` accepted them, and check o and the final state against :func:`recurrence` (rel-RMSE <=
     0.005). ``cu``: varlen offsets (a list); ``h0``: start from a random state; ``split``: force sequence splitting
-    on (True) or off (False)."""
+    on (True) or off (False), handing the entry the offsets on the host too; None: neither argument."""
     q, k, v, g, beta = inputs
     B, T, HV, D = v.shape
     N = B if cu is None else len(cu) - 1
@@ -60,11 +60,9 @@ def check_fwd(fwd, supports, inputs, cu=None, h0=False, state_v_first=False, spl
     o = torch.full((B, T, HV, D), float("nan"), dtype=torch.bfloat16, device=dev)
     ht = torch.full((N, HV, D, D), float("nan"), device=dev)
     init_arg = init.transpose(-1, -2).contiguous() if (h0 and state_v_first) else init
-    cu_cpu = None if cu is None else torch.tensor(cu)
-    o, ht = fwd(
-        q, k, v, g, beta, scale, init_arg, True, cu_t, state_v_first, out=o, final_state_out=ht,
-        cu_seqlens_cpu=cu_cpu, split=split,
-    )  # fmt: skip
+    # entries that can split take the host offsets and the split switch; the others are called without them
+    extra = {} if split is None else {"split": split, "cu_seqlens_cpu": None if cu is None else torch.tensor(cu)}
+    o, ht = fwd(q, k, v, g, beta, scale, init_arg, True, cu_t, state_v_first, out=o, final_state_out=ht, **extra)
     if v.is_cuda:
         torch.cuda.synchronize()
     if state_v_first:
