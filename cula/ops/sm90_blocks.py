@@ -7,11 +7,11 @@ All are ``@cute.jit`` functions inlined into the calling kernel:
 - :func:`acc_to_operand`: a (64 x N) fp32 wgmma accumulator as the bf16 register A operand of the next wgmma.
 - :func:`acc_to_operand_split`: the same as a bf16 pair hi + lo that carries the accumulator to ~16 bits.
 - :func:`empty_operand`: an uninitialised bf16 register A operand, in the register order of a (64 x N) accumulator.
-- :func:`solve_unit_lower`: one column of ``(I + A)^-1`` for a strictly lower ``A`` (the chunk's WY/UT inverse).
 - :func:`load_state` / :func:`store_state`: a warpgroup's rows of S^T between its accumulator and global memory.
 - :func:`store_o_rows`: an output tile staged in shared memory to global memory, rows past the end masked.
-- :func:`solve_diag16` then :func:`solve_merge`: the same inverse by 16-blocks, on 64 then 256 threads (15 serial
-  steps per column instead of 63; measured on the H200 in the GDN kernel: ~2 us less per chunk).
+- :func:`solve_diag16` then :func:`solve_merge`: ``(I + A)^-1`` for a strictly lower (64 x 64) ``A`` (the chunk's
+  WY/UT inverse) by 16-blocks, on 64 then 128 or 256 threads (15 serial steps per column instead of 63 for a
+  one-thread-per-column solve; on the H200 in the GDN kernel: ~2 us less per chunk).
 """
 
 import cutlass
@@ -130,31 +130,6 @@ def store_o_rows(
 
 
 @cute.jit
-def solve_unit_lower(sAt, sT, col):
-    """Column ``col`` of ``(I + A)^-1`` for a strictly lower (C x C) ``A`` given transposed in ``sAt`` (fp32, rows
-    16-byte aligned), written to ``sT`` in bf16. Right-looking forward substitution in fp32: once x_j is final,
-    every later row takes its update at once, so the only serial dependence per step is one FMA; A's column j is
-    read as broadcast 16-byte vectors. One thread per column."""
-    f32 = cutlass.Float32
-    C = cute.size(sAt, mode=[0])
-    acc = cute.make_rmem_tensor(cute.make_layout(C), f32)
-    acc.fill(0.0)
-    a4 = cute.make_rmem_tensor(cute.make_layout((1, 4)), f32)
-    for j in cutlass.range_constexpr(C):
-        xj = -acc[j]
-        if j == col:
-            xj = f32(1.0) - acc[j]
-        acc[j] = xj
-        for blk in cutlass.range_constexpr((j + 1) // 4, C // 4):
-            cute.autovec_copy(cute.local_tile(sAt, (1, 4), (j, blk)), a4)
-            for e in cutlass.range_constexpr(4):
-                if 4 * blk + e > j:
-                    acc[4 * blk + e] = acc[4 * blk + e] + a4[0, e] * xj
-    for i in cutlass.range_constexpr(C):
-        sT[i, col] = acc[i].to(cutlass.BFloat16)
-
-
-@cute.jit
 def solve_diag16(sAt, sT, tid):
     """Level 0 of the blocked ``(I + A)^-1`` (64 x 64, A strictly lower, given transposed in ``sAt``: fp32,
     ``sAt[j, i] = A[i, j]``, rows 16-byte aligned). ``tid`` in [0, 64) inverts column ``tid % 16`` of diagonal
@@ -187,21 +162,25 @@ def solve_diag16(sAt, sT, tid):
 
 @cute.jit
 def solve_merge(sAt, sT, tid, barrier_id: cutlass.Constexpr, num_threads: cutlass.Constexpr):
-    """Levels 1 and 2 of the blocked inverse, on 256 threads after :func:`solve_diag16` and a CTA barrier: each
-    level joins two diagonal inverses T_lo, T_hi with ``T_21 = -T_hi (A_21 T_lo)`` (16 -> 32, both 32-blocks at
-    once on threads 0-127; then 32 -> 64 on all), as fp32 products on CUDA cores, a 2 x 2 output block per thread
-    taken as a sum of outer products (8-byte loads, broadcast within a warp). Results go to ``sT`` (bf16), whose
-    blocks above the diagonal 16-blocks must hold zeros (written once by the caller). ``sAt`` is worked in place:
-    T's blocks are kept row-major where A^T's zero half was, and products stage in its rows 32-63, columns 0-31.
-    The blocks of A^T above the diagonal that are not yet overwritten are masked, not read as zeros."""
-    assert num_threads == 256
+    """Levels 1 and 2 of the blocked inverse, on ``num_threads`` (128 or 256) threads after :func:`solve_diag16`
+    and a barrier: each level joins two diagonal inverses T_lo, T_hi with ``T_21 = -T_hi (A_21 T_lo)`` (16 -> 32,
+    both 32-blocks at once on threads 0-127; then 32 -> 64 on all), as fp32 products on CUDA cores, a 2 x 2 (256
+    threads) or 2 x 4 (128) output block per thread taken as a sum of outer products (8- or 16-byte loads,
+    broadcast within a warp). Results go to ``sT`` (bf16), whose blocks above the diagonal 16-blocks must hold zeros
+    (written once by the caller). ``sAt`` is worked in place: T's blocks are kept row-major where A^T's zero half
+    was, and products stage in its rows 32-63, columns 0-31. The blocks of A^T above the diagonal that are not yet
+    overwritten are masked, not read as zeros."""
+    assert num_threads in (128, 256)
     f32 = cutlass.Float32
     bf16 = cutlass.BFloat16
+    cw = 512 // num_threads  # level-2 columns per thread
     x2 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
     y2 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
+    yw = cute.make_rmem_tensor(cute.make_layout((1, cw)), f32)
     t4 = cute.make_rmem_tensor(cute.make_layout((1, 4)), f32)
     u4 = cute.make_rmem_tensor(cute.make_layout((1, 4)), f32)
     acc = cute.make_rmem_tensor(cute.make_layout((2, 2)), f32)
+    accw = cute.make_rmem_tensor(cute.make_layout((2, cw)), f32)
 
     # ---- level 1 (threads 0-127): pair p joins diagonal blocks 2p, 2p + 1 at offset a; rows 2 ib, cols 2 jb
     p = tid // 64
@@ -238,24 +217,25 @@ def solve_merge(sAt, sT, tid, barrier_id: cutlass.Constexpr, num_threads: cutlas
                 sT[a + 16 + 2 * ib + r, a + 2 * jb + q] = acc[r, q].to(bf16)
     cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
 
-    # ---- level 2 (all threads): rows 32 + 2 ib2, columns 2 jb2
-    ib2 = tid // 16
-    jb2 = tid % 16
-    acc.fill(0.0)
+    # ---- level 2 (all threads): rows 32 + 2 ib2, columns cw jb2 .. cw jb2 + cw - 1
+    nb = 32 // cw
+    ib2 = tid // nb
+    jb2 = tid % nb
+    accw.fill(0.0)
     for k in cutlass.range_constexpr(32):
         cute.autovec_copy(cute.local_tile(sAt, (1, 2), (k, 16 + ib2)), x2)  # A[32 + i, k]
-        cute.autovec_copy(cute.local_tile(sAt, (1, 2), (k, jb2)), y2)  # T_lo[k, j]
+        cute.autovec_copy(cute.local_tile(sAt, (1, cw), (k, jb2)), yw)  # T_lo[k, j]
         if cutlass.const_expr(k < 16):
-            if jb2 >= 8:  # T_lo[k, j] = 0 for k < 16 <= j: there sAt still holds A^T
-                y2.fill(0.0)
+            if jb2 >= 16 // cw:  # T_lo[k, j] = 0 for k < 16 <= j: there sAt still holds A^T
+                yw.fill(0.0)
         for r in cutlass.range_constexpr(2):
-            for q in cutlass.range_constexpr(2):
-                acc[r, q] = acc[r, q] + x2[0, r] * y2[0, q]
+            for q in cutlass.range_constexpr(cw):
+                accw[r, q] = accw[r, q] + x2[0, r] * yw[0, q]
     for r in cutlass.range_constexpr(2):
-        for q in cutlass.range_constexpr(2):
-            sAt[32 + 2 * ib2 + r, 2 * jb2 + q] = acc[r, q]
+        for q in cutlass.range_constexpr(cw):
+            sAt[32 + 2 * ib2 + r, cw * jb2 + q] = accw[r, q]
     cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
-    acc.fill(0.0)
+    accw.fill(0.0)
     for k4 in cutlass.range_constexpr(8):
         cute.autovec_copy(cute.local_tile(sAt, (1, 4), (32 + 2 * ib2, 8 + k4)), t4)  # T_hi[i, 4 k4 ..]
         cute.autovec_copy(cute.local_tile(sAt, (1, 4), (33 + 2 * ib2, 8 + k4)), u4)
@@ -264,10 +244,10 @@ def solve_merge(sAt, sT, tid, barrier_id: cutlass.Constexpr, num_threads: cutlas
                 t4.fill(0.0)
                 u4.fill(0.0)
         for e in cutlass.range_constexpr(4):
-            cute.autovec_copy(cute.local_tile(sAt, (1, 2), (32 + 4 * k4 + e, jb2)), y2)  # M[k, j]
-            for q in cutlass.range_constexpr(2):
-                acc[0, q] = acc[0, q] - t4[0, e] * y2[0, q]
-                acc[1, q] = acc[1, q] - u4[0, e] * y2[0, q]
+            cute.autovec_copy(cute.local_tile(sAt, (1, cw), (32 + 4 * k4 + e, jb2)), yw)  # M[k, j]
+            for q in cutlass.range_constexpr(cw):
+                accw[0, q] = accw[0, q] - t4[0, e] * yw[0, q]
+                accw[1, q] = accw[1, q] - u4[0, e] * yw[0, q]
     for r in cutlass.range_constexpr(2):
-        for q in cutlass.range_constexpr(2):
-            sT[32 + 2 * ib2 + r, 2 * jb2 + q] = acc[r, q].to(bf16)
+        for q in cutlass.range_constexpr(cw):
+            sT[32 + 2 * ib2 + r, cw * jb2 + q] = accw[r, q].to(bf16)
