@@ -418,6 +418,10 @@ class KDAChunkFwdSm90:
             blocks.gemm(mma_half, acc0, l0, tHb_R[None, None, None, 0], True)
             blocks.gemm(mma_half, acc1, l1, tHb_R[None, None, None, 1], True)
             warpgroup.commit_group()
+            # while they run: the previous chunk's O (staged in smem, a full chunk) to global memory
+            if cutlass.const_expr(self.make_o):
+                if c > 0:
+                    blocks.store_o_rows(sO, mO, b, hv, tok0 + (c - 1) * C, C, tidx, C, D, self.threads, accumulate)
             warpgroup.wait_group(0)
             if wg == 0:
                 for i in cutlass.range_constexpr(cute.size(acc0)):
@@ -533,7 +537,7 @@ class KDAChunkFwdSm90:
             warpgroup.commit_group()
             warpgroup.wait_group(0)
 
-            # ---- 4. O^T -> smem (token-major), then masked coalesced stores
+            # ---- 4. O^T -> smem (token-major); stored during the next chunk (or after the loop)
             if cutlass.const_expr(self.make_o):
                 for i in cutlass.range_constexpr(cute.size(acc_o)):
                     r, j = cCC[i]
@@ -546,8 +550,13 @@ class KDAChunkFwdSm90:
                     if c + 1 < n_chunks:
                         self.issue_v(tma_v, tVg, tVs, bar_v, c + 1, lane)
 
-            if cutlass.const_expr(self.make_o):
-                blocks.store_o_rows(sO, mO, b, hv, tok0 + c * C, L, tidx, C, D, self.threads, accumulate)
+        # the last chunk's O (the loop stores each chunk's O during the next chunk's step 1)
+        if cutlass.const_expr(self.make_o):
+            if n_chunks > 0:
+                blocks.store_o_rows(
+                    sO, mO, b, hv, tok0 + (n_chunks - 1) * C, seqlen - (n_chunks - 1) * C, tidx, C, D, self.threads,
+                    accumulate,
+                )  # fmt: skip
 
         # ---- final state
         blocks.store_state(acc_s, cST, mHt, n, hv, row0)
