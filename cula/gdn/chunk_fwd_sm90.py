@@ -389,9 +389,9 @@ class GDNChunkFwdSm90:
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
 
-            # ---- 3. the other state products on this WG's 64 value rows; first, while S^T K^T may still run:
-            # per-column factors of this thread's 16 accumulator columns (element i has column
-            # slot (i % 2) + 2 (i // 4)), zero past the sequence end; and the state's chunk decay
+            # ---- 3. the other state products on this WG's 64 value rows. First, while S^T K^T may still run: the
+            # factors of this thread's 16 accumulator columns (element i has column slot (i % 2) + 2 (i // 4)),
+            # zero past the sequence end, and the state's chunk decay
             e_g = cute.make_rmem_tensor(cute.make_layout(16), f32)  # exp(G_j)
             e_d = cute.make_rmem_tensor(cute.make_layout(16), f32)  # exp(G_last - G_j)
             b_j = cute.make_rmem_tensor(cute.make_layout(16), f32)  # beta_j

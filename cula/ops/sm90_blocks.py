@@ -7,11 +7,11 @@ All are ``@cute.jit`` functions inlined into the calling kernel:
 - :func:`acc_to_operand`: a (64 x N) fp32 wgmma accumulator as the bf16 register A operand of the next wgmma.
 - :func:`acc_to_operand_split`: the same as a bf16 pair hi + lo that carries the accumulator to ~16 bits.
 - :func:`empty_operand`: an uninitialised bf16 register A operand, in the register order of a (64 x N) accumulator.
-- :func:`solve_unit_lower`: one column of ``(I + A)^-1`` for a strictly lower ``A`` (the chunk's WY/UT inverse).
 - :func:`load_state` / :func:`store_state`: a warpgroup's rows of S^T between its accumulator and global memory.
 - :func:`store_o_rows`: an output tile staged in shared memory to global memory, rows past the end masked.
-- :func:`solve_diag16` then :func:`solve_merge`: the same inverse by 16-blocks, on 64 then 256 threads (15 serial
-  steps per column instead of 63; measured on the H200 in the GDN kernel: ~2 us less per chunk).
+- :func:`solve_diag16` then :func:`solve_merge`: ``(I + A)^-1`` for a strictly lower (64 x 64) ``A`` (the chunk's
+  WY/UT inverse) by 16-blocks, on 64 then 128 or 256 threads (15 serial steps per column instead of 63 for a
+  one-thread-per-column solve; on the H200 in the GDN kernel: ~2 us less per chunk).
 """
 
 import cutlass
@@ -127,31 +127,6 @@ def store_o_rows(
                 total = flat.load().to(cutlass.Float32) + old.load().to(cutlass.Float32)
                 flat.store(total.to(cutlass.BFloat16))
             cute.autovec_copy(flat, dst)
-
-
-@cute.jit
-def solve_unit_lower(sAt, sT, col):
-    """Column ``col`` of ``(I + A)^-1`` for a strictly lower (C x C) ``A`` given transposed in ``sAt`` (fp32, rows
-    16-byte aligned), written to ``sT`` in bf16. Right-looking forward substitution in fp32: once x_j is final,
-    every later row takes its update at once, so the only serial dependence per step is one FMA; A's column j is
-    read as broadcast 16-byte vectors. One thread per column."""
-    f32 = cutlass.Float32
-    C = cute.size(sAt, mode=[0])
-    acc = cute.make_rmem_tensor(cute.make_layout(C), f32)
-    acc.fill(0.0)
-    a4 = cute.make_rmem_tensor(cute.make_layout((1, 4)), f32)
-    for j in cutlass.range_constexpr(C):
-        xj = -acc[j]
-        if j == col:
-            xj = f32(1.0) - acc[j]
-        acc[j] = xj
-        for blk in cutlass.range_constexpr((j + 1) // 4, C // 4):
-            cute.autovec_copy(cute.local_tile(sAt, (1, 4), (j, blk)), a4)
-            for e in cutlass.range_constexpr(4):
-                if 4 * blk + e > j:
-                    acc[4 * blk + e] = acc[4 * blk + e] + a4[0, e] * xj
-    for i in cutlass.range_constexpr(C):
-        sT[i, col] = acc[i].to(cutlass.BFloat16)
 
 
 @cute.jit
