@@ -40,12 +40,14 @@ class Case:
     D: int
     lengths: list[int] | None = None  # varlen: the sequence lengths (then B == 1)
     label: str = ""
+    # GDN as FLA's GatedDeltaNet layer calls it: raw q and k, L2-normalised by the op (use_qk_l2norm_in_kernel)
+    layer: bool = False
 
     @property
     def name(self) -> str:
         if self.lengths is not None:
             return f"varlen {self.label} N={len(self.lengths)} T={sum(self.lengths)} H={self.H}"
-        return f"B={self.B} T={self.T} H={self.H}"
+        return f"B={self.B} T={self.T} H={self.H}" + (" l2norm in op" if self.layer else "")
 
 
 @dataclass
@@ -94,6 +96,9 @@ def make_inputs(case: Case, device: str, dtype: torch.dtype, requires_grad: bool
     if case.op == "gdn":
         args["g"] = F.logsigmoid(torch.randn(B, T, H, device=device, dtype=torch.float32))
         args["beta"] = torch.rand(B, T, H, **kw).sigmoid()
+        if case.layer:
+            args["k"] = torch.randn(B, T, H, D, **kw)
+            args["use_qk_l2norm_in_kernel"] = True
     elif case.op == "kda":
         # the setting of FLA's KDA layer: bounded gate, l2norm and beta sigmoid computed in the kernel
         args["g"] = torch.randn(B, T, H, D, **kw)
@@ -338,6 +343,8 @@ def gpu_grid(ops: list[str], grids: list[str], D: int = 128) -> list[Case]:
                     cases.append(Case(op, 1, total, 32, D, lengths, kind))
         if "long" in grids:
             cases.append(Case(op, 1, 65536, 8, D))
+        if "layer" in grids and op == "gdn":
+            cases += [Case(op, 2, 16384, 64, D, layer=True), Case(op, 1, 8192, 64, D, layer=True)]
     return cases
 
 
@@ -410,7 +417,11 @@ def markdown(env: dict, rows: list[Row], overhead: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ops", default="gdn,kda,gla,simple_gla", help="comma list of gdn, kda, gla, simple_gla")
-    parser.add_argument("--grid", default="core,varlen,long", help="comma list of core, varlen, long")
+    parser.add_argument(
+        "--grid",
+        default="core,varlen,long",
+        help="comma list of core, varlen, long, layer (GDN with q/k L2-normalised by the op, as FLA's layer calls it)",
+    )
     parser.add_argument("--modes", default="fwd", help="comma list of fwd, fwdbwd")
     parser.add_argument("--no-fla", action="store_true", help="time cuLA alone (no FLA autotuning): for kernel work")
     parser.add_argument("--out", default="results", help="folder for benchmark.json and the markdown table")

@@ -35,6 +35,16 @@ def test_gpu_grid_arguments_fit_fla_and_cula(op, lengths):
     assert cula.explain(cula_fn, **args).backend == "torch"  # binds and validates as a real call would
 
 
+def test_layer_grid_has_the_op_normalise_raw_q_and_k():
+    cases = bench.gpu_grid(["gdn", "kda"], ["layer"])
+    assert [c.name for c in cases] == ["B=2 T=16384 H=64 l2norm in op", "B=1 T=8192 H=64 l2norm in op"]
+    small = bench.Case("gdn", 1, 64, 2, 32, layer=True)
+    args = bench.make_inputs(small, "cpu", bench.torch.bfloat16, requires_grad=False)
+    assert args["use_qk_l2norm_in_kernel"] and args["k"].norm(dim=-1).max() > 2  # raw, not unit rows
+    inspect.signature(fla_function(bench.entry_points("gdn")[1])).bind(**args)
+    assert cula.explain(bench.entry_points("gdn")[0], **args).backend == "torch"
+
+
 def test_grid_and_floor():
     cases = bench.gpu_grid(["gdn"], ["core", "varlen", "long"])
     names = [c.name for c in cases]
