@@ -18,7 +18,7 @@ from cula.dispatch import (
     kernel_vs_fla,
 )
 from cula.gdn import reference
-from cula.ops.gates import gdn_gate, kernel_qk_beta
+from cula.ops.gates import kernel_gdn_gate, kernel_qk_beta
 
 
 def _validate_chunk(args: dict[str, Any]) -> None:
@@ -140,7 +140,7 @@ def _sm90_run(args: dict[str, Any]):
 
     q, k, beta = kernel_qk_beta(args)
     g = args["g"]
-    g = gdn_gate(g, args.get("A_log"), args.get("dt_bias")) if args.get("use_gate_in_kernel") else g.float()
+    g = kernel_gdn_gate(g, args.get("A_log"), args.get("dt_bias")) if args.get("use_gate_in_kernel") else g.float()
     o, final_state = chunk_gated_delta_rule_fwd_sm90(
         q,
         k,

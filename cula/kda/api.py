@@ -9,7 +9,7 @@ import torch
 from cula import validation
 from cula.dispatch import CuteKernel, FlaTime, Op, bind, call_args, chunk_fwd_kernel_declines, kernel_vs_fla
 from cula.kda import reference
-from cula.ops.gates import kda_gate, kernel_qk_beta
+from cula.ops.gates import kernel_kda_gate, kernel_qk_beta
 
 
 def _validate_chunk(args: dict[str, Any]) -> None:
@@ -135,7 +135,7 @@ def _sm90_run(args: dict[str, Any]):
     q, k, beta = kernel_qk_beta(args)
     g = args["g"]
     if args.get("use_gate_in_kernel"):
-        g = kda_gate(g, args.get("A_log"), args.get("dt_bias"), args.get("lower_bound"))
+        g = kernel_kda_gate(g, args.get("A_log"), args.get("dt_bias"), args.get("lower_bound"))
     o, final_state = chunk_kda_fwd_sm90(
         q,
         k,

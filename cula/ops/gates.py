@@ -77,17 +77,45 @@ def qk_beta_transforms(
 
 def kernel_qk_beta(args: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The delta-rule kernels' pre-passes over an entry point's bound arguments: q and k (L2-normed when asked)
-    back in q's dtype, and beta (sigmoid when asked) in fp32 or bf16, all contiguous. They run as separate
-    element-wise passes for now; fusing them into the kernels saves one read and write of q, k and beta."""
-    q, k, beta = qk_beta_transforms(
-        args["q"],
-        args["k"],
-        args["beta"],
-        args["use_qk_l2norm_in_kernel"],
-        args["use_beta_sigmoid_in_kernel"],
-        args["allow_neg_eigval"],
-    )
+    in q's dtype, and beta (sigmoid when asked) in fp32 or bf16, all contiguous. On a GPU they are FLA's own Triton
+    passes (one read and one write each; the very values FLA's fused path feeds its kernels), elsewhere the fp32
+    formulas above. Fusing them into the kernels would save that read and write."""
+    q, k, beta = args["q"], args["k"], args["beta"]
+    dtype = q.dtype
+    if args["use_qk_l2norm_in_kernel"]:
+        if q.is_cuda:
+            from fla.modules.norm.l2norm import l2norm_fwd
+
+            q, k = l2norm_fwd(q.contiguous(), output_dtype=dtype)[0], l2norm_fwd(k.contiguous(), output_dtype=dtype)[0]
+        else:
+            q, k = l2norm(q), l2norm(k)
+    if args["use_beta_sigmoid_in_kernel"]:
+        if beta.is_cuda:
+            from fla.ops.common.gate import fused_beta_sigmoid
+
+            beta = fused_beta_sigmoid(beta.contiguous(), scale=2.0 if args["allow_neg_eigval"] else 1.0)
+        else:
+            beta = beta_sigmoid(beta, args["allow_neg_eigval"])
     if beta.dtype not in (torch.float32, torch.bfloat16):
         beta = beta.float()
-    dtype = args["q"].dtype
     return q.to(dtype).contiguous(), k.to(dtype).contiguous(), beta.contiguous()
+
+
+def kernel_gdn_gate(g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`gdn_gate` in fp32 for a kernel's input: FLA's Triton ``gdn_gate_fwd`` on a GPU (one pass)."""
+    if g.is_cuda:
+        from fla.ops.gated_delta_rule.gate import gdn_gate_fwd
+
+        return gdn_gate_fwd(g.contiguous(), A_log, dt_bias, output_dtype=torch.float32)
+    return gdn_gate(g, A_log, dt_bias).float()
+
+
+def kernel_kda_gate(
+    g: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, lower_bound: float | None
+) -> torch.Tensor:
+    """:func:`kda_gate` in fp32 for a kernel's input: FLA's Triton ``kda_gate_fwd`` on a GPU (one pass)."""
+    if g.is_cuda:
+        from fla.ops.kda.gate import kda_gate_fwd
+
+        return kda_gate_fwd(g.contiguous(), A_log, dt_bias, lower_bound, output_dtype=torch.float32)
+    return kda_gate(g, A_log, dt_bias, lower_bound).float()
