@@ -8,9 +8,10 @@ across all chunks. Math per chunk (FLA convention; state S is K x V; G = cumulat
     O     = scale (Q * exp(G)) S + tril(scale Q K^T * exp(G_i - G_j)) V_new
     S    <- exp(G_last) S + (K * exp(G_last - G))^T V_new
 
-The kernel works on S^T (V x K): each of the two math warpgroups holds 64 value rows x 128 key columns of S^T as
-a wgmma fp32 accumulator (64 registers per thread), so every product with S uses S^T (converted to bf16) as the
-register A operand and the token tiles in shared memory as the B operand:
+The kernel works on S^T (V x K): each of the two math warpgroups holds 64 value rows x K key columns of S^T as
+a wgmma fp32 accumulator (64 registers per thread at K = 128), so every product with S uses S^T (converted to
+bf16) as the register A operand and the token tiles in shared memory as the B operand. At K = V = 64 warpgroup 0
+holds all of S^T and warpgroup 1 repeats its state products without writing them:
 
     S^T K^T, S^T Q^T   (A = S^T regs, B = K/Q tile, K-major)
     V_new^T = Y^T Tinv^T                 (A = Y^T regs, B = Tinv in smem)
@@ -20,6 +21,7 @@ register A operand and the token tiles in shared memory as the B operand:
 Shapes (torch order): q, k [B, T, H, K] bf16; v [B, T, HV, V] bf16; g [B, T, HV] fp32 (natural-log gate, already
 activated); beta [B, T, HV] bf16/fp32; o [B, T, HV, V] bf16; state [N, HV, K, V] fp32 ([N, HV, V, K] when
 state_v_first). Varlen: B == 1 and cu_seqlens [N + 1]. GVA: value head hv reads q/k head hv // (HV / H).
+K = V = 64 or 128.
 """
 
 import math
@@ -36,7 +38,7 @@ from cula.ops import sm90_blocks as blocks
 
 CHUNK = 64
 MODES = ("full", "transition", "correction")  # see GDNChunkFwdSm90 and cula.ops.segment_split
-SUPPORTED_DIMS = (128,)
+SUPPORTED_DIMS = (64, 128)
 # One CTA walks its chunks in series at about this many microseconds each (H200 dev runs of 2026-12-03 session 8:
 # 1.73 ms at B2 T16384 H64 = 256 chunks per CTA in one wave; NOTES.md); the
 # kernel runs one CTA per SM.
@@ -86,6 +88,9 @@ class GDNChunkFwdSm90:
         assert mode in MODES and (mode == "full" or is_varlen)
         self.D = head_dim
         self.C = CHUNK
+        # warpgroups holding state rows: at D = 64 WG0 holds all of S^T and WG1 repeats its products without
+        # writing them (it still makes P for the chunk)
+        self.state_wgs = head_dim // 64
         self.beta_fp32 = beta_fp32
         self.is_varlen = is_varlen
         self.has_h0 = has_initial_state
@@ -302,7 +307,8 @@ class GDNChunkFwdSm90:
 
         acc_cc_shape = thr_rs.partition_shape_C((C, C))
         acc_s = thr_st.make_fragment_C(thr_st.partition_shape_C((C, D)))  # S^T rows of this WG, fp32
-        row0 = wg * C
+        row0 = wg * C if self.state_wgs == 2 else 0
+        writes_state = True if self.state_wgs == 2 else wg == 0  # this WG's rows are its own (not a repeat)
 
         if cutlass.const_expr(self.has_h0):
             blocks.load_state(acc_s, cST, mH0, n, hv, row0)
@@ -442,9 +448,10 @@ class GDNChunkFwdSm90:
 
             # ---- 4. O^T -> smem (token-major); stored during the next chunk (or after the loop)
             if cutlass.const_expr(self.make_o):
-                for i in cutlass.range_constexpr(cute.size(acc_o)):
-                    r, j = cCC[i]
-                    sO[j, row0 + r] = acc_o[i].to(cutlass.BFloat16)
+                if writes_state:
+                    for i in cutlass.range_constexpr(cute.size(acc_o)):
+                        r, j = cCC[i]
+                        sO[j, row0 + r] = acc_o[i].to(cutlass.BFloat16)
             if warp == 2:
                 self.publish_gates(sG, sBeta, 1 - slot, nxt, c + 1, seqlen, lane)
             cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
@@ -471,7 +478,8 @@ class GDNChunkFwdSm90:
                 )
 
         # ---- final state
-        blocks.store_state(acc_s, cST, mHt, n, hv, row0)
+        if writes_state:
+            blocks.store_state(acc_s, cST, mHt, n, hv, row0)
 
     # ---------------------------------------------------------------- helpers
     @cute.jit
@@ -600,6 +608,13 @@ runtime.register_kernel(
     "gdn_chunk_fwd_sm90",
     ["sm_90a"],
     lambda arch: compile_gdn_fwd_sm90(arch, is_varlen=True, has_initial_state=True),
+    ["wgmma.mma_async", "cp.async.bulk.tensor"],
+    clean_sass=True,
+)
+runtime.register_kernel(
+    "gdn_chunk_fwd_sm90[D=64]",
+    ["sm_90a"],
+    lambda arch: compile_gdn_fwd_sm90(arch, head_dim=64, is_varlen=True, has_initial_state=True),
     ["wgmma.mma_async", "cp.async.bulk.tensor"],
     clean_sass=True,
 )
