@@ -642,6 +642,7 @@ runtime.register_kernel(
     ["sm_90a"],
     lambda arch: compile_kda_fwd_sm90(arch, is_varlen=True, has_initial_state=True),
     ["wgmma.mma_async", "cp.async.bulk.tensor"],
+    clean_sass=True,
 )
 for _mode in ("transition", "correction"):  # the passes that split long sequences
     runtime.register_kernel(
@@ -649,4 +650,5 @@ for _mode in ("transition", "correction"):  # the passes that split long sequenc
         ["sm_90a"],
         lambda arch, m=_mode: compile_kda_fwd_sm90(arch, is_varlen=True, mode=m),
         ["wgmma.mma_async", "cp.async.bulk.tensor"],
+        clean_sass=True,
     )
