@@ -28,10 +28,12 @@ def make_inputs(B, T, H, HV, D=128, beta_dtype=torch.float32, stress=False, devi
     return q, k, v, g.float().contiguous(), beta
 
 
-def run_case(B, T, H, HV, cu=None, h0=False, state_v_first=False, beta_dtype=torch.float32, stress=False, split=False):
+def run_case(
+    B, T, H, HV, cu=None, h0=False, state_v_first=False, beta_dtype=torch.float32, stress=False, split=False, D=128
+):
     from cula.kda.chunk_fwd_sm90 import chunk_kda_fwd_sm90, supports
 
-    inputs = make_inputs(B, T, H, HV, beta_dtype=beta_dtype, stress=stress)
+    inputs = make_inputs(B, T, H, HV, D=D, beta_dtype=beta_dtype, stress=stress)
     check_fwd(chunk_kda_fwd_sm90, supports, inputs, cu, h0, state_v_first, split)
 
 
@@ -108,10 +110,20 @@ def test_split_varlen_initial_state(state_v_first):
     run_case(1, 3700, 2, 2, cu=[0, 1, 1500, 1501, 3700], h0=True, state_v_first=state_v_first, split=True)
 
 
+@pytest.mark.gpu
+@needs_sm90
+def test_head_dim_64():
+    """K = V = 64: warpgroup 0 holds the whole state; odd length with gates at the bound, GVA, varlen, splits."""
+    run_case(2, 333, 2, 4, h0=True, stress=True, D=64)
+    run_case(1, 266, 2, 2, cu=[0, 1, 2, 72, 136, 265, 266], h0=True, state_v_first=True, D=64)
+    run_case(1, 2100, 1, 2, h0=True, split=True, D=64)
+
+
 def test_compiles_for_sm90_on_cpu():
     from cula import compile_check
 
-    for name in ("kda_chunk_fwd_sm90", "kda_chunk_fwd_sm90[transition]", "kda_chunk_fwd_sm90[correction]"):
+    names = ("kda_chunk_fwd_sm90", "kda_chunk_fwd_sm90[D=64]", "kda_chunk_fwd_sm90[transition]")
+    for name in (*names, "kda_chunk_fwd_sm90[correction]"):
         report = compile_check.check_kernel(name, "sm_90a")
         assert report.ok, (name, report.error)
         assert report.local_mem == 0 and report.injected_arrives == 0

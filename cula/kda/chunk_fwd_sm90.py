@@ -28,7 +28,8 @@ e^(-87 + 75) ~ 5e-6, far under bf16 resolution. Everything else is exact up to b
 Shapes (torch order): q, k [B, T, H, K] bf16; v [B, T, HV, V] bf16; g [B, T, HV, K] fp32 (natural-log gate,
 already activated, >= -5); beta [B, T, HV] bf16/fp32; o [B, T, HV, V] bf16; state [N, HV, K, V] fp32
 ([N, HV, V, K] when state_v_first). Varlen: B == 1 and cu_seqlens [N + 1] int32. GVA: value head hv reads q/k head
-hv // (HV / H). K = V = 128.
+hv // (HV / H). K = V = 64 or 128 (at 64, warpgroup 0 holds all of S^T and warpgroup 1 repeats its state
+products without writing them).
 """
 
 import math
@@ -48,7 +49,7 @@ MODES = ("full", "transition", "correction")  # see KDAChunkFwdSm90 and cula.ops
 # One CTA walks its chunks in series at about this many microseconds each (H200, dev run of 2026-12-03: 4.77 ms at
 # B2 T16384 H64 = 256 chunks per CTA in one wave; NOTES.md); the kernel runs one CTA per SM.
 CHUNK_LATENCY_US = 18.6
-SUPPORTED_DIMS = (128,)
+SUPPORTED_DIMS = (64, 128)
 # the lowest gate the intra-chunk factorisation tolerates (module docstring)
 LOWER_BOUND_MIN = -5.0
 _LOG2E = math.log2(math.e)
@@ -104,6 +105,9 @@ class KDAChunkFwdSm90:
         assert head_dim in SUPPORTED_DIMS
         assert mode in MODES and (mode == "full" or is_varlen)
         self.D = head_dim
+        # warpgroups holding state rows: at D = 64 WG0 holds all of S^T and WG1 repeats its products without
+        # writing them (it still makes P for the chunk)
+        self.state_wgs = head_dim // 64
         self.C = CHUNK
         self.half = CHUNK // 2  # intra-chunk column halves, reference tokens half // 2 and half + half // 2
         self.beta_fp32 = beta_fp32
@@ -334,7 +338,8 @@ class KDAChunkFwdSm90:
         acc_cc_shape = thr_rs.partition_shape_C((C, C))
         acc_h_shape = thr_h.partition_shape_C((C, Hf))
         acc_s = thr_st.make_fragment_C(thr_st.partition_shape_C((C, D)))  # S^T rows of this WG, fp32
-        row0 = wg * C
+        row0 = wg * C if self.state_wgs == 2 else 0
+        writes_state = True if self.state_wgs == 2 else wg == 0  # this WG's rows are its own (not a repeat)
 
         accumulate = self.mode == "correction"  # that pass adds its output to o
         if cutlass.const_expr(self.has_h0):
@@ -379,10 +384,11 @@ class KDAChunkFwdSm90:
             cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
 
             # R_j = k_j 2^(G_r - G_j), r the reference token of j's half; |j - r| <= 16 keeps it in range
+            rows = self.threads // D  # token rows per iteration
             for it in cutlass.range_constexpr(C * D // self.threads):
-                j = 2 * it + tidx // D
+                j = rows * it + tidx // D
                 kk = tidx % D
-                hf = (2 * it) // Hf  # the half of row j (constant per iteration)
+                hf = (rows * it) // Hf  # the half of row j (constant per iteration)
                 ref = Hf * hf + Hf // 2
                 xr = sK3[j, kk, 0].to(f32) * cute.math.exp2(sG[ref, kk] - sG[j, kk], fastmath=True)
                 sR[j - Hf * hf, kk, hf] = xr.to(bf16)
@@ -539,9 +545,10 @@ class KDAChunkFwdSm90:
 
             # ---- 4. O^T -> smem (token-major); stored during the next chunk (or after the loop)
             if cutlass.const_expr(self.make_o):
-                for i in cutlass.range_constexpr(cute.size(acc_o)):
-                    r, j = cCC[i]
-                    sO[j, row0 + r] = acc_o[i].to(bf16)
+                if writes_state:
+                    for i in cutlass.range_constexpr(cute.size(acc_o)):
+                        r, j = cCC[i]
+                        sO[j, row0 + r] = acc_o[i].to(bf16)
             cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
 
             # v of this chunk is consumed: fetch the next chunk's
@@ -559,7 +566,8 @@ class KDAChunkFwdSm90:
                 )  # fmt: skip
 
         # ---- final state
-        blocks.store_state(acc_s, cST, mHt, n, hv, row0)
+        if writes_state:
+            blocks.store_state(acc_s, cST, mHt, n, hv, row0)
 
     # ---------------------------------------------------------------- helpers
     @cute.jit
@@ -637,6 +645,13 @@ def chunk_kda_fwd_sm90(
     )  # fmt: skip
 
 
+runtime.register_kernel(
+    "kda_chunk_fwd_sm90[D=64]",
+    ["sm_90a"],
+    lambda arch: compile_kda_fwd_sm90(arch, head_dim=64, is_varlen=True, has_initial_state=True),
+    ["wgmma.mma_async", "cp.async.bulk.tensor"],
+    clean_sass=True,
+)
 runtime.register_kernel(
     "kda_chunk_fwd_sm90",
     ["sm_90a"],
