@@ -156,6 +156,7 @@ class GDNChunkFwdSm90:
             full: cute.struct.MemRange[cutlass.Int64, stages]
             sG: cute.struct.MemRange[cutlass.Float32, 2 * C]
             sBeta: cute.struct.MemRange[cutlass.Float32, 2 * C]
+            sFac: cute.struct.MemRange[cutlass.Float32, 4 * C]
             sA: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, C * self.a_stride], 128]
             sO: cute.struct.Align[cute.struct.MemRange[bf16, C * self.o_stride], 128]
             sQK: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_qk)], 1024]
@@ -249,6 +250,8 @@ class GDNChunkFwdSm90:
         full = st.full.data_ptr()
         sG = st.sG.get_tensor(cute.make_layout((C, 2)))  # log2-domain cumulative gate, 2 slots
         sBeta = st.sBeta.get_tensor(cute.make_layout((C, 2)))
+        # per token, made once by the warp that publishes the gates: 2^G_t and 2^(G_last - G_t) (0 past the end)
+        sFac = st.sFac.get_tensor(cute.make_layout((C, 2, 2)))
         sA = st.sA.get_tensor(cute.make_layout((C, self.a_stride), stride=(self.a_stride, 1)))
         sO = st.sO.get_tensor(cute.make_layout((C, self.o_stride), stride=(self.o_stride, 1)))
         sQK = st.sQK.get_tensor(tile_qk.outer, swizzle=tile_qk.inner)
@@ -285,7 +288,7 @@ class GDNChunkFwdSm90:
         if warp == 0:
             if n_chunks > 0:
                 g0 = self.load_gates(mG, mBeta, b, hv, tok0, seqlen, cutlass.Int32(0), lane)
-                self.publish_gates(sG, sBeta, 0, g0, cutlass.Int32(0), seqlen, lane)
+                self.publish_gates(sG, sBeta, sFac, 0, g0, cutlass.Int32(0), seqlen, lane)
 
         # ---- per-thread MMA partitions (each warpgroup works on its own 64 rows)
         thr_ss = mma_ss.get_slice(wtid)
@@ -403,13 +406,9 @@ class GDNChunkFwdSm90:
             b_j = cute.make_rmem_tensor(cute.make_layout(16), f32)  # beta_j
             for kc in cutlass.range_constexpr(16):
                 rc, jc = cCC[(kc % 2) + 4 * (kc // 2)]
-                gj = sG[jc, slot]
-                e_g[kc] = cute.math.exp2(gj, fastmath=True)
-                e_d[kc] = f32(0.0)
-                b_j[kc] = f32(0.0)
-                if jc < L:
-                    e_d[kc] = cute.math.exp2(g_last - gj, fastmath=True)
-                    b_j[kc] = sBeta[jc, slot]
+                e_g[kc] = sFac[jc, slot, 0]
+                e_d[kc] = sFac[jc, slot, 1]
+                b_j[kc] = sBeta[jc, slot]
             decay = cute.math.exp2(g_last, fastmath=True)
             for i in cutlass.range_constexpr(cute.size(acc_s)):
                 acc_s[i] = acc_s[i] * decay
@@ -453,7 +452,7 @@ class GDNChunkFwdSm90:
                         r, j = cCC[i]
                         sO[j, row0 + r] = acc_o[i].to(cutlass.BFloat16)
             if warp == 2:
-                self.publish_gates(sG, sBeta, 1 - slot, nxt, c + 1, seqlen, lane)
+                self.publish_gates(sG, sBeta, sFac, 1 - slot, nxt, c + 1, seqlen, lane)
             cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
 
             if warp == 0:
@@ -523,9 +522,10 @@ class GDNChunkFwdSm90:
         return mG[b, t_lo, hv], mG[b, t_hi, hv], mBeta[b, t_lo, hv], mBeta[b, t_hi, hv]
 
     @cute.jit
-    def publish_gates(self, sG, sBeta, slot, gates, chunk, seqlen, lane):
-        """Inclusive prefix sum of g over the chunk (warp scan), stored in log2 units, with beta; tokens past the
-        sequence end get g = 0, beta = 0."""
+    def publish_gates(self, sG, sBeta, sFac, slot, gates, chunk, seqlen, lane):
+        """Inclusive prefix sum of g over the chunk (warp scan), stored in log2 units, with beta and the per-token
+        factors 2^G_t and 2^(G_last - G_t); tokens past the sequence end get g = 0, beta = 0 and a zero second
+        factor (G is flat past the end, so G_last is the chunk's total)."""
         f32 = cutlass.Float32
         g_lo, g_hi, b_lo, b_hi = gates
         t = chunk * self.C + lane
@@ -545,6 +545,12 @@ class GDNChunkFwdSm90:
         sG[lane + 32, slot] = g_hi * _LOG2E
         sBeta[lane, slot] = b_lo
         sBeta[lane + 32, slot] = b_hi
+        G_lo, G_hi = g_lo * _LOG2E, g_hi * _LOG2E
+        G_last = cute.arch.shuffle_sync(G_hi, 31)
+        sFac[lane, slot, 0] = cute.math.exp2(G_lo, fastmath=True)
+        sFac[lane + 32, slot, 0] = cute.math.exp2(G_hi, fastmath=True)
+        sFac[lane, slot, 1] = cute.math.exp2(G_last - G_lo, fastmath=True) if t < seqlen else zero
+        sFac[lane + 32, slot, 1] = cute.math.exp2(G_last - G_hi, fastmath=True) if t + 32 < seqlen else zero
 
 
 # -------------------------------------------------------------------- compile + Python entry
