@@ -24,6 +24,7 @@ state_v_first). Varlen: B == 1 and cu_seqlens [N + 1]. GVA: value head hv reads 
 K = V = 64 or 128.
 """
 
+import functools
 import math
 
 import cutlass
@@ -44,6 +45,7 @@ SUPPORTED_DIMS = (64, 128)
 # kernel runs one CTA per SM.
 CHUNK_LATENCY_US = 6.6
 _LOG2E = math.log2(math.e)
+L2NORM_EPS = 1e-6  # FLA's l2norm_fwd: x / sqrt(sum(x^2) + eps)
 
 
 def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, **_) -> tuple[bool, str]:
@@ -83,10 +85,14 @@ class GDNChunkFwdSm90:
         has_initial_state: bool = False,
         state_v_first: bool = False,
         mode: str = "full",
+        qk_l2norm: bool = False,
     ):
         assert head_dim in SUPPORTED_DIMS
         assert mode in MODES and (mode == "full" or is_varlen)
         self.D = head_dim
+        # q and k L2-normalised by the kernel: their per-token 1 / ||x|| ride on the factors it already applies
+        # per row and column (||k_t||^2 is the diagonal of K K^T; ||q_t||^2 a row sum over the Q tile)
+        self.qk_l2norm = qk_l2norm
         self.C = CHUNK
         # warpgroups holding state rows: at D = 64 WG0 holds all of S^T and WG1 repeats its products without
         # writing them (it still makes P for the chunk)
@@ -156,6 +162,8 @@ class GDNChunkFwdSm90:
             full: cute.struct.MemRange[cutlass.Int64, stages]
             sG: cute.struct.MemRange[cutlass.Float32, 2 * C]
             sBeta: cute.struct.MemRange[cutlass.Float32, 2 * C]
+            sFac: cute.struct.MemRange[cutlass.Float32, 4 * C]
+            sNorm: cute.struct.MemRange[cutlass.Float32, 3 * C]
             sA: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, C * self.a_stride], 128]
             sO: cute.struct.Align[cute.struct.MemRange[bf16, C * self.o_stride], 128]
             sQK: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_qk)], 1024]
@@ -249,6 +257,10 @@ class GDNChunkFwdSm90:
         full = st.full.data_ptr()
         sG = st.sG.get_tensor(cute.make_layout((C, 2)))  # log2-domain cumulative gate, 2 slots
         sBeta = st.sBeta.get_tensor(cute.make_layout((C, 2)))
+        # per token, made once by the warp that publishes the gates: 2^G_t and 2^(G_last - G_t) (0 past the end)
+        sFac = st.sFac.get_tensor(cute.make_layout((C, 2, 2)))
+        # with qk_l2norm, per token of the current chunk: 1 / ||k_t||, log2 ||k_t||, 1 / ||q_t|| (eps under the root)
+        sNorm = st.sNorm.get_tensor(cute.make_layout((C, 3)))
         sA = st.sA.get_tensor(cute.make_layout((C, self.a_stride), stride=(self.a_stride, 1)))
         sO = st.sO.get_tensor(cute.make_layout((C, self.o_stride), stride=(self.o_stride, 1)))
         sQK = st.sQK.get_tensor(tile_qk.outer, swizzle=tile_qk.inner)
@@ -285,7 +297,7 @@ class GDNChunkFwdSm90:
         if warp == 0:
             if n_chunks > 0:
                 g0 = self.load_gates(mG, mBeta, b, hv, tok0, seqlen, cutlass.Int32(0), lane)
-                self.publish_gates(sG, sBeta, 0, g0, cutlass.Int32(0), seqlen, lane)
+                self.publish_gates(sG, sBeta, sFac, 0, g0, cutlass.Int32(0), seqlen, lane)
 
         # ---- per-thread MMA partitions (each warpgroup works on its own 64 rows)
         thr_ss = mma_ss.get_slice(wtid)
@@ -350,8 +362,11 @@ class GDNChunkFwdSm90:
                 if c > 0:
                     blocks.store_o_rows(sO, mO, b, hv, tok0 + (c - 1) * C, C, tidx, C, D, self.threads, accumulate)
             warpgroup.wait_group(0)
+            if cutlass.const_expr(self.qk_l2norm):
+                self.token_norms(acc_x, cSS, sQ[None, None, stage], sNorm, wg, wtid)
+                cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
             # this thread's accumulator elements lie on 2 rows and 16 columns: their gates are read once
-            g_r, b_r, g_c = self.row_col_gates(sG, sBeta, cSS, slot)
+            g_r, b_r, g_c = self.row_col_gates(sG, sBeta, sNorm, cSS, slot)
             if wg == 0:
                 for i in cutlass.range_constexpr(cute.size(acc_x)):
                     ra, ja = cSS[i]
@@ -371,6 +386,8 @@ class GDNChunkFwdSm90:
                     vp = f32(0.0)
                     if jp <= rp:
                         vp = acc_x[i] * scale * cute.math.exp2(g_r[rr] - g_c[kc], fastmath=True)
+                        if cutlass.const_expr(self.qk_l2norm):
+                            vp = vp * sNorm[rp, 2]
                     pair[0, i % 2] = vp.to(cutlass.BFloat16)
                     if cutlass.const_expr(i % 2 == 1):
                         cute.autovec_copy(pair, cute.local_tile(sP, (1, 2), (rp, jp // 2)))
@@ -403,13 +420,12 @@ class GDNChunkFwdSm90:
             b_j = cute.make_rmem_tensor(cute.make_layout(16), f32)  # beta_j
             for kc in cutlass.range_constexpr(16):
                 rc, jc = cCC[(kc % 2) + 4 * (kc // 2)]
-                gj = sG[jc, slot]
-                e_g[kc] = cute.math.exp2(gj, fastmath=True)
-                e_d[kc] = f32(0.0)
-                b_j[kc] = f32(0.0)
-                if jc < L:
-                    e_d[kc] = cute.math.exp2(g_last - gj, fastmath=True)
-                    b_j[kc] = sBeta[jc, slot]
+                e_g[kc] = sFac[jc, slot, 0]
+                e_d[kc] = sFac[jc, slot, 1]
+                b_j[kc] = sBeta[jc, slot]
+                if cutlass.const_expr(self.qk_l2norm):
+                    e_g[kc] = e_g[kc] * sNorm[jc, 0]
+                    e_d[kc] = e_d[kc] * sNorm[jc, 0]
             decay = cute.math.exp2(g_last, fastmath=True)
             for i in cutlass.range_constexpr(cute.size(acc_s)):
                 acc_s[i] = acc_s[i] * decay
@@ -431,7 +447,11 @@ class GDNChunkFwdSm90:
             # O^T inter-chunk part scaled while V_new^T is computed
             if cutlass.const_expr(self.make_o):
                 for i in cutlass.range_constexpr(cute.size(acc_o)):
-                    acc_o[i] = acc_o[i] * scale * e_g[(i % 2) + 2 * (i // 4)]
+                    if cutlass.const_expr(self.qk_l2norm):
+                        _, jo = cCC[i]
+                        acc_o[i] = acc_o[i] * scale * sFac[jo, slot, 0] * sNorm[jo, 2]
+                    else:
+                        acc_o[i] = acc_o[i] * scale * e_g[(i % 2) + 2 * (i // 4)]
             warpgroup.wait_group(0)
 
             # O^T += V_new^T P^T;  S^T += (V_new^T exp(G_last - G_j)) K
@@ -453,7 +473,7 @@ class GDNChunkFwdSm90:
                         r, j = cCC[i]
                         sO[j, row0 + r] = acc_o[i].to(cutlass.BFloat16)
             if warp == 2:
-                self.publish_gates(sG, sBeta, 1 - slot, nxt, c + 1, seqlen, lane)
+                self.publish_gates(sG, sBeta, sFac, 1 - slot, nxt, c + 1, seqlen, lane)
             cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
 
             if warp == 0:
@@ -497,9 +517,10 @@ class GDNChunkFwdSm90:
             cute.copy(tma_v, tVg[None, chunk], tVs[None, s], tma_bar_ptr=full + s)
 
     @cute.jit
-    def row_col_gates(self, sG, sBeta, cCC, slot):
+    def row_col_gates(self, sG, sBeta, sNorm, cCC, slot):
         """Gates at this thread's 2 accumulator rows and 16 columns of a (C x C) tile (element i: row slot
-        (i // 2) % 2, column slot (i % 2) + 2 (i // 4)): G and beta per row, G per column."""
+        (i // 2) % 2, column slot (i % 2) + 2 (i // 4)): G and beta per row, G per column. With qk_l2norm the
+        row's 1 / ||k|| joins beta and the column's log2 ||k|| joins G (2^(G_r - G_c - log2 ||k_c||))."""
         f32 = cutlass.Float32
         g_r = cute.make_rmem_tensor(cute.make_layout(2), f32)
         b_r = cute.make_rmem_tensor(cute.make_layout(2), f32)
@@ -508,10 +529,40 @@ class GDNChunkFwdSm90:
             r, _ = cCC[2 * rr]
             g_r[rr] = sG[r, slot]
             b_r[rr] = sBeta[r, slot]
+            if cutlass.const_expr(self.qk_l2norm):
+                b_r[rr] = b_r[rr] * sNorm[r, 0]
         for kc in cutlass.range_constexpr(16):
             _, j = cCC[(kc % 2) + 4 * (kc // 2)]
             g_c[kc] = sG[j, slot]
+            if cutlass.const_expr(self.qk_l2norm):
+                g_c[kc] = g_c[kc] + sNorm[j, 1]
         return g_r, b_r, g_c
+
+    @cute.jit
+    def token_norms(self, acc_kk, cSS, sQ, sNorm, wg, wtid):
+        """Per-token norms of the chunk for qk_l2norm: WG0 takes ||k_t||^2 from the diagonal of its K K^T
+        accumulator; WG1 sums the squares of a Q tile row (two threads per row, 64 columns each)."""
+        f32 = cutlass.Float32
+        eps = f32(L2NORM_EPS)
+        if wg == 0:
+            for i in cutlass.range_constexpr(cute.size(acc_kk)):
+                r, j = cSS[i]
+                if r == j:
+                    n2 = acc_kk[i] + eps
+                    sNorm[r, 0] = cute.math.rsqrt(n2, fastmath=True)
+                    sNorm[r, 1] = f32(0.5) * cute.math.log2(n2, fastmath=True)
+        elif cutlass.const_expr(self.make_o):
+            row, half = wtid // 2, wtid % 2
+            frag = cute.make_rmem_tensor(cute.make_layout((1, 8)), cutlass.BFloat16)
+            acc = f32(0.0)
+            for blk in cutlass.range_constexpr(self.D // 16):
+                cute.autovec_copy(cute.local_tile(sQ, (1, 8), (row, half * (self.D // 16) + blk)), frag)
+                x = frag.load().to(f32)
+                for e in cutlass.range_constexpr(8):
+                    acc = acc + x[e] * x[e]
+            acc = acc + cute.arch.shuffle_sync_bfly(acc, 1)
+            if half == 0:
+                sNorm[row, 2] = cute.math.rsqrt(acc + eps, fastmath=True)
 
     @cute.jit
     def load_gates(self, mG, mBeta, b, hv, tok0, seqlen, chunk, lane):
@@ -523,9 +574,10 @@ class GDNChunkFwdSm90:
         return mG[b, t_lo, hv], mG[b, t_hi, hv], mBeta[b, t_lo, hv], mBeta[b, t_hi, hv]
 
     @cute.jit
-    def publish_gates(self, sG, sBeta, slot, gates, chunk, seqlen, lane):
-        """Inclusive prefix sum of g over the chunk (warp scan), stored in log2 units, with beta; tokens past the
-        sequence end get g = 0, beta = 0."""
+    def publish_gates(self, sG, sBeta, sFac, slot, gates, chunk, seqlen, lane):
+        """Inclusive prefix sum of g over the chunk (warp scan), stored in log2 units, with beta and the per-token
+        factors 2^G_t and 2^(G_last - G_t); tokens past the sequence end get g = 0, beta = 0 and a zero second
+        factor (G is flat past the end, so G_last is the chunk's total)."""
         f32 = cutlass.Float32
         g_lo, g_hi, b_lo, b_hi = gates
         t = chunk * self.C + lane
@@ -545,6 +597,12 @@ class GDNChunkFwdSm90:
         sG[lane + 32, slot] = g_hi * _LOG2E
         sBeta[lane, slot] = b_lo
         sBeta[lane + 32, slot] = b_hi
+        G_lo, G_hi = g_lo * _LOG2E, g_hi * _LOG2E
+        G_last = cute.arch.shuffle_sync(G_hi, 31)
+        sFac[lane, slot, 0] = cute.math.exp2(G_lo, fastmath=True)
+        sFac[lane + 32, slot, 0] = cute.math.exp2(G_hi, fastmath=True)
+        sFac[lane, slot, 1] = cute.math.exp2(G_last - G_lo, fastmath=True) if t < seqlen else zero
+        sFac[lane + 32, slot, 1] = cute.math.exp2(G_last - G_hi, fastmath=True) if t + 32 < seqlen else zero
 
 
 # -------------------------------------------------------------------- compile + Python entry
@@ -568,13 +626,14 @@ def compile_gdn_fwd_sm90(
     has_initial_state=False,
     state_v_first=False,
     mode="full",
+    qk_l2norm=False,
 ):
-    kernel = GDNChunkFwdSm90(head_dim, beta_fp32, is_varlen, has_initial_state, state_v_first, mode)
+    kernel = GDNChunkFwdSm90(head_dim, beta_fp32, is_varlen, has_initial_state, state_v_first, mode, qk_l2norm)
     return runtime.compile_kernel(kernel, _fake_args(kernel), arch, keep_artifacts)
 
 
-def _launch(*args):
-    sm90_entry.launch("GDNChunkFwdSm90", compile_gdn_fwd_sm90, *args)
+def _launch(*args, **options):
+    sm90_entry.launch("GDNChunkFwdSm90", compile_gdn_fwd_sm90, *args, **options)
 
 
 def chunk_gated_delta_rule_fwd_sm90(
@@ -592,14 +651,17 @@ def chunk_gated_delta_rule_fwd_sm90(
     final_state_out=None,
     cu_seqlens_cpu=None,
     split=None,
+    qk_l2norm=False,
 ):
     """GDN chunked forward on SM90. Returns ``(o, final_state or None)``; see the module docstring for shapes.
 
     ``out`` / ``final_state_out`` may be given to write into preallocated tensors. Long sequences with few heads
     are split across CTAs when that is expected to be faster (:func:`cula.ops.sm90_entry.chunk_fwd`); ``split``
-    True/False forces it on/off."""
+    True/False forces it on/off. ``qk_l2norm``: L2-normalise q and k in the kernel (FLA's
+    ``use_qk_l2norm_in_kernel``, eps 1e-6 under the root)."""
+    launch = functools.partial(_launch, qk_l2norm=True) if qk_l2norm else _launch
     return sm90_entry.chunk_fwd(
-        _launch, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first, out,
+        launch, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first, out,
         final_state_out, cu_seqlens_cpu, split, CHUNK,
     )  # fmt: skip
 
@@ -608,6 +670,13 @@ runtime.register_kernel(
     "gdn_chunk_fwd_sm90",
     ["sm_90a"],
     lambda arch: compile_gdn_fwd_sm90(arch, is_varlen=True, has_initial_state=True),
+    ["wgmma.mma_async", "cp.async.bulk.tensor"],
+    clean_sass=True,
+)
+runtime.register_kernel(
+    "gdn_chunk_fwd_sm90[qk_l2norm]",
+    ["sm_90a"],
+    lambda arch: compile_gdn_fwd_sm90(arch, is_varlen=True, has_initial_state=True, qk_l2norm=True),
     ["wgmma.mma_async", "cp.async.bulk.tensor"],
     clean_sass=True,
 )

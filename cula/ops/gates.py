@@ -75,14 +75,14 @@ def qk_beta_transforms(
     return q, k, beta
 
 
-def kernel_qk_beta(args: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The delta-rule kernels' pre-passes over an entry point's bound arguments: q and k (L2-normed when asked)
-    in q's dtype, and beta (sigmoid when asked) in fp32 or bf16, all contiguous. On a GPU they are FLA's own Triton
-    passes (one read and one write each; the very values FLA's fused path feeds its kernels), elsewhere the fp32
-    formulas above. Fusing them into the kernels would save that read and write."""
+def kernel_qk_beta(args: dict, l2norm_here: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The delta-rule kernels' pre-passes over an entry point's bound arguments: q and k (L2-normed when asked and
+    ``l2norm_here``; False when the kernel normalises them itself) in q's dtype, and beta (sigmoid when asked) in
+    fp32 or bf16, all contiguous. On a GPU they are FLA's own Triton passes (one read and one write each; the very
+    values FLA's fused path feeds its kernels), elsewhere the fp32 formulas above."""
     q, k, beta = args["q"], args["k"], args["beta"]
     dtype = q.dtype
-    if args["use_qk_l2norm_in_kernel"]:
+    if args["use_qk_l2norm_in_kernel"] and l2norm_here:
         if q.is_cuda:
             from fla.modules.norm.l2norm import l2norm_fwd
 

@@ -151,17 +151,19 @@ def chunk_fwd(
     return o, (ht if output_final_state else None)
 
 
-def launch(name, compile_fn, q, k, v, g, beta, o, h0, ht, starts, ends, scale, state_v_first, mode):
+def launch(name, compile_fn, q, k, v, g, beta, o, h0, ht, starts, ends, scale, state_v_first, mode, **options):
     """One launch of a chunk kernel compiled by ``compile_fn(arch, keep_artifacts, head_dim, beta_fp32, is_varlen,
-    has_initial_state, state_v_first, mode)`` (cached per those constants under ``name``). ``starts``/``ends``:
-    int32 token ranges of the sequences in batch row 0 (varlen or split segments), or None for one sequence per
-    batch row; ``h0`` None: zero (or identity) start."""
+    has_initial_state, state_v_first, mode, **options)`` (cached per those constants under ``name``).
+    ``starts``/``ends``: int32 token ranges of the sequences in batch row 0 (varlen or split segments), or None for
+    one sequence per batch row; ``h0`` None: zero (or identity) start."""
     K = q.shape[-1]
     beta_fp32 = beta.dtype == torch.float32
     is_varlen = starts is not None
-    key = (name, K, beta_fp32, is_varlen, h0 is not None, state_v_first, mode, runtime.device_arch(q.device))
+    key = (name, K, beta_fp32, is_varlen, h0 is not None, state_v_first, mode, *sorted(options.items()))
+    key = (*key, runtime.device_arch(q.device))
     fn = runtime.get_or_compile(
-        key, lambda: compile_fn(key[-1], False, K, beta_fp32, is_varlen, h0 is not None, state_v_first, mode)
+        key,
+        lambda: compile_fn(key[-1], False, K, beta_fp32, is_varlen, h0 is not None, state_v_first, mode, **options),
     )
     if state_v_first:
         # the kernel takes (N, HV, K, V)-shaped tensors; a transposed view carries the V-first storage
