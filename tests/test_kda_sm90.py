@@ -119,10 +119,34 @@ def test_head_dim_64():
     run_case(1, 2100, 1, 2, h0=True, split=True, D=64)
 
 
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("D", [128, 64])
+def test_l2norm_in_kernel(D):
+    """qk_l2norm: raw q and k normalised inside the kernel; checked against the recurrence on normalised inputs
+    (varlen with a 1-token sequence, initial state, forced splits)."""
+    from cula.kda.chunk_fwd_sm90 import chunk_kda_fwd_sm90, supports
+
+    q, k, v, g, beta = make_inputs(1, 2300, 2, 4, D=D, stress=True)
+    q, k = ((x.float() * 3.0 + 0.5).bfloat16() for x in (q, k))
+    normed = tuple(F.normalize(x.float(), dim=-1).bfloat16() for x in (q, k))
+
+    def fwd(q_, k_, *args, **kw):  # the kernel gets the raw q, k; the reference the normalised ones
+        return chunk_kda_fwd_sm90(q, k, *args, qk_l2norm=True, **kw)
+
+    check_fwd(fwd, supports, (*normed, v, g, beta), [0, 1, 1200, 2300], h0=True, split=True)
+    check_fwd(fwd, supports, (*normed, v, g, beta), [0, 1, 1200, 2300], h0=True, split=False)
+
+
 def test_compiles_for_sm90_on_cpu():
     from cula import compile_check
 
-    names = ("kda_chunk_fwd_sm90", "kda_chunk_fwd_sm90[D=64]", "kda_chunk_fwd_sm90[transition]")
+    names = (
+        "kda_chunk_fwd_sm90",
+        "kda_chunk_fwd_sm90[D=64]",
+        "kda_chunk_fwd_sm90[qk_l2norm]",
+        "kda_chunk_fwd_sm90[transition]",
+    )
     for name in (*names, "kda_chunk_fwd_sm90[correction]"):
         report = compile_check.check_kernel(name, "sm_90a")
         assert report.ok, (name, report.error)

@@ -132,7 +132,8 @@ def _sm90_supports(args: dict[str, Any]) -> tuple[bool, str]:
 def _sm90_run(args: dict[str, Any]):
     from cula.kda.chunk_fwd_sm90 import chunk_kda_fwd_sm90
 
-    q, k, beta = kernel_qk_beta(args)
+    fused_l2norm = bool(args["use_qk_l2norm_in_kernel"])  # the kernel normalises q and k itself
+    q, k, beta = kernel_qk_beta(args, l2norm_here=not fused_l2norm)
     g = args["g"]
     if args.get("use_gate_in_kernel"):
         g = kernel_kda_gate(g, args.get("A_log"), args.get("dt_bias"), args.get("lower_bound"))
@@ -148,6 +149,7 @@ def _sm90_run(args: dict[str, Any]):
         args["cu_seqlens"],
         args["state_v_first"],
         cu_seqlens_cpu=args.get("cu_seqlens_cpu"),
+        qk_l2norm=fused_l2norm,
     )
     return o, final_state
 

@@ -32,6 +32,7 @@ hv // (HV / H). K = V = 64 or 128 (at 64, warpgroup 0 holds all of S^T and warpg
 products without writing them).
 """
 
+import functools
 import math
 
 import cutlass
@@ -53,6 +54,7 @@ SUPPORTED_DIMS = (64, 128)
 # the lowest gate the intra-chunk factorisation tolerates (module docstring)
 LOWER_BOUND_MIN = -5.0
 _LOG2E = math.log2(math.e)
+L2NORM_EPS = 1e-6  # FLA's l2norm_fwd: x / sqrt(sum(x^2) + eps)
 
 
 def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, **_) -> tuple[bool, str]:
@@ -101,10 +103,14 @@ class KDAChunkFwdSm90:
         has_initial_state: bool = False,
         state_v_first: bool = False,
         mode: str = "full",
+        qk_l2norm: bool = False,
     ):
         assert head_dim in SUPPORTED_DIMS
         assert mode in MODES and (mode == "full" or is_varlen)
         self.D = head_dim
+        # q and k L2-normalised by the kernel: per-token 1 / ||x|| (row sums in step 0) scale the token rows of the
+        # operands it builds anyway (R, the left operands, the B tiles)
+        self.qk_l2norm = qk_l2norm
         # warpgroups holding state rows: at D = 64 WG0 holds all of S^T and WG1 repeats its products without
         # writing them (it still makes P for the chunk)
         self.state_wgs = head_dim // 64
@@ -170,6 +176,7 @@ class KDAChunkFwdSm90:
             sBeta: cute.struct.MemRange[f32, C]
             sGl: cute.struct.MemRange[f32, D]
             sDec: cute.struct.MemRange[f32, D]
+            sNorm: cute.struct.MemRange[f32, 2 * C]
             sA: cute.struct.Align[cute.struct.MemRange[f32, C * self.a_stride], 128]
             sO: cute.struct.Align[cute.struct.MemRange[bf16, C * self.o_stride], 128]
             sGt: cute.struct.Align[cute.struct.MemRange[f32, cute.cosize(tile_g)], 1024]
@@ -279,6 +286,7 @@ class KDAChunkFwdSm90:
         sBeta = st.sBeta.get_tensor(cute.make_layout(C))
         sGl = st.sGl.get_tensor(cute.make_layout(D))  # G_last (log2 units) per key channel
         sDec = st.sDec.get_tensor(cute.make_layout(D))  # 2^G_last: the chunk's state decay per key channel
+        sNorm = st.sNorm.get_tensor(cute.make_layout((C, 2)))  # with qk_l2norm: 1 / ||k_t||, 1 / ||q_t|| per token
         sA = st.sA.get_tensor(cute.make_layout((C, self.a_stride), stride=(self.a_stride, 1)))
         sO = st.sO.get_tensor(cute.make_layout((C, self.o_stride), stride=(self.o_stride, 1)))
         sGt3 = st.sGt.get_tensor(tile_g.outer, swizzle=tile_g.inner)
@@ -381,6 +389,9 @@ class KDAChunkFwdSm90:
                 if tb < L:
                     bt = mBeta[b, tok0 + c * C + tb, hv].to(f32)
                 sBeta[tb] = bt
+            elif cutlass.const_expr(self.qk_l2norm):
+                if tidx < D + 2 * C:
+                    self.token_norms(sK3, sQ3, sNorm, tidx - D - C)
             cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
 
             # R_j = k_j 2^(G_r - G_j), r the reference token of j's half; |j - r| <= 16 keeps it in range
@@ -391,6 +402,8 @@ class KDAChunkFwdSm90:
                 hf = (rows * it) // Hf  # the half of row j (constant per iteration)
                 ref = Hf * hf + Hf // 2
                 xr = sK3[j, kk, 0].to(f32) * cute.math.exp2(sG[ref, kk] - sG[j, kk], fastmath=True)
+                if cutlass.const_expr(self.qk_l2norm):
+                    xr = xr * sNorm[j, 0]
                 sR[j - Hf * hf, kk, hf] = xr.to(bf16)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
@@ -409,6 +422,8 @@ class KDAChunkFwdSm90:
             for i in cutlass.range_constexpr(cute.size(cST)):
                 ri, ki = cST[i]
                 x = sQK[ri, ki, 1 - wg, 0].to(f32)
+                if cutlass.const_expr(self.qk_l2norm):
+                    x = x * sNorm[ri, wg]  # WG0's rows are k, WG1's q
                 gi = sG[ri, ki]
                 p0[i % 2] = x * cute.math.exp2(gi - sG[Hf // 2, ki], fastmath=True)
                 x1 = f32(0.0)
@@ -472,8 +487,12 @@ class KDAChunkFwdSm90:
                         gj = sG[j, kk]
                         eg = cute.math.exp2(gj, fastmath=True)
                         kj = sK3[j, kk, 0].to(f32)
+                        qj = sQ3[j, kk, 0].to(f32)
+                        if cutlass.const_expr(self.qk_l2norm):
+                            kj = kj * sNorm[j, 0]
+                            qj = qj * sNorm[j, 1]
                         sKG[j, kk] = (kj * eg).to(bf16)
-                        sQG[j, kk] = (sQ3[j, kk, 0].to(f32) * eg).to(bf16)
+                        sQG[j, kk] = (qj * eg).to(bf16)
                         kd = f32(0.0)
                         if j < L:
                             kd = kj * cute.math.exp2(sGl[kk] - gj, fastmath=True)
@@ -571,6 +590,20 @@ class KDAChunkFwdSm90:
 
     # ---------------------------------------------------------------- helpers
     @cute.jit
+    def token_norms(self, sK3, sQ3, sNorm, t):
+        """For qk_l2norm: 1 / sqrt(||k_t||^2 + eps) and the same for q_t, token ``t`` of the chunk (one thread)."""
+        f32 = cutlass.Float32
+        frag = cute.make_rmem_tensor(cute.make_layout((1, 8)), cutlass.BFloat16)
+        for which, tile in ((0, sK3), (1, sQ3)):
+            acc = f32(0.0)
+            for blk in cutlass.range_constexpr(self.D // 8):
+                cute.autovec_copy(cute.local_tile(tile[None, None, 0], (1, 8), (t, blk)), frag)
+                x = frag.load().to(f32)
+                for e in cutlass.range_constexpr(8):
+                    acc = acc + x[e] * x[e]
+            sNorm[t, which] = cute.math.rsqrt(acc + f32(L2NORM_EPS), fastmath=True)
+
+    @cute.jit
     def issue_qkg(self, tma, bar, chunk, lane):
         """One warp (the copies elect their issuing lane): the q, k and g tiles of ``chunk``, completing on
         ``bar``."""
@@ -610,13 +643,14 @@ def compile_kda_fwd_sm90(
     has_initial_state=False,
     state_v_first=False,
     mode="full",
+    qk_l2norm=False,
 ):
-    kernel = KDAChunkFwdSm90(head_dim, beta_fp32, is_varlen, has_initial_state, state_v_first, mode)
+    kernel = KDAChunkFwdSm90(head_dim, beta_fp32, is_varlen, has_initial_state, state_v_first, mode, qk_l2norm)
     return runtime.compile_kernel(kernel, _fake_args(kernel), arch, keep_artifacts)
 
 
-def _launch(*args):
-    sm90_entry.launch("KDAChunkFwdSm90", compile_kda_fwd_sm90, *args)
+def _launch(*args, **options):
+    sm90_entry.launch("KDAChunkFwdSm90", compile_kda_fwd_sm90, *args, **options)
 
 
 def chunk_kda_fwd_sm90(
@@ -634,17 +668,27 @@ def chunk_kda_fwd_sm90(
     final_state_out=None,
     cu_seqlens_cpu=None,
     split=None,
+    qk_l2norm=False,
 ):
     """KDA chunked forward on SM90. Returns ``(o, final_state or None)``; see the module docstring for shapes.
     ``g`` must satisfy g >= -5 (FLA's ``safe_gate``). ``out`` / ``final_state_out`` may be given to write into
     preallocated tensors. Long sequences with few heads are split across CTAs when that is expected to be faster
-    (:func:`cula.ops.sm90_entry.chunk_fwd`); ``split`` True/False forces it on/off."""
+    (:func:`cula.ops.sm90_entry.chunk_fwd`); ``split`` True/False forces it on/off. ``qk_l2norm``: L2-normalise q
+    and k in the kernel (FLA's ``use_qk_l2norm_in_kernel``, eps 1e-6 under the root)."""
+    launch = functools.partial(_launch, qk_l2norm=True) if qk_l2norm else _launch
     return sm90_entry.chunk_fwd(
-        _launch, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first, out,
+        launch, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first, out,
         final_state_out, cu_seqlens_cpu, split, CHUNK,
     )  # fmt: skip
 
 
+runtime.register_kernel(
+    "kda_chunk_fwd_sm90[qk_l2norm]",
+    ["sm_90a"],
+    lambda arch: compile_kda_fwd_sm90(arch, is_varlen=True, has_initial_state=True, qk_l2norm=True),
+    ["wgmma.mma_async", "cp.async.bulk.tensor"],
+    clean_sass=True,
+)
 runtime.register_kernel(
     "kda_chunk_fwd_sm90[D=64]",
     ["sm_90a"],
