@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a GPU machine: the GPU tests, then the cuLA-vs-FLA benchmark, results and logs into one folder.
-#   bash scripts/gpu_check.sh OUTDIR [benchmark arguments...]
+#   bash scripts/gpu_check.sh OUTDIR [benchmark arguments...]     (SKIP_GPU_TESTS=1: the benchmark only)
 # FLA autotunes each op at each new shape on its first call (up to minutes). Its choices are kept on disk
 # (TRITON_CACHE_AUTOTUNING) and packed into OUTDIR/fla_autotune.tgz; a later run reads them back from
 # FLA_AUTOTUNE_TGZ (default: benchmarks/results/fla_autotune_h200.tgz, FLA's GDN forward choices from the project's
@@ -18,8 +18,13 @@ if [ -f "$FLA_AUTOTUNE_TGZ" ]; then
   tar -xzf "$FLA_AUTOTUNE_TGZ" -C "$TRITON_CACHE_DIR"
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv > "$out/gpu.txt" 2>&1
-python3 -m pytest -q -m gpu -rs tests 2>&1 | tee "$out/gpu_tests.log"
-tests=${PIPESTATUS[0]}
+if [ "${SKIP_GPU_TESTS:-0}" = 1 ]; then  # a benchmark-only call, right after a call that ran the tests
+  echo "GPU tests skipped (SKIP_GPU_TESTS=1)" | tee "$out/gpu_tests.log"
+  tests=0
+else
+  python3 -m pytest -q -m gpu -rs tests 2>&1 | tee "$out/gpu_tests.log"
+  tests=${PIPESTATUS[0]}
+fi
 python3 -m benchmarks.run --out "$out" "$@" 2>&1 | tee "$out/benchmark.log"
 bench=${PIPESTATUS[0]}
 (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -print0 | tar -czf "$out/fla_autotune.tgz" --null -T -)
