@@ -67,9 +67,9 @@ def test_gdn_dispatch_model_matches_the_h200_measurements():
     from cula.gdn.chunk_fwd_sm90 import estimated_ms
 
     measured = json.loads((Path(bench.__file__).parent / "results" / "h200_gdn_fwd.json").read_text())
-    rows = [r for r in measured["rows"] if r["op"] == "gdn" and r["mode"] == "fwd"]
     cases = {c.name: c for c in bench.gpu_grid(["gdn"], ["core", "varlen", "long"])}
-    assert len(rows) == len(cases)
+    rows = [r for r in measured["rows"] if r["op"] == "gdn" and r["mode"] == "fwd" and r["shape"] in cases]
+    assert sorted(r["shape"] for r in rows) == sorted(cases)  # other grids' rows (layer, other ops) may be there
     for row in rows:
         case = cases[row["shape"]]
         # the kernel's own time: the row's when dispatch picked it, else the forced-kernel timing
