@@ -459,11 +459,11 @@ class KDAChunkFwdSm90:
             blocks.gemm(mma_rs, acc_o, rS, tRSb_QG, True)
             warpgroup.commit_group()
 
-            # while those run: beta of this thread's 16 accumulator columns (element i has column slot
-            # (i % 2) + 2 (i // 4)), and the state's chunk decay per key channel (column of S^T)
+            # while those run: beta of this thread's 16 accumulator columns (blocks.acc_col_slot), and the state's
+            # chunk decay per key channel (column of S^T)
             b_j = cute.make_rmem_tensor(cute.make_layout(16), f32)
             for kc in cutlass.range_constexpr(16):
-                rc, jc = cCC[(kc % 2) + 4 * (kc // 2)]
+                rc, jc = cCC[blocks.acc_col_element(kc)]
                 b_j[kc] = sBeta[jc]
             for i in cutlass.range_constexpr(cute.size(acc_s)):
                 rd, kd_ = cST[i]
@@ -473,7 +473,7 @@ class KDAChunkFwdSm90:
             # Y^T[v, j] = beta_j (V[j, v] - (S^T (K 2^G)^T)[v, j]), zero past the sequence end
             for i in cutlass.range_constexpr(cute.size(acc_k)):
                 r, j = cCC[i]
-                acc_k[i] = b_j[(i % 2) + 2 * (i // 4)] * (sV[j, row0 + r].to(f32) - acc_k[i])
+                acc_k[i] = b_j[blocks.acc_col_slot(i)] * (sV[j, row0 + r].to(f32) - acc_k[i])
             # Y and V_new enter their products as bf16 hi + lo pairs: the state and O then keep ~16 bits of them
             # (a single bf16 rounding here costs about 2e-3 relative error in the state)
             rY, rY_lo = blocks.acc_to_operand_split(acc_k)

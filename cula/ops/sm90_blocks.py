@@ -7,6 +7,8 @@ All are ``@cute.jit`` functions inlined into the calling kernel:
 - :func:`acc_to_operand`: a (64 x N) fp32 wgmma accumulator as the bf16 register A operand of the next wgmma.
 - :func:`acc_to_operand_split`: the same as a bf16 pair hi + lo that carries the accumulator to ~16 bits.
 - :func:`empty_operand`: an uninitialised bf16 register A operand, in the register order of a (64 x N) accumulator.
+- :func:`acc_row_slot` / :func:`acc_col_slot` / :func:`acc_col_element`: where a thread's flat accumulator
+  elements of a (64 x 64) tile sit among its 2 rows and 16 columns (plain Python, for unrolled loops).
 - :func:`load_state` / :func:`store_state`: a warpgroup's rows of S^T between its accumulator and global memory.
 - :func:`store_o_rows`: an output tile staged in shared memory to global memory, rows past the end masked.
 - :func:`solve_diag16` then :func:`solve_merge`: ``(I + A)^-1`` for a strictly lower (64 x 64) ``A`` (the chunk's
@@ -82,6 +84,22 @@ def empty_operand(n: cutlass.Constexpr):
     element ``i`` of a (64 x N) fp32 accumulator, so a caller fills it from the accumulator's identity partition."""
     n8 = n // 4
     return cute.make_rmem_tensor(cute.make_layout(((2, 2, 2), 1, n8 // 2), stride=((1, 2, 4), 0, 8)), cutlass.BFloat16)
+
+
+def acc_row_slot(i: int) -> int:
+    """Which of its 2 rows a thread's flat element ``i`` of a (64 x N) wgmma accumulator lies on: elements come
+    as (2 columns x 2 rows) per 8-column block."""
+    return (i // 2) % 2
+
+
+def acc_col_slot(i: int) -> int:
+    """Which of its N / 4 columns (16 for N = 64) flat element ``i`` lies on."""
+    return (i % 2) + 2 * (i // 4)
+
+
+def acc_col_element(kc: int) -> int:
+    """A flat element (the first row's) on column slot ``kc``: the inverse of :func:`acc_col_slot` there."""
+    return (kc % 2) + 4 * (kc // 2)
 
 
 @cute.jit
