@@ -314,10 +314,7 @@ class GDNChunkFwdSm90:
                     acc_s[i] = f32(1.0)
         else:
             acc_s.fill(0.0)
-        # the blocks of Tinv above its diagonal 16-blocks are never written by the blocked solve: zero them once
-        for it in cutlass.range_constexpr(C * C // self.threads):
-            idx = tidx + it * self.threads
-            sT[idx // C, idx % C] = cutlass.BFloat16(0.0)
+        blocks.solve_clear(sT, tidx, self.threads)
 
         cute.arch.sync_threads()
 

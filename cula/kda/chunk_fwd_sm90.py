@@ -327,11 +327,7 @@ class KDAChunkFwdSm90:
             blocks.load_state(acc_s, cST, mH0, n, hv, row0)
         else:
             acc_s.fill(0.0)
-        # the blocks of Tinv above its diagonal 16-blocks are never written by the blocked solve: zero them once
-        # (the barriers of the first chunk's steps 0-1 order this before any use)
-        for it in cutlass.range_constexpr(C * C // self.threads):
-            idx = tidx + it * self.threads
-            sT[idx // C, idx % C] = cutlass.BFloat16(0.0)
+        blocks.solve_clear(sT, tidx, self.threads)  # the barriers of the first chunk's steps 0-1 order it
 
         for c in cutlass.range(n_chunks, unroll=1):
             L = cutlass.min(seqlen - c * C, C)

@@ -11,7 +11,7 @@ All are ``@cute.jit`` functions inlined into the calling kernel:
   elements of a (64 x 64) tile sit among its 2 rows and 16 columns (plain Python, for unrolled loops).
 - :func:`load_state` / :func:`store_state`: a warpgroup's rows of S^T between its accumulator and global memory.
 - :func:`store_o_rows`: an output tile staged in shared memory to global memory, rows past the end masked.
-- :func:`solve_diag16` then :func:`solve_merge`: ``(I + A)^-1`` for a strictly lower (64 x 64) ``A`` (the chunk's
+- :func:`solve_clear` (once), then per chunk :func:`solve_diag16` and :func:`solve_merge`: ``(I + A)^-1`` for a strictly lower (64 x 64) ``A`` (the chunk's
   WY/UT inverse) by 16-blocks, on 64 then 128 or 256 threads (15 serial steps per column instead of 63 for a
   one-thread-per-column solve; on the H200 in the GDN kernel: ~2 us less per chunk).
 """
@@ -145,6 +145,16 @@ def store_o_rows(
                 total = flat.load().to(cutlass.Float32) + old.load().to(cutlass.Float32)
                 flat.store(total.to(cutlass.BFloat16))
             cute.autovec_copy(flat, dst)
+
+
+@cute.jit
+def solve_clear(sT, tid, num_threads: cutlass.Constexpr):
+    """Zero the whole (C x C) ``sT`` once per kernel: the blocked solve never writes the blocks above its diagonal
+    16-blocks, and wgmma reads them as Tinv's zeros."""
+    C = cute.size(sT, mode=[0])
+    for it in cutlass.range_constexpr(C * C // num_threads):
+        idx = tid + it * num_threads
+        sT[idx // C, idx % C] = cutlass.BFloat16(0.0)
 
 
 @cute.jit
