@@ -225,8 +225,6 @@ def run_gpu_case(case: Case, mode: str, with_fla: bool = True) -> Row:
 
 def time_forced_kernel(cula_fn, call, args, row: Row) -> float | None:
     """The CuTe DSL kernel's time where dispatch preferred another backend (kept for the dispatch time model)."""
-    import cula
-
     previous = os.environ.get("CULA_BACKEND")
     os.environ["CULA_BACKEND"] = "cute"
     try:
@@ -240,7 +238,6 @@ def time_forced_kernel(cula_fn, call, args, row: Row) -> float | None:
             del os.environ["CULA_BACKEND"]
         else:
             os.environ["CULA_BACKEND"] = previous
-        cula.last_decision(cula_fn)
 
 
 def host_overhead_us(op: str, device: str, calls: int = 200) -> dict[str, float]:

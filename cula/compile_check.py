@@ -139,9 +139,7 @@ def check_kernel(name: str, arch: str) -> Report:
             error = "cannot check the SASS: no cuobjdump (it ships with triton)"
         elif local or injected:
             error = f"SASS not clean: {local} local-memory instructions (spills), {injected} warpgroup.arrive injected"
-    report = Report(name, arch, not error, seconds, counts, max(regs) if regs else None, error)
-    report.local_mem, report.injected_arrives = local, injected
-    return report
+    return Report(name, arch, not error, seconds, counts, max(regs) if regs else None, error, local, injected)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,12 +24,8 @@ class AddOne:
         x[tidx] = x[tidx] + cutlass.Float32(1.0)
 
 
-class Shuffle:
+class Shuffle(AddOne):
     """Reads and writes a per-thread array at run-time indices: local memory (STL/LDL) in the SASS."""
-
-    @cute.jit
-    def __call__(self, x: cute.Tensor, stream):
-        self.kernel(x).launch(grid=(1, 1, 1), block=(32, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, x: cute.Tensor):
@@ -41,14 +37,17 @@ class Shuffle:
         x[tidx] = buf[(tidx * 7) % 256]
 
 
-def compile_shuffle(arch):
-    fake = [runtime.fake_tensor(cutlass.Float32, (runtime.sym_int(),)), runtime.fake_stream()]
-    return runtime.compile_kernel(Shuffle(), fake, arch=arch)
+def compiler(kernel_cls):
+    """``compile_fn(arch)`` for a one-warp test kernel taking a float32 vector."""
+
+    def compile_fn(arch):
+        fake = [runtime.fake_tensor(cutlass.Float32, (runtime.sym_int(),)), runtime.fake_stream()]
+        return runtime.compile_kernel(kernel_cls(), fake, arch=arch)
+
+    return compile_fn
 
 
-def compile_add_one(arch):
-    fake = [runtime.fake_tensor(cutlass.Float32, (runtime.sym_int(),)), runtime.fake_stream()]
-    return runtime.compile_kernel(AddOne(), fake, arch=arch)
+compile_add_one, compile_shuffle = compiler(AddOne), compiler(Shuffle)
 
 
 def broken(arch):

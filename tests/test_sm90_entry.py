@@ -40,11 +40,19 @@ def reference_launch(q, k, v, g, beta, o, h0, ht, starts, ends, scale, state_v_f
         ht[n] = ht_n[0].transpose(-1, -2) if state_v_first else ht_n[0]
 
 
-def entry(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first, **kw):
-    return sm90_entry.chunk_fwd(
-        reference_launch, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first,
-        kw.get("out"), kw.get("final_state_out"), kw.get("cu_seqlens_cpu"), kw.get("split"), 64,
-    )  # fmt: skip
+def entry_for(launch):
+    """An SM90-entry-shaped forward (as ``check_fwd`` calls it) around ``chunk_fwd`` with this launch."""
+
+    def entry(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first, **kw):
+        return sm90_entry.chunk_fwd(
+            launch, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first,
+            kw.get("out"), kw.get("final_state_out"), kw.get("cu_seqlens_cpu"), kw.get("split"), 64,
+        )  # fmt: skip
+
+    return entry
+
+
+entry = entry_for(reference_launch)
 
 
 def accept(*args, **kwargs):
@@ -80,11 +88,5 @@ def test_a_wrong_correction_pass_fails():
         if args[-1] != "correction":
             reference_launch(*args)
 
-    def broken(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first, **kw):
-        return sm90_entry.chunk_fwd(
-            no_correction, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first,
-            kw.get("out"), kw.get("final_state_out"), kw.get("cu_seqlens_cpu"), kw.get("split"), 64,
-        )  # fmt: skip
-
     with pytest.raises(AssertionError):
-        check_fwd(broken, accept, inputs(1, 2100, 1, 1, False), h0=True, split=True)
+        check_fwd(entry_for(no_correction), accept, inputs(1, 2100, 1, 1, False), h0=True, split=True)

@@ -332,10 +332,7 @@ class GDNChunkFwdSm90:
                     acc_s[i] = f32(1.0)
         else:
             acc_s.fill(0.0)
-        # the blocks of Tinv above its diagonal 16-blocks are never written by the blocked solve: zero them once
-        for it in cutlass.range_constexpr(C * C // self.threads):
-            idx = tidx + it * self.threads
-            sT[idx // C, idx % C] = cutlass.BFloat16(0.0)
+        blocks.solve_clear(sT, tidx, self.threads)
 
         cute.arch.sync_threads()
 
@@ -370,7 +367,7 @@ class GDNChunkFwdSm90:
             if wg == 0:
                 for i in cutlass.range_constexpr(cute.size(acc_x)):
                     ra, ja = cSS[i]
-                    rr, kc = (i // 2) % 2, (i % 2) + 2 * (i // 4)
+                    rr, kc = blocks.acc_row_slot(i), blocks.acc_col_slot(i)
                     va = f32(0.0)
                     if ja < ra:
                         if ra < L:
@@ -382,7 +379,7 @@ class GDNChunkFwdSm90:
                 pair = cute.make_rmem_tensor(cute.make_layout((1, 2)), cutlass.BFloat16)
                 for i in cutlass.range_constexpr(cute.size(acc_x)):
                     rp, jp = cSS[i]
-                    rr, kc = (i // 2) % 2, (i % 2) + 2 * (i // 4)
+                    rr, kc = blocks.acc_row_slot(i), blocks.acc_col_slot(i)
                     vp = f32(0.0)
                     if jp <= rp:
                         vp = acc_x[i] * scale * cute.math.exp2(g_r[rr] - g_c[kc], fastmath=True)
@@ -413,13 +410,13 @@ class GDNChunkFwdSm90:
             cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
 
             # ---- 3. the other state products on this WG's 64 value rows. First, while S^T K^T may still run: the
-            # factors of this thread's 16 accumulator columns (element i has column slot (i % 2) + 2 (i // 4)),
-            # zero past the sequence end, and the state's chunk decay
+            # factors of this thread's 16 accumulator columns (blocks.acc_col_slot), zero past the sequence end, and
+            # the state's chunk decay
             e_g = cute.make_rmem_tensor(cute.make_layout(16), f32)  # exp(G_j)
             e_d = cute.make_rmem_tensor(cute.make_layout(16), f32)  # exp(G_last - G_j)
             b_j = cute.make_rmem_tensor(cute.make_layout(16), f32)  # beta_j
             for kc in cutlass.range_constexpr(16):
-                rc, jc = cCC[(kc % 2) + 4 * (kc // 2)]
+                rc, jc = cCC[blocks.acc_col_element(kc)]
                 e_g[kc] = sFac[jc, slot, 0]
                 e_d[kc] = sFac[jc, slot, 1]
                 b_j[kc] = sBeta[jc, slot]
@@ -434,7 +431,7 @@ class GDNChunkFwdSm90:
             # Y^T[v, j] = beta_j (V[j, v] - exp(G_j) (S^T K^T)[v, j]), zero past the sequence end
             for i in cutlass.range_constexpr(cute.size(acc_k)):
                 r, j = cCC[i]
-                kc = (i % 2) + 2 * (i // 4)
+                kc = blocks.acc_col_slot(i)
                 vv = f32(0.0)
                 if cutlass.const_expr(self.load_v):
                     vv = sV[j, row0 + r, stage].to(f32)
@@ -451,13 +448,13 @@ class GDNChunkFwdSm90:
                         _, jo = cCC[i]
                         acc_o[i] = acc_o[i] * scale * sFac[jo, slot, 0] * sNorm[jo, 2]
                     else:
-                        acc_o[i] = acc_o[i] * scale * e_g[(i % 2) + 2 * (i // 4)]
+                        acc_o[i] = acc_o[i] * scale * e_g[blocks.acc_col_slot(i)]
             warpgroup.wait_group(0)
 
             # O^T += V_new^T P^T;  S^T += (V_new^T exp(G_last - G_j)) K
             rVn = blocks.acc_to_operand(acc_vn)
             for i in cutlass.range_constexpr(cute.size(acc_vn)):
-                acc_vn[i] = acc_vn[i] * e_d[(i % 2) + 2 * (i // 4)]
+                acc_vn[i] = acc_vn[i] * e_d[blocks.acc_col_slot(i)]
             rVd = blocks.acc_to_operand(acc_vn)
             warpgroup.fence()
             if cutlass.const_expr(self.make_o):
@@ -518,21 +515,21 @@ class GDNChunkFwdSm90:
 
     @cute.jit
     def row_col_gates(self, sG, sBeta, sNorm, cCC, slot):
-        """Gates at this thread's 2 accumulator rows and 16 columns of a (C x C) tile (element i: row slot
-        (i // 2) % 2, column slot (i % 2) + 2 (i // 4)): G and beta per row, G per column. With qk_l2norm the
+        """Gates at this thread's 2 accumulator rows and 16 columns of a (C x C) tile (blocks.acc_row_slot /
+        acc_col_slot): G and beta per row, G per column. With qk_l2norm the
         row's 1 / ||k|| joins beta and the column's log2 ||k|| joins G (2^(G_r - G_c - log2 ||k_c||))."""
         f32 = cutlass.Float32
         g_r = cute.make_rmem_tensor(cute.make_layout(2), f32)
         b_r = cute.make_rmem_tensor(cute.make_layout(2), f32)
         g_c = cute.make_rmem_tensor(cute.make_layout(16), f32)
         for rr in cutlass.range_constexpr(2):
-            r, _ = cCC[2 * rr]
+            r, _ = cCC[2 * rr]  # the first element on row slot rr
             g_r[rr] = sG[r, slot]
             b_r[rr] = sBeta[r, slot]
             if cutlass.const_expr(self.qk_l2norm):
                 b_r[rr] = b_r[rr] * sNorm[r, 0]
         for kc in cutlass.range_constexpr(16):
-            _, j = cCC[(kc % 2) + 4 * (kc // 2)]
+            _, j = cCC[blocks.acc_col_element(kc)]
             g_c[kc] = sG[j, slot]
             if cutlass.const_expr(self.qk_l2norm):
                 g_c[kc] = g_c[kc] + sNorm[j, 1]

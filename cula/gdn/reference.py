@@ -17,14 +17,7 @@ def _gated_delta_rule(args: dict, gk=None, gv=None) -> tuple[torch.Tensor, torch
     v, g, beta = args["v"], args["g"], args["beta"]
     if beta is None:
         beta = v.new_ones(v.shape[:3])
-    q, k, beta = qk_beta_transforms(
-        args["q"],
-        args["k"],
-        beta,
-        args["use_qk_l2norm_in_kernel"],
-        args["use_beta_sigmoid_in_kernel"],
-        args["allow_neg_eigval"],
-    )
+    q, k, beta = qk_beta_transforms(args, beta)
     if g is not None and args.get("use_gate_in_kernel", False):
         g = gdn_gate(g, args.get("A_log"), args.get("dt_bias"))
     if gk is not None:

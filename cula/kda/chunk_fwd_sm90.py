@@ -360,11 +360,7 @@ class KDAChunkFwdSm90:
                     acc_s[i] = f32(1.0)
         else:
             acc_s.fill(0.0)
-        # the blocks of Tinv above its diagonal 16-blocks are never written by the blocked solve: zero them once
-        # (the barriers of the first chunk's steps 0-1 order this before any use)
-        for it in cutlass.range_constexpr(C * C // self.threads):
-            idx = tidx + it * self.threads
-            sT[idx // C, idx % C] = cutlass.BFloat16(0.0)
+        blocks.solve_clear(sT, tidx, self.threads)  # the barriers of the first chunk's steps 0-1 order it
 
         for c in cutlass.range(n_chunks, unroll=1):
             L = cutlass.min(seqlen - c * C, C)
@@ -519,11 +515,11 @@ class KDAChunkFwdSm90:
                 blocks.gemm(mma_rs, acc_o, rS, tRSb_QG, True)
             warpgroup.commit_group()
 
-            # while those run: beta of this thread's 16 accumulator columns (element i has column slot
-            # (i % 2) + 2 (i // 4)), and the state's chunk decay per key channel (column of S^T)
+            # while those run: beta of this thread's 16 accumulator columns (blocks.acc_col_slot), and the state's
+            # chunk decay per key channel (column of S^T)
             b_j = cute.make_rmem_tensor(cute.make_layout(16), f32)
             for kc in cutlass.range_constexpr(16):
-                rc, jc = cCC[(kc % 2) + 4 * (kc // 2)]
+                rc, jc = cCC[blocks.acc_col_element(kc)]
                 b_j[kc] = sBeta[jc]
             for i in cutlass.range_constexpr(cute.size(acc_s)):
                 rd, kd_ = cST[i]
@@ -536,7 +532,7 @@ class KDAChunkFwdSm90:
                 vv = f32(0.0)
                 if cutlass.const_expr(self.load_v):
                     vv = sV[j, row0 + r].to(f32)
-                acc_k[i] = b_j[(i % 2) + 2 * (i // 4)] * (vv - acc_k[i])
+                acc_k[i] = b_j[blocks.acc_col_slot(i)] * (vv - acc_k[i])
             # Y and V_new enter their products as bf16 hi + lo pairs: the state and O then keep ~16 bits of them
             # (a single bf16 rounding here costs about 2e-3 relative error in the state)
             rY, rY_lo = blocks.acc_to_operand_split(acc_k)

@@ -15,14 +15,7 @@ from cula.ops.gates import kda_gate, qk_beta_transforms
 
 def _kda(args: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``beta`` is [B, T, HV] or (fused_recurrent) [B, T, HV, V]."""
-    q, k, beta = qk_beta_transforms(
-        args["q"],
-        args["k"],
-        args["beta"],
-        args["use_qk_l2norm_in_kernel"],
-        args["use_beta_sigmoid_in_kernel"],
-        args["allow_neg_eigval"],
-    )
+    q, k, beta = qk_beta_transforms(args)
     g = args["g"]
     if args["use_gate_in_kernel"]:
         g = kda_gate(g, args.get("A_log"), args.get("dt_bias"), args["lower_bound"])

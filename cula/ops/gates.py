@@ -59,19 +59,15 @@ def kda_gate(
     return lower_bound * torch.sigmoid(g)
 
 
-def qk_beta_transforms(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    beta: torch.Tensor,
-    use_qk_l2norm_in_kernel: bool,
-    use_beta_sigmoid_in_kernel: bool,
-    allow_neg_eigval: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The q/k L2 norm and the beta sigmoid of the delta-rule ops (GDN and KDA share them)."""
-    if use_qk_l2norm_in_kernel:
+def qk_beta_transforms(args: dict, beta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The q/k L2 norm and the beta sigmoid of the delta-rule ops (GDN and KDA share them), as an entry point's
+    bound arguments ask for them; ``beta`` replaces ``args["beta"]`` when given."""
+    q, k = args["q"], args["k"]
+    beta = args["beta"] if beta is None else beta
+    if args["use_qk_l2norm_in_kernel"]:
         q, k = l2norm(q), l2norm(k)
-    if use_beta_sigmoid_in_kernel:
-        beta = beta_sigmoid(beta, allow_neg_eigval)
+    if args["use_beta_sigmoid_in_kernel"]:
+        beta = beta_sigmoid(beta, args["allow_neg_eigval"])
     return q, k, beta
 
 

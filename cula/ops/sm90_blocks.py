@@ -7,11 +7,14 @@ All are ``@cute.jit`` functions inlined into the calling kernel:
 - :func:`acc_to_operand`: a (64 x N) fp32 wgmma accumulator as the bf16 register A operand of the next wgmma.
 - :func:`acc_to_operand_split`: the same as a bf16 pair hi + lo that carries the accumulator to ~16 bits.
 - :func:`empty_operand`: an uninitialised bf16 register A operand, in the register order of a (64 x N) accumulator.
+- :func:`acc_row_slot` / :func:`acc_col_slot` / :func:`acc_col_element`: where a thread's flat accumulator
+  elements of a (64 x 64) tile sit among its 2 rows and 16 columns (plain Python, for unrolled loops).
 - :func:`load_state` / :func:`store_state`: a warpgroup's rows of S^T between its accumulator and global memory.
 - :func:`store_o_rows`: an output tile staged in shared memory to global memory, rows past the end masked.
-- :func:`solve_diag16` then :func:`solve_merge`: ``(I + A)^-1`` for a strictly lower (64 x 64) ``A`` (the chunk's
-  WY/UT inverse) by 16-blocks, on 64 then 128 or 256 threads (15 serial steps per column instead of 63 for a
-  one-thread-per-column solve; on the H200 in the GDN kernel: ~2 us less per chunk).
+- :func:`solve_clear` (once), then per chunk :func:`solve_diag16` and :func:`solve_merge`: ``(I + A)^-1`` for a
+  strictly lower (64 x 64) ``A`` (the chunk's WY/UT inverse) by 16-blocks, on 64 then 128 or 256 threads (15
+  serial steps per column instead of 63 for a one-thread-per-column solve; on the H200 in the GDN kernel: ~2 us
+  less per chunk).
 """
 
 import cutlass
@@ -84,6 +87,22 @@ def empty_operand(n: cutlass.Constexpr):
     return cute.make_rmem_tensor(cute.make_layout(((2, 2, 2), 1, n8 // 2), stride=((1, 2, 4), 0, 8)), cutlass.BFloat16)
 
 
+def acc_row_slot(i: int) -> int:
+    """Which of its 2 rows a thread's flat element ``i`` of a (64 x N) wgmma accumulator lies on: elements come
+    as (2 columns x 2 rows) per 8-column block."""
+    return (i // 2) % 2
+
+
+def acc_col_slot(i: int) -> int:
+    """Which of its N / 4 columns (16 for N = 64) flat element ``i`` lies on."""
+    return (i % 2) + 2 * (i // 4)
+
+
+def acc_col_element(kc: int) -> int:
+    """A flat element (the first row's) on column slot ``kc``: the inverse of :func:`acc_col_slot` there."""
+    return (kc % 2) + 4 * (kc // 2)
+
+
 @cute.jit
 def load_state(acc_s, cST, mH0, n, hv, row0):
     """``acc_s``: this warpgroup's value rows ``[row0, row0 + 64)`` of S^T (fp32 wgmma accumulator with element
@@ -127,6 +146,16 @@ def store_o_rows(
                 total = flat.load().to(cutlass.Float32) + old.load().to(cutlass.Float32)
                 flat.store(total.to(cutlass.BFloat16))
             cute.autovec_copy(flat, dst)
+
+
+@cute.jit
+def solve_clear(sT, tid, num_threads: cutlass.Constexpr):
+    """Zero the whole (C x C) ``sT`` once per kernel: the blocked solve never writes the blocks above its diagonal
+    16-blocks, and wgmma reads them as Tinv's zeros."""
+    C = cute.size(sT, mode=[0])
+    for it in cutlass.range_constexpr(C * C // num_threads):
+        idx = tid + it * num_threads
+        sT[idx // C, idx % C] = cutlass.BFloat16(0.0)
 
 
 @cute.jit

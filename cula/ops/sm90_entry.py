@@ -109,7 +109,7 @@ def chunk_fwd(
     if cu_seqlens is None:
         offsets = [b * T for b in range(B + 1)]
     elif cu_seqlens_cpu is not None:
-        offsets = [int(x) for x in cu_seqlens_cpu.tolist()]
+        offsets = cu_seqlens_cpu.tolist()
     cuts = None
     if offsets is not None and split is not False:
         lengths = [e - s for s, e in zip(offsets[:-1], offsets[1:], strict=True)]
