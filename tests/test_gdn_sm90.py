@@ -71,19 +71,24 @@ def test_head_dim_64():
 @needs_sm90
 @pytest.mark.parametrize("D", [128, 64])
 def test_l2norm_in_kernel(D):
-    """qk_l2norm: raw q and k normalised inside the kernel; checked against the recurrence on normalised inputs
-    (varlen with a 1-token sequence, initial state, forced splits)."""
+    """qk_l2norm: raw q and k (norms 0.25-4 per token) normalised inside the kernel, in fp32; checked against the
+    recurrence on the exactly normalised inputs (varlen with a 1-token sequence, initial state, splits on and off).
+    Not shifted inputs: with near-parallel keys and weak decay every bf16 chunk algorithm drifts (measured on the
+    H200: 0.0088 here, 0.0102 FLA), whatever normalises q and k."""
     from cula.gdn.chunk_fwd_sm90 import chunk_gated_delta_rule_fwd_sm90, supports
 
     q, k, v, g, beta = make_inputs(1, 2300, 2, 4, D=D)
-    q, k = ((x.float() * 3.0 + 0.5).bfloat16() for x in (q, k))
-    normed = tuple(F.normalize(x.float(), dim=-1).bfloat16() for x in (q, k))
+    q, k = ((x.float() * torch.empty(*x.shape[:-1], 1, device=x.device).uniform_(0.25, 4)).bfloat16() for x in (q, k))
+    exact = tuple(F.normalize(x.float(), dim=-1) for x in (q, k))
 
     def fwd(q_, k_, *args, **kw):  # the kernel gets the raw q, k; the reference the normalised ones
         return chunk_gated_delta_rule_fwd_sm90(q, k, *args, qk_l2norm=True, **kw)
 
-    check_fwd(fwd, supports, (*normed, v, g, beta), [0, 1, 1200, 2300], h0=True, split=True)
-    check_fwd(fwd, supports, (*normed, v, g, beta), [0, 1, 1200, 2300], h0=True, split=False)
+    def supports_raw(q_, k_, *args, **kw):
+        return supports(q, k, *args, **kw)
+
+    for split in (True, False):
+        check_fwd(fwd, supports_raw, (*exact, v, g, beta), [0, 1, 1200, 2300], h0=True, split=split)
 
 
 def test_compiles_for_sm90_on_cpu():

@@ -89,13 +89,25 @@ def test_gdn_chunk_on_sm90_kernel(shape, raw, monkeypatch):
 
 
 @needs_sm90
-def test_gdn_chunk_matches_fla():
+@pytest.mark.parametrize("raw", [False, True])
+def test_gdn_chunk_matches_fla(raw, monkeypatch):
+    """Against FLA's Triton op on the same inputs. Normalised q/k: cuLA within 0.005 of FLA. With the in-kernel
+    options (raw q/k), FLA rounds the normalised q and k to bf16 before its kernel and cuLA's kernel normalises
+    them in fp32, which alone moves the output by ~0.0024; there both are measured against the fp32 reference
+    backend: cuLA within 0.005 of it, and no further from it than FLA."""
     fla_gdn = cula.dispatch.fla_function(GDN.cula_op.fla_target)
-    args = gdn_inputs(2, 1000, 32, 32, raw=True, h0=True)
+    args = gdn_inputs(2, 1000, 32, 32, raw=raw, h0=True)
     o, state = GDN(**args)
     assert cula.last_decision(GDN).backend == "cute"
     o_fla, state_fla = fla_gdn(**args)
-    assert rel_rmse(o, o_fla) <= 5e-3 and rel_rmse(state, state_fla) <= 5e-3
+    if not raw:
+        assert rel_rmse(o, o_fla) <= 5e-3 and rel_rmse(state, state_fla) <= 5e-3
+        return
+    monkeypatch.setenv("CULA_BACKEND", "torch")
+    o_ref, state_ref = GDN(**args)
+    for ours, fla, ref in ((o, o_fla, o_ref), (state, state_fla, state_ref)):
+        err, err_fla = rel_rmse(ours, ref), rel_rmse(fla, ref)
+        assert err <= 5e-3 and err <= 1.05 * err_fla, (err, err_fla)
 
 
 @needs_sm90
