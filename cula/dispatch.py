@@ -244,10 +244,12 @@ def chunk_fwd_kernel_declines(args: dict[str, Any]) -> Verdict | None:
     return None
 
 
-# A varlen call whose offsets are only on the device (no ``cu_seqlens_cpu``) syncs once to read them (cuLA's
-# validation does, whichever backend then serves the call), and the GPU idles from that sync until the launch:
-# about 0.3 ms per call on the project's H200 host (BENCHMARK_H200.md varlen rows against the kernel's chunk-walk
-# time). Dispatch leaves it out, since both of its choices pay it; a benchmark row of cuLA includes it.
+# A varlen call whose offsets are only on the device (no ``cu_seqlens_cpu``) syncs to read them (cuLA's validation
+# does, whichever backend then serves the call), and the GPU idles from that sync until the launch: about 0.3 ms
+# per call on the project's H200 host (benchmark varlen rows of 2026-12-03 against the kernel's chunk-walk time).
+# The read is kept per tensor (``validation.host_offsets``), so a model pays it once per cu_seqlens, not per layer;
+# benchmark runs before that change paid it on every timed call. Dispatch leaves it out, since both of its choices
+# pay it.
 OFFSET_SYNC_MS = 0.3
 
 

@@ -131,6 +131,33 @@ def test_validation_hands_on_the_host_offsets_it_read():
     assert args["cu_seqlens_cpu"].tolist() == [0, 5, 20] and args["cu_seqlens_cpu"].dtype == torch.int32
 
 
+def test_offsets_are_read_once_per_tensor_and_version():
+    """A model hands one cu_seqlens to every layer: validation reads it (a device sync on a GPU) once, and again
+    only for another tensor or after an in-place change; bad offsets are refused on every call."""
+
+    class CountingReads(torch.Tensor):
+        reads = 0
+
+        def tolist(self):
+            type(self).reads += 1
+            return super().tolist()
+
+    def validate(cu):
+        args = cula.dispatch.call_args(gdn_args(cu_seqlens=cu))
+        args.update(cu_seqlens_cpu=None, initial_state=None, state_v_first=False, scale=None)
+        CHUNK_GDN.cula_op.validate(args)
+        return args["cu_seqlens_cpu"].tolist()
+
+    cu = torch.tensor([0, 5, 20]).as_subclass(CountingReads)
+    assert validate(cu) == validate(cu) == [0, 5, 20] and CountingReads.reads == 1
+    cu[1] = 25  # in place: read again, and refused every time
+    for _ in range(2):
+        with pytest.raises(ValueError, match="non-decreasing"):
+            validate(cu)
+    assert CountingReads.reads == 2
+    assert validate(torch.tensor([0, 7, 20]).as_subclass(CountingReads)) == [0, 7, 20] and CountingReads.reads == 3
+
+
 def test_deprecated_transpose_state_layout_means_state_v_first():
     args = gdn_args(initial_state=torch.randn(1, 4, 8, 16), output_final_state=True)
     with pytest.warns(DeprecationWarning, match="state_v_first"):
