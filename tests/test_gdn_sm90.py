@@ -89,20 +89,3 @@ def test_l2norm_in_kernel(D):
 
     for split in (True, False):
         check_fwd(fwd, supports_raw, (*exact, v, g, beta), [0, 1, 1200, 2300], h0=True, split=split)
-
-
-def test_compiles_for_sm90_on_cpu():
-    from cula import compile_check
-
-    names = (
-        "gdn_chunk_fwd_sm90",
-        "gdn_chunk_fwd_sm90[D=64]",
-        "gdn_chunk_fwd_sm90[qk_l2norm]",
-        "gdn_chunk_fwd_sm90[transition]",
-    )
-    for name in (*names, "gdn_chunk_fwd_sm90[correction]"):
-        report = compile_check.check_kernel(name, "sm_90a")
-        assert report.ok, (name, report.error)
-        assert report.local_mem == 0 and report.injected_arrives == 0
-        assert report.counts["wgmma.mma_async"] > 0
-        assert report.counts["cp.async.bulk.tensor"] > 0

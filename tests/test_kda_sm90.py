@@ -138,23 +138,6 @@ def test_l2norm_in_kernel(D):
     check_fwd(fwd, supports, (*normed, v, g, beta), [0, 1, 1200, 2300], h0=True, split=False)
 
 
-def test_compiles_for_sm90_on_cpu():
-    from cula import compile_check
-
-    names = (
-        "kda_chunk_fwd_sm90",
-        "kda_chunk_fwd_sm90[D=64]",
-        "kda_chunk_fwd_sm90[qk_l2norm]",
-        "kda_chunk_fwd_sm90[transition]",
-    )
-    for name in (*names, "kda_chunk_fwd_sm90[correction]"):
-        report = compile_check.check_kernel(name, "sm_90a")
-        assert report.ok, (name, report.error)
-        assert report.local_mem == 0 and report.injected_arrives == 0
-        assert report.counts["wgmma.mma_async"] > 0
-        assert report.counts["cp.async.bulk.tensor"] > 0
-
-
 def test_dispatch_picks_the_sm90_kernel_only_for_bounded_gates(monkeypatch):
     """On a pretend SM90 device (CPU tensors claiming CUDA): what the kernel serves, and the reasons it declines."""
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))

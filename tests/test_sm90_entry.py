@@ -90,3 +90,16 @@ def test_a_wrong_correction_pass_fails():
 
     with pytest.raises(AssertionError):
         check_fwd(entry_for(no_correction), accept, inputs(1, 2100, 1, 1, False), h0=True, split=True)
+
+
+@pytest.mark.parametrize("kernel", ["gdn_chunk_fwd_sm90", "kda_chunk_fwd_sm90"])
+@pytest.mark.parametrize("variant", list(sm90_entry.CHECKED_VARIANTS))
+def test_kernel_variants_compile_for_sm90_on_cpu(kernel, variant):
+    """Every checked variant of both chunk kernels compiles for sm_90a on the CPU, with wgmma and TMA in its PTX and
+    no local memory or injected warpgroup.arrive in its machine code."""
+    from cula import compile_check
+
+    report = compile_check.check_kernel(kernel + variant, "sm_90a")
+    assert report.ok, report.error
+    assert report.local_mem == 0 and report.injected_arrives == 0
+    assert report.counts["wgmma.mma_async"] > 0 and report.counts["cp.async.bulk.tensor"] > 0

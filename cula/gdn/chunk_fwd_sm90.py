@@ -663,32 +663,4 @@ def chunk_gated_delta_rule_fwd_sm90(
     )  # fmt: skip
 
 
-runtime.register_kernel(
-    "gdn_chunk_fwd_sm90",
-    ["sm_90a"],
-    lambda arch: compile_gdn_fwd_sm90(arch, is_varlen=True, has_initial_state=True),
-    ["wgmma.mma_async", "cp.async.bulk.tensor"],
-    clean_sass=True,
-)
-runtime.register_kernel(
-    "gdn_chunk_fwd_sm90[qk_l2norm]",
-    ["sm_90a"],
-    lambda arch: compile_gdn_fwd_sm90(arch, is_varlen=True, has_initial_state=True, qk_l2norm=True),
-    ["wgmma.mma_async", "cp.async.bulk.tensor"],
-    clean_sass=True,
-)
-runtime.register_kernel(
-    "gdn_chunk_fwd_sm90[D=64]",
-    ["sm_90a"],
-    lambda arch: compile_gdn_fwd_sm90(arch, head_dim=64, is_varlen=True, has_initial_state=True),
-    ["wgmma.mma_async", "cp.async.bulk.tensor"],
-    clean_sass=True,
-)
-for _mode in ("transition", "correction"):  # the passes that split long sequences
-    runtime.register_kernel(
-        f"gdn_chunk_fwd_sm90[{_mode}]",
-        ["sm_90a"],
-        lambda arch, m=_mode: compile_gdn_fwd_sm90(arch, is_varlen=True, mode=m),
-        ["wgmma.mma_async", "cp.async.bulk.tensor"],
-        clean_sass=True,
-    )
+sm90_entry.register_checked_variants("gdn_chunk_fwd_sm90", compile_gdn_fwd_sm90)

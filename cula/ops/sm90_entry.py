@@ -1,6 +1,7 @@
 """Host-side pieces shared by the SM90 chunked-forward entries of the delta-rule family (GDN, KDA): the input
 checks both kernels make, the fake tensors they are compiled with, a placeholder int32 tensor for unused range
-arguments, and the entry itself (outputs, varlen ranges, sequence splitting) around a kernel's launch."""
+arguments, the entry itself (outputs, varlen ranges, sequence splitting) around a kernel's launch, and the
+variants of each kernel that the compile check builds."""
 
 import torch
 
@@ -174,3 +175,27 @@ def launch(name, compile_fn, q, k, v, g, beta, o, h0, ht, starts, ends, scale, s
         q, k, v, g, beta, o, ht if h0 is None else h0, ht,
         dummy if starts is None else starts, dummy if ends is None else ends, float(scale),
     )  # fmt: skip
+
+
+# The compile-checked variants of each chunk kernel (``python -m cula.compile_check``): name suffix -> options of
+# its compile function. Each must hold wgmma and TMA instructions, with no local memory and no injected arrives.
+CHECKED_VARIANTS = {
+    "": {"is_varlen": True, "has_initial_state": True},
+    "[qk_l2norm]": {"is_varlen": True, "has_initial_state": True, "qk_l2norm": True},
+    "[D=64]": {"head_dim": 64, "is_varlen": True, "has_initial_state": True},
+    "[transition]": {"is_varlen": True, "mode": "transition"},  # the passes that split long sequences
+    "[correction]": {"is_varlen": True, "mode": "correction"},
+}
+
+
+def register_checked_variants(name: str, compile_fn) -> None:
+    """Register ``name + suffix`` for every :data:`CHECKED_VARIANTS` entry, compiled by ``compile_fn(arch, **options)``
+    for sm_90a."""
+    for suffix, options in CHECKED_VARIANTS.items():
+        runtime.register_kernel(
+            f"{name}{suffix}",
+            ["sm_90a"],
+            lambda arch, o=options: compile_fn(arch, **o),
+            ["wgmma.mma_async", "cp.async.bulk.tensor"],
+            clean_sass=True,
+        )
