@@ -57,18 +57,20 @@ def test_grid_and_floor():
     assert 0.45 < flops / 687e12 * 1e3 < 0.6 and 0.45 < bytes_ / 4.3e12 * 1e3 < 0.6
 
 
-def test_gdn_dispatch_model_matches_the_h200_measurements():
-    """The SM90 GDN kernel's time model (used by dispatch to prefer FLA where the kernel is slower) against the
-    committed side-by-side H200 run: within 30 % of every measured kernel time, and picking the faster side."""
+@pytest.mark.parametrize("op,grids", [("gdn", ["core", "varlen", "long"]), ("kda", ["core"])])
+def test_dispatch_model_matches_the_h200_measurements(op, grids):
+    """An SM90 kernel's time model (used by dispatch to prefer FLA where the kernel is slower) against the committed
+    side-by-side H200 run of its op: within 30 % of every measured kernel time, and picking the faster side."""
+    import importlib
     from pathlib import Path
 
     from cula.dispatch import expected_ms
-    from cula.gdn.api import FLA_TIME
-    from cula.gdn.chunk_fwd_sm90 import estimated_ms
 
-    measured = json.loads((Path(bench.__file__).parent / "results" / "h200_gdn_fwd.json").read_text())
-    cases = {c.name: c for c in bench.gpu_grid(["gdn"], ["core", "varlen", "long"])}
-    rows = [r for r in measured["rows"] if r["op"] == "gdn" and r["mode"] == "fwd" and r["shape"] in cases]
+    fla_time = importlib.import_module(f"cula.{op}.api").FLA_TIME
+    estimated_ms = importlib.import_module(f"cula.{op}.chunk_fwd_sm90").estimated_ms
+    measured = json.loads((Path(bench.__file__).parent / "results" / f"h200_{op}_fwd.json").read_text())
+    cases = {c.name: c for c in bench.gpu_grid([op], grids)}
+    rows = [r for r in measured["rows"] if r["op"] == op and r["mode"] == "fwd" and r["shape"] in cases]
     assert sorted(r["shape"] for r in rows) == sorted(cases)  # other grids' rows (layer, other ops) may be there
     for row in rows:
         case = cases[row["shape"]]
@@ -79,7 +81,7 @@ def test_gdn_dispatch_model_matches_the_h200_measurements():
         # tensor (their env has no "varlen offsets") synced on every timed call
         synced = case.lengths is not None and "varlen offsets" not in measured["env"]
         lengths = case.lengths or [case.T] * case.B
-        ours, fla = expected_ms(lengths, case.H, 132, estimated_ms, FLA_TIME, synced)
+        ours, fla = expected_ms(lengths, case.H, 132, estimated_ms, fla_time, synced)
         assert abs(ours / kernel_ms - 1) < 0.3, (row["shape"], ours, kernel_ms)
         if abs(kernel_ms / row["fla_ms"] - 1) > 0.05:  # on a near-tie either side is right
             assert (ours <= fla) == (kernel_ms <= row["fla_ms"]), (row["shape"], ours, fla)
