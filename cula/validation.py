@@ -68,15 +68,18 @@ def qkv(q, k, v, allow_gva: bool) -> tuple[int, int, int, int, int, int]:
 # Offsets read from cu_seqlens tensors, for the few tensors seen last: a model hands the same cu_seqlens to every
 # layer, so only its first layer waits for the device to read them (FLA caches its own read of them per tensor
 # the same way). Keyed by the tensor object; a tensor changed in place (its version counter moves) is read again.
+# Inference-mode tensors have no version counter, so they are read on every call.
 _OFFSETS_SEEN: collections.OrderedDict[int, tuple[weakref.ref, int, int, list[int]]] = collections.OrderedDict()
 _OFFSETS_KEPT = 8
 
 
 def host_offsets(cu_seqlens, cu_seqlens_cpu=None) -> list[int]:
     """The varlen offsets as Python ints: from the host copy ``cu_seqlens_cpu`` when the caller gave one, else
-    from ``cu_seqlens`` (a device sync, once per tensor and version)."""
+    from ``cu_seqlens`` (a device sync, once per tensor and version; every call for an inference-mode tensor)."""
     if cu_seqlens_cpu is not None:
         return cu_seqlens_cpu.tolist()
+    if cu_seqlens.is_inference():
+        return cu_seqlens.tolist()
     seen = _OFFSETS_SEEN.get(id(cu_seqlens))
     if seen is not None:
         ref, version, ptr, offsets = seen
