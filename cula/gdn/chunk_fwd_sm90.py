@@ -416,7 +416,7 @@ class GDNChunkFwdSm90:
             e_d = cute.make_rmem_tensor(cute.make_layout(16), f32)  # exp(G_last - G_j)
             b_j = cute.make_rmem_tensor(cute.make_layout(16), f32)  # beta_j
             for kc in cutlass.range_constexpr(16):
-                rc, jc = cCC[blocks.acc_col_element(kc)]
+                _, jc = cCC[blocks.acc_col_element(kc)]
                 e_g[kc] = sFac[jc, slot, 0]
                 e_d[kc] = sFac[jc, slot, 1]
                 b_j[kc] = sBeta[jc, slot]
@@ -603,17 +603,6 @@ class GDNChunkFwdSm90:
 
 
 # -------------------------------------------------------------------- compile + Python entry
-def _fake_args(kernel: GDNChunkFwdSm90):
-    n_ranges = runtime.sym_int()
-    return (
-        *sm90_entry.fake_io(kernel.D, kernel.beta_fp32, kernel.state_v_first, per_key_gate=False),
-        runtime.fake_tensor(cutlass.Int32, (n_ranges,), align=4),
-        runtime.fake_tensor(cutlass.Int32, (n_ranges,), align=4),
-        cutlass.Float32(1.0),
-        runtime.fake_stream(),
-    )
-
-
 def compile_gdn_fwd_sm90(
     arch="sm_90a",
     keep_artifacts=False,
@@ -626,7 +615,8 @@ def compile_gdn_fwd_sm90(
     qk_l2norm=False,
 ):
     kernel = GDNChunkFwdSm90(head_dim, beta_fp32, is_varlen, has_initial_state, state_v_first, mode, qk_l2norm)
-    return runtime.compile_kernel(kernel, _fake_args(kernel), arch, keep_artifacts)
+    fake = sm90_entry.fake_args(kernel.D, kernel.beta_fp32, kernel.state_v_first, per_key_gate=False)
+    return runtime.compile_kernel(kernel, fake, arch, keep_artifacts)
 
 
 def _launch(*args, **options):

@@ -519,7 +519,7 @@ class KDAChunkFwdSm90:
             # chunk decay per key channel (column of S^T)
             b_j = cute.make_rmem_tensor(cute.make_layout(16), f32)
             for kc in cutlass.range_constexpr(16):
-                rc, jc = cCC[blocks.acc_col_element(kc)]
+                _, jc = cCC[blocks.acc_col_element(kc)]
                 b_j[kc] = sBeta[jc]
             for i in cutlass.range_constexpr(cute.size(acc_s)):
                 rd, kd_ = cST[i]
@@ -619,17 +619,6 @@ class KDAChunkFwdSm90:
 
 
 # -------------------------------------------------------------------- compile + Python entry
-def _fake_args(kernel: KDAChunkFwdSm90):
-    n_ranges = runtime.sym_int()
-    return (
-        *sm90_entry.fake_io(kernel.D, kernel.beta_fp32, kernel.state_v_first, per_key_gate=True),
-        runtime.fake_tensor(cutlass.Int32, (n_ranges,), align=4),
-        runtime.fake_tensor(cutlass.Int32, (n_ranges,), align=4),
-        cutlass.Float32(1.0),
-        runtime.fake_stream(),
-    )
-
-
 def compile_kda_fwd_sm90(
     arch="sm_90a",
     keep_artifacts=False,
@@ -642,7 +631,8 @@ def compile_kda_fwd_sm90(
     qk_l2norm=False,
 ):
     kernel = KDAChunkFwdSm90(head_dim, beta_fp32, is_varlen, has_initial_state, state_v_first, mode, qk_l2norm)
-    return runtime.compile_kernel(kernel, _fake_args(kernel), arch, keep_artifacts)
+    fake = sm90_entry.fake_args(kernel.D, kernel.beta_fp32, kernel.state_v_first, per_key_gate=True)
+    return runtime.compile_kernel(kernel, fake, arch, keep_artifacts)
 
 
 def _launch(*args, **options):

@@ -38,13 +38,15 @@ def supports_qkv(q, k, v, beta, initial_state, cu_seqlens, dims) -> tuple[bool, 
     return True, ""
 
 
-def fake_io(D: int, beta_fp32: bool, state_v_first: bool, per_key_gate: bool) -> tuple:
-    """Fake ``q, k, v, g, beta, o, h0, ht`` for compiling a chunk kernel: q, k [B, T, H, D], v and o [B, T, HV, D]
-    bf16; g [B, T, HV] (or [B, T, HV, D] with ``per_key_gate``) fp32; beta fp32 or bf16; the states (N, HV, K, V)
-    fp32, stored [N, HV, V, K] (K contiguous) with ``state_v_first``. Batch, length and head counts symbolic."""
+def fake_args(D: int, beta_fp32: bool, state_v_first: bool, per_key_gate: bool) -> tuple:
+    """Fake arguments for compiling a chunk kernel, in its launch order ``q, k, v, g, beta, o, h0, ht, starts, ends,
+    scale, stream``: q, k [B, T, H, D], v and o [B, T, HV, D] bf16; g [B, T, HV] (or [B, T, HV, D] with
+    ``per_key_gate``) fp32; beta fp32 or bf16; the states (N, HV, K, V) fp32, stored [N, HV, V, K] (K contiguous)
+    with ``state_v_first``; int32 token ranges. Batch, length, head and range counts symbolic."""
     import cutlass
 
     sym = runtime.sym_int
+    n_ranges = sym()
     B, T, H, HV, N = sym(), sym(), sym(), sym(), sym()
     bf16 = cutlass.BFloat16
     state_order = (3, 2, 0, 1) if state_v_first else None
@@ -62,6 +64,10 @@ def fake_io(D: int, beta_fp32: bool, state_v_first: bool, per_key_gate: bool) ->
         runtime.fake_tensor(bf16, (B, T, HV, D)),
         runtime.fake_tensor(cutlass.Float32, (N, HV, D, D), state_order),
         runtime.fake_tensor(cutlass.Float32, (N, HV, D, D), state_order),
+        runtime.fake_tensor(cutlass.Int32, (n_ranges,), align=4),
+        runtime.fake_tensor(cutlass.Int32, (n_ranges,), align=4),
+        cutlass.Float32(1.0),
+        runtime.fake_stream(),
     )
 
 
