@@ -32,7 +32,6 @@ hv // (HV / H). K = V = 64 or 128 (at 64, warpgroup 0 holds all of S^T and warpg
 products without writing them).
 """
 
-import functools
 import math
 
 import cutlass
@@ -661,10 +660,9 @@ def chunk_kda_fwd_sm90(
     preallocated tensors. Long sequences with few heads are split across CTAs when that is expected to be faster
     (:func:`cula.ops.sm90_entry.chunk_fwd`); ``split`` True/False forces it on/off. ``qk_l2norm``: L2-normalise q
     and k in the kernel (FLA's ``use_qk_l2norm_in_kernel``, eps 1e-6 under the root)."""
-    launch = functools.partial(_launch, qk_l2norm=True) if qk_l2norm else _launch
     return sm90_entry.chunk_fwd(
-        launch, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first, out,
-        final_state_out, cu_seqlens_cpu, split, CHUNK,
+        _launch, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first, out,
+        final_state_out, cu_seqlens_cpu, split, CHUNK, qk_l2norm=qk_l2norm,
     )  # fmt: skip
 
 

@@ -96,12 +96,14 @@ def chunk_fwd(
     cu_seqlens_cpu,
     split,
     chunk: int,
+    **options,
 ):
     """The Python side of an SM90 chunked forward (GDN, KDA): outputs, varlen ranges, and sequence splitting.
 
-    ``launch(q, k, v, g, beta, o, h0, ht, starts, ends, scale, state_v_first, mode)`` runs the kernel once
-    (``starts``/``ends``: int32 token ranges in batch row 0, or None for one sequence per batch row; ``h0`` None:
-    zero start, or identity for ``mode="transition"``). Long sequences with few heads are split across CTAs
+    ``launch(q, k, v, g, beta, o, h0, ht, starts, ends, scale, state_v_first, mode, **options)`` runs the kernel
+    once (``starts``/``ends``: int32 token ranges in batch row 0, or None for one sequence per batch row; ``h0``
+    None: zero start, or identity for ``mode="transition"``; ``options``: the kernel's own compile-time options,
+    passed to every launch). Long sequences with few heads are split across CTAs
     (``cula.ops.segment_split``) when the planner expects that to be faster; ``split`` True/False forces it on/off
     (a cut per 16 chunks when forced on). Varlen batches are split only with their offsets on the host
     (``cu_seqlens_cpu``). Returns ``(o, final_state or None)``."""
@@ -134,7 +136,7 @@ def chunk_fwd(
         def run(mode, starts, ends, h0_, out_):
             Vd = K if mode == "transition" else V
             ht_ = torch.empty(starts.numel(), HV, K, Vd, dtype=torch.float32, device=q.device)
-            launch(*flat[:5], flat[5], h0_, ht_, starts, ends, scale, False, mode)
+            launch(*flat[:5], flat[5], h0_, ht_, starts, ends, scale, False, mode, **options)
             return ht_
 
         ht = segment_split.split_forward(run, offsets, cuts, h0, flat[5], output_final_state)
@@ -154,7 +156,7 @@ def chunk_fwd(
         cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
         starts, ends = cu[:-1], cu[1:]
     h0 = initial_state.contiguous() if initial_state is not None else None
-    launch(q, k, v, g, beta, o, h0, ht, starts, ends, scale, state_v_first, "full")
+    launch(q, k, v, g, beta, o, h0, ht, starts, ends, scale, state_v_first, "full", **options)
     return o, (ht if output_final_state else None)
 
 
