@@ -1,12 +1,13 @@
 """Host-side pieces shared by the SM90 chunked-forward entries of the delta-rule family (GDN, KDA): the input
 checks both kernels make, the fake tensors they are compiled with, a placeholder int32 tensor for unused range
-arguments, the entry itself (outputs, varlen ranges, sequence splitting) around a kernel's launch, and the
-variants of each kernel that the compile check builds."""
+arguments, the entry itself (outputs, varlen ranges, sequence splitting) around a kernel's launch, its call from
+an entry point's bound arguments, and the variants of each kernel that the compile check builds."""
 
 import torch
 
 from cula import runtime
 from cula.ops import segment_split
+from cula.ops.gates import kernel_beta
 
 _DUMMY: dict = {}
 
@@ -158,6 +159,26 @@ def chunk_fwd(
     h0 = initial_state.contiguous() if initial_state is not None else None
     launch(q, k, v, g, beta, o, h0, ht, starts, ends, scale, state_v_first, "full", **options)
     return o, (ht if output_final_state else None)
+
+
+def run_bound(entry, args: dict, g: torch.Tensor):
+    """An SM90 chunk forward ``entry`` (GDN's or KDA's) on an entry point's bound arguments, ``g`` being the gate as
+    the kernel takes it (fp32, activated): beta's pre-pass (:func:`cula.ops.gates.kernel_beta`), q and k
+    L2-normalised by the kernel itself when ``use_qk_l2norm_in_kernel`` asks. Returns ``(o, final_state or None)``."""
+    return entry(
+        args["q"].contiguous(),
+        args["k"].contiguous(),
+        args["v"].contiguous(),
+        g.contiguous(),
+        kernel_beta(args),
+        args["scale"],
+        args["initial_state"],
+        args["output_final_state"],
+        args["cu_seqlens"],
+        args["state_v_first"],
+        cu_seqlens_cpu=args.get("cu_seqlens_cpu"),
+        qk_l2norm=bool(args["use_qk_l2norm_in_kernel"]),
+    )
 
 
 def launch(name, compile_fn, q, k, v, g, beta, o, h0, ht, starts, ends, scale, state_v_first, mode, **options):
