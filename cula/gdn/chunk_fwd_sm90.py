@@ -35,6 +35,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cula import runtime
 from cula.ops import segment_split, sm90_entry
 from cula.ops import sm90_blocks as blocks
+from cula.ops.gates import L2NORM_EPS  # FLA's l2norm_fwd: x / sqrt(sum(x^2) + eps)
 
 CHUNK = 64
 MODES = ("full", "transition", "correction")  # see GDNChunkFwdSm90 and cula.ops.segment_split
@@ -44,7 +45,6 @@ SUPPORTED_DIMS = (64, 128)
 # kernel runs one CTA per SM.
 CHUNK_LATENCY_US = 6.6
 _LOG2E = math.log2(math.e)
-L2NORM_EPS = 1e-6  # FLA's l2norm_fwd: x / sqrt(sum(x^2) + eps)
 
 
 def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, **_) -> tuple[bool, str]:
@@ -549,13 +549,7 @@ class GDNChunkFwdSm90:
                     sNorm[r, 1] = f32(0.5) * cute.math.log2(n2, fastmath=True)
         elif cutlass.const_expr(self.make_o):
             row, half = wtid // 2, wtid % 2
-            frag = cute.make_rmem_tensor(cute.make_layout((1, 8)), cutlass.BFloat16)
-            acc = f32(0.0)
-            for blk in cutlass.range_constexpr(self.D // 16):
-                cute.autovec_copy(cute.local_tile(sQ, (1, 8), (row, half * (self.D // 16) + blk)), frag)
-                x = frag.load().to(f32)
-                for e in cutlass.range_constexpr(8):
-                    acc = acc + x[e] * x[e]
+            acc = blocks.row_sum_squares(sQ, row, half * (self.D // 16), self.D // 16)
             acc = acc + cute.arch.shuffle_sync_bfly(acc, 1)
             if half == 0:
                 sNorm[row, 2] = cute.math.rsqrt(acc + eps, fastmath=True)

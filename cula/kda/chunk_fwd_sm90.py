@@ -43,6 +43,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cula import runtime
 from cula.ops import segment_split, sm90_entry
 from cula.ops import sm90_blocks as blocks
+from cula.ops.gates import L2NORM_EPS  # FLA's l2norm_fwd: x / sqrt(sum(x^2) + eps)
 
 CHUNK = 64
 MODES = ("full", "transition", "correction")  # see KDAChunkFwdSm90 and cula.ops.segment_split
@@ -53,7 +54,6 @@ SUPPORTED_DIMS = (64, 128)
 # the lowest gate the intra-chunk factorisation tolerates (module docstring)
 LOWER_BOUND_MIN = -5.0
 _LOG2E = math.log2(math.e)
-L2NORM_EPS = 1e-6  # FLA's l2norm_fwd: x / sqrt(sum(x^2) + eps)
 
 
 def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, **_) -> tuple[bool, str]:
@@ -587,16 +587,9 @@ class KDAChunkFwdSm90:
     @cute.jit
     def token_norms(self, sK3, sQ3, sNorm, t):
         """For qk_l2norm: 1 / sqrt(||k_t||^2 + eps) and the same for q_t, token ``t`` of the chunk (one thread)."""
-        f32 = cutlass.Float32
-        frag = cute.make_rmem_tensor(cute.make_layout((1, 8)), cutlass.BFloat16)
         for which, tile in ((0, sK3), (1, sQ3)):
-            acc = f32(0.0)
-            for blk in cutlass.range_constexpr(self.D // 8):
-                cute.autovec_copy(cute.local_tile(tile[None, None, 0], (1, 8), (t, blk)), frag)
-                x = frag.load().to(f32)
-                for e in cutlass.range_constexpr(8):
-                    acc = acc + x[e] * x[e]
-            sNorm[t, which] = cute.math.rsqrt(acc + f32(L2NORM_EPS), fastmath=True)
+            acc = blocks.row_sum_squares(tile[None, None, 0], t, 0, self.D // 8)
+            sNorm[t, which] = cute.math.rsqrt(acc + cutlass.Float32(L2NORM_EPS), fastmath=True)
 
     @cute.jit
     def issue_qkg(self, tma, bar, chunk, lane):
