@@ -391,16 +391,7 @@ class KDAChunkFwdSm90:
             cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
 
             # R_j = k_j 2^(G_r - G_j), r the reference token of j's half; |j - r| <= 16 keeps it in range
-            rows = self.threads // D  # token rows per iteration
-            for it in cutlass.range_constexpr(C * D // self.threads):
-                j = rows * it + tidx // D
-                kk = tidx % D
-                hf = (rows * it) // Hf  # the half of row j (constant per iteration)
-                ref = Hf * hf + Hf // 2
-                xr = sK3[j, kk, 0].to(f32) * cute.math.exp2(sG[ref, kk] - sG[j, kk], fastmath=True)
-                if cutlass.const_expr(self.qk_l2norm):
-                    xr = xr * sNorm[j, 0]
-                sR[j - Hf * hf, kk, hf] = xr.to(bf16)
+            self.build_r_tile(sG, sK3, sR, sNorm, tidx)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
 
@@ -578,6 +569,38 @@ class KDAChunkFwdSm90:
                 for e in cutlass.range_constexpr(8):
                     acc = acc + x[e] * x[e]
             sNorm[t, which] = cute.math.rsqrt(acc + f32(L2NORM_EPS), fastmath=True)
+
+    @cute.jit
+    def build_r_tile(self, sG, sK3, sR, sNorm, t):
+        """R_j = k_j 2^(G_r - G_j) for the chunk's tokens j, r = 16 or 48 the reference token of j's 32-token half,
+        into that half of ``sR``, by all threads: thread t owns key channels 2p, 2p + 1 (p = t % (D / 2)) for its
+        group of 8-token blocks (t // (D / 2)), the token's low 3 bits compile-time (as in :meth:`build_b_tiles`)."""
+        f32 = cutlass.Float32
+        bf16 = cutlass.BFloat16
+        C, D, Hf = self.C, self.D, self.half
+        pairs = D // 2
+        groups = self.threads // pairs
+        per_group = C // 8 // groups
+        p = t % pairs
+        grp = t // pairs
+        g2 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
+        gr = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
+        k2 = cute.make_rmem_tensor(cute.make_layout((1, 2)), bf16)
+        r2 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
+        for bi in cutlass.range_constexpr(per_group):
+            jb = grp * per_group + bi
+            hf = (jb * 8) // Hf
+            cute.autovec_copy(cute.local_tile(sG, (1, 2), (Hf * hf + Hf // 2, p)), gr)
+            for jj in cutlass.range_constexpr(8):
+                j = jb * 8 + jj
+                cute.autovec_copy(cute.local_tile(sG, (1, 2), (j, p)), g2)
+                cute.autovec_copy(cute.local_tile(sK3[None, None, 0], (1, 2), (j, p)), k2)
+                kx = k2.load().to(f32)
+                if cutlass.const_expr(self.qk_l2norm):
+                    kx = kx * sNorm[j, 0]
+                for e in cutlass.range_constexpr(2):
+                    r2[0, e] = kx[e] * cute.math.exp2(gr[0, e] - g2[0, e], fastmath=True)
+                cute.local_tile(sR[None, None, hf], (1, 2), (j - Hf * hf, p)).store(r2.load().to(bf16))
 
     @cute.jit
     def build_b_tiles(self, sG, sK3, sQ3, sKG, sQG, sKD, sGl, sNorm, L, t):
