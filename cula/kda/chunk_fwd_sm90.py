@@ -404,20 +404,33 @@ class KDAChunkFwdSm90:
             l1 = blocks.empty_operand(cute.size(cST))
             l0_flat = cute.make_tensor(l0.iterator, cute.make_layout(cute.size(cST)))
             l1_flat = cute.make_tensor(l1.iterator, cute.make_layout(cute.size(cST)))
-            p0 = cute.make_rmem_tensor(cute.make_layout(2), f32)
-            p1 = cute.make_rmem_tensor(cute.make_layout(2), f32)
-            for i in cutlass.range_constexpr(cute.size(cST)):
-                ri, ki = cST[i]
-                x = sQK[ri, ki, 1 - wg, 0].to(f32)
-                if cutlass.const_expr(self.qk_l2norm):
-                    x = x * sNorm[ri, wg]  # WG0's rows are k, WG1's q
-                gi = sG[ri, ki]
-                p0[i % 2] = x * cute.math.exp2(gi - sG[Hf // 2, ki], fastmath=True)
-                x1 = f32(0.0)
-                if ri >= Hf:
-                    x1 = x * cute.math.exp2(gi - sG[Hf + Hf // 2, ki], fastmath=True)
-                p1[i % 2] = x1
-                if cutlass.const_expr(i % 2 == 1):
+            p0 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
+            p1 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
+            x2 = cute.make_rmem_tensor(cute.make_layout((1, 2)), bf16)
+            g2 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
+            r0 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
+            r1 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
+            sX = sQK[None, None, 1 - wg, 0]  # WG0's rows are k, WG1's q
+            # per 8-column block i // 4 the thread holds 2 adjacent columns on 2 rows: the references' gates are
+            # loaded once for both rows, and x and G as pairs
+            for blk in cutlass.range_constexpr(cute.size(cST) // 4):
+                _, kb = cST[4 * blk]
+                cute.autovec_copy(cute.local_tile(sG, (1, 2), (Hf // 2, kb // 2)), r0)
+                cute.autovec_copy(cute.local_tile(sG, (1, 2), (Hf + Hf // 2, kb // 2)), r1)
+                for rr in cutlass.range_constexpr(2):
+                    i = 4 * blk + 2 * rr
+                    ri, ki = cST[i]
+                    cute.autovec_copy(cute.local_tile(sX, (1, 2), (ri, ki // 2)), x2)
+                    cute.autovec_copy(cute.local_tile(sG, (1, 2), (ri, ki // 2)), g2)
+                    x = x2.load().to(f32)
+                    if cutlass.const_expr(self.qk_l2norm):
+                        x = x * sNorm[ri, wg]
+                    for e in cutlass.range_constexpr(2):
+                        p0[0, e] = x[e] * cute.math.exp2(g2[0, e] - r0[0, e], fastmath=True)
+                        x1 = f32(0.0)
+                        if ri >= Hf:
+                            x1 = x[e] * cute.math.exp2(g2[0, e] - r1[0, e], fastmath=True)
+                        p1[0, e] = x1
                     cute.local_tile(l0_flat, (2,), (i // 2,)).store(p0.load().to(bf16))
                     cute.local_tile(l1_flat, (2,), (i // 2,)).store(p1.load().to(bf16))
             acc0 = thr_h.make_fragment_C(acc_h_shape)
