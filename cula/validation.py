@@ -68,23 +68,27 @@ def qkv(q, k, v, allow_gva: bool) -> tuple[int, int, int, int, int, int]:
 # Offsets read from cu_seqlens tensors, for the few tensors seen last: a model hands the same cu_seqlens to every
 # layer, so only its first layer waits for the device to read them (FLA caches its own read of them per tensor
 # the same way). Keyed by the tensor object; a tensor changed in place (its version counter moves) is read again.
-_OFFSETS_SEEN: collections.OrderedDict[int, tuple[weakref.ref, int, int, list[int]]] = collections.OrderedDict()
+# Tensors without a version counter or a storage pointer (inference-mode tensors) are read on every call.
+_OFFSETS_SEEN: collections.OrderedDict[int, tuple[weakref.ref, tuple[int, int], list[int]]] = collections.OrderedDict()
 _OFFSETS_KEPT = 8
 
 
 def host_offsets(cu_seqlens, cu_seqlens_cpu=None) -> list[int]:
     """The varlen offsets as Python ints: from the host copy ``cu_seqlens_cpu`` when the caller gave one, else
-    from ``cu_seqlens`` (a device sync, once per tensor and version)."""
+    from ``cu_seqlens`` (a device sync, once per tensor and version; every call for a tensor without a version
+    counter or storage pointer, such as an inference-mode tensor)."""
     if cu_seqlens_cpu is not None:
         return cu_seqlens_cpu.tolist()
+    try:
+        stamp = (cu_seqlens._version, cu_seqlens.data_ptr())
+    except RuntimeError:
+        return cu_seqlens.tolist()
     seen = _OFFSETS_SEEN.get(id(cu_seqlens))
-    if seen is not None:
-        ref, version, ptr, offsets = seen
-        if ref() is cu_seqlens and version == cu_seqlens._version and ptr == cu_seqlens.data_ptr():
-            _OFFSETS_SEEN.move_to_end(id(cu_seqlens))
-            return list(offsets)
+    if seen is not None and seen[0]() is cu_seqlens and seen[1] == stamp:
+        _OFFSETS_SEEN.move_to_end(id(cu_seqlens))
+        return list(seen[2])
     offsets = cu_seqlens.tolist()
-    _OFFSETS_SEEN[id(cu_seqlens)] = (weakref.ref(cu_seqlens), cu_seqlens._version, cu_seqlens.data_ptr(), offsets)
+    _OFFSETS_SEEN[id(cu_seqlens)] = (weakref.ref(cu_seqlens), stamp, offsets)
     while len(_OFFSETS_SEEN) > _OFFSETS_KEPT:
         _OFFSETS_SEEN.popitem(last=False)
     return list(offsets)

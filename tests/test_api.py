@@ -156,6 +156,12 @@ def test_offsets_are_read_once_per_tensor_and_version():
             validate(cu)
     assert CountingReads.reads == 2
     assert validate(torch.tensor([0, 7, 20]).as_subclass(CountingReads)) == [0, 7, 20] and CountingReads.reads == 3
+    with torch.inference_mode():  # no version counter there: every call reads, and sees in-place changes
+        inf = torch.tensor([0, 5, 20])
+        assert validate(inf) == [0, 5, 20]
+        inf[1] = 25
+        with pytest.raises(ValueError, match="non-decreasing"):
+            validate(inf)
 
 
 def test_deprecated_transpose_state_layout_means_state_v_first():

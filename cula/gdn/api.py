@@ -18,7 +18,7 @@ from cula.dispatch import (
     kernel_vs_fla,
 )
 from cula.gdn import reference
-from cula.ops.gates import kernel_gdn_gate, kernel_qk_beta
+from cula.ops.gates import kernel_gdn_gate
 
 
 def _validate_chunk(args: dict[str, Any]) -> None:
@@ -137,26 +137,11 @@ def _sm90_faster_than_fla(args: dict[str, Any]) -> tuple[bool, str]:
 
 def _sm90_run(args: dict[str, Any]):
     from cula.gdn.chunk_fwd_sm90 import chunk_gated_delta_rule_fwd_sm90
+    from cula.ops.sm90_entry import run_bound
 
-    fused_l2norm = bool(args["use_qk_l2norm_in_kernel"])  # the kernel normalises q and k itself
-    q, k, beta = kernel_qk_beta(args, l2norm_here=not fused_l2norm)
     g = args["g"]
     g = kernel_gdn_gate(g, args.get("A_log"), args.get("dt_bias")) if args.get("use_gate_in_kernel") else g.float()
-    o, final_state = chunk_gated_delta_rule_fwd_sm90(
-        q,
-        k,
-        args["v"].contiguous(),
-        g.contiguous(),
-        beta,
-        args["scale"],
-        args["initial_state"],
-        args["output_final_state"],
-        args["cu_seqlens"],
-        args["state_v_first"],
-        cu_seqlens_cpu=args.get("cu_seqlens_cpu"),
-        qk_l2norm=fused_l2norm,
-    )
-    return o, final_state
+    return run_bound(chunk_gated_delta_rule_fwd_sm90, args, g)
 
 
 CHUNK.register_kernel(CuteKernel("gdn.chunk_fwd_sm90", 9, _sm90_supports, _sm90_run, _sm90_faster_than_fla))

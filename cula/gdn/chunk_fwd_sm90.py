@@ -24,7 +24,6 @@ state_v_first). Varlen: B == 1 and cu_seqlens [N + 1]. GVA: value head hv reads 
 K = V = 64 or 128.
 """
 
-import functools
 import math
 
 import cutlass
@@ -36,6 +35,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cula import runtime
 from cula.ops import segment_split, sm90_entry
 from cula.ops import sm90_blocks as blocks
+from cula.ops.gates import L2NORM_EPS  # FLA's l2norm_fwd: x / sqrt(sum(x^2) + eps)
 
 CHUNK = 64
 MODES = ("full", "transition", "correction")  # see GDNChunkFwdSm90 and cula.ops.segment_split
@@ -45,7 +45,6 @@ SUPPORTED_DIMS = (64, 128)
 # kernel runs one CTA per SM.
 CHUNK_LATENCY_US = 6.6
 _LOG2E = math.log2(math.e)
-L2NORM_EPS = 1e-6  # FLA's l2norm_fwd: x / sqrt(sum(x^2) + eps)
 
 
 def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, **_) -> tuple[bool, str]:
@@ -416,7 +415,7 @@ class GDNChunkFwdSm90:
             e_d = cute.make_rmem_tensor(cute.make_layout(16), f32)  # exp(G_last - G_j)
             b_j = cute.make_rmem_tensor(cute.make_layout(16), f32)  # beta_j
             for kc in cutlass.range_constexpr(16):
-                rc, jc = cCC[blocks.acc_col_element(kc)]
+                _, jc = cCC[blocks.acc_col_element(kc)]
                 e_g[kc] = sFac[jc, slot, 0]
                 e_d[kc] = sFac[jc, slot, 1]
                 b_j[kc] = sBeta[jc, slot]
@@ -550,13 +549,7 @@ class GDNChunkFwdSm90:
                     sNorm[r, 1] = f32(0.5) * cute.math.log2(n2, fastmath=True)
         elif cutlass.const_expr(self.make_o):
             row, half = wtid // 2, wtid % 2
-            frag = cute.make_rmem_tensor(cute.make_layout((1, 8)), cutlass.BFloat16)
-            acc = f32(0.0)
-            for blk in cutlass.range_constexpr(self.D // 16):
-                cute.autovec_copy(cute.local_tile(sQ, (1, 8), (row, half * (self.D // 16) + blk)), frag)
-                x = frag.load().to(f32)
-                for e in cutlass.range_constexpr(8):
-                    acc = acc + x[e] * x[e]
+            acc = blocks.row_sum_squares(sQ, row, half * (self.D // 16), self.D // 16)
             acc = acc + cute.arch.shuffle_sync_bfly(acc, 1)
             if half == 0:
                 sNorm[row, 2] = cute.math.rsqrt(acc + eps, fastmath=True)
@@ -603,17 +596,6 @@ class GDNChunkFwdSm90:
 
 
 # -------------------------------------------------------------------- compile + Python entry
-def _fake_args(kernel: GDNChunkFwdSm90):
-    n_ranges = runtime.sym_int()
-    return (
-        *sm90_entry.fake_io(kernel.D, kernel.beta_fp32, kernel.state_v_first, per_key_gate=False),
-        runtime.fake_tensor(cutlass.Int32, (n_ranges,), align=4),
-        runtime.fake_tensor(cutlass.Int32, (n_ranges,), align=4),
-        cutlass.Float32(1.0),
-        runtime.fake_stream(),
-    )
-
-
 def compile_gdn_fwd_sm90(
     arch="sm_90a",
     keep_artifacts=False,
@@ -626,7 +608,8 @@ def compile_gdn_fwd_sm90(
     qk_l2norm=False,
 ):
     kernel = GDNChunkFwdSm90(head_dim, beta_fp32, is_varlen, has_initial_state, state_v_first, mode, qk_l2norm)
-    return runtime.compile_kernel(kernel, _fake_args(kernel), arch, keep_artifacts)
+    fake = sm90_entry.fake_args(kernel.D, kernel.beta_fp32, kernel.state_v_first, per_key_gate=False)
+    return runtime.compile_kernel(kernel, fake, arch, keep_artifacts)
 
 
 def _launch(*args, **options):
@@ -656,10 +639,9 @@ def chunk_gated_delta_rule_fwd_sm90(
     are split across CTAs when that is expected to be faster (:func:`cula.ops.sm90_entry.chunk_fwd`); ``split``
     True/False forces it on/off. ``qk_l2norm``: L2-normalise q and k in the kernel (FLA's
     ``use_qk_l2norm_in_kernel``, eps 1e-6 under the root)."""
-    launch = functools.partial(_launch, qk_l2norm=True) if qk_l2norm else _launch
     return sm90_entry.chunk_fwd(
-        launch, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first, out,
-        final_state_out, cu_seqlens_cpu, split, CHUNK,
+        _launch, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first, out,
+        final_state_out, cu_seqlens_cpu, split, CHUNK, qk_l2norm=qk_l2norm,
     )  # fmt: skip
 
 

@@ -9,7 +9,7 @@ import torch
 from cula import validation
 from cula.dispatch import CuteKernel, FlaTime, Op, bind, call_args, chunk_fwd_kernel_declines, kernel_vs_fla
 from cula.kda import reference
-from cula.ops.gates import kernel_kda_gate, kernel_qk_beta
+from cula.ops.gates import kernel_kda_gate
 
 
 def _validate_chunk(args: dict[str, Any]) -> None:
@@ -131,27 +131,12 @@ def _sm90_supports(args: dict[str, Any]) -> tuple[bool, str]:
 
 def _sm90_run(args: dict[str, Any]):
     from cula.kda.chunk_fwd_sm90 import chunk_kda_fwd_sm90
+    from cula.ops.sm90_entry import run_bound
 
-    fused_l2norm = bool(args["use_qk_l2norm_in_kernel"])  # the kernel normalises q and k itself
-    q, k, beta = kernel_qk_beta(args, l2norm_here=not fused_l2norm)
     g = args["g"]
     if args.get("use_gate_in_kernel"):
         g = kernel_kda_gate(g, args.get("A_log"), args.get("dt_bias"), args.get("lower_bound"))
-    o, final_state = chunk_kda_fwd_sm90(
-        q,
-        k,
-        args["v"].contiguous(),
-        g.float().contiguous(),
-        beta,
-        args["scale"],
-        args["initial_state"],
-        args["output_final_state"],
-        args["cu_seqlens"],
-        args["state_v_first"],
-        cu_seqlens_cpu=args.get("cu_seqlens_cpu"),
-        qk_l2norm=fused_l2norm,
-    )
-    return o, final_state
+    return run_bound(chunk_kda_fwd_sm90, args, g.float())
 
 
 # FLA 0.6.0's chunk_kda forward on the H200 at D = 128 (safe_gate, lower_bound=-5): about 3.2 ns per token-head

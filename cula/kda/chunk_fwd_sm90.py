@@ -32,7 +32,6 @@ hv // (HV / H). K = V = 64 or 128 (at 64, warpgroup 0 holds all of S^T and warpg
 products without writing them).
 """
 
-import functools
 import math
 
 import cutlass
@@ -44,6 +43,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cula import runtime
 from cula.ops import segment_split, sm90_entry
 from cula.ops import sm90_blocks as blocks
+from cula.ops.gates import L2NORM_EPS  # FLA's l2norm_fwd: x / sqrt(sum(x^2) + eps)
 
 CHUNK = 64
 MODES = ("full", "transition", "correction")  # see KDAChunkFwdSm90 and cula.ops.segment_split
@@ -54,7 +54,6 @@ SUPPORTED_DIMS = (64, 128)
 # the lowest gate the intra-chunk factorisation tolerates (module docstring)
 LOWER_BOUND_MIN = -5.0
 _LOG2E = math.log2(math.e)
-L2NORM_EPS = 1e-6  # FLA's l2norm_fwd: x / sqrt(sum(x^2) + eps)
 
 
 def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, **_) -> tuple[bool, str]:
@@ -503,7 +502,7 @@ class KDAChunkFwdSm90:
             # chunk decay per key channel (column of S^T)
             b_j = cute.make_rmem_tensor(cute.make_layout(16), f32)
             for kc in cutlass.range_constexpr(16):
-                rc, jc = cCC[blocks.acc_col_element(kc)]
+                _, jc = cCC[blocks.acc_col_element(kc)]
                 b_j[kc] = sBeta[jc]
             for i in cutlass.range_constexpr(cute.size(acc_s)):
                 rd, kd_ = cST[i]
@@ -572,16 +571,9 @@ class KDAChunkFwdSm90:
     @cute.jit
     def token_norms(self, sK3, sQ3, sNorm, t):
         """For qk_l2norm: 1 / sqrt(||k_t||^2 + eps) and the same for q_t, token ``t`` of the chunk (one thread)."""
-        f32 = cutlass.Float32
-        frag = cute.make_rmem_tensor(cute.make_layout((1, 8)), cutlass.BFloat16)
         for which, tile in ((0, sK3), (1, sQ3)):
-            acc = f32(0.0)
-            for blk in cutlass.range_constexpr(self.D // 8):
-                cute.autovec_copy(cute.local_tile(tile[None, None, 0], (1, 8), (t, blk)), frag)
-                x = frag.load().to(f32)
-                for e in cutlass.range_constexpr(8):
-                    acc = acc + x[e] * x[e]
-            sNorm[t, which] = cute.math.rsqrt(acc + f32(L2NORM_EPS), fastmath=True)
+            acc = blocks.row_sum_squares(tile[None, None, 0], t, 0, self.D // 8)
+            sNorm[t, which] = cute.math.rsqrt(acc + cutlass.Float32(L2NORM_EPS), fastmath=True)
 
     @cute.jit
     def build_r_tile(self, sG, sK3, sR, sNorm, t):
@@ -682,17 +674,6 @@ class KDAChunkFwdSm90:
 
 
 # -------------------------------------------------------------------- compile + Python entry
-def _fake_args(kernel: KDAChunkFwdSm90):
-    n_ranges = runtime.sym_int()
-    return (
-        *sm90_entry.fake_io(kernel.D, kernel.beta_fp32, kernel.state_v_first, per_key_gate=True),
-        runtime.fake_tensor(cutlass.Int32, (n_ranges,), align=4),
-        runtime.fake_tensor(cutlass.Int32, (n_ranges,), align=4),
-        cutlass.Float32(1.0),
-        runtime.fake_stream(),
-    )
-
-
 def compile_kda_fwd_sm90(
     arch="sm_90a",
     keep_artifacts=False,
@@ -705,7 +686,8 @@ def compile_kda_fwd_sm90(
     qk_l2norm=False,
 ):
     kernel = KDAChunkFwdSm90(head_dim, beta_fp32, is_varlen, has_initial_state, state_v_first, mode, qk_l2norm)
-    return runtime.compile_kernel(kernel, _fake_args(kernel), arch, keep_artifacts)
+    fake = sm90_entry.fake_args(kernel.D, kernel.beta_fp32, kernel.state_v_first, per_key_gate=True)
+    return runtime.compile_kernel(kernel, fake, arch, keep_artifacts)
 
 
 def _launch(*args, **options):
@@ -734,10 +716,9 @@ def chunk_kda_fwd_sm90(
     preallocated tensors. Long sequences with few heads are split across CTAs when that is expected to be faster
     (:func:`cula.ops.sm90_entry.chunk_fwd`); ``split`` True/False forces it on/off. ``qk_l2norm``: L2-normalise q
     and k in the kernel (FLA's ``use_qk_l2norm_in_kernel``, eps 1e-6 under the root)."""
-    launch = functools.partial(_launch, qk_l2norm=True) if qk_l2norm else _launch
     return sm90_entry.chunk_fwd(
-        launch, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first, out,
-        final_state_out, cu_seqlens_cpu, split, CHUNK,
+        _launch, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first, out,
+        final_state_out, cu_seqlens_cpu, split, CHUNK, qk_l2norm=qk_l2norm,
     )  # fmt: skip
 
 

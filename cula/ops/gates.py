@@ -71,20 +71,11 @@ def qk_beta_transforms(args: dict, beta: torch.Tensor | None = None) -> tuple[to
     return q, k, beta
 
 
-def kernel_qk_beta(args: dict, l2norm_here: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The delta-rule kernels' pre-passes over an entry point's bound arguments: q and k (L2-normed when asked and
-    ``l2norm_here``; False when the kernel normalises them itself) in q's dtype, and beta (sigmoid when asked) in
-    fp32 or bf16, all contiguous. On a GPU they are FLA's own Triton passes (one read and one write each; the very
-    values FLA's fused path feeds its kernels), elsewhere the fp32 formulas above."""
-    q, k, beta = args["q"], args["k"], args["beta"]
-    dtype = q.dtype
-    if args["use_qk_l2norm_in_kernel"] and l2norm_here:
-        if q.is_cuda:
-            from fla.modules.norm.l2norm import l2norm_fwd
-
-            q, k = l2norm_fwd(q.contiguous(), output_dtype=dtype)[0], l2norm_fwd(k.contiguous(), output_dtype=dtype)[0]
-        else:
-            q, k = l2norm(q), l2norm(k)
+def kernel_beta(args: dict) -> torch.Tensor:
+    """beta for a delta-rule kernel from an entry point's bound arguments: sigmoid when asked (on a GPU FLA's own
+    Triton pass, one read and one write, the very values FLA's fused path feeds its kernels; elsewhere the fp32
+    formula above), in fp32 or bf16, contiguous. The kernels L2-normalise q and k themselves."""
+    beta = args["beta"]
     if args["use_beta_sigmoid_in_kernel"]:
         if beta.is_cuda:
             from fla.ops.common.gate import fused_beta_sigmoid
@@ -94,7 +85,7 @@ def kernel_qk_beta(args: dict, l2norm_here: bool = True) -> tuple[torch.Tensor, 
             beta = beta_sigmoid(beta, args["allow_neg_eigval"])
     if beta.dtype not in (torch.float32, torch.bfloat16):
         beta = beta.float()
-    return q.to(dtype).contiguous(), k.to(dtype).contiguous(), beta.contiguous()
+    return beta.contiguous()
 
 
 def kernel_gdn_gate(g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None) -> torch.Tensor:

@@ -9,6 +9,7 @@ All are ``@cute.jit`` functions inlined into the calling kernel:
 - :func:`empty_operand`: an uninitialised bf16 register A operand, in the register order of a (64 x N) accumulator.
 - :func:`acc_row_slot` / :func:`acc_col_slot` / :func:`acc_col_element`: where a thread's flat accumulator
   elements of a (64 x 64) tile sit among its 2 rows and 16 columns (plain Python, for unrolled loops).
+- :func:`row_sum_squares`: a bf16 tile row's sum of squares (q / k L2 norms).
 - :func:`load_state` / :func:`store_state`: a warpgroup's rows of S^T between its accumulator and global memory.
 - :func:`store_o_rows`: an output tile staged in shared memory to global memory, rows past the end masked.
 - :func:`solve_clear` (once), then per chunk :func:`solve_diag16` and :func:`solve_merge`: ``(I + A)^-1`` for a
@@ -101,6 +102,20 @@ def acc_col_slot(i: int) -> int:
 def acc_col_element(kc: int) -> int:
     """A flat element (the first row's) on column slot ``kc``: the inverse of :func:`acc_col_slot` there."""
     return (kc % 2) + 4 * (kc // 2)
+
+
+@cute.jit
+def row_sum_squares(tile, row, blk0, n_blk: cutlass.Constexpr):
+    """Sum of squares (fp32) of the bf16 elements of ``tile`` (a shared-memory (rows x D) tile, swizzle allowed) at
+    row ``row``, columns ``[8 blk0, 8 (blk0 + n_blk))``, read 8 at a time (for q / k L2 norms)."""
+    frag = cute.make_rmem_tensor(cute.make_layout((1, 8)), cutlass.BFloat16)
+    acc = cutlass.Float32(0.0)
+    for blk in cutlass.range_constexpr(n_blk):
+        cute.autovec_copy(cute.local_tile(tile, (1, 8), (row, blk0 + blk)), frag)
+        x = frag.load().to(cutlass.Float32)
+        for e in cutlass.range_constexpr(8):
+            acc = acc + x[e] * x[e]
+    return acc
 
 
 @cute.jit

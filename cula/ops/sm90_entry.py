@@ -1,12 +1,13 @@
 """Host-side pieces shared by the SM90 chunked-forward entries of the delta-rule family (GDN, KDA): the input
 checks both kernels make, the fake tensors they are compiled with, a placeholder int32 tensor for unused range
-arguments, the entry itself (outputs, varlen ranges, sequence splitting) around a kernel's launch, and the
-variants of each kernel that the compile check builds."""
+arguments, the entry itself (outputs, varlen ranges, sequence splitting) around a kernel's launch, its call from
+an entry point's bound arguments, and the variants of each kernel that the compile check builds."""
 
 import torch
 
 from cula import runtime
 from cula.ops import segment_split
+from cula.ops.gates import kernel_beta
 
 _DUMMY: dict = {}
 
@@ -38,13 +39,15 @@ def supports_qkv(q, k, v, beta, initial_state, cu_seqlens, dims) -> tuple[bool, 
     return True, ""
 
 
-def fake_io(D: int, beta_fp32: bool, state_v_first: bool, per_key_gate: bool) -> tuple:
-    """Fake ``q, k, v, g, beta, o, h0, ht`` for compiling a chunk kernel: q, k [B, T, H, D], v and o [B, T, HV, D]
-    bf16; g [B, T, HV] (or [B, T, HV, D] with ``per_key_gate``) fp32; beta fp32 or bf16; the states (N, HV, K, V)
-    fp32, stored [N, HV, V, K] (K contiguous) with ``state_v_first``. Batch, length and head counts symbolic."""
+def fake_args(D: int, beta_fp32: bool, state_v_first: bool, per_key_gate: bool) -> tuple:
+    """Fake arguments for compiling a chunk kernel, in its launch order ``q, k, v, g, beta, o, h0, ht, starts, ends,
+    scale, stream``: q, k [B, T, H, D], v and o [B, T, HV, D] bf16; g [B, T, HV] (or [B, T, HV, D] with
+    ``per_key_gate``) fp32; beta fp32 or bf16; the states (N, HV, K, V) fp32, stored [N, HV, V, K] (K contiguous)
+    with ``state_v_first``; int32 token ranges. Batch, length, head and range counts symbolic."""
     import cutlass
 
     sym = runtime.sym_int
+    n_ranges = sym()
     B, T, H, HV, N = sym(), sym(), sym(), sym(), sym()
     bf16 = cutlass.BFloat16
     state_order = (3, 2, 0, 1) if state_v_first else None
@@ -62,6 +65,10 @@ def fake_io(D: int, beta_fp32: bool, state_v_first: bool, per_key_gate: bool) ->
         runtime.fake_tensor(bf16, (B, T, HV, D)),
         runtime.fake_tensor(cutlass.Float32, (N, HV, D, D), state_order),
         runtime.fake_tensor(cutlass.Float32, (N, HV, D, D), state_order),
+        runtime.fake_tensor(cutlass.Int32, (n_ranges,), align=4),
+        runtime.fake_tensor(cutlass.Int32, (n_ranges,), align=4),
+        cutlass.Float32(1.0),
+        runtime.fake_stream(),
     )
 
 
@@ -90,12 +97,14 @@ def chunk_fwd(
     cu_seqlens_cpu,
     split,
     chunk: int,
+    **options,
 ):
     """The Python side of an SM90 chunked forward (GDN, KDA): outputs, varlen ranges, and sequence splitting.
 
-    ``launch(q, k, v, g, beta, o, h0, ht, starts, ends, scale, state_v_first, mode)`` runs the kernel once
-    (``starts``/``ends``: int32 token ranges in batch row 0, or None for one sequence per batch row; ``h0`` None:
-    zero start, or identity for ``mode="transition"``). Long sequences with few heads are split across CTAs
+    ``launch(q, k, v, g, beta, o, h0, ht, starts, ends, scale, state_v_first, mode, **options)`` runs the kernel
+    once (``starts``/``ends``: int32 token ranges in batch row 0, or None for one sequence per batch row; ``h0``
+    None: zero start, or identity for ``mode="transition"``; ``options``: the kernel's own compile-time options,
+    passed to every launch). Long sequences with few heads are split across CTAs
     (``cula.ops.segment_split``) when the planner expects that to be faster; ``split`` True/False forces it on/off
     (a cut per 16 chunks when forced on). Varlen batches are split only with their offsets on the host
     (``cu_seqlens_cpu``). Returns ``(o, final_state or None)``."""
@@ -128,7 +137,7 @@ def chunk_fwd(
         def run(mode, starts, ends, h0_, out_):
             Vd = K if mode == "transition" else V
             ht_ = torch.empty(starts.numel(), HV, K, Vd, dtype=torch.float32, device=q.device)
-            launch(*flat[:5], flat[5], h0_, ht_, starts, ends, scale, False, mode)
+            launch(*flat[:5], flat[5], h0_, ht_, starts, ends, scale, False, mode, **options)
             return ht_
 
         ht = segment_split.split_forward(run, offsets, cuts, h0, flat[5], output_final_state)
@@ -148,8 +157,28 @@ def chunk_fwd(
         cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
         starts, ends = cu[:-1], cu[1:]
     h0 = initial_state.contiguous() if initial_state is not None else None
-    launch(q, k, v, g, beta, o, h0, ht, starts, ends, scale, state_v_first, "full")
+    launch(q, k, v, g, beta, o, h0, ht, starts, ends, scale, state_v_first, "full", **options)
     return o, (ht if output_final_state else None)
+
+
+def run_bound(entry, args: dict, g: torch.Tensor):
+    """An SM90 chunk forward ``entry`` (GDN's or KDA's) on an entry point's bound arguments, ``g`` being the gate as
+    the kernel takes it (fp32, activated): beta's pre-pass (:func:`cula.ops.gates.kernel_beta`), q and k
+    L2-normalised by the kernel itself when ``use_qk_l2norm_in_kernel`` asks. Returns ``(o, final_state or None)``."""
+    return entry(
+        args["q"].contiguous(),
+        args["k"].contiguous(),
+        args["v"].contiguous(),
+        g.contiguous(),
+        kernel_beta(args),
+        args["scale"],
+        args["initial_state"],
+        args["output_final_state"],
+        args["cu_seqlens"],
+        args["state_v_first"],
+        cu_seqlens_cpu=args.get("cu_seqlens_cpu"),
+        qk_l2norm=bool(args["use_qk_l2norm_in_kernel"]),
+    )
 
 
 def launch(name, compile_fn, q, k, v, g, beta, o, h0, ht, starts, ends, scale, state_v_first, mode, **options):
