@@ -390,16 +390,7 @@ class KDAChunkFwdSm90:
             cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
 
             # R_j = k_j 2^(G_r - G_j), r the reference token of j's half; |j - r| <= 16 keeps it in range
-            rows = self.threads // D  # token rows per iteration
-            for it in cutlass.range_constexpr(C * D // self.threads):
-                j = rows * it + tidx // D
-                kk = tidx % D
-                hf = (rows * it) // Hf  # the half of row j (constant per iteration)
-                ref = Hf * hf + Hf // 2
-                xr = sK3[j, kk, 0].to(f32) * cute.math.exp2(sG[ref, kk] - sG[j, kk], fastmath=True)
-                if cutlass.const_expr(self.qk_l2norm):
-                    xr = xr * sNorm[j, 0]
-                sR[j - Hf * hf, kk, hf] = xr.to(bf16)
+            self.build_r_tile(sG, sK3, sR, sNorm, tidx)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
 
@@ -412,20 +403,33 @@ class KDAChunkFwdSm90:
             l1 = blocks.empty_operand(cute.size(cST))
             l0_flat = cute.make_tensor(l0.iterator, cute.make_layout(cute.size(cST)))
             l1_flat = cute.make_tensor(l1.iterator, cute.make_layout(cute.size(cST)))
-            p0 = cute.make_rmem_tensor(cute.make_layout(2), f32)
-            p1 = cute.make_rmem_tensor(cute.make_layout(2), f32)
-            for i in cutlass.range_constexpr(cute.size(cST)):
-                ri, ki = cST[i]
-                x = sQK[ri, ki, 1 - wg, 0].to(f32)
-                if cutlass.const_expr(self.qk_l2norm):
-                    x = x * sNorm[ri, wg]  # WG0's rows are k, WG1's q
-                gi = sG[ri, ki]
-                p0[i % 2] = x * cute.math.exp2(gi - sG[Hf // 2, ki], fastmath=True)
-                x1 = f32(0.0)
-                if ri >= Hf:
-                    x1 = x * cute.math.exp2(gi - sG[Hf + Hf // 2, ki], fastmath=True)
-                p1[i % 2] = x1
-                if cutlass.const_expr(i % 2 == 1):
+            p0 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
+            p1 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
+            x2 = cute.make_rmem_tensor(cute.make_layout((1, 2)), bf16)
+            g2 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
+            r0 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
+            r1 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
+            sX = sQK[None, None, 1 - wg, 0]  # WG0's rows are k, WG1's q
+            # per 8-column block i // 4 the thread holds 2 adjacent columns on 2 rows: the references' gates are
+            # loaded once for both rows, and x and G as pairs
+            for blk in cutlass.range_constexpr(cute.size(cST) // 4):
+                _, kb = cST[4 * blk]
+                cute.autovec_copy(cute.local_tile(sG, (1, 2), (Hf // 2, kb // 2)), r0)
+                cute.autovec_copy(cute.local_tile(sG, (1, 2), (Hf + Hf // 2, kb // 2)), r1)
+                for rr in cutlass.range_constexpr(2):
+                    i = 4 * blk + 2 * rr
+                    ri, ki = cST[i]
+                    cute.autovec_copy(cute.local_tile(sX, (1, 2), (ri, ki // 2)), x2)
+                    cute.autovec_copy(cute.local_tile(sG, (1, 2), (ri, ki // 2)), g2)
+                    x = x2.load().to(f32)
+                    if cutlass.const_expr(self.qk_l2norm):
+                        x = x * sNorm[ri, wg]
+                    for e in cutlass.range_constexpr(2):
+                        p0[0, e] = x[e] * cute.math.exp2(g2[0, e] - r0[0, e], fastmath=True)
+                        x1 = f32(0.0)
+                        if ri >= Hf:
+                            x1 = x[e] * cute.math.exp2(g2[0, e] - r1[0, e], fastmath=True)
+                        p1[0, e] = x1
                     cute.local_tile(l0_flat, (2,), (i // 2,)).store(p0.load().to(bf16))
                     cute.local_tile(l1_flat, (2,), (i // 2,)).store(p1.load().to(bf16))
             acc0 = thr_h.make_fragment_C(acc_h_shape)
@@ -467,31 +471,11 @@ class KDAChunkFwdSm90:
             cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
 
             # ---- 2. Tinv = (I + A)^-1 by 16-blocks: warps 0-1 invert the diagonal blocks while warps 2-7 build the B
-            # tiles of the state products (32 channels of one token per warp and step); then all threads join them
+            # tiles of the state products; then all threads join them
             if warp < 2:
                 blocks.solve_diag16(sA, sT, tidx)
             else:
-                segs = C * (D // 32)
-                workers = self.threads // 32 - 2
-                # a rolled loop: unrolled, its loop-invariant smem addresses would be hoisted and spilled
-                for it in cutlass.range((segs + workers - 1) // workers, unroll=1):
-                    seg = (warp - 2) + workers * it
-                    if seg < segs:
-                        j = seg // (D // 32)
-                        kk = (seg % (D // 32)) * 32 + lane
-                        gj = sG[j, kk]
-                        eg = cute.math.exp2(gj, fastmath=True)
-                        kj = sK3[j, kk, 0].to(f32)
-                        qj = sQ3[j, kk, 0].to(f32)
-                        if cutlass.const_expr(self.qk_l2norm):
-                            kj = kj * sNorm[j, 0]
-                            qj = qj * sNorm[j, 1]
-                        sKG[j, kk] = (kj * eg).to(bf16)
-                        sQG[j, kk] = (qj * eg).to(bf16)
-                        kd = f32(0.0)
-                        if j < L:
-                            kd = kj * cute.math.exp2(sGl[kk] - gj, fastmath=True)
-                        sKD[kk, j] = kd.to(bf16)
+                self.build_b_tiles(sG, sK3, sQ3, sKG, sQG, sKD, sGl, sNorm, L, tidx - 64)
             cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
             blocks.solve_merge(sA, sT, tidx, 1, self.threads)
             cute.arch.fence_proxy("async.shared", space="cta")
@@ -590,6 +574,85 @@ class KDAChunkFwdSm90:
         for which, tile in ((0, sK3), (1, sQ3)):
             acc = blocks.row_sum_squares(tile[None, None, 0], t, 0, self.D // 8)
             sNorm[t, which] = cute.math.rsqrt(acc + cutlass.Float32(L2NORM_EPS), fastmath=True)
+
+    @cute.jit
+    def build_r_tile(self, sG, sK3, sR, sNorm, t):
+        """R_j = k_j 2^(G_r - G_j) for the chunk's tokens j, r = 16 or 48 the reference token of j's 32-token half,
+        into that half of ``sR``, by all threads: thread t owns key channels 2p, 2p + 1 (p = t % (D / 2)) for its
+        group of 8-token blocks (t // (D / 2)), the token's low 3 bits compile-time (as in :meth:`build_b_tiles`)."""
+        f32 = cutlass.Float32
+        bf16 = cutlass.BFloat16
+        C, D, Hf = self.C, self.D, self.half
+        pairs = D // 2
+        groups = self.threads // pairs
+        per_group = C // 8 // groups
+        p = t % pairs
+        grp = t // pairs
+        g2 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
+        gr = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
+        k2 = cute.make_rmem_tensor(cute.make_layout((1, 2)), bf16)
+        r2 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
+        for bi in cutlass.range_constexpr(per_group):
+            jb = grp * per_group + bi
+            hf = (jb * 8) // Hf
+            cute.autovec_copy(cute.local_tile(sG, (1, 2), (Hf * hf + Hf // 2, p)), gr)
+            for jj in cutlass.range_constexpr(8):
+                j = jb * 8 + jj
+                cute.autovec_copy(cute.local_tile(sG, (1, 2), (j, p)), g2)
+                cute.autovec_copy(cute.local_tile(sK3[None, None, 0], (1, 2), (j, p)), k2)
+                kx = k2.load().to(f32)
+                if cutlass.const_expr(self.qk_l2norm):
+                    kx = kx * sNorm[j, 0]
+                for e in cutlass.range_constexpr(2):
+                    r2[0, e] = kx[e] * cute.math.exp2(gr[0, e] - g2[0, e], fastmath=True)
+                cute.local_tile(sR[None, None, hf], (1, 2), (j - Hf * hf, p)).store(r2.load().to(bf16))
+
+    @cute.jit
+    def build_b_tiles(self, sG, sK3, sQ3, sKG, sQG, sKD, sGl, sNorm, L, t):
+        """The B tiles of the chunk's state products, by 192 threads (``t`` in [0, 192)): K 2^G and Q 2^G
+        (K-major) and K 2^(G_last - G) (MN-major, 0 past the sequence end). Thread t owns key channels 2p, 2p + 1
+        (p = t % (D / 2), read and written as pairs) for one group of 8-token blocks (t // (D / 2)); within a block
+        the token's low 3 bits are compile-time, so the 128B-swizzled addresses cost an XOR each."""
+        f32 = cutlass.Float32
+        bf16 = cutlass.BFloat16
+        C, D = self.C, self.D
+        pairs = D // 2
+        groups = 192 // pairs
+        per_group = (C // 8 + groups - 1) // groups  # 8-token blocks per group
+        p = t % pairs
+        grp = t // pairs
+        gl = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
+        cute.autovec_copy(cute.local_tile(sGl, (2,), (p,)), cute.make_tensor(gl.iterator, cute.make_layout(2)))
+        g2 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
+        k2 = cute.make_rmem_tensor(cute.make_layout((1, 2)), bf16)
+        q2 = cute.make_rmem_tensor(cute.make_layout((1, 2)), bf16)
+        kg2 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
+        qg2 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
+        kd2 = cute.make_rmem_tensor(cute.make_layout((2, 1)), f32)
+        for bi in cutlass.range(per_group, unroll=1):
+            jb = grp * per_group + bi
+            if jb < C // 8:
+                for jj in cutlass.range_constexpr(8):
+                    j = jb * 8 + jj
+                    cute.autovec_copy(cute.local_tile(sG, (1, 2), (j, p)), g2)
+                    cute.autovec_copy(cute.local_tile(sK3[None, None, 0], (1, 2), (j, p)), k2)
+                    cute.autovec_copy(cute.local_tile(sQ3[None, None, 0], (1, 2), (j, p)), q2)
+                    kx = k2.load().to(f32)
+                    qx = q2.load().to(f32)
+                    if cutlass.const_expr(self.qk_l2norm):
+                        kx = kx * sNorm[j, 0]
+                        qx = qx * sNorm[j, 1]
+                    for e in cutlass.range_constexpr(2):
+                        eg = cute.math.exp2(g2[0, e], fastmath=True)
+                        kg2[0, e] = kx[e] * eg
+                        qg2[0, e] = qx[e] * eg
+                        kd = f32(0.0)
+                        if j < L:
+                            kd = kx[e] * cute.math.exp2(gl[0, e] - g2[0, e], fastmath=True)
+                        kd2[e, 0] = kd
+                    cute.local_tile(sKG, (1, 2), (j, p)).store(kg2.load().to(bf16))
+                    cute.local_tile(sQG, (1, 2), (j, p)).store(qg2.load().to(bf16))
+                    cute.local_tile(sKD, (2, 1), (p, j)).store(kd2.load().to(bf16))
 
     @cute.jit
     def issue_qkg(self, tma, bar, chunk, lane):
