@@ -74,3 +74,27 @@ def test_plan_segments():
     assert segments * 4 <= 132
     for n, c in zip(lengths, cuts, strict=True):
         assert all(x % 64 == 0 and 0 < x < n for x in c) and c == sorted(c)
+
+
+def test_pass_ranges_are_copied_once_per_split():
+    """A model's layers split the same way: the three passes' token ranges go to the device once for a split, not
+    once per pass and call (each such copy from pageable memory waits for the stream)."""
+    cuts = [[64, 128], [192]]
+    offsets = [0, 300, 750]
+    q, k, v, g, beta = make(offsets[-1], 1, 2, 16, per_key=False)
+    seen = []
+
+    def run(mode, starts, ends, h0, out):
+        seen.append((mode, starts, starts.tolist(), ends.tolist()))  # kept alive: no address reuse
+        return reference_runner(q, k, v, g, beta, 0.25)(mode, starts, ends, h0, out)
+
+    for _ in range(2):
+        split_forward(run, offsets, cuts, None, torch.empty_like(v), True)
+    first, second = seen[:3], seen[3:]
+    assert [s[0] for s in first] == ["full", "transition", "correction"]
+    assert first[0][2:] == ([0, 64, 128, 300, 492], [64, 128, 300, 492, 750])
+    assert first[1][2:] == ([0, 64, 300], [64, 128, 492])  # every segment but each sequence's last
+    assert first[2][2:] == ([64, 128, 492], [128, 300, 750])  # every segment with a start
+    # one device copy, shared by all passes of both calls
+    assert len({s[1].untyped_storage().data_ptr() for s in seen}) == 1
+    assert [s[2:] for s in second] == [s[2:] for s in first]

@@ -18,6 +18,7 @@ is well over three times the chunks each SM gets when all of them are spread (``
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Callable
 
@@ -70,22 +71,19 @@ def split_forward(
     """Run one op over sequences ``[offsets[n], offsets[n+1])`` of the flattened token axis, each cut at
     ``offsets[n] + cuts[n]``. ``initial_state`` is [N, HV, K, V] fp32 or None; ``out`` receives o. Returns the
     final states [N, HV, K, V] (or None when not needed)."""
-    dev = out.device
     segs = []  # (sequence, start, end)
     for n, (a, b) in enumerate(zip(offsets[:-1], offsets[1:], strict=True)):
         bounds = [a] + [a + c for c in cuts[n]] + [b]
         segs += [(n, s, e) for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
-
-    def ranges(idx):
-        t = torch.tensor([[segs[i][1] for i in idx], [segs[i][2] for i in idx]], dtype=torch.int32)
-        t = t.to(dev, non_blocking=True)
-        return t[0], t[1]
-
     all_idx = list(range(len(segs)))
-    local = run("full", *ranges(all_idx), None, out)
     last = {n: i for i, (n, _, _) in enumerate(segs)}  # each sequence's last segment
-    trans_idx = [i for i in all_idx if last[segs[i][0]] != i]
-    trans = run("transition", *ranges(trans_idx), None, out) if trans_idx else None
+    first = {n: i for i, (n, _, _) in reversed(list(enumerate(segs)))}
+    trans_idx = [i for i in all_idx if last[segs[i][0]] != i]  # segments whose successor needs a start
+    corr_idx = [i for i in all_idx if initial_state is not None or first[segs[i][0]] != i]  # with a start
+    full_r, trans_r, corr_r = _device_ranges(segs, (all_idx, trans_idx, corr_idx), out.device)
+
+    local = run("full", *full_r, None, out)
+    trans = run("transition", *trans_r, None, out) if trans_idx else None
     trans_of = {i: j for j, i in enumerate(trans_idx)}
 
     # starts: S_start(first) = h0 (or zero); S_start(next) = M S_start + S_local
@@ -95,13 +93,38 @@ def split_forward(
         s = state.get(n, None if initial_state is None else initial_state[n])
         starts[i] = s
         if i in trans_of:
-            state[n] = local[i] if s is None else torch.matmul(trans[trans_of[i]], s) + local[i]
-    corr_idx = [i for i in all_idx if starts[i] is not None]
+            state[n] = local[i] if s is None else torch.baddbmm(local[i], trans[trans_of[i]], s)
     final = {}
     if corr_idx:
         h0 = torch.stack([starts[i] for i in corr_idx])
-        hom = run("correction", *ranges(corr_idx), h0, out)
+        hom = run("correction", *corr_r, h0, out)
         final = {segs[i][0]: hom[j] + local[i] for j, i in enumerate(corr_idx) if last[segs[i][0]] == i}
     if not need_final_state:
         return None
     return torch.stack([final.get(n, local[i]) for n, i in sorted(last.items())])
+
+
+# Device copies of the passes' token ranges, for the last few splits seen: a model's layers split their batch the
+# same way, so the host-to-device copy (which waits for the stream, its source being pageable) is made once per
+# split, not once per pass and call.
+_RANGES: collections.OrderedDict[tuple, tuple[torch.Tensor, ...]] = collections.OrderedDict()
+_RANGES_KEPT = 16
+
+
+def _device_ranges(segs, passes, dev) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(starts, ends) int32 on ``dev`` for each list of segment indices in ``passes``."""
+    key = (str(dev), tuple(segs), tuple(tuple(idx) for idx in passes))
+    flat = _RANGES.get(key)
+    if flat is None:
+        cols = [i for idx in passes for i in idx]
+        flat = torch.tensor([[segs[i][1] for i in cols], [segs[i][2] for i in cols]], dtype=torch.int32).to(dev)
+        _RANGES[key] = flat
+        while len(_RANGES) > _RANGES_KEPT:
+            _RANGES.popitem(last=False)
+    else:
+        _RANGES.move_to_end(key)
+    out, at = [], 0
+    for idx in passes:
+        out.append((flat[0, at : at + len(idx)], flat[1, at : at + len(idx)]))
+        at += len(idx)
+    return out
