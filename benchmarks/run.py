@@ -352,6 +352,8 @@ def environment() -> dict:
         "torch": torch.__version__,
         # the timed calls reuse one cu_seqlens tensor: neither side syncs to read it again (as across a model's layers)
         "varlen offsets": "read from the device once per cu_seqlens tensor, by cuLA and by FLA",
+        # a split long sequence's pass ranges go to the device once per split (before: one synced copy per pass)
+        "split ranges": "copied to the device once per split",
     }
     for module in ("triton", "fla", "cutlass"):
         try:

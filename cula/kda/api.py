@@ -140,8 +140,9 @@ def _sm90_run(args: dict[str, Any]):
 
 
 # FLA 0.6.0's chunk_kda forward on the H200 at D = 128 (safe_gate, lower_bound=-5): about 3.2 ns per token-head
-# (../shared/device/README.md and the 2026-12-03 dev run, NOTES.md); its minimum per call is taken from GDN's.
-FLA_TIME = FlaTime(ns_per_token_head=3.2, min_ms=0.38)
+# (benchmarks/results/h200_fwd.json); its minimum per call is taken from GDN's; one long sequence walks its chunks in
+# series at about 2.9 us each (2.976 ms at B1 T65536 H8).
+FLA_TIME = FlaTime(ns_per_token_head=3.2, min_ms=0.38, chunk_us=2.9)
 
 
 def _sm90_faster_than_fla(args: dict[str, Any]) -> tuple[bool, str]:

@@ -47,9 +47,9 @@ from cula.ops.gates import L2NORM_EPS  # FLA's l2norm_fwd: x / sqrt(sum(x^2) + e
 
 CHUNK = 64
 MODES = ("full", "transition", "correction")  # see KDAChunkFwdSm90 and cula.ops.segment_split
-# One CTA walks its chunks in series at about this many microseconds each (H200, dev run of 2026-12-03: 4.77 ms at
-# B2 T16384 H64 = 256 chunks per CTA in one wave; NOTES.md); the kernel runs one CTA per SM.
-CHUNK_LATENCY_US = 18.6
+# One CTA walks its chunks in series at about this many microseconds each (H200, benchmarks/results/h200_fwd.json:
+# 3.22 ms at B2 T16384 H64 = 256 chunks per CTA in one wave, 0.83 ms at B8 T2048 H32); one CTA per SM.
+CHUNK_LATENCY_US = 13.0
 SUPPORTED_DIMS = (64, 128)
 # the lowest gate the intra-chunk factorisation tolerates (module docstring)
 LOWER_BOUND_MIN = -5.0
@@ -368,16 +368,21 @@ class KDAChunkFwdSm90:
             # ---- 0. G = cumsum(g) in log2 units, in place (one key channel per WG0 thread; tokens past the
             # sequence end get g = 0); beta (0 past the end)
             if tidx < D:
+                # in batches whose loads all issue before their stores: the compiler keeps a load behind any earlier
+                # store to the tile, so a load-add-store per token would chain 64 load latencies
                 run = f32(0.0)
-                for t in cutlass.range_constexpr(C):
-                    gt = f32(0.0)
-                    if t < L:
-                        gt = sG[t, tidx] * _LOG2E
-                    run = run + gt
-                    sG[t, tidx] = run
-                gl = sG[L - 1, tidx]
-                sGl[tidx] = gl
-                sDec[tidx] = cute.math.exp2(gl, fastmath=True)
+                gv = cute.make_rmem_tensor(cute.make_layout(16), f32)
+                for t0 in cutlass.range_constexpr(0, C, 16):
+                    for t in cutlass.range_constexpr(16):
+                        gv[t] = f32(0.0)
+                        if t0 + t < L:
+                            gv[t] = sG[t0 + t, tidx]
+                    for t in cutlass.range_constexpr(16):
+                        run = run + gv[t] * _LOG2E
+                        sG[t0 + t, tidx] = run
+                # tokens past the end add 0, so the last sum is G_last
+                sGl[tidx] = run
+                sDec[tidx] = cute.math.exp2(run, fastmath=True)
             elif tidx < D + C:
                 tb = tidx - D
                 bt = f32(0.0)
@@ -588,24 +593,38 @@ class KDAChunkFwdSm90:
         per_group = C // 8 // groups
         p = t % pairs
         grp = t // pairs
-        g2 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
         gr = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
-        k2 = cute.make_rmem_tensor(cute.make_layout((1, 2)), bf16)
         r2 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
         for bi in cutlass.range_constexpr(per_group):
             jb = grp * per_group + bi
             hf = (jb * 8) // Hf
             cute.autovec_copy(cute.local_tile(sG, (1, 2), (Hf * hf + Hf // 2, p)), gr)
+            # the block's loads before its stores (a later load never passes an earlier store to shared memory)
+            g2, k2, nk = self.load_block(sG, sK3[None, None, 0], sNorm, 0, jb, p)
             for jj in cutlass.range_constexpr(8):
                 j = jb * 8 + jj
-                cute.autovec_copy(cute.local_tile(sG, (1, 2), (j, p)), g2)
-                cute.autovec_copy(cute.local_tile(sK3[None, None, 0], (1, 2), (j, p)), k2)
-                kx = k2.load().to(f32)
+                kx = k2[jj].load().to(f32)
                 if cutlass.const_expr(self.qk_l2norm):
-                    kx = kx * sNorm[j, 0]
+                    kx = kx * nk[jj]
                 for e in cutlass.range_constexpr(2):
-                    r2[0, e] = kx[e] * cute.math.exp2(gr[0, e] - g2[0, e], fastmath=True)
+                    r2[0, e] = kx[e] * cute.math.exp2(gr[0, e] - g2[jj][0, e], fastmath=True)
                 cute.local_tile(sR[None, None, hf], (1, 2), (j - Hf * hf, p)).store(r2.load().to(bf16))
+
+    def load_block(self, sG, sX, sNorm, which, jb, p):
+        """The gates (unless ``sG`` is None) and x values (channel pair p) of the 8 tokens of block ``jb`` and, with
+        qk_l2norm, their 1 / ||x|| (``which``: 0 k, 1 q), as lists of 8 register pairs (scalars). A plain helper,
+        unrolled where it is traced."""
+        g2, x2, nx = [], [], []
+        for jj in range(8):
+            j = jb * 8 + jj
+            if sG is not None:
+                g2.append(cute.make_rmem_tensor(cute.make_layout((1, 2)), cutlass.Float32))
+                cute.autovec_copy(cute.local_tile(sG, (1, 2), (j, p)), g2[jj])
+            x2.append(cute.make_rmem_tensor(cute.make_layout((1, 2)), cutlass.BFloat16))
+            cute.autovec_copy(cute.local_tile(sX, (1, 2), (j, p)), x2[jj])
+            if self.qk_l2norm:
+                nx.append(sNorm[j, which])
+        return g2, x2, nx
 
     @cute.jit
     def build_b_tiles(self, sG, sK3, sQ3, sKG, sQG, sKD, sGl, sNorm, L, t):
@@ -623,32 +642,29 @@ class KDAChunkFwdSm90:
         grp = t // pairs
         gl = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
         cute.autovec_copy(cute.local_tile(sGl, (2,), (p,)), cute.make_tensor(gl.iterator, cute.make_layout(2)))
-        g2 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
-        k2 = cute.make_rmem_tensor(cute.make_layout((1, 2)), bf16)
-        q2 = cute.make_rmem_tensor(cute.make_layout((1, 2)), bf16)
         kg2 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
         qg2 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
         kd2 = cute.make_rmem_tensor(cute.make_layout((2, 1)), f32)
         for bi in cutlass.range(per_group, unroll=1):
             jb = grp * per_group + bi
             if jb < C // 8:
+                # the block's loads before its stores, as in build_r_tile
+                g2, k2, nk = self.load_block(sG, sK3[None, None, 0], sNorm, 0, jb, p)
+                _, q2, nq = self.load_block(None, sQ3[None, None, 0], sNorm, 1, jb, p)
                 for jj in cutlass.range_constexpr(8):
                     j = jb * 8 + jj
-                    cute.autovec_copy(cute.local_tile(sG, (1, 2), (j, p)), g2)
-                    cute.autovec_copy(cute.local_tile(sK3[None, None, 0], (1, 2), (j, p)), k2)
-                    cute.autovec_copy(cute.local_tile(sQ3[None, None, 0], (1, 2), (j, p)), q2)
-                    kx = k2.load().to(f32)
-                    qx = q2.load().to(f32)
+                    kx = k2[jj].load().to(f32)
+                    qx = q2[jj].load().to(f32)
                     if cutlass.const_expr(self.qk_l2norm):
-                        kx = kx * sNorm[j, 0]
-                        qx = qx * sNorm[j, 1]
+                        kx = kx * nk[jj]
+                        qx = qx * nq[jj]
                     for e in cutlass.range_constexpr(2):
-                        eg = cute.math.exp2(g2[0, e], fastmath=True)
+                        eg = cute.math.exp2(g2[jj][0, e], fastmath=True)
                         kg2[0, e] = kx[e] * eg
                         qg2[0, e] = qx[e] * eg
                         kd = f32(0.0)
                         if j < L:
-                            kd = kx[e] * cute.math.exp2(gl[0, e] - g2[0, e], fastmath=True)
+                            kd = kx[e] * cute.math.exp2(gl[0, e] - g2[jj][0, e], fastmath=True)
                         kd2[e, 0] = kd
                     cute.local_tile(sKG, (1, 2), (j, p)).store(kg2.load().to(bf16))
                     cute.local_tile(sQG, (1, 2), (j, p)).store(qg2.load().to(bf16))
