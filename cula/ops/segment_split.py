@@ -18,7 +18,7 @@ is well over three times the chunks each SM gets when all of them are spread (``
 
 from __future__ import annotations
 
-import collections
+import functools
 import math
 from collections.abc import Callable
 
@@ -104,27 +104,20 @@ def split_forward(
     return torch.stack([final.get(n, local[i]) for n, i in sorted(last.items())])
 
 
-# Device copies of the passes' token ranges, for the last few splits seen: a model's layers split their batch the
-# same way, so the host-to-device copy (which waits for the stream, its source being pageable) is made once per
-# split, not once per pass and call.
-_RANGES: collections.OrderedDict[tuple, torch.Tensor] = collections.OrderedDict()  # [2, ranges] int32
-_RANGES_KEPT = 16
-
-
 def _device_ranges(segs, passes, dev) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(starts, ends) int32 on ``dev`` for each list of segment indices in ``passes``."""
-    key = (str(dev), tuple(segs), tuple(tuple(idx) for idx in passes))
-    flat = _RANGES.get(key)
-    if flat is None:
-        cols = [i for idx in passes for i in idx]
-        flat = torch.tensor([[segs[i][1] for i in cols], [segs[i][2] for i in cols]], dtype=torch.int32).to(dev)
-        _RANGES[key] = flat
-        while len(_RANGES) > _RANGES_KEPT:
-            _RANGES.popitem(last=False)
-    else:
-        _RANGES.move_to_end(key)
+    flat = _device_ranges_flat(str(dev), tuple(s[1:] for s in segs), tuple(tuple(idx) for idx in passes))
     out, at = [], 0
     for idx in passes:
         out.append((flat[0, at : at + len(idx)], flat[1, at : at + len(idx)]))
         at += len(idx)
     return out
+
+
+# Kept for the last few splits seen: a model's layers split their batch the same way, so the host-to-device copy
+# (which waits for the stream, its source being pageable) is made once per split, not once per pass and call.
+@functools.lru_cache(maxsize=16)
+def _device_ranges_flat(dev: str, bounds: tuple, passes: tuple) -> torch.Tensor:
+    """[2, ranges] int32 on ``dev``: the (start, end) ``bounds`` of the segments that ``passes`` list, in order."""
+    cols = [bounds[i] for idx in passes for i in idx]
+    return torch.tensor([[s for s, _ in cols], [e for _, e in cols]], dtype=torch.int32).to(dev)
