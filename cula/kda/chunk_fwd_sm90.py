@@ -132,7 +132,7 @@ class KDAChunkFwdSm90:
 
     # ---------------------------------------------------------------- host side
     @cute.jit
-    def __call__(self, q, k, v, g, beta, o, h0, ht, starts, ends, scale, stream):
+    def __call__(self, q, k, v, g, beta, o, h0, ht, starts, ends, w, scale, stream):  # w: unused (no intra option)
 
         D, C, Hf = self.D, self.C, self.half
         bf16 = cutlass.BFloat16
