@@ -360,6 +360,9 @@ class KDAChunkFwdSm90:
         else:
             acc_s.fill(0.0)
         blocks.solve_clear(sT, tidx, self.threads)  # the barriers of the first chunk's steps 0-1 order it
+        # beta of a chunk is loaded one chunk ahead (threads D .. D + C - 1, one token each): a global load issued in
+        # step 0 would hold every thread at step 0's barrier for its whole latency
+        beta_next = self.load_beta(mBeta, b, tok0, hv, seqlen, cutlass.Int32(0), tidx)
 
         for c in cutlass.range(n_chunks, unroll=1):
             L = cutlass.min(seqlen - c * C, C)
@@ -384,11 +387,8 @@ class KDAChunkFwdSm90:
                 sGl[tidx] = run
                 sDec[tidx] = cute.math.exp2(run, fastmath=True)
             elif tidx < D + C:
-                tb = tidx - D
-                bt = f32(0.0)
-                if tb < L:
-                    bt = mBeta[b, tok0 + c * C + tb, hv].to(f32)
-                sBeta[tb] = bt
+                sBeta[tidx - D] = beta_next
+                beta_next = self.load_beta(mBeta, b, tok0, hv, seqlen, c + 1, tidx)
             elif cutlass.const_expr(self.qk_l2norm):
                 if tidx < D + 2 * C:
                     self.token_norms(sK3, sQ3, sNorm, tidx - D - C)
@@ -573,6 +573,18 @@ class KDAChunkFwdSm90:
             blocks.store_state(acc_s, cST, mHt, n, hv, row0)
 
     # ---------------------------------------------------------------- helpers
+    @cute.jit
+    def load_beta(self, mBeta, b, tok0, hv, seqlen, chunk, tidx):
+        """beta (fp32) of token ``tidx - D`` of ``chunk`` for threads D .. D + C - 1; 0 past the sequence end and for
+        other threads."""
+        bt = cutlass.Float32(0.0)
+        tb = tidx - self.D
+        if tidx >= self.D:
+            if tb < self.C:
+                if chunk * self.C + tb < seqlen:
+                    bt = mBeta[b, tok0 + chunk * self.C + tb, hv].to(cutlass.Float32)
+        return bt
+
     @cute.jit
     def token_norms(self, sK3, sQ3, sNorm, t):
         """For qk_l2norm: 1 / sqrt(||k_t||^2 + eps) and the same for q_t, token ``t`` of the chunk (one thread)."""
