@@ -40,10 +40,9 @@ from cula.ops.gates import L2NORM_EPS  # FLA's l2norm_fwd: x / sqrt(sum(x^2) + e
 CHUNK = 64
 MODES = ("full", "transition", "correction")  # see GDNChunkFwdSm90 and cula.ops.segment_split
 SUPPORTED_DIMS = (64, 128)
-# One CTA walks its chunks in series at about this many microseconds each (H200 dev runs of 2026-12-03 session 8:
-# 1.73 ms at B2 T16384 H64 = 256 chunks per CTA in one wave; NOTES.md); the
-# kernel runs one CTA per SM.
-CHUNK_LATENCY_US = 6.6
+# One CTA walks its chunks in series at about this many microseconds each (H200, benchmarks/results/h200_fwd.json:
+# 1.381 ms at B2 T16384 H64 = 256 chunks per CTA in one wave, 0.706 ms at B1 T8192 H64 = 128); one CTA per SM.
+CHUNK_LATENCY_US = 5.5
 _LOG2E = math.log2(math.e)
 
 

@@ -107,7 +107,7 @@ def split_forward(
 # Device copies of the passes' token ranges, for the last few splits seen: a model's layers split their batch the
 # same way, so the host-to-device copy (which waits for the stream, its source being pageable) is made once per
 # split, not once per pass and call.
-_RANGES: collections.OrderedDict[tuple, tuple[torch.Tensor, ...]] = collections.OrderedDict()
+_RANGES: collections.OrderedDict[tuple, torch.Tensor] = collections.OrderedDict()  # [2, ranges] int32
 _RANGES_KEPT = 16
 
 
