@@ -80,18 +80,18 @@ class KDAChunkFwdSm90:
     the state in registers across chunks.
 
     Threads: 256 = two warpgroups. WG w owns value rows [64 w, 64 w + 64) of S^T. Per chunk:
-      0. WG0 threads (one key channel each): G = cumsum(g) * log2(e) in place in the g tile, G_last, 2^G_last;
-         threads 128-191: beta. Then all threads: R_j = k_j 2^(G_r - G_j) (r = 16 | 48 per 32-token half) -> smem
+      0. warp 0 issues the next chunk's v (two buffers). WG0 threads (one key channel each): G = cumsum(g) *
+         log2(e) in place in the g tile, G_last, 2^G_last; threads 128-191: beta (loaded a chunk ahead). Then all threads: R_j = k_j 2^(G_r - G_j) (r = 16 | 48 per 32-token half) -> smem
       1. WG0: A = K-left . R (fp32, smem, transposed);  WG1: P = Q-left . R (bf16, smem); the left operands
          x_i 2^(G_i - G_r) are built in registers                                          [wgmma RS, N = 32 x 2]
       2. Tinv = (I + A)^-1 by 16-blocks: warps 0-1 invert the diagonal blocks while warps 2-7 build the B tiles
          K 2^G, Q 2^G and K 2^(G_last - G) (zero past the sequence end); then all threads join the blocks; then
          warp 0 refills q/k/g
       3. each WG on its 64 value rows: S^T (K 2^G)^T, S^T (Q 2^G)^T, V_new^T, O^T, state decay and update [wgmma RS]
-      4. O staged through smem and stored with rows past the sequence end masked; warp 0 refills v.
+      4. O staged through smem and stored with rows past the sequence end masked.
 
-    Shared memory: q|k 32 KB, v 16 KB, g/G 32 KB (fp32), R, K 2^G, Q 2^G, K 2^(G_last - G) 16 KB each, A^T 17 KB
-    (fp32, padded rows), O staging 17 KB, P and Tinv 8 KB each: about 197 KB.
+    Shared memory: q|k 32 KB, v 2 x 16 KB, g/G 32 KB (fp32), R, K 2^G, Q 2^G, K 2^(G_last - G) 16 KB each, A^T 17 KB
+    (fp32, padded rows), O staging 17 KB, P and Tinv 8 KB each: about 213 KB.
     """
 
     def __init__(
@@ -144,7 +144,8 @@ class KDAChunkFwdSm90:
         # q and k tiles side by side (C, D, q|k, 1); v (C, D, 1); the gate tile (C, D, 1) fp32, 128B swizzle so the
         # per-channel scan and the operand builders read it without bank conflicts
         tile_qk = cute.tile_to_shape(atom_k, (C, D, 2, 1), order=(0, 1, 2, 3))
-        tile_v = cute.tile_to_shape(atom_k, (C, D, 1), order=(0, 1, 2))
+        # v in two buffers: chunk c + 1's v lands during chunk c
+        tile_v = cute.tile_to_shape(atom_k, (C, D, 2), order=(0, 1, 2))
         tile_g = cute.tile_to_shape(
             warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, f32), (C, D, 1), order=(0, 1, 2)
         )
@@ -171,7 +172,7 @@ class KDAChunkFwdSm90:
 
         @cute.struct
         class Storage:
-            bars: cute.struct.MemRange[cutlass.Int64, 2]  # q/k/g loaded, v loaded
+            bars: cute.struct.MemRange[cutlass.Int64, 3]  # q/k/g loaded, v loaded (per v buffer)
             sBeta: cute.struct.MemRange[f32, C]
             sGl: cute.struct.MemRange[f32, D]
             sDec: cute.struct.MemRange[f32, D]
@@ -281,7 +282,7 @@ class KDAChunkFwdSm90:
         smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(self.storage)
         bar_qkg = st.bars.data_ptr()
-        bar_v = bar_qkg + 1
+        bar_v = bar_qkg + 1  # buffer s completes on bar_v + s
         sBeta = st.sBeta.get_tensor(cute.make_layout(C))
         sGl = st.sGl.get_tensor(cute.make_layout(D))  # G_last (log2 units) per key channel
         sDec = st.sDec.get_tensor(cute.make_layout(D))  # 2^G_last: the chunk's state decay per key channel
@@ -294,7 +295,6 @@ class KDAChunkFwdSm90:
         sQ3 = sQK[None, None, 0, None]
         sK3 = sQK[None, None, 1, None]
         sV3 = st.sV.get_tensor(tile_v.outer, swizzle=tile_v.inner)
-        sV = sV3[None, None, 0]
         sR = st.sR.get_tensor(tile_r.outer, swizzle=tile_r.inner)
         sXG = st.sXG.get_tensor(tile_xg.outer, swizzle=tile_xg.inner)
         sKG = sXG[None, None, 0]
@@ -318,6 +318,7 @@ class KDAChunkFwdSm90:
         if tidx == 0:
             cute.arch.mbarrier_init(bar_qkg, 1)
             cute.arch.mbarrier_init(bar_v, 1)
+            cute.arch.mbarrier_init(bar_v + 1, 1)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -360,9 +361,17 @@ class KDAChunkFwdSm90:
         else:
             acc_s.fill(0.0)
         blocks.solve_clear(sT, tidx, self.threads)  # the barriers of the first chunk's steps 0-1 order it
+        # beta of a chunk is loaded one chunk ahead (threads D .. D + C - 1, one token each): a global load issued in
+        # step 0 would hold every thread at step 0's barrier for its whole latency
+        beta_next = self.load_beta(mBeta, b, tok0, hv, seqlen, cutlass.Int32(0), tidx)
 
         for c in cutlass.range(n_chunks, unroll=1):
             L = cutlass.min(seqlen - c * C, C)
+            # the next chunk's v into the other buffer, last read in the previous chunk (before its final barrier)
+            if cutlass.const_expr(self.load_v):
+                if warp == 0:
+                    if c + 1 < n_chunks:
+                        self.issue_v(tma_v, tVg, tVs, bar_v, c + 1, lane)
             cute.arch.mbarrier_wait(bar_qkg, c % 2)
 
             # ---- 0. G = cumsum(g) in log2 units, in place (one key channel per WG0 thread; tokens past the
@@ -384,11 +393,8 @@ class KDAChunkFwdSm90:
                 sGl[tidx] = run
                 sDec[tidx] = cute.math.exp2(run, fastmath=True)
             elif tidx < D + C:
-                tb = tidx - D
-                bt = f32(0.0)
-                if tb < L:
-                    bt = mBeta[b, tok0 + c * C + tb, hv].to(f32)
-                sBeta[tb] = bt
+                sBeta[tidx - D] = beta_next
+                beta_next = self.load_beta(mBeta, b, tok0, hv, seqlen, c + 1, tidx)
             elif cutlass.const_expr(self.qk_l2norm):
                 if tidx < D + 2 * C:
                     self.token_norms(sK3, sQ3, sNorm, tidx - D - C)
@@ -493,7 +499,8 @@ class KDAChunkFwdSm90:
 
             # ---- 3. state products on this WG's 64 value rows
             if cutlass.const_expr(self.load_v):
-                cute.arch.mbarrier_wait(bar_v, c % 2)
+                cute.arch.mbarrier_wait(bar_v + c % 2, (c // 2) % 2)
+            sV = sV3[None, None, c % 2]
             rS = blocks.acc_to_operand(acc_s)
             acc_k = thr_rs.make_fragment_C(acc_cc_shape)
             acc_o = thr_rs.make_fragment_C(acc_cc_shape)
@@ -554,12 +561,6 @@ class KDAChunkFwdSm90:
                         sO[j, row0 + r] = acc_o[i].to(bf16)
             cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
 
-            # v of this chunk is consumed: fetch the next chunk's
-            if warp == 0:
-                if cutlass.const_expr(self.load_v):
-                    if c + 1 < n_chunks:
-                        self.issue_v(tma_v, tVg, tVs, bar_v, c + 1, lane)
-
         # the last chunk's O (the loop stores each chunk's O during the next chunk's step 1)
         if cutlass.const_expr(self.make_o):
             if n_chunks > 0:
@@ -573,6 +574,18 @@ class KDAChunkFwdSm90:
             blocks.store_state(acc_s, cST, mHt, n, hv, row0)
 
     # ---------------------------------------------------------------- helpers
+    @cute.jit
+    def load_beta(self, mBeta, b, tok0, hv, seqlen, chunk, tidx):
+        """beta (fp32) of token ``tidx - D`` of ``chunk`` for threads D .. D + C - 1; 0 past the sequence end and for
+        other threads."""
+        bt = cutlass.Float32(0.0)
+        tb = tidx - self.D
+        if tidx >= self.D:
+            if tb < self.C:
+                if chunk * self.C + tb < seqlen:
+                    bt = mBeta[b, tok0 + chunk * self.C + tb, hv].to(cutlass.Float32)
+        return bt
+
     @cute.jit
     def token_norms(self, sK3, sQ3, sNorm, t):
         """For qk_l2norm: 1 / sqrt(||k_t||^2 + eps) and the same for q_t, token ``t`` of the chunk (one thread)."""
@@ -682,11 +695,12 @@ class KDAChunkFwdSm90:
         cute.copy(tma_g, tGg[None, chunk], tGs[None, 0], tma_bar_ptr=bar)
 
     @cute.jit
-    def issue_v(self, tma_v, tVg, tVs, bar, chunk, lane):
-        """One warp: the v tile of ``chunk``, completing on ``bar``."""
+    def issue_v(self, tma_v, tVg, tVs, bar_v, chunk, lane):
+        """One warp: the v tile of ``chunk`` into buffer ``chunk % 2``, completing on ``bar_v + chunk % 2``."""
+        bar = bar_v + chunk % 2
         if lane == 0:
             cute.arch.mbarrier_arrive_and_expect_tx(bar, self.v_bytes)
-        cute.copy(tma_v, tVg[None, chunk], tVs[None, 0], tma_bar_ptr=bar)
+        cute.copy(tma_v, tVg[None, chunk], tVs[None, chunk % 2], tma_bar_ptr=bar)
 
 
 # -------------------------------------------------------------------- compile + Python entry
