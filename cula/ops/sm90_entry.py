@@ -5,7 +5,7 @@ an entry point's bound arguments, and the variants of each kernel that the compi
 
 import torch
 
-from cula import runtime
+from cula import runtime, validation
 from cula.ops import segment_split
 from cula.ops.gates import kernel_beta
 
@@ -117,8 +117,8 @@ def chunk_fwd(
     None: zero start, or identity for ``mode="transition"``; ``options``: the kernel's own compile-time options,
     passed to every launch). Long sequences with few heads are split across CTAs
     (``cula.ops.segment_split``) when the planner expects that to be faster; ``split`` True/False forces it on/off
-    (a cut per 16 chunks when forced on). Varlen batches are split only with their offsets on the host
-    (``cu_seqlens_cpu``). ``later_pass_cost`` < 1: the kernel takes ``intra`` (its first split pass saves each
+    (a cut per 16 chunks when forced on). Varlen offsets come from ``cu_seqlens_cpu``, else from the device once per
+    ``cu_seqlens`` tensor (:func:`cula.validation.host_offsets`, the read dispatch makes anyway). ``later_pass_cost`` < 1: the kernel takes ``intra`` (its first split pass saves each
     chunk's intra-chunk matrices to a workspace, the later passes load them), which makes a later pass cost about
     that fraction of the first. Returns ``(o, final_state or None)``."""
     B, T, H, K = q.shape
@@ -128,11 +128,10 @@ def chunk_fwd(
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     o = out if out is not None else torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device)
 
-    offsets = None
     if cu_seqlens is None:
         offsets = [b * T for b in range(B + 1)]
-    elif cu_seqlens_cpu is not None:
-        offsets = cu_seqlens_cpu.tolist()
+    else:
+        offsets = validation.host_offsets(cu_seqlens, cu_seqlens_cpu)
     cuts = None
     if offsets is not None and split is not False:
         lengths = [e - s for s, e in zip(offsets[:-1], offsets[1:], strict=True)]
