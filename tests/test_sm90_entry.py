@@ -140,3 +140,20 @@ def test_split_passes_with_saved_intra_chunk_matrices(per_key):
     cu = [0, 1, 1500, 1501, 2300]  # two segments at most: no middle segment, so no transition pass
     check_fwd(cached, accept, inputs(1, 2300, 1, 2, per_key), cu, h0=True, state_v_first=True, split=True)
     assert seen == [("full", "save"), ("correction", "load")]
+
+
+def test_varlen_offsets_only_on_the_device_still_split():
+    """Without ``cu_seqlens_cpu`` the entry reads the offsets from ``cu_seqlens`` (once per tensor) and splits."""
+    modes = []
+
+    def launch(*args):
+        modes.append(args[-1])
+        reference_launch(*args)
+
+    q, k, v, g, beta = inputs(1, 2300, 1, 2, False)
+    cu = torch.tensor([0, 1, 1500, 1501, 2300], dtype=torch.int32)
+    o, ht = entry_for(launch)(q, k, v, g, beta, 0.2, None, True, cu, False, split=True)
+    assert modes == ["full", "correction"]  # two segments at most: no middle one, so no transition
+    o_ref, ht_ref = linear_attn_ref(q, k, v, g=g, beta=beta, scale=0.2, output_final_state=True, cu_seqlens=cu)
+    torch.testing.assert_close(o.float(), o_ref.float(), rtol=0.02, atol=0.02)
+    torch.testing.assert_close(ht, ht_ref.float(), rtol=0.02, atol=0.02)
