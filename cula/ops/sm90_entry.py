@@ -118,9 +118,10 @@ def chunk_fwd(
     passed to every launch). Long sequences with few heads are split across CTAs
     (``cula.ops.segment_split``) when the planner expects that to be faster; ``split`` True/False forces it on/off
     (a cut per 16 chunks when forced on). Varlen offsets come from ``cu_seqlens_cpu``, else from the device once per
-    ``cu_seqlens`` tensor (:func:`cula.validation.host_offsets`, the read dispatch makes anyway). ``later_pass_cost`` < 1: the kernel takes ``intra`` (its first split pass saves each
-    chunk's intra-chunk matrices to a workspace, the later passes load them), which makes a later pass cost about
-    that fraction of the first. Returns ``(o, final_state or None)``."""
+    ``cu_seqlens`` tensor (:func:`cula.validation.host_offsets`, the read dispatch makes anyway).
+    ``later_pass_cost`` < 1: the kernel takes ``intra`` (its first split pass saves each chunk's intra-chunk matrices
+    to a workspace, the later passes load them), which makes a later pass cost about that fraction of the first.
+    Returns ``(o, final_state or None)``."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if scale is None:
@@ -133,7 +134,7 @@ def chunk_fwd(
     else:
         offsets = validation.host_offsets(cu_seqlens, cu_seqlens_cpu)
     cuts = None
-    if offsets is not None and split is not False:
+    if split is not False:
         lengths = [e - s for s, e in zip(offsets[:-1], offsets[1:], strict=True)]
         if split:
             cuts = [list(range(chunk * 16, n, chunk * 16)) for n in lengths]
