@@ -84,6 +84,8 @@ class GDNChunkFwdSm90:
          bf16; warp 2 loads and scans the next chunk's gates into the other gate slot
       3. each WG on its 64 value rows: V_new^T, O^T, state update                         [wgmma RS]
       4. O staged through smem and stored with rows past the sequence end masked; warp 0 refills the TMA stage.
+    Split passes (``intra``): "save" TMA-stores each chunk's Tinv and P to the workspace after step 2; "load" skips
+    steps 1 and 2's solve and takes Tinv and P from the workspace with the chunk's q/k tiles (a pair per stage).
     """
 
     def __init__(

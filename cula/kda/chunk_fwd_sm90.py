@@ -86,7 +86,8 @@ class KDAChunkFwdSm90:
 
     Threads: 256 = two warpgroups. WG w owns value rows [64 w, 64 w + 64) of S^T. Per chunk:
       0. warp 0 issues the next chunk's v (two buffers). WG0 threads (one key channel each): G = cumsum(g) *
-         log2(e) in place in the g tile, G_last, 2^G_last; threads 128-191: beta (loaded a chunk ahead). Then all threads: R_j = k_j 2^(G_r - G_j) (r = 16 | 48 per 32-token half) -> smem
+         log2(e) in place in the g tile, G_last, 2^G_last; threads 128-191: beta (loaded a chunk ahead). Then all
+         threads: R_j = k_j 2^(G_r - G_j) (r = 16 | 48 per 32-token half) -> smem
       1. WG0: A = K-left . R (fp32, smem, transposed);  WG1: P = Q-left . R (bf16, smem); the left operands
          x_i 2^(G_i - G_r) are built in registers                                          [wgmma RS, N = 32 x 2]
       2. Tinv = (I + A)^-1 by 16-blocks: warps 0-1 invert the diagonal blocks while warps 2-7 build the B tiles
@@ -94,6 +95,8 @@ class KDAChunkFwdSm90:
          warp 0 refills q/k/g
       3. each WG on its 64 value rows: S^T (K 2^G)^T, S^T (Q 2^G)^T, V_new^T, O^T, state decay and update [wgmma RS]
       4. O staged through smem and stored with rows past the sequence end masked.
+    Split passes (``intra``): "save" TMA-stores each chunk's Tinv and P to the workspace after step 2; "load" skips
+    the R tile, step 1 and the solve (warps 2-7 build only the B tiles) and TMA-loads Tinv and P instead.
 
     Shared memory: q|k 32 KB, v 2 x 16 KB, g/G 32 KB (fp32), R, K 2^G, Q 2^G, K 2^(G_last - G) 16 KB each, A^T 17 KB
     (fp32, padded rows), O staging 17 KB, P and Tinv 8 KB each: about 213 KB.
@@ -518,8 +521,8 @@ class KDAChunkFwdSm90:
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
 
-                # ---- 2. Tinv = (I + A)^-1 by 16-blocks: warps 0-1 invert the diagonal blocks while warps 2-7 build the B
-                # tiles of the state products; then all threads join them
+                # ---- 2. Tinv = (I + A)^-1 by 16-blocks: warps 0-1 invert the diagonal blocks while warps 2-7 build
+                # the B tiles of the state products; then all threads join them
                 if warp < 2:
                     blocks.solve_diag16(sA, sT, tidx)
                 else:
