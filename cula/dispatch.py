@@ -244,15 +244,6 @@ def chunk_fwd_kernel_declines(args: dict[str, Any]) -> Verdict | None:
     return None
 
 
-# A varlen call whose offsets are only on the device (no ``cu_seqlens_cpu``) syncs to read them (cuLA's validation
-# does, whichever backend then serves the call), and the GPU idles from that sync until the launch: about 0.3 ms
-# per call on the project's H200 host (benchmark varlen rows of 2026-12-03 against the kernel's chunk-walk time).
-# The read is kept per tensor (``validation.host_offsets``), so a model pays it once per cu_seqlens, not per layer;
-# benchmark runs before that change paid it on every timed call. Dispatch leaves it out, since both of its choices
-# pay it.
-OFFSET_SYNC_MS = 0.3
-
-
 @dataclass(frozen=True)
 class FlaTime:
     """FLA's forward time for one op, as measured on the H200: ``ns_per_token_head`` per token and value head,
@@ -274,12 +265,11 @@ def expected_ms(
     num_sms: int,
     kernel_ms: Callable[[list[int], int, int], float],
     fla: FlaTime,
-    offsets_synced: bool = False,
 ) -> tuple[float, float]:
-    """(kernel, FLA) expected forward times in ms for sequences of these lengths; ``offsets_synced`` adds the
-    device-offset sync (:data:`OFFSET_SYNC_MS`) to the kernel's side, as a benchmark row of cuLA measures it."""
-    ours = kernel_ms(lengths, HV, num_sms) + (OFFSET_SYNC_MS if offsets_synced else 0.0)
-    return ours, fla.ms(lengths, HV)
+    """(kernel, FLA) expected forward times in ms for sequences of these lengths. A varlen call with its offsets
+    only on the device reads them once per cu_seqlens tensor (``validation.host_offsets``), whichever backend serves
+    it, so neither side counts that read."""
+    return kernel_ms(lengths, HV, num_sms), fla.ms(lengths, HV)
 
 
 def kernel_vs_fla(args: dict[str, Any], kernel_ms: Callable[[list[int], int, int], float], fla: FlaTime) -> Verdict:

@@ -18,7 +18,7 @@ is well over three times the chunks each SM gets when all of them are spread (``
 
 from __future__ import annotations
 
-import collections
+import functools
 import math
 from collections.abc import Callable
 
@@ -144,27 +144,20 @@ def split_forward(
     return torch.stack([final[n] for n in sorted(last)])
 
 
-# Device copies of the passes' token ranges, for the last few splits seen: a model's layers split their batch the
-# same way, so the host-to-device copy (which waits for the stream, its source being pageable) is made once per
-# split, not once per pass and call.
-_RANGES: collections.OrderedDict[tuple, torch.Tensor] = collections.OrderedDict()  # [2, ranges] int32
-_RANGES_KEPT = 16
-
-
 def _device_ranges(passes, dev) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(starts, ends) int32 on ``dev`` for each pass's list of (start, end) token ranges."""
-    key = (str(dev), tuple(tuple(p) for p in passes))
-    flat = _RANGES.get(key)
-    if flat is None:
-        cols = [r for p in passes for r in p]
-        flat = torch.tensor([[r[0] for r in cols], [r[1] for r in cols]], dtype=torch.int32).to(dev)
-        _RANGES[key] = flat
-        while len(_RANGES) > _RANGES_KEPT:
-            _RANGES.popitem(last=False)
-    else:
-        _RANGES.move_to_end(key)
+    flat = _device_ranges_flat(str(dev), tuple(tuple(p) for p in passes))
     out, at = [], 0
     for p in passes:
         out.append((flat[0, at : at + len(p)], flat[1, at : at + len(p)]))
         at += len(p)
     return out
+
+
+# Kept for the last few splits seen: a model's layers split their batch the same way, so the host-to-device copy
+# (which waits for the stream, its source being pageable) is made once per split, not once per pass and call.
+@functools.lru_cache(maxsize=16)
+def _device_ranges_flat(dev: str, passes: tuple) -> torch.Tensor:
+    """[2, ranges] int32 on ``dev``: every pass's (start, end) token ranges, in order."""
+    cols = [r for p in passes for r in p]
+    return torch.tensor([[s for s, _ in cols], [e for _, e in cols]], dtype=torch.int32).to(dev)
