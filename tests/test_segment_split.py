@@ -42,9 +42,10 @@ def make(T, H, HV, K, per_key):
     return q, k, v, g, beta
 
 
+@pytest.mark.parametrize("aligned", [False, True])
 @pytest.mark.parametrize("per_key", [False, True])
 @pytest.mark.parametrize("with_h0", [False, True])
-def test_split_matches_unsplit(per_key, with_h0):
+def test_split_matches_unsplit(per_key, with_h0, aligned):
     lengths = [1, 300, 64, 450]  # cut: 300 at 64/128, 450 at 192; 1 and 64 stay whole
     cuts = [[], [64, 128], [], [192]]
     offsets = [0] + torch.cumsum(torch.tensor(lengths), 0).tolist()
@@ -54,7 +55,7 @@ def test_split_matches_unsplit(per_key, with_h0):
     cu = torch.tensor(offsets)
     o_ref, ht_ref = linear_attn_ref(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
     out = torch.full_like(o_ref, float("nan"))
-    ht = split_forward(reference_runner(q, k, v, g, beta, K**-0.5), offsets, cuts, h0, out, True)
+    ht = split_forward(reference_runner(q, k, v, g, beta, K**-0.5), offsets, cuts, h0, out, True, aligned)
     torch.testing.assert_close(out, o_ref, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(ht, ht_ref, rtol=1e-9, atol=1e-9)
 
@@ -93,8 +94,8 @@ def test_pass_ranges_are_copied_once_per_split():
     first, second = seen[:3], seen[3:]
     assert [s[0] for s in first] == ["full", "transition", "correction"]
     assert first[0][2:] == ([0, 64, 128, 300, 492], [64, 128, 300, 492, 750])
-    assert first[1][2:] == ([0, 64, 300], [64, 128, 492])  # every segment but each sequence's last
-    assert first[2][2:] == ([64, 128, 492], [128, 300, 750])  # every segment with a start
+    assert first[1][2:] == ([64], [128])  # the middle segments (the first ones ran from their true start)
+    assert first[2][2:] == ([64, 128, 492], [128, 300, 750])  # every segment but each sequence's first
     # one device copy, shared by all passes of both calls
     assert len({s[1].untyped_storage().data_ptr() for s in seen}) == 1
     assert [s[2:] for s in second] == [s[2:] for s in first]

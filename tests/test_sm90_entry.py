@@ -40,13 +40,14 @@ def reference_launch(q, k, v, g, beta, o, h0, ht, starts, ends, scale, state_v_f
         ht[n] = ht_n[0].transpose(-1, -2) if state_v_first else ht_n[0]
 
 
-def entry_for(launch):
+def entry_for(launch, later_pass_cost=1.0):
     """An SM90-entry-shaped forward (as ``check_fwd`` calls it) around ``chunk_fwd`` with this launch."""
 
     def entry(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first, **kw):
         return sm90_entry.chunk_fwd(
             launch, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first,
             kw.get("out"), kw.get("final_state_out"), kw.get("cu_seqlens_cpu"), kw.get("split"), 64,
+            later_pass_cost,
         )  # fmt: skip
 
     return entry
@@ -92,8 +93,14 @@ def test_a_wrong_correction_pass_fails():
         check_fwd(entry_for(no_correction), accept, inputs(1, 2100, 1, 1, False), h0=True, split=True)
 
 
-@pytest.mark.parametrize("kernel", ["gdn_chunk_fwd_sm90", "kda_chunk_fwd_sm90"])
-@pytest.mark.parametrize("variant", list(sm90_entry.CHECKED_VARIANTS))
+@pytest.mark.parametrize(
+    "kernel,variant",
+    [
+        (kernel, v)
+        for kernel in ("gdn_chunk_fwd_sm90", "kda_chunk_fwd_sm90")
+        for v in {**sm90_entry.CHECKED_VARIANTS, **sm90_entry.INTRA_VARIANTS}
+    ],
+)
 def test_kernel_variants_compile_for_sm90_on_cpu(kernel, variant):
     """Every checked variant of both chunk kernels compiles for sm_90a on the CPU, with wgmma and TMA in its PTX and
     no local memory or injected warpgroup.arrive in its machine code."""
@@ -103,3 +110,50 @@ def test_kernel_variants_compile_for_sm90_on_cpu(kernel, variant):
     assert report.ok, report.error
     assert report.local_mem == 0 and report.injected_arrives == 0
     assert report.counts["wgmma.mma_async"] > 0 and report.counts["cp.async.bulk.tensor"] > 0
+
+
+@pytest.mark.parametrize("per_key", [False, True])
+def test_split_passes_with_saved_intra_chunk_matrices(per_key):
+    """A kernel that takes ``intra``: the first pass gets a workspace with rows for each segment's chunks and saves
+    ("save"); the later passes get the same workspace ("load"), with every segment at the same range index as in
+    the first pass (the ones a pass skips as empty ranges), so each range loads what its own segment saved."""
+    saved = {}
+    seen = []
+
+    def launch(q, k, v, g, beta, o, h0, ht, starts, ends, scale, state_v_first, mode, intra, w):
+        ranges = list(zip(starts.tolist(), ends.tolist(), strict=True))
+        seen.append((mode, intra))
+        if intra == "save":
+            assert w.dtype == torch.bfloat16 and w.shape[0] == len(ranges) and w.shape[2:] == (v.shape[2], 64)
+            assert all(w.shape[1] >= 2 * 64 * -(-(e - s) // 64) for s, e in ranges)
+            saved[w.data_ptr()] = ranges
+        else:
+            full = saved[w.data_ptr()]
+            assert len(ranges) == len(full)
+            assert all(r == f or r[0] == r[1] for r, f in zip(ranges, full, strict=True))
+        reference_launch(q, k, v, g, beta, o, h0, ht, starts, ends, scale, state_v_first, mode)
+
+    cached = entry_for(launch, later_pass_cost=0.45)
+    check_fwd(cached, accept, inputs(2, 2100, 1, 2, per_key), h0=True, split=True)
+    assert seen == [("full", "save"), ("transition", "load"), ("correction", "load")]
+    seen.clear()
+    cu = [0, 1, 1500, 1501, 2300]  # two segments at most: no middle segment, so no transition pass
+    check_fwd(cached, accept, inputs(1, 2300, 1, 2, per_key), cu, h0=True, state_v_first=True, split=True)
+    assert seen == [("full", "save"), ("correction", "load")]
+
+
+def test_varlen_offsets_only_on_the_device_still_split():
+    """Without ``cu_seqlens_cpu`` the entry reads the offsets from ``cu_seqlens`` (once per tensor) and splits."""
+    modes = []
+
+    def launch(*args):
+        modes.append(args[-1])
+        reference_launch(*args)
+
+    q, k, v, g, beta = inputs(1, 2300, 1, 2, False)
+    cu = torch.tensor([0, 1, 1500, 1501, 2300], dtype=torch.int32)
+    o, ht = entry_for(launch)(q, k, v, g, beta, 0.2, None, True, cu, False, split=True)
+    assert modes == ["full", "correction"]  # two segments at most: no middle one, so no transition
+    o_ref, ht_ref = linear_attn_ref(q, k, v, g=g, beta=beta, scale=0.2, output_final_state=True, cu_seqlens=cu)
+    torch.testing.assert_close(o.float(), o_ref.float(), rtol=0.02, atol=0.02)
+    torch.testing.assert_close(ht, ht_ref.float(), rtol=0.02, atol=0.02)

@@ -130,9 +130,11 @@ FLA_TIME = FlaTime(ns_per_token_head=1.65, min_ms=0.38, chunk_us=1.75)
 
 
 def _sm90_faster_than_fla(args: dict[str, Any]) -> tuple[bool, str]:
+    from functools import partial
+
     from cula.gdn.chunk_fwd_sm90 import estimated_ms
 
-    return kernel_vs_fla(args, estimated_ms, FLA_TIME)
+    return kernel_vs_fla(args, partial(estimated_ms, qk_l2norm=bool(args["use_qk_l2norm_in_kernel"])), FLA_TIME)
 
 
 def _sm90_run(args: dict[str, Any]):

@@ -39,10 +39,15 @@ from cula.ops.gates import L2NORM_EPS  # FLA's l2norm_fwd: x / sqrt(sum(x^2) + e
 
 CHUNK = 64
 MODES = ("full", "transition", "correction")  # see GDNChunkFwdSm90 and cula.ops.segment_split
+INTRA = ("none", "save", "load")  # see GDNChunkFwdSm90.__init__
 SUPPORTED_DIMS = (64, 128)
 # One CTA walks its chunks in series at about this many microseconds each (H200, benchmarks/results/h200_fwd.json:
 # 1.381 ms at B2 T16384 H64 = 256 chunks per CTA in one wave, 0.706 ms at B1 T8192 H64 = 128); one CTA per SM.
 CHUNK_LATENCY_US = 5.5
+# A split sequence's transition and correction passes load each chunk's Tinv and P (saved by the first pass) and
+# run the state path alone: about this fraction of a first-pass chunk. A prediction from the session-8 ablation
+# (state path ~4k of ~9.5k cycles per chunk), not yet measured.
+LATER_PASS_COST = 0.45
 _LOG2E = math.log2(math.e)
 
 
@@ -56,10 +61,16 @@ def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, **
     return True, ""
 
 
-def estimated_ms(lengths: list[int], HV: int, num_sms: int) -> float:
+def later_pass_cost(qk_l2norm: bool) -> float:
+    """A later split pass's cost per chunk against the first's: it loads Tinv and P unless the kernel normalises
+    q and k (it would need their norms as well, so it makes everything again)."""
+    return 1.0 if qk_l2norm else LATER_PASS_COST
+
+
+def estimated_ms(lengths: list[int], HV: int, num_sms: int, qk_l2norm: bool = False) -> float:
     """The kernel's time for sequences of these lengths, split where the entry splits them (matches the H200
     timings of BENCHMARK_H200.md within about 30 %)."""
-    return segment_split.chunk_walk_ms(lengths, HV, num_sms, CHUNK_LATENCY_US, splittable=True)
+    return segment_split.chunk_walk_ms(lengths, HV, num_sms, CHUNK_LATENCY_US, True, later_pass_cost(qk_l2norm))
 
 
 class GDNChunkFwdSm90:
@@ -73,6 +84,8 @@ class GDNChunkFwdSm90:
          bf16; warp 2 loads and scans the next chunk's gates into the other gate slot
       3. each WG on its 64 value rows: V_new^T, O^T, state update                         [wgmma RS]
       4. O staged through smem and stored with rows past the sequence end masked; warp 0 refills the TMA stage.
+    Split passes (``intra``): "save" TMA-stores each chunk's Tinv and P to the workspace after step 2; "load" skips
+    steps 1 and 2's solve and takes Tinv and P from the workspace with the chunk's q/k tiles (a pair per stage).
     """
 
     def __init__(
@@ -84,9 +97,16 @@ class GDNChunkFwdSm90:
         state_v_first: bool = False,
         mode: str = "full",
         qk_l2norm: bool = False,
+        intra: str = "none",
     ):
         assert head_dim in SUPPORTED_DIMS
         assert mode in MODES and (mode == "full" or is_varlen)
+        # a split sequence's later passes need only the state path of each chunk: the "full" pass saves every
+        # chunk's Tinv and P to a workspace ("save") and the "transition"/"correction" passes load them ("load")
+        # instead of making them again (no q/k norms there: not with qk_l2norm)
+        assert intra in INTRA and (intra != "save" or mode == "full") and (intra != "load" or mode != "full")
+        assert not (intra == "load" and qk_l2norm)
+        self.intra = intra
         self.D = head_dim
         # q and k L2-normalised by the kernel: their per-token 1 / ||x|| ride on the factors it already applies
         # per row and column (||k_t||^2 is the diagonal of K K^T; ||q_t||^2 a row sum over the Q tile)
@@ -107,13 +127,15 @@ class GDNChunkFwdSm90:
         if mode == "correction":
             self.has_h0 = True
         self.stages = 2
+        # Tinv | P buffers: one pair, or one per TMA stage when they arrive with the chunk's q/k tiles
+        self.t_stages = self.stages if intra == "load" else 1
         self.threads = 256
         self.a_stride = 68  # padded fp32 row of A^T: 16-byte aligned rows, conflict-free stores from the accumulator
         self.o_stride = self.D + 8  # padded bf16 row of the O staging tile
 
     # ---------------------------------------------------------------- host side
     @cute.jit
-    def __call__(self, q, k, v, g, beta, o, h0, ht, starts, ends, scale, stream):
+    def __call__(self, q, k, v, g, beta, o, h0, ht, starts, ends, w, scale, stream):
 
         D, C = self.D, self.C
         bf16 = cutlass.BFloat16
@@ -141,6 +163,12 @@ class GDNChunkFwdSm90:
         cc_layout = cute.tile_to_shape(
             warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, bf16), (C, C), order=(0, 1)
         )
+        # Tinv and P side by side, (C, C, T|P, t_stage)
+        tile_tp = cute.tile_to_shape(
+            warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, bf16),
+            (C, C, 2, self.t_stages),
+            order=(0, 1, 2, 3),
+        )
 
         # (rows, cols) = (M, N) of each product; K extent comes from the operands
         mma_ss = sm90_utils.make_trivial_tiled_mma(bf16, bf16, OM.K, OM.K, cutlass.Float32, (1, 1, 1), (C, C))
@@ -152,6 +180,12 @@ class GDNChunkFwdSm90:
         tma_q, mQ = cpasync.make_tiled_tma_atom(op, blocks.tma_view(q), one_tile, (C, D))
         tma_k, mK = cpasync.make_tiled_tma_atom(op, blocks.tma_view(k), one_tile, (C, D))
         tma_v, mV = cpasync.make_tiled_tma_atom(op, blocks.tma_view(v), one_tile, (C, D))
+        # the Tinv / P workspace [ranges, chunks * 2 * C, HV, C] (chunk c's Tinv at rows 2 c C, its P after them);
+        # unused without intra (q's atom stands in for it)
+        tma_w, mW = tma_q, mQ
+        if cutlass.const_expr(self.intra != "none"):
+            w_op = cpasync.CopyBulkTensorTileS2GOp() if self.intra == "save" else op
+            tma_w, mW = cpasync.make_tiled_tma_atom(w_op, blocks.tma_view(w), cc_layout, (C, C))
 
         stages = self.stages
 
@@ -166,11 +200,12 @@ class GDNChunkFwdSm90:
             sO: cute.struct.Align[cute.struct.MemRange[bf16, C * self.o_stride], 128]
             sQK: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_qk)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_k_major)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(cc_layout)], 1024]
-            sT: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(cc_layout)], 1024]
+            sTP: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_tp)], 1024]
 
         self.storage = Storage
         self.tma_bytes = (1 + int(self.make_o) + int(self.load_v)) * C * D * 2
+        if cutlass.const_expr(self.intra == "load"):
+            self.tma_bytes += (1 + int(self.make_o)) * C * C * 2
         HV = v.shape[2]
         N = starts.shape[0] if self.is_varlen else q.shape[0]
         self.kernel(
@@ -183,6 +218,8 @@ class GDNChunkFwdSm90:
             mK,
             tma_v,
             mV,
+            tma_w,
+            mW,
             g,
             beta,
             o,
@@ -196,7 +233,7 @@ class GDNChunkFwdSm90:
             tile_qk,
             tile_k_major,
             tile_mn_major,
-            cc_layout,
+            tile_tp,
         ).launch(grid=(HV, N, 1), block=(self.threads, 1, 1), smem=Storage.size_in_bytes(), stream=stream)
 
     # ---------------------------------------------------------------- device side
@@ -212,6 +249,8 @@ class GDNChunkFwdSm90:
         mK,
         tma_v,
         mV,
+        tma_w,
+        mW,
         mG,
         mBeta,
         mO,
@@ -225,7 +264,7 @@ class GDNChunkFwdSm90:
         tile_qk,
         tile_k_major,
         tile_mn_major,
-        cc_layout,
+        tile_tp,
     ):
 
         C, D = self.C, self.D
@@ -268,19 +307,27 @@ class GDNChunkFwdSm90:
         # the k tiles read MN-major (D, C): same bytes as sK
         sK_mn = cute.make_tensor(cute.recast_ptr(sQK.iterator, tile_mn_major.inner), tile_mn_major.outer)
         sK_mn = sK_mn[None, None, 1, None]
-        sP = st.sP.get_tensor(cc_layout.outer, swizzle=cc_layout.inner)
-        sT = st.sT.get_tensor(cc_layout.outer, swizzle=cc_layout.inner)
+        sTP = st.sTP.get_tensor(tile_tp.outer, swizzle=tile_tp.inner)
+        sT = sTP[None, None, 0, 0]  # where the chunk's Tinv and P are made (without intra == "load")
+        sP = sTP[None, None, 1, 0]
 
         # TMA partitions: this head's (T, D) plane, shifted to the sequence start, cut in C-token tiles
         tQs, tQg = blocks.tma_chunk_tiles(tma_q, mQ[None, None, h, b], tok0, sQ)
         tKs, tKg = blocks.tma_chunk_tiles(tma_k, mK[None, None, h, b], tok0, sK)
         tVs, tVg = blocks.tma_chunk_tiles(tma_v, mV[None, None, hv, b], tok0, sV)
-        tma = (tma_q, tQg, tQs, tma_k, tKg, tKs, tma_v, tVg, tVs)
+        tWs, tWg = tQs, tQg
+        if cutlass.const_expr(self.intra != "none"):
+            # (C, C) tiles of this (range, head)'s workspace: 2 c for chunk c's Tinv, 2 c + 1 for its P; smem
+            # buffers 2 s (Tinv) and 2 s + 1 (P) of t_stage s
+            tWs, tWg = blocks.tma_chunk_tiles(tma_w, mW[None, None, hv, n], 0, cute.group_modes(sTP, 2, 4))
+        tma = (tma_q, tQg, tQs, tma_k, tKg, tKs, tma_v, tVg, tVs, tma_w, tWg, tWs)
 
         if warp == 0:
             cpasync.prefetch_descriptor(tma_q)
             cpasync.prefetch_descriptor(tma_k)
             cpasync.prefetch_descriptor(tma_v)
+            if cutlass.const_expr(self.intra != "none"):
+                cpasync.prefetch_descriptor(tma_w)
         if tidx == 0:
             for s in cutlass.range_constexpr(self.stages):
                 cute.arch.mbarrier_init(full + s, 1)
@@ -307,8 +354,8 @@ class GDNChunkFwdSm90:
         # RS operands
         tRSb_K = thr_rs.make_fragment_B(thr_rs.partition_B(sK))
         tRSb_Q = thr_rs.make_fragment_B(thr_rs.partition_B(sQ))
-        tRSb_T = thr_rs.make_fragment_B(thr_rs.partition_B(sT))
-        tRSb_P = thr_rs.make_fragment_B(thr_rs.partition_B(sP))
+        tRSb_T = thr_rs.make_fragment_B(thr_rs.partition_B(sTP[None, None, 0, None]))
+        tRSb_P = thr_rs.make_fragment_B(thr_rs.partition_B(sTP[None, None, 1, None]))
         tSTb_K = thr_st.make_fragment_B(thr_st.partition_B(sK_mn))
         # coordinates of accumulator elements
         cCC = thr_rs.partition_C(cute.make_identity_tensor((C, C)))
@@ -330,12 +377,14 @@ class GDNChunkFwdSm90:
                     acc_s[i] = f32(1.0)
         else:
             acc_s.fill(0.0)
-        blocks.solve_clear(sT, tidx, self.threads)
+        if cutlass.const_expr(self.intra != "load"):
+            blocks.solve_clear(sT, tidx, self.threads)
 
         cute.arch.sync_threads()
 
         for c in cutlass.range(n_chunks, unroll=1):
             stage = c % self.stages
+            tstage = stage if self.intra == "load" else 0  # Tinv / P buffer pair
             slot = c % 2
             L = cutlass.min(seqlen - c * C, C)
             g_last = sG[L - 1, slot]
@@ -347,45 +396,50 @@ class GDNChunkFwdSm90:
             cute.arch.mbarrier_wait(full + stage, (c // self.stages) % 2)
 
             # ---- 1. WG0: A = strict-lower(beta_i K K^T exp(G_i - G_j)); WG1: P = lower(scale Q K^T exp(G_i - G_j))
-            acc_x = thr_ss.make_fragment_C(thr_ss.partition_shape_C((C, C)))
-            if wg == 0 or cutlass.const_expr(self.make_o):
-                warpgroup.fence()
-                blocks.gemm(mma_ss, acc_x, tSSa[None, None, None, 1 - wg, stage], tSSb_K[None, None, None, stage], True)
-                warpgroup.commit_group()
+            # (loaded with the chunk's tiles instead when intra == "load")
+            if cutlass.const_expr(self.intra != "load"):
+                acc_x = thr_ss.make_fragment_C(thr_ss.partition_shape_C((C, C)))
+                if wg == 0 or cutlass.const_expr(self.make_o):
+                    warpgroup.fence()
+                    blocks.gemm(
+                        mma_ss, acc_x, tSSa[None, None, None, 1 - wg, stage], tSSb_K[None, None, None, stage], True
+                    )
+                    warpgroup.commit_group()
             # while it runs: the previous chunk's O (staged in smem, a full chunk) to global memory
             if cutlass.const_expr(self.make_o):
                 if c > 0:
                     blocks.store_o_rows(sO, mO, b, hv, tok0 + (c - 1) * C, C, tidx, C, D, self.threads, accumulate)
-            warpgroup.wait_group(0)
-            if cutlass.const_expr(self.qk_l2norm):
-                self.token_norms(acc_x, cSS, sQ[None, None, stage], sNorm, wg, wtid)
-                cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
-            # this thread's accumulator elements lie on 2 rows and 16 columns: their gates are read once
-            g_r, b_r, g_c = self.row_col_gates(sG, sBeta, sNorm, cSS, slot)
-            if wg == 0:
-                for i in cutlass.range_constexpr(cute.size(acc_x)):
-                    ra, ja = cSS[i]
-                    rr, kc = blocks.acc_row_slot(i), blocks.acc_col_slot(i)
-                    va = f32(0.0)
-                    if ja < ra:
-                        if ra < L:
-                            va = acc_x[i] * b_r[rr] * cute.math.exp2(g_r[rr] - g_c[kc], fastmath=True)
-                    # stored transposed: the solver walks A column by column
-                    sA[ja, ra] = va
-            elif cutlass.const_expr(self.make_o):
-                # elements i, i + 1 (i even) are columns j, j + 1 of one row: stored as one 4-byte pair
-                pair = cute.make_rmem_tensor(cute.make_layout((1, 2)), cutlass.BFloat16)
-                for i in cutlass.range_constexpr(cute.size(acc_x)):
-                    rp, jp = cSS[i]
-                    rr, kc = blocks.acc_row_slot(i), blocks.acc_col_slot(i)
-                    vp = f32(0.0)
-                    if jp <= rp:
-                        vp = acc_x[i] * scale * cute.math.exp2(g_r[rr] - g_c[kc], fastmath=True)
-                        if cutlass.const_expr(self.qk_l2norm):
-                            vp = vp * sNorm[rp, 2]
-                    pair[0, i % 2] = vp.to(cutlass.BFloat16)
-                    if cutlass.const_expr(i % 2 == 1):
-                        cute.autovec_copy(pair, cute.local_tile(sP, (1, 2), (rp, jp // 2)))
+            if cutlass.const_expr(self.intra != "load"):
+                warpgroup.wait_group(0)
+                if cutlass.const_expr(self.qk_l2norm):
+                    self.token_norms(acc_x, cSS, sQ[None, None, stage], sNorm, wg, wtid)
+                    cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+                # this thread's accumulator elements lie on 2 rows and 16 columns: their gates are read once
+                g_r, b_r, g_c = self.row_col_gates(sG, sBeta, sNorm, cSS, slot)
+                if wg == 0:
+                    for i in cutlass.range_constexpr(cute.size(acc_x)):
+                        ra, ja = cSS[i]
+                        rr, kc = blocks.acc_row_slot(i), blocks.acc_col_slot(i)
+                        va = f32(0.0)
+                        if ja < ra:
+                            if ra < L:
+                                va = acc_x[i] * b_r[rr] * cute.math.exp2(g_r[rr] - g_c[kc], fastmath=True)
+                        # stored transposed: the solver walks A column by column
+                        sA[ja, ra] = va
+                elif cutlass.const_expr(self.make_o):
+                    # elements i, i + 1 (i even) are columns j, j + 1 of one row: stored as one 4-byte pair
+                    pair = cute.make_rmem_tensor(cute.make_layout((1, 2)), cutlass.BFloat16)
+                    for i in cutlass.range_constexpr(cute.size(acc_x)):
+                        rp, jp = cSS[i]
+                        rr, kc = blocks.acc_row_slot(i), blocks.acc_col_slot(i)
+                        vp = f32(0.0)
+                        if jp <= rp:
+                            vp = acc_x[i] * scale * cute.math.exp2(g_r[rr] - g_c[kc], fastmath=True)
+                            if cutlass.const_expr(self.qk_l2norm):
+                                vp = vp * sNorm[rp, 2]
+                        pair[0, i % 2] = vp.to(cutlass.BFloat16)
+                        if cutlass.const_expr(i % 2 == 1):
+                            cute.autovec_copy(pair, cute.local_tile(sP, (1, 2), (rp, jp // 2)))
             # sP is read by wgmma (async proxy) after ordinary stores
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
@@ -400,12 +454,20 @@ class GDNChunkFwdSm90:
             if cutlass.const_expr(self.make_o):
                 blocks.gemm(mma_rs, acc_o, rS, tRSb_Q[None, None, None, stage], True)
             warpgroup.commit_group()
-            if warp < 2:
-                blocks.solve_diag16(sA, sT, tidx)
-            cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
-            blocks.solve_merge(sA, sT, tidx, 1, self.threads)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+            if cutlass.const_expr(self.intra != "load"):
+                if warp < 2:
+                    blocks.solve_diag16(sA, sT, tidx)
+                cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+                blocks.solve_merge(sA, sT, tidx, 1, self.threads)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+            if cutlass.const_expr(self.intra == "save"):
+                # Tinv and P of this chunk to the workspace; their buffers are next written in the next chunk, after
+                # this chunk's final barrier, before which warp 0 waits for the stores to have read them
+                if warp == 0:
+                    cute.copy(tma_w, tWs[None, 0], tWg[None, 2 * c])
+                    cute.copy(tma_w, tWs[None, 1], tWg[None, 2 * c + 1])
+                    cute.arch.cp_async_bulk_commit_group()
 
             # ---- 3. the other state products on this WG's 64 value rows. First, while S^T K^T may still run: the
             # factors of this thread's 16 accumulator columns (blocks.acc_col_slot), zero past the sequence end, and
@@ -437,7 +499,7 @@ class GDNChunkFwdSm90:
             rY = blocks.acc_to_operand(acc_k)
             acc_vn = thr_rs.make_fragment_C(acc_cc_shape)
             warpgroup.fence()
-            blocks.gemm(mma_rs, acc_vn, rY, tRSb_T, True)
+            blocks.gemm(mma_rs, acc_vn, rY, tRSb_T[None, None, None, tstage], True)
             warpgroup.commit_group()
             # O^T inter-chunk part scaled while V_new^T is computed
             if cutlass.const_expr(self.make_o):
@@ -456,7 +518,7 @@ class GDNChunkFwdSm90:
             rVd = blocks.acc_to_operand(acc_vn)
             warpgroup.fence()
             if cutlass.const_expr(self.make_o):
-                blocks.gemm(mma_rs, acc_o, rVn, tRSb_P, False)
+                blocks.gemm(mma_rs, acc_o, rVn, tRSb_P[None, None, None, tstage], False)
             blocks.gemm(mma_state, acc_s, rVd, tSTb_K[None, None, None, stage], False)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
@@ -469,6 +531,9 @@ class GDNChunkFwdSm90:
                         sO[j, row0 + r] = acc_o[i].to(cutlass.BFloat16)
             if warp == 2:
                 self.publish_gates(sG, sBeta, sFac, 1 - slot, nxt, c + 1, seqlen, lane)
+            if cutlass.const_expr(self.intra == "save"):
+                if warp == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
             cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
 
             if warp == 0:
@@ -501,7 +566,7 @@ class GDNChunkFwdSm90:
     def issue_tma(self, tma, full, chunk, lane):
         """One warp (the copies elect their issuing lane): the q, k, v tiles of ``chunk`` into its stage, completing
         on the stage's barrier."""
-        tma_q, tQg, tQs, tma_k, tKg, tKs, tma_v, tVg, tVs = tma
+        tma_q, tQg, tQs, tma_k, tKg, tKs, tma_v, tVg, tVs, tma_w, tWg, tWs = tma
         s = chunk % self.stages
         if lane == 0:
             cute.arch.mbarrier_arrive_and_expect_tx(full + s, self.tma_bytes)
@@ -510,6 +575,10 @@ class GDNChunkFwdSm90:
         cute.copy(tma_k, tKg[None, chunk], tKs[None, s], tma_bar_ptr=full + s)
         if cutlass.const_expr(self.load_v):
             cute.copy(tma_v, tVg[None, chunk], tVs[None, s], tma_bar_ptr=full + s)
+        if cutlass.const_expr(self.intra == "load"):
+            cute.copy(tma_w, tWg[None, 2 * chunk], tWs[None, 2 * s], tma_bar_ptr=full + s)
+            if cutlass.const_expr(self.make_o):
+                cute.copy(tma_w, tWg[None, 2 * chunk + 1], tWs[None, 2 * s + 1], tma_bar_ptr=full + s)
 
     @cute.jit
     def row_col_gates(self, sG, sBeta, sNorm, cCC, slot):
@@ -605,8 +674,9 @@ def compile_gdn_fwd_sm90(
     state_v_first=False,
     mode="full",
     qk_l2norm=False,
+    intra="none",
 ):
-    kernel = GDNChunkFwdSm90(head_dim, beta_fp32, is_varlen, has_initial_state, state_v_first, mode, qk_l2norm)
+    kernel = GDNChunkFwdSm90(head_dim, beta_fp32, is_varlen, has_initial_state, state_v_first, mode, qk_l2norm, intra)
     fake = sm90_entry.fake_args(kernel.D, kernel.beta_fp32, kernel.state_v_first, per_key_gate=False)
     return runtime.compile_kernel(kernel, fake, arch, keep_artifacts)
 
@@ -640,8 +710,9 @@ def chunk_gated_delta_rule_fwd_sm90(
     ``use_qk_l2norm_in_kernel``, eps 1e-6 under the root)."""
     return sm90_entry.chunk_fwd(
         _launch, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first, out,
-        final_state_out, cu_seqlens_cpu, split, CHUNK, qk_l2norm=qk_l2norm,
+        final_state_out, cu_seqlens_cpu, split, CHUNK,
+        later_pass_cost=later_pass_cost(qk_l2norm), qk_l2norm=qk_l2norm,
     )  # fmt: skip
 
 
-sm90_entry.register_checked_variants("gdn_chunk_fwd_sm90", compile_gdn_fwd_sm90)
+sm90_entry.register_checked_variants("gdn_chunk_fwd_sm90", compile_gdn_fwd_sm90, sm90_entry.INTRA_VARIANTS)

@@ -47,9 +47,14 @@ from cula.ops.gates import L2NORM_EPS  # FLA's l2norm_fwd: x / sqrt(sum(x^2) + e
 
 CHUNK = 64
 MODES = ("full", "transition", "correction")  # see KDAChunkFwdSm90 and cula.ops.segment_split
+INTRA = ("none", "save", "load")  # see KDAChunkFwdSm90.__init__
 # One CTA walks its chunks in series at about this many microseconds each (H200, benchmarks/results/h200_fwd.json:
 # 3.22 ms at B2 T16384 H64 = 256 chunks per CTA in one wave, 0.83 ms at B8 T2048 H32); one CTA per SM.
 CHUNK_LATENCY_US = 13.0
+# A split sequence's transition and correction passes load each chunk's Tinv and P (saved by the first pass) and make
+# only the gate cumsum, the B tiles and the state products: about this fraction of a first-pass chunk (a prediction
+# from the session-10 clock profile, ~8k of ~18.9k cycles; not yet measured)
+LATER_PASS_COST = 0.45
 SUPPORTED_DIMS = (64, 128)
 # the lowest gate the intra-chunk factorisation tolerates (module docstring)
 LOWER_BOUND_MIN = -5.0
@@ -71,7 +76,7 @@ def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, **
 
 def estimated_ms(lengths: list[int], HV: int, num_sms: int) -> float:
     """The kernel's time for sequences of these lengths, split where the entry splits them."""
-    return segment_split.chunk_walk_ms(lengths, HV, num_sms, CHUNK_LATENCY_US, splittable=True)
+    return segment_split.chunk_walk_ms(lengths, HV, num_sms, CHUNK_LATENCY_US, True, LATER_PASS_COST)
 
 
 class KDAChunkFwdSm90:
@@ -80,18 +85,21 @@ class KDAChunkFwdSm90:
     the state in registers across chunks.
 
     Threads: 256 = two warpgroups. WG w owns value rows [64 w, 64 w + 64) of S^T. Per chunk:
-      0. WG0 threads (one key channel each): G = cumsum(g) * log2(e) in place in the g tile, G_last, 2^G_last;
-         threads 128-191: beta. Then all threads: R_j = k_j 2^(G_r - G_j) (r = 16 | 48 per 32-token half) -> smem
+      0. warp 0 issues the next chunk's v (two buffers). WG0 threads (one key channel each): G = cumsum(g) *
+         log2(e) in place in the g tile, G_last, 2^G_last; threads 128-191: beta (loaded a chunk ahead). Then all
+         threads: R_j = k_j 2^(G_r - G_j) (r = 16 | 48 per 32-token half) -> smem
       1. WG0: A = K-left . R (fp32, smem, transposed);  WG1: P = Q-left . R (bf16, smem); the left operands
          x_i 2^(G_i - G_r) are built in registers                                          [wgmma RS, N = 32 x 2]
       2. Tinv = (I + A)^-1 by 16-blocks: warps 0-1 invert the diagonal blocks while warps 2-7 build the B tiles
          K 2^G, Q 2^G and K 2^(G_last - G) (zero past the sequence end); then all threads join the blocks; then
          warp 0 refills q/k/g
       3. each WG on its 64 value rows: S^T (K 2^G)^T, S^T (Q 2^G)^T, V_new^T, O^T, state decay and update [wgmma RS]
-      4. O staged through smem and stored with rows past the sequence end masked; warp 0 refills v.
+      4. O staged through smem and stored with rows past the sequence end masked.
+    Split passes (``intra``): "save" TMA-stores each chunk's Tinv and P to the workspace after step 2; "load" skips
+    the R tile, step 1 and the solve (warps 2-7 build only the B tiles) and TMA-loads Tinv and P instead.
 
-    Shared memory: q|k 32 KB, v 16 KB, g/G 32 KB (fp32), R, K 2^G, Q 2^G, K 2^(G_last - G) 16 KB each, A^T 17 KB
-    (fp32, padded rows), O staging 17 KB, P and Tinv 8 KB each: about 197 KB.
+    Shared memory: q|k 32 KB, v 2 x 16 KB, g/G 32 KB (fp32), R, K 2^G, Q 2^G, K 2^(G_last - G) 16 KB each, A^T 17 KB
+    (fp32, padded rows), O staging 17 KB, P and Tinv 8 KB each: about 213 KB.
     """
 
     def __init__(
@@ -103,9 +111,15 @@ class KDAChunkFwdSm90:
         state_v_first: bool = False,
         mode: str = "full",
         qk_l2norm: bool = False,
+        intra: str = "none",
     ):
         assert head_dim in SUPPORTED_DIMS
         assert mode in MODES and (mode == "full" or is_varlen)
+        # a split sequence's later passes need only the B tiles and the state path of each chunk: the "full" pass
+        # saves every chunk's Tinv and P to a workspace ("save"), the "transition"/"correction" passes load them
+        # ("load") instead of making R, the left operands, A, P and the solve again
+        assert intra in INTRA and (intra != "save" or mode == "full") and (intra != "load" or mode != "full")
+        self.intra = intra
         self.D = head_dim
         # q and k L2-normalised by the kernel: per-token 1 / ||x|| (row sums in step 0) scale the token rows of the
         # operands it builds anyway (R, the left operands, the B tiles)
@@ -132,7 +146,7 @@ class KDAChunkFwdSm90:
 
     # ---------------------------------------------------------------- host side
     @cute.jit
-    def __call__(self, q, k, v, g, beta, o, h0, ht, starts, ends, scale, stream):
+    def __call__(self, q, k, v, g, beta, o, h0, ht, starts, ends, w, scale, stream):
 
         D, C, Hf = self.D, self.C, self.half
         bf16 = cutlass.BFloat16
@@ -144,7 +158,8 @@ class KDAChunkFwdSm90:
         # q and k tiles side by side (C, D, q|k, 1); v (C, D, 1); the gate tile (C, D, 1) fp32, 128B swizzle so the
         # per-channel scan and the operand builders read it without bank conflicts
         tile_qk = cute.tile_to_shape(atom_k, (C, D, 2, 1), order=(0, 1, 2, 3))
-        tile_v = cute.tile_to_shape(atom_k, (C, D, 1), order=(0, 1, 2))
+        # v in two buffers: chunk c + 1's v lands during chunk c
+        tile_v = cute.tile_to_shape(atom_k, (C, D, 2), order=(0, 1, 2))
         tile_g = cute.tile_to_shape(
             warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, f32), (C, D, 1), order=(0, 1, 2)
         )
@@ -168,10 +183,17 @@ class KDAChunkFwdSm90:
         tma_k, mK = cpasync.make_tiled_tma_atom(op, blocks.tma_view(k), one_tile, (C, D))
         tma_v, mV = cpasync.make_tiled_tma_atom(op, blocks.tma_view(v), one_tile, (C, D))
         tma_g, mGt = cpasync.make_tiled_tma_atom(op, blocks.tma_view(g), cute.slice_(tile_g, (None, None, 0)), (C, D))
+        # Tinv and P side by side (C, C, T|P); the workspace [ranges, chunks * 2 * C, HV, C] of the split passes
+        # (chunk c's Tinv at rows 2 c C, its P after them); unused without intra (q's atom stands in for it)
+        tile_tp = cute.tile_to_shape(atom_k, (C, C, 2), order=(0, 1, 2))
+        tma_w, mW = tma_q, mQ
+        if cutlass.const_expr(self.intra != "none"):
+            w_op = cpasync.CopyBulkTensorTileS2GOp() if self.intra == "save" else op
+            tma_w, mW = cpasync.make_tiled_tma_atom(w_op, blocks.tma_view(w), cc_layout, (C, C))
 
         @cute.struct
         class Storage:
-            bars: cute.struct.MemRange[cutlass.Int64, 2]  # q/k/g loaded, v loaded
+            bars: cute.struct.MemRange[cutlass.Int64, 4]  # q/k/g loaded, v loaded (per v buffer), Tinv/P loaded
             sBeta: cute.struct.MemRange[f32, C]
             sGl: cute.struct.MemRange[f32, D]
             sDec: cute.struct.MemRange[f32, D]
@@ -184,12 +206,12 @@ class KDAChunkFwdSm90:
             sR: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_r)], 1024]
             sXG: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_xg)], 1024]
             sKD: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_kd)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(cc_layout)], 1024]
-            sT: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(cc_layout)], 1024]
+            sTP: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_tp)], 1024]
 
         self.storage = Storage
         self.qkg_bytes = 2 * C * D * 2 + C * D * 4
         self.v_bytes = C * D * 2
+        self.tp_bytes = (1 + int(self.make_o)) * C * C * 2
         HV = v.shape[2]
         N = ht.shape[0]
         self.kernel(
@@ -204,6 +226,8 @@ class KDAChunkFwdSm90:
             mV,
             tma_g,
             mGt,
+            tma_w,
+            mW,
             beta,
             o,
             h0,
@@ -221,6 +245,7 @@ class KDAChunkFwdSm90:
             tile_xg,
             tile_kd,
             cc_layout,
+            tile_tp,
         ).launch(grid=(HV, N, 1), block=(self.threads, 1, 1), smem=Storage.size_in_bytes(), stream=stream)
 
     # ---------------------------------------------------------------- device side
@@ -238,6 +263,8 @@ class KDAChunkFwdSm90:
         mV,
         tma_g,
         mGt,
+        tma_w,
+        mW,
         mBeta,
         mO,
         mH0,
@@ -255,6 +282,7 @@ class KDAChunkFwdSm90:
         tile_xg,
         tile_kd,
         cc_layout,
+        tile_tp,
     ):
 
         C, D, Hf = self.C, self.D, self.half
@@ -281,7 +309,8 @@ class KDAChunkFwdSm90:
         smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(self.storage)
         bar_qkg = st.bars.data_ptr()
-        bar_v = bar_qkg + 1
+        bar_v = bar_qkg + 1  # buffer s completes on bar_v + s
+        bar_tp = bar_qkg + 3  # with intra == "load": the chunk's Tinv and P
         sBeta = st.sBeta.get_tensor(cute.make_layout(C))
         sGl = st.sGl.get_tensor(cute.make_layout(D))  # G_last (log2 units) per key channel
         sDec = st.sDec.get_tensor(cute.make_layout(D))  # 2^G_last: the chunk's state decay per key channel
@@ -294,14 +323,14 @@ class KDAChunkFwdSm90:
         sQ3 = sQK[None, None, 0, None]
         sK3 = sQK[None, None, 1, None]
         sV3 = st.sV.get_tensor(tile_v.outer, swizzle=tile_v.inner)
-        sV = sV3[None, None, 0]
         sR = st.sR.get_tensor(tile_r.outer, swizzle=tile_r.inner)
         sXG = st.sXG.get_tensor(tile_xg.outer, swizzle=tile_xg.inner)
         sKG = sXG[None, None, 0]
         sQG = sXG[None, None, 1]
         sKD = st.sKD.get_tensor(tile_kd.outer, swizzle=tile_kd.inner)  # (D, C): element [k, j]
-        sP = st.sP.get_tensor(cc_layout.outer, swizzle=cc_layout.inner)
-        sT = st.sT.get_tensor(cc_layout.outer, swizzle=cc_layout.inner)
+        sTP = st.sTP.get_tensor(tile_tp.outer, swizzle=tile_tp.inner)
+        sT = sTP[None, None, 0]
+        sP = sTP[None, None, 1]
 
         # TMA partitions: this head's (T, D) plane, shifted to the sequence start, cut in C-token tiles
         tQs, tQg = blocks.tma_chunk_tiles(tma_q, mQ[None, None, h, b], tok0, sQ3)
@@ -309,15 +338,23 @@ class KDAChunkFwdSm90:
         tVs, tVg = blocks.tma_chunk_tiles(tma_v, mV[None, None, hv, b], tok0, sV3)
         tGs, tGg = blocks.tma_chunk_tiles(tma_g, mGt[None, None, hv, b], tok0, sGt3)
         tma_qkg = (tma_q, tQg, tQs, tma_k, tKg, tKs, tma_g, tGg, tGs)
+        tWs, tWg = tQs, tQg
+        if cutlass.const_expr(self.intra != "none"):
+            # (C, C) tiles of this (range, head)'s workspace: 2 c for chunk c's Tinv, 2 c + 1 for its P
+            tWs, tWg = blocks.tma_chunk_tiles(tma_w, mW[None, None, hv, n], 0, sTP)
 
         if warp == 0:
             cpasync.prefetch_descriptor(tma_q)
             cpasync.prefetch_descriptor(tma_k)
             cpasync.prefetch_descriptor(tma_v)
             cpasync.prefetch_descriptor(tma_g)
+            if cutlass.const_expr(self.intra != "none"):
+                cpasync.prefetch_descriptor(tma_w)
         if tidx == 0:
             cute.arch.mbarrier_init(bar_qkg, 1)
             cute.arch.mbarrier_init(bar_v, 1)
+            cute.arch.mbarrier_init(bar_v + 1, 1)
+            cute.arch.mbarrier_init(bar_tp, 1)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -326,6 +363,8 @@ class KDAChunkFwdSm90:
                 self.issue_qkg(tma_qkg, bar_qkg, cutlass.Int32(0), lane)
                 if cutlass.const_expr(self.load_v):
                     self.issue_v(tma_v, tVg, tVs, bar_v, cutlass.Int32(0), lane)
+                if cutlass.const_expr(self.intra == "load"):
+                    self.issue_tp(tma_w, tWg, tWs, bar_tp, cutlass.Int32(0), lane)
 
         # ---- per-thread MMA partitions (each warpgroup works on its own 64 rows)
         thr_h = mma_half.get_slice(wtid)
@@ -359,10 +398,19 @@ class KDAChunkFwdSm90:
                     acc_s[i] = f32(1.0)
         else:
             acc_s.fill(0.0)
-        blocks.solve_clear(sT, tidx, self.threads)  # the barriers of the first chunk's steps 0-1 order it
+        if cutlass.const_expr(self.intra != "load"):
+            blocks.solve_clear(sT, tidx, self.threads)  # the barriers of the first chunk's steps 0-1 order it
+        # beta of a chunk is loaded one chunk ahead (threads D .. D + C - 1, one token each): a global load issued in
+        # step 0 would hold every thread at step 0's barrier for its whole latency
+        beta_next = self.load_beta(mBeta, b, tok0, hv, seqlen, cutlass.Int32(0), tidx)
 
         for c in cutlass.range(n_chunks, unroll=1):
             L = cutlass.min(seqlen - c * C, C)
+            # the next chunk's v into the other buffer, last read in the previous chunk (before its final barrier)
+            if cutlass.const_expr(self.load_v):
+                if warp == 0:
+                    if c + 1 < n_chunks:
+                        self.issue_v(tma_v, tVg, tVs, bar_v, c + 1, lane)
             cute.arch.mbarrier_wait(bar_qkg, c % 2)
 
             # ---- 0. G = cumsum(g) in log2 units, in place (one key channel per WG0 thread; tokens past the
@@ -384,107 +432,121 @@ class KDAChunkFwdSm90:
                 sGl[tidx] = run
                 sDec[tidx] = cute.math.exp2(run, fastmath=True)
             elif tidx < D + C:
-                tb = tidx - D
-                bt = f32(0.0)
-                if tb < L:
-                    bt = mBeta[b, tok0 + c * C + tb, hv].to(f32)
-                sBeta[tb] = bt
+                sBeta[tidx - D] = beta_next
+                beta_next = self.load_beta(mBeta, b, tok0, hv, seqlen, c + 1, tidx)
             elif cutlass.const_expr(self.qk_l2norm):
                 if tidx < D + 2 * C:
                     self.token_norms(sK3, sQ3, sNorm, tidx - D - C)
             cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
 
-            # R_j = k_j 2^(G_r - G_j), r the reference token of j's half; |j - r| <= 16 keeps it in range
-            self.build_r_tile(sG, sK3, sR, sNorm, tidx)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+            if cutlass.const_expr(self.intra != "load"):
+                # R_j = k_j 2^(G_r - G_j), r the reference token of j's half; |j - r| <= 16 keeps it in range
+                self.build_r_tile(sG, sK3, sR, sNorm, tidx)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
 
-            # ---- 1. WG0: A = strict-lower(beta_i sum_k K_ik K_jk 2^(G_ik - G_jk)); WG1: P = lower(scale Q ...).
-            # Left operands in registers: x_i 2^(G_i - G_r) per half (rows before the second half's block are
-            # zero: their factor against r = 48 would overflow and their entries are above the diagonal)
-            # built in pairs and converted two at a time (bf16x2), so every operand register is final before the
-            # wgmma fence (a register packed after it makes ptxas fence each k-block: C7519)
-            l0 = blocks.empty_operand(cute.size(cST))
-            l1 = blocks.empty_operand(cute.size(cST))
-            l0_flat = cute.make_tensor(l0.iterator, cute.make_layout(cute.size(cST)))
-            l1_flat = cute.make_tensor(l1.iterator, cute.make_layout(cute.size(cST)))
-            p0 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
-            p1 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
-            x2 = cute.make_rmem_tensor(cute.make_layout((1, 2)), bf16)
-            g2 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
-            r0 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
-            r1 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
-            sX = sQK[None, None, 1 - wg, 0]  # WG0's rows are k, WG1's q
-            # per 8-column block i // 4 the thread holds 2 adjacent columns on 2 rows: the references' gates are
-            # loaded once for both rows, and x and G as pairs
-            for blk in cutlass.range_constexpr(cute.size(cST) // 4):
-                _, kb = cST[4 * blk]
-                cute.autovec_copy(cute.local_tile(sG, (1, 2), (Hf // 2, kb // 2)), r0)
-                cute.autovec_copy(cute.local_tile(sG, (1, 2), (Hf + Hf // 2, kb // 2)), r1)
-                for rr in cutlass.range_constexpr(2):
-                    i = 4 * blk + 2 * rr
-                    ri, ki = cST[i]
-                    cute.autovec_copy(cute.local_tile(sX, (1, 2), (ri, ki // 2)), x2)
-                    cute.autovec_copy(cute.local_tile(sG, (1, 2), (ri, ki // 2)), g2)
-                    x = x2.load().to(f32)
-                    if cutlass.const_expr(self.qk_l2norm):
-                        x = x * sNorm[ri, wg]
-                    for e in cutlass.range_constexpr(2):
-                        p0[0, e] = x[e] * cute.math.exp2(g2[0, e] - r0[0, e], fastmath=True)
-                        x1 = f32(0.0)
-                        if ri >= Hf:
-                            x1 = x[e] * cute.math.exp2(g2[0, e] - r1[0, e], fastmath=True)
-                        p1[0, e] = x1
-                    cute.local_tile(l0_flat, (2,), (i // 2,)).store(p0.load().to(bf16))
-                    cute.local_tile(l1_flat, (2,), (i // 2,)).store(p1.load().to(bf16))
-            acc0 = thr_h.make_fragment_C(acc_h_shape)
-            acc1 = thr_h.make_fragment_C(acc_h_shape)
-            warpgroup.fence()
-            blocks.gemm(mma_half, acc0, l0, tHb_R[None, None, None, 0], True)
-            blocks.gemm(mma_half, acc1, l1, tHb_R[None, None, None, 1], True)
-            warpgroup.commit_group()
-            # while they run: the previous chunk's O (staged in smem, a full chunk) to global memory
-            if cutlass.const_expr(self.make_o):
-                if c > 0:
-                    blocks.store_o_rows(sO, mO, b, hv, tok0 + (c - 1) * C, C, tidx, C, D, self.threads, accumulate)
-            warpgroup.wait_group(0)
-            if wg == 0:
-                for i in cutlass.range_constexpr(cute.size(acc0)):
-                    ra, ja = cH[i]
-                    bi = sBeta[ra]  # 0 past the sequence end
-                    va = f32(0.0)
-                    if ja < ra:
-                        va = acc0[i] * bi
-                    # stored transposed: the solver walks A column by column
-                    sA[ja, ra] = va
-                    vb = f32(0.0)
-                    if ja + Hf < ra:
-                        vb = acc1[i] * bi
-                    sA[ja + Hf, ra] = vb
-            else:
-                for i in cutlass.range_constexpr(cute.size(acc0)):
-                    rp, jp = cH[i]
-                    vp = f32(0.0)
-                    if jp <= rp:
-                        vp = acc0[i] * scale
-                    sP[rp, jp] = vp.to(bf16)
-                    vq = f32(0.0)
-                    if jp + Hf <= rp:
-                        vq = acc1[i] * scale
-                    sP[rp, jp + Hf] = vq.to(bf16)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+                # ---- 1. WG0: A = strict-lower(beta_i sum_k K_ik K_jk 2^(G_ik - G_jk)); WG1: P = lower(scale Q ...).
+                # Left operands in registers: x_i 2^(G_i - G_r) per half (rows before the second half's block are
+                # zero: their factor against r = 48 would overflow and their entries are above the diagonal)
+                # built in pairs and converted two at a time (bf16x2), so every operand register is final before the
+                # wgmma fence (a register packed after it makes ptxas fence each k-block: C7519)
+                l0 = blocks.empty_operand(cute.size(cST))
+                l1 = blocks.empty_operand(cute.size(cST))
+                l0_flat = cute.make_tensor(l0.iterator, cute.make_layout(cute.size(cST)))
+                l1_flat = cute.make_tensor(l1.iterator, cute.make_layout(cute.size(cST)))
+                p0 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
+                p1 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
+                x2 = cute.make_rmem_tensor(cute.make_layout((1, 2)), bf16)
+                g2 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
+                r0 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
+                r1 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
+                sX = sQK[None, None, 1 - wg, 0]  # WG0's rows are k, WG1's q
+                # per 8-column block i // 4 the thread holds 2 adjacent columns on 2 rows: the references' gates are
+                # loaded once for both rows, and x and G as pairs
+                for blk in cutlass.range_constexpr(cute.size(cST) // 4):
+                    _, kb = cST[4 * blk]
+                    cute.autovec_copy(cute.local_tile(sG, (1, 2), (Hf // 2, kb // 2)), r0)
+                    cute.autovec_copy(cute.local_tile(sG, (1, 2), (Hf + Hf // 2, kb // 2)), r1)
+                    for rr in cutlass.range_constexpr(2):
+                        i = 4 * blk + 2 * rr
+                        ri, ki = cST[i]
+                        cute.autovec_copy(cute.local_tile(sX, (1, 2), (ri, ki // 2)), x2)
+                        cute.autovec_copy(cute.local_tile(sG, (1, 2), (ri, ki // 2)), g2)
+                        x = x2.load().to(f32)
+                        if cutlass.const_expr(self.qk_l2norm):
+                            x = x * sNorm[ri, wg]
+                        for e in cutlass.range_constexpr(2):
+                            p0[0, e] = x[e] * cute.math.exp2(g2[0, e] - r0[0, e], fastmath=True)
+                            x1 = f32(0.0)
+                            if ri >= Hf:
+                                x1 = x[e] * cute.math.exp2(g2[0, e] - r1[0, e], fastmath=True)
+                            p1[0, e] = x1
+                        cute.local_tile(l0_flat, (2,), (i // 2,)).store(p0.load().to(bf16))
+                        cute.local_tile(l1_flat, (2,), (i // 2,)).store(p1.load().to(bf16))
+                acc0 = thr_h.make_fragment_C(acc_h_shape)
+                acc1 = thr_h.make_fragment_C(acc_h_shape)
+                warpgroup.fence()
+                blocks.gemm(mma_half, acc0, l0, tHb_R[None, None, None, 0], True)
+                blocks.gemm(mma_half, acc1, l1, tHb_R[None, None, None, 1], True)
+                warpgroup.commit_group()
+                # while they run: the previous chunk's O (staged in smem, a full chunk) to global memory
+                if cutlass.const_expr(self.make_o):
+                    if c > 0:
+                        blocks.store_o_rows(sO, mO, b, hv, tok0 + (c - 1) * C, C, tidx, C, D, self.threads, accumulate)
+                warpgroup.wait_group(0)
+                if wg == 0:
+                    for i in cutlass.range_constexpr(cute.size(acc0)):
+                        ra, ja = cH[i]
+                        bi = sBeta[ra]  # 0 past the sequence end
+                        va = f32(0.0)
+                        if ja < ra:
+                            va = acc0[i] * bi
+                        # stored transposed: the solver walks A column by column
+                        sA[ja, ra] = va
+                        vb = f32(0.0)
+                        if ja + Hf < ra:
+                            vb = acc1[i] * bi
+                        sA[ja + Hf, ra] = vb
+                else:
+                    for i in cutlass.range_constexpr(cute.size(acc0)):
+                        rp, jp = cH[i]
+                        vp = f32(0.0)
+                        if jp <= rp:
+                            vp = acc0[i] * scale
+                        sP[rp, jp] = vp.to(bf16)
+                        vq = f32(0.0)
+                        if jp + Hf <= rp:
+                            vq = acc1[i] * scale
+                        sP[rp, jp + Hf] = vq.to(bf16)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
 
-            # ---- 2. Tinv = (I + A)^-1 by 16-blocks: warps 0-1 invert the diagonal blocks while warps 2-7 build the B
-            # tiles of the state products; then all threads join them
-            if warp < 2:
-                blocks.solve_diag16(sA, sT, tidx)
+                # ---- 2. Tinv = (I + A)^-1 by 16-blocks: warps 0-1 invert the diagonal blocks while warps 2-7 build
+                # the B tiles of the state products; then all threads join them
+                if warp < 2:
+                    blocks.solve_diag16(sA, sT, tidx)
+                else:
+                    self.build_b_tiles(sG, sK3, sQ3, sKG, sQG, sKD, sGl, sNorm, L, tidx - 64)
+                cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+                blocks.solve_merge(sA, sT, tidx, 1, self.threads)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
             else:
-                self.build_b_tiles(sG, sK3, sQ3, sKG, sQG, sKD, sGl, sNorm, L, tidx - 64)
-            cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
-            blocks.solve_merge(sA, sT, tidx, 1, self.threads)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+                # Tinv and P come from the first pass: the B tiles (warps 2-7) and the previous chunk's O alone
+                if cutlass.const_expr(self.make_o):
+                    if c > 0:
+                        blocks.store_o_rows(sO, mO, b, hv, tok0 + (c - 1) * C, C, tidx, C, D, self.threads, accumulate)
+                if warp >= 2:
+                    self.build_b_tiles(sG, sK3, sQ3, sKG, sQG, sKD, sGl, sNorm, L, tidx - 64)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+            if cutlass.const_expr(self.intra == "save"):
+                # this chunk's Tinv and P to the workspace; warp 0 waits for the stores to have read them before the
+                # chunk's final barrier (the next chunk writes them again)
+                if warp == 0:
+                    cute.copy(tma_w, tWs[None, 0], tWg[None, 2 * c])
+                    cute.copy(tma_w, tWs[None, 1], tWg[None, 2 * c + 1])
+                    cute.arch.cp_async_bulk_commit_group()
 
             # q, k and g of this chunk are consumed: fetch the next chunk's
             if warp == 0:
@@ -492,8 +554,11 @@ class KDAChunkFwdSm90:
                     self.issue_qkg(tma_qkg, bar_qkg, c + 1, lane)
 
             # ---- 3. state products on this WG's 64 value rows
+            if cutlass.const_expr(self.intra == "load"):
+                cute.arch.mbarrier_wait(bar_tp, c % 2)
             if cutlass.const_expr(self.load_v):
-                cute.arch.mbarrier_wait(bar_v, c % 2)
+                cute.arch.mbarrier_wait(bar_v + c % 2, (c // 2) % 2)
+            sV = sV3[None, None, c % 2]
             rS = blocks.acc_to_operand(acc_s)
             acc_k = thr_rs.make_fragment_C(acc_cc_shape)
             acc_o = thr_rs.make_fragment_C(acc_cc_shape)
@@ -552,13 +617,15 @@ class KDAChunkFwdSm90:
                     for i in cutlass.range_constexpr(cute.size(acc_o)):
                         r, j = cCC[i]
                         sO[j, row0 + r] = acc_o[i].to(bf16)
+            if cutlass.const_expr(self.intra == "save"):
+                if warp == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
             cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
-
-            # v of this chunk is consumed: fetch the next chunk's
-            if warp == 0:
-                if cutlass.const_expr(self.load_v):
+            if cutlass.const_expr(self.intra == "load"):
+                # Tinv and P were last read by this chunk's products: the next chunk's into the same buffers
+                if warp == 0:
                     if c + 1 < n_chunks:
-                        self.issue_v(tma_v, tVg, tVs, bar_v, c + 1, lane)
+                        self.issue_tp(tma_w, tWg, tWs, bar_tp, c + 1, lane)
 
         # the last chunk's O (the loop stores each chunk's O during the next chunk's step 1)
         if cutlass.const_expr(self.make_o):
@@ -573,6 +640,18 @@ class KDAChunkFwdSm90:
             blocks.store_state(acc_s, cST, mHt, n, hv, row0)
 
     # ---------------------------------------------------------------- helpers
+    @cute.jit
+    def load_beta(self, mBeta, b, tok0, hv, seqlen, chunk, tidx):
+        """beta (fp32) of token ``tidx - D`` of ``chunk`` for threads D .. D + C - 1; 0 past the sequence end and for
+        other threads."""
+        bt = cutlass.Float32(0.0)
+        tb = tidx - self.D
+        if tidx >= self.D:
+            if tb < self.C:
+                if chunk * self.C + tb < seqlen:
+                    bt = mBeta[b, tok0 + chunk * self.C + tb, hv].to(cutlass.Float32)
+        return bt
+
     @cute.jit
     def token_norms(self, sK3, sQ3, sNorm, t):
         """For qk_l2norm: 1 / sqrt(||k_t||^2 + eps) and the same for q_t, token ``t`` of the chunk (one thread)."""
@@ -682,11 +761,21 @@ class KDAChunkFwdSm90:
         cute.copy(tma_g, tGg[None, chunk], tGs[None, 0], tma_bar_ptr=bar)
 
     @cute.jit
-    def issue_v(self, tma_v, tVg, tVs, bar, chunk, lane):
-        """One warp: the v tile of ``chunk``, completing on ``bar``."""
+    def issue_tp(self, tma_w, tWg, tWs, bar, chunk, lane):
+        """One warp: Tinv (and P when the pass makes o) of ``chunk`` from the workspace, completing on ``bar``."""
+        if lane == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, self.tp_bytes)
+        cute.copy(tma_w, tWg[None, 2 * chunk], tWs[None, 0], tma_bar_ptr=bar)
+        if cutlass.const_expr(self.make_o):
+            cute.copy(tma_w, tWg[None, 2 * chunk + 1], tWs[None, 1], tma_bar_ptr=bar)
+
+    @cute.jit
+    def issue_v(self, tma_v, tVg, tVs, bar_v, chunk, lane):
+        """One warp: the v tile of ``chunk`` into buffer ``chunk % 2``, completing on ``bar_v + chunk % 2``."""
+        bar = bar_v + chunk % 2
         if lane == 0:
             cute.arch.mbarrier_arrive_and_expect_tx(bar, self.v_bytes)
-        cute.copy(tma_v, tVg[None, chunk], tVs[None, 0], tma_bar_ptr=bar)
+        cute.copy(tma_v, tVg[None, chunk], tVs[None, chunk % 2], tma_bar_ptr=bar)
 
 
 # -------------------------------------------------------------------- compile + Python entry
@@ -700,8 +789,9 @@ def compile_kda_fwd_sm90(
     state_v_first=False,
     mode="full",
     qk_l2norm=False,
+    intra="none",
 ):
-    kernel = KDAChunkFwdSm90(head_dim, beta_fp32, is_varlen, has_initial_state, state_v_first, mode, qk_l2norm)
+    kernel = KDAChunkFwdSm90(head_dim, beta_fp32, is_varlen, has_initial_state, state_v_first, mode, qk_l2norm, intra)
     fake = sm90_entry.fake_args(kernel.D, kernel.beta_fp32, kernel.state_v_first, per_key_gate=True)
     return runtime.compile_kernel(kernel, fake, arch, keep_artifacts)
 
@@ -734,8 +824,8 @@ def chunk_kda_fwd_sm90(
     and k in the kernel (FLA's ``use_qk_l2norm_in_kernel``, eps 1e-6 under the root)."""
     return sm90_entry.chunk_fwd(
         _launch, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first, out,
-        final_state_out, cu_seqlens_cpu, split, CHUNK, qk_l2norm=qk_l2norm,
+        final_state_out, cu_seqlens_cpu, split, CHUNK, LATER_PASS_COST, qk_l2norm=qk_l2norm,
     )  # fmt: skip
 
 
-sm90_entry.register_checked_variants("kda_chunk_fwd_sm90", compile_kda_fwd_sm90)
+sm90_entry.register_checked_variants("kda_chunk_fwd_sm90", compile_kda_fwd_sm90, sm90_entry.INTRA_VARIANTS)

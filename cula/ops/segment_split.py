@@ -29,9 +29,12 @@ CHUNK = 64
 RangeRunner = Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]
 
 
-def plan_segments(lengths: list[int], HV: int, num_sms: int, chunk: int = CHUNK) -> list[list[int]] | None:
+def plan_segments(
+    lengths: list[int], HV: int, num_sms: int, chunk: int = CHUNK, later_pass_cost: float = 1.0
+) -> list[list[int]] | None:
     """Cut points per sequence (token counts from its start, a multiple of ``chunk``) that spread the chunk walks
-    over ``num_sms`` CTAs, one CTA per SM; None when splitting would not beat walking each sequence whole."""
+    over ``num_sms`` CTAs, one CTA per SM; None when splitting would not beat walking each sequence whole.
+    ``later_pass_cost``: a transition or correction pass's cost per chunk, as a fraction of the first pass's."""
     chunks = [-(-n // chunk) for n in lengths]
     total = sum(chunks)
     if total == 0:
@@ -41,23 +44,42 @@ def plan_segments(lengths: list[int], HV: int, num_sms: int, chunk: int = CHUNK)
     seg = max(math.ceil(total / budget), 1)
     while sum(-(-c // seg) for c in chunks) > max(budget, len(chunks)):
         seg += 1
-    # three passes over segments of `seg` chunks against one pass over the longest sequence
-    if 3 * max(seg, spread) >= max(chunks):
+    cuts = [list(range(seg * chunk, n, seg * chunk)) for n in lengths]
+    # the passes over segments of `seg` chunks against one pass over the longest sequence
+    if pass_factor(cuts, later_pass_cost) * max(seg, spread) >= max(max(chunks), spread):
         return None
-    return [list(range(seg * chunk, n, seg * chunk)) for n in lengths]
+    return cuts
 
 
-def chunk_walk_ms(lengths: list[int], HV: int, num_sms: int, latency_us: float, splittable: bool) -> float:
+def pass_factor(cuts: list[list[int]], later_pass_cost: float) -> float:
+    """The split passes' cost in first passes: the first pass over every segment, a correction pass when some
+    sequence has a second segment, a transition pass when one has a middle segment (:func:`split_forward`)."""
+    most = max((len(c) + 1 for c in cuts), default=1)
+    return 1.0 + later_pass_cost * ((most >= 2) + (most >= 3))
+
+
+def segments(offsets: list[int], cuts: list[list[int]]) -> list[tuple[int, int, int]]:
+    """(sequence, start, end) of every segment, sequence by sequence."""
+    out = []
+    for n, (a, b) in enumerate(zip(offsets[:-1], offsets[1:], strict=True)):
+        bounds = [a] + [a + c for c in cuts[n]] + [b]
+        out += [(n, s, e) for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
+    return out
+
+
+def chunk_walk_ms(
+    lengths: list[int], HV: int, num_sms: int, latency_us: float, splittable: bool, later_pass_cost: float = 1.0
+) -> float:
     """A fused chunk kernel's time from its chunk walks at ``latency_us`` per chunk and CTA (one CTA per SM): the
     longest chain one CTA walks, or all chunk-CTAs spread over the SMs, whichever is longer; with ``splittable``,
-    three passes over segments where :func:`plan_segments` splits."""
+    the split passes (:func:`pass_factor`) over segments where :func:`plan_segments` splits."""
     chunks = [-(-n // CHUNK) for n in lengths]
     spread = math.ceil(sum(chunks) * HV / num_sms)
-    cuts = plan_segments(lengths, HV, num_sms, CHUNK) if splittable else None
+    cuts = plan_segments(lengths, HV, num_sms, CHUNK, later_pass_cost) if splittable else None
     if cuts is None:
         return latency_us * max(max(chunks, default=0), spread) / 1e3
     seg = max(-(-(c[0] if c else n) // CHUNK) for c, n in zip(cuts, lengths, strict=True))
-    return 3 * latency_us * max(seg, spread) / 1e3
+    return pass_factor(cuts, later_pass_cost) * latency_us * max(seg, spread) / 1e3
 
 
 def split_forward(
@@ -67,57 +89,75 @@ def split_forward(
     initial_state: torch.Tensor | None,
     out: torch.Tensor,
     need_final_state: bool,
+    aligned: bool = False,
 ) -> torch.Tensor | None:
     """Run one op over sequences ``[offsets[n], offsets[n+1])`` of the flattened token axis, each cut at
     ``offsets[n] + cuts[n]``. ``initial_state`` is [N, HV, K, V] fp32 or None; ``out`` receives o. Returns the
-    final states [N, HV, K, V] (or None when not needed)."""
-    segs = []  # (sequence, start, end)
-    for n, (a, b) in enumerate(zip(offsets[:-1], offsets[1:], strict=True)):
-        bounds = [a] + [a + c for c in cuts[n]] + [b]
-        segs += [(n, s, e) for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
+    final states [N, HV, K, V] (or None when not needed).
+
+    The first pass runs each sequence's first segment from its initial state, so only the middle segments need a
+    transition and only the later ones a correction. With ``aligned`` every pass gets every segment, in the same
+    order (the ones a pass skips as empty ranges), so a runner can hand a pass what the first one left for the same
+    segment index."""
+    segs = segments(offsets, cuts)
     all_idx = list(range(len(segs)))
-    last = {n: i for i, (n, _, _) in enumerate(segs)}  # each sequence's last segment
     first = {n: i for i, (n, _, _) in reversed(list(enumerate(segs)))}
-    trans_idx = [i for i in all_idx if last[segs[i][0]] != i]  # segments whose successor needs a start
-    corr_idx = [i for i in all_idx if initial_state is not None or first[segs[i][0]] != i]  # with a start
-    full_r, trans_r, corr_r = _device_ranges(segs, (all_idx, trans_idx, corr_idx), out.device)
+    last = {n: i for i, (n, _, _) in enumerate(segs)}
+    later_idx = [i for i in all_idx if first[segs[i][0]] != i]  # their start comes from the chain
+    mid_idx = [i for i in later_idx if last[segs[i][0]] != i]  # and their successor needs their transition
 
-    local = run("full", *full_r, None, out)
-    trans = run("transition", *trans_r, None, out) if trans_idx else None
-    trans_of = {i: j for j, i in enumerate(trans_idx)}
+    def pairs(idx):
+        if not aligned:
+            return [segs[i][1:] for i in idx]
+        keep = set(idx)
+        return [(s, e) if i in keep else (s, s) for i, (_, s, e) in enumerate(segs)]
 
-    # starts: S_start(first) = h0 (or zero); S_start(next) = M S_start + S_local
-    starts: list[torch.Tensor | None] = [None] * len(segs)
-    state: dict[int, torch.Tensor | None] = {}
-    for i, (n, _, _) in enumerate(segs):
-        s = state.get(n, None if initial_state is None else initial_state[n])
-        starts[i] = s
-        if i in trans_of:
-            state[n] = local[i] if s is None else torch.baddbmm(local[i], trans[trans_of[i]], s)
-    final = {}
-    if corr_idx:
-        h0 = torch.stack([starts[i] for i in corr_idx])
-        hom = run("correction", *corr_r, h0, out)
-        final = {segs[i][0]: hom[j] + local[i] for j, i in enumerate(corr_idx) if last[segs[i][0]] == i}
+    full_r, trans_r, corr_r = _device_ranges((pairs(all_idx), pairs(mid_idx), pairs(later_idx)), out.device)
+    slot = (lambda i, idx: i) if aligned else (lambda i, idx: idx.index(i))
+
+    h0 = None
+    if initial_state is not None:
+        zero = torch.zeros_like(initial_state[0])
+        h0 = torch.stack([initial_state[n] if first[n] == i else zero for i, (n, _, _) in enumerate(segs)])
+    local = run("full", *full_r, h0, out)
+    trans = run("transition", *trans_r, None, out) if mid_idx else None
+
+    # starts of the later segments: S_start(next) = S_end = M S_start + S_local (S_local alone for a first segment)
+    starts: dict[int, torch.Tensor] = {}
+    for n, i0 in first.items():
+        state = local[i0]
+        for i in range(i0 + 1, last[n] + 1):
+            starts[i] = state
+            if i != last[n]:
+                state = torch.baddbmm(local[i], trans[slot(i, mid_idx)], state)
+    final = {n: local[i] for n, i in last.items() if first[n] == i}
+    if later_idx:
+        if aligned:
+            zero = torch.zeros_like(local[0])
+            h0c = torch.stack([starts.get(i, zero) for i in all_idx])
+        else:
+            h0c = torch.stack([starts[i] for i in later_idx])
+        hom = run("correction", *corr_r, h0c, out)
+        final.update({n: hom[slot(i, later_idx)] + local[i] for n, i in last.items() if first[n] != i})
     if not need_final_state:
         return None
-    return torch.stack([final.get(n, local[i]) for n, i in sorted(last.items())])
+    return torch.stack([final[n] for n in sorted(last)])
 
 
-def _device_ranges(segs, passes, dev) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(starts, ends) int32 on ``dev`` for each list of segment indices in ``passes``."""
-    flat = _device_ranges_flat(str(dev), tuple(s[1:] for s in segs), tuple(tuple(idx) for idx in passes))
+def _device_ranges(passes, dev) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(starts, ends) int32 on ``dev`` for each pass's list of (start, end) token ranges."""
+    flat = _device_ranges_flat(str(dev), tuple(tuple(p) for p in passes))
     out, at = [], 0
-    for idx in passes:
-        out.append((flat[0, at : at + len(idx)], flat[1, at : at + len(idx)]))
-        at += len(idx)
+    for p in passes:
+        out.append((flat[0, at : at + len(p)], flat[1, at : at + len(p)]))
+        at += len(p)
     return out
 
 
 # Kept for the last few splits seen: a model's layers split their batch the same way, so the host-to-device copy
 # (which waits for the stream, its source being pageable) is made once per split, not once per pass and call.
 @functools.lru_cache(maxsize=16)
-def _device_ranges_flat(dev: str, bounds: tuple, passes: tuple) -> torch.Tensor:
-    """[2, ranges] int32 on ``dev``: the (start, end) ``bounds`` of the segments that ``passes`` list, in order."""
-    cols = [bounds[i] for idx in passes for i in idx]
+def _device_ranges_flat(dev: str, passes: tuple) -> torch.Tensor:
+    """[2, ranges] int32 on ``dev``: every pass's (start, end) token ranges, in order."""
+    cols = [r for p in passes for r in p]
     return torch.tensor([[s for s, _ in cols], [e for _, e in cols]], dtype=torch.int32).to(dev)

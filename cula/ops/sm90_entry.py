@@ -5,7 +5,7 @@ an entry point's bound arguments, and the variants of each kernel that the compi
 
 import torch
 
-from cula import runtime
+from cula import runtime, validation
 from cula.ops import segment_split
 from cula.ops.gates import kernel_beta
 
@@ -41,9 +41,10 @@ def supports_qkv(q, k, v, beta, initial_state, cu_seqlens, dims) -> tuple[bool, 
 
 def fake_args(D: int, beta_fp32: bool, state_v_first: bool, per_key_gate: bool) -> tuple:
     """Fake arguments for compiling a chunk kernel, in its launch order ``q, k, v, g, beta, o, h0, ht, starts, ends,
-    scale, stream``: q, k [B, T, H, D], v and o [B, T, HV, D] bf16; g [B, T, HV] (or [B, T, HV, D] with
+    w, scale, stream``: q, k [B, T, H, D], v and o [B, T, HV, D] bf16; g [B, T, HV] (or [B, T, HV, D] with
     ``per_key_gate``) fp32; beta fp32 or bf16; the states (N, HV, K, V) fp32, stored [N, HV, V, K] (K contiguous)
-    with ``state_v_first``; int32 token ranges. Batch, length, head and range counts symbolic."""
+    with ``state_v_first``; int32 token ranges; the split passes' workspace [ranges, rows, HV, 64] bf16. Batch,
+    length, head and range counts symbolic."""
     import cutlass
 
     sym = runtime.sym_int
@@ -67,6 +68,7 @@ def fake_args(D: int, beta_fp32: bool, state_v_first: bool, per_key_gate: bool) 
         runtime.fake_tensor(cutlass.Float32, (N, HV, D, D), state_order),
         runtime.fake_tensor(cutlass.Int32, (n_ranges,), align=4),
         runtime.fake_tensor(cutlass.Int32, (n_ranges,), align=4),
+        runtime.fake_tensor(bf16, (sym(), sym(), HV, 64)),
         cutlass.Float32(1.0),
         runtime.fake_stream(),
     )
@@ -77,6 +79,14 @@ def dummy_i32(device) -> torch.Tensor:
     t = _DUMMY.get(device)
     if t is None:
         t = _DUMMY[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return t
+
+
+def dummy_workspace(device, HV: int) -> torch.Tensor:
+    """A small bf16 [1, 64, HV, 64] tensor on ``device`` for a kernel's unused workspace argument."""
+    t = _DUMMY.get((device, HV))
+    if t is None:
+        t = _DUMMY[(device, HV)] = torch.zeros(1, 64, HV, 64, dtype=torch.bfloat16, device=device)
     return t
 
 
@@ -97,6 +107,7 @@ def chunk_fwd(
     cu_seqlens_cpu,
     split,
     chunk: int,
+    later_pass_cost: float = 1.0,
     **options,
 ):
     """The Python side of an SM90 chunked forward (GDN, KDA): outputs, varlen ranges, and sequence splitting.
@@ -106,8 +117,11 @@ def chunk_fwd(
     None: zero start, or identity for ``mode="transition"``; ``options``: the kernel's own compile-time options,
     passed to every launch). Long sequences with few heads are split across CTAs
     (``cula.ops.segment_split``) when the planner expects that to be faster; ``split`` True/False forces it on/off
-    (a cut per 16 chunks when forced on). Varlen batches are split only with their offsets on the host
-    (``cu_seqlens_cpu``). Returns ``(o, final_state or None)``."""
+    (a cut per 16 chunks when forced on). Varlen offsets come from ``cu_seqlens_cpu``, else from the device once per
+    ``cu_seqlens`` tensor (:func:`cula.validation.host_offsets`, the read dispatch makes anyway).
+    ``later_pass_cost`` < 1: the kernel takes ``intra`` (its first split pass saves each chunk's intra-chunk matrices
+    to a workspace, the later passes load them), which makes a later pass cost about that fraction of the first.
+    Returns ``(o, final_state or None)``."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if scale is None:
@@ -115,32 +129,42 @@ def chunk_fwd(
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     o = out if out is not None else torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device)
 
-    offsets = None
     if cu_seqlens is None:
         offsets = [b * T for b in range(B + 1)]
-    elif cu_seqlens_cpu is not None:
-        offsets = cu_seqlens_cpu.tolist()
+    else:
+        offsets = validation.host_offsets(cu_seqlens, cu_seqlens_cpu)
     cuts = None
-    if offsets is not None and split is not False:
+    if split is not False:
         lengths = [e - s for s, e in zip(offsets[:-1], offsets[1:], strict=True)]
         if split:
             cuts = [list(range(chunk * 16, n, chunk * 16)) for n in lengths]
         else:
             sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-            cuts = segment_split.plan_segments(lengths, HV, sms, chunk)
+            cuts = segment_split.plan_segments(lengths, HV, sms, chunk, later_pass_cost)
     if cuts is not None:
         flat = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta, o)]
         h0 = initial_state
         if h0 is not None and state_v_first:
             h0 = h0.transpose(-1, -2)
 
+        cached = later_pass_cost < 1.0
+        # rows of the workspace per (segment, head): Tinv and P of each chunk, C x C each
+        rows = 2 * chunk * max(-(-(e - s) // chunk) for _, s, e in segment_split.segments(offsets, cuts))
+        workspace = {}
+
         def run(mode, starts, ends, h0_, out_):
             Vd = K if mode == "transition" else V
             ht_ = torch.empty(starts.numel(), HV, K, Vd, dtype=torch.float32, device=q.device)
-            launch(*flat[:5], flat[5], h0_, ht_, starts, ends, scale, False, mode, **options)
+            intra = {}
+            if cached:
+                if mode == "full":
+                    shape = (starts.numel(), rows, HV, chunk)
+                    workspace["w"] = torch.empty(shape, dtype=torch.bfloat16, device=q.device)
+                intra = {"intra": "save" if mode == "full" else "load", "w": workspace["w"]}
+            launch(*flat[:5], flat[5], h0_, ht_, starts, ends, scale, False, mode, **intra, **options)
             return ht_
 
-        ht = segment_split.split_forward(run, offsets, cuts, h0, flat[5], output_final_state)
+        ht = segment_split.split_forward(run, offsets, cuts, h0, flat[5], output_final_state, aligned=cached)
         if ht is not None and state_v_first:
             ht = ht.transpose(-1, -2).contiguous()
         if ht is not None and final_state_out is not None:
@@ -181,11 +205,12 @@ def run_bound(entry, args: dict, g: torch.Tensor):
     )
 
 
-def launch(name, compile_fn, q, k, v, g, beta, o, h0, ht, starts, ends, scale, state_v_first, mode, **options):
+def launch(name, compile_fn, q, k, v, g, beta, o, h0, ht, starts, ends, scale, state_v_first, mode, w=None, **options):
     """One launch of a chunk kernel compiled by ``compile_fn(arch, keep_artifacts, head_dim, beta_fp32, is_varlen,
     has_initial_state, state_v_first, mode, **options)`` (cached per those constants under ``name``).
     ``starts``/``ends``: int32 token ranges of the sequences in batch row 0 (varlen or split segments), or None for
-    one sequence per batch row; ``h0`` None: zero (or identity) start."""
+    one sequence per batch row; ``h0`` None: zero (or identity) start; ``w``: the split passes' workspace (the
+    kernel's ``intra`` option), or None."""
     K = q.shape[-1]
     beta_fp32 = beta.dtype == torch.float32
     is_varlen = starts is not None
@@ -202,7 +227,8 @@ def launch(name, compile_fn, q, k, v, g, beta, o, h0, ht, starts, ends, scale, s
     dummy = dummy_i32(q.device)
     fn(
         q, k, v, g, beta, o, ht if h0 is None else h0, ht,
-        dummy if starts is None else starts, dummy if ends is None else ends, float(scale),
+        dummy if starts is None else starts, dummy if ends is None else ends,
+        dummy_workspace(q.device, v.shape[2]) if w is None else w, float(scale),
     )  # fmt: skip
 
 
@@ -217,10 +243,18 @@ CHECKED_VARIANTS = {
 }
 
 
-def register_checked_variants(name: str, compile_fn) -> None:
-    """Register ``name + suffix`` for every :data:`CHECKED_VARIANTS` entry, compiled by ``compile_fn(arch, **options)``
-    for sm_90a."""
-    for suffix, options in CHECKED_VARIANTS.items():
+# The split passes of a kernel that takes ``intra`` (the first pass saves each chunk's Tinv and P, the later load them)
+INTRA_VARIANTS = {
+    "[intra save]": {"is_varlen": True, "has_initial_state": True, "intra": "save"},
+    "[intra load, transition]": {"is_varlen": True, "mode": "transition", "intra": "load"},
+    "[intra load, correction]": {"is_varlen": True, "mode": "correction", "intra": "load"},
+}
+
+
+def register_checked_variants(name: str, compile_fn, extra: dict | None = None) -> None:
+    """Register ``name + suffix`` for every :data:`CHECKED_VARIANTS` entry (and ``extra`` ones), compiled by
+    ``compile_fn(arch, **options)`` for sm_90a."""
+    for suffix, options in {**CHECKED_VARIANTS, **(extra or {})}.items():
         runtime.register_kernel(
             f"{name}{suffix}",
             ["sm_90a"],
