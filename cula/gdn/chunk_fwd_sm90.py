@@ -122,7 +122,9 @@ class GDNChunkFwdSm90:
         # sequence splitting (cula.ops.segment_split): "transition" runs v = 0 from S = I without output,
         # "correction" runs v = 0 from the given states and adds its output to o
         self.mode = mode
-        self.load_v = mode == "full"
+        # the tile that arrives with q and k in each stage: v; in "correction", the first pass's o of the chunk
+        # (that pass adds its output to it while staging, instead of reading o back from global memory per store)
+        self.tile_v_src = {"full": "v", "correction": "o"}.get(mode)
         self.make_o = mode != "transition"
         if mode == "correction":
             self.has_h0 = True
@@ -179,7 +181,8 @@ class GDNChunkFwdSm90:
         op = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, mQ = cpasync.make_tiled_tma_atom(op, blocks.tma_view(q), one_tile, (C, D))
         tma_k, mK = cpasync.make_tiled_tma_atom(op, blocks.tma_view(k), one_tile, (C, D))
-        tma_v, mV = cpasync.make_tiled_tma_atom(op, blocks.tma_view(v), one_tile, (C, D))
+        v_src = o if cutlass.const_expr(self.tile_v_src == "o") else v
+        tma_v, mV = cpasync.make_tiled_tma_atom(op, blocks.tma_view(v_src), one_tile, (C, D))
         # the Tinv / P workspace [ranges, chunks * 2 * C, HV, C] (chunk c's Tinv at rows 2 c C, its P after them);
         # unused without intra (q's atom stands in for it)
         tma_w, mW = tma_q, mQ
@@ -203,7 +206,7 @@ class GDNChunkFwdSm90:
             sTP: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_tp)], 1024]
 
         self.storage = Storage
-        self.tma_bytes = (1 + int(self.make_o) + int(self.load_v)) * C * D * 2
+        self.tma_bytes = (1 + int(self.make_o) + int(self.tile_v_src is not None)) * C * D * 2
         if cutlass.const_expr(self.intra == "load"):
             self.tma_bytes += (1 + int(self.make_o)) * C * C * 2
         HV = v.shape[2]
@@ -268,7 +271,6 @@ class GDNChunkFwdSm90:
     ):
 
         C, D = self.C, self.D
-        accumulate = self.mode == "correction"  # that pass adds its output to o
         f32 = cutlass.Float32
         tidx, _, _ = cute.arch.thread_idx()
         hv, n, _ = cute.arch.block_idx()
@@ -408,7 +410,7 @@ class GDNChunkFwdSm90:
             # while it runs: the previous chunk's O (staged in smem, a full chunk) to global memory
             if cutlass.const_expr(self.make_o):
                 if c > 0:
-                    blocks.store_o_rows(sO, mO, b, hv, tok0 + (c - 1) * C, C, tidx, C, D, self.threads, accumulate)
+                    blocks.store_o_rows(sO, mO, b, hv, tok0 + (c - 1) * C, C, tidx, C, D, self.threads)
             if cutlass.const_expr(self.intra != "load"):
                 warpgroup.wait_group(0)
                 if cutlass.const_expr(self.qk_l2norm):
@@ -493,7 +495,7 @@ class GDNChunkFwdSm90:
                 r, j = cCC[i]
                 kc = blocks.acc_col_slot(i)
                 vv = f32(0.0)
-                if cutlass.const_expr(self.load_v):
+                if cutlass.const_expr(self.tile_v_src == "v"):
                     vv = sV[j, row0 + r, stage].to(f32)
                 acc_k[i] = b_j[kc] * (vv - e_g[kc] * acc_k[i])
             rY = blocks.acc_to_operand(acc_k)
@@ -528,6 +530,8 @@ class GDNChunkFwdSm90:
                 if writes_state:
                     for i in cutlass.range_constexpr(cute.size(acc_o)):
                         r, j = cCC[i]
+                        if cutlass.const_expr(self.tile_v_src == "o"):
+                            acc_o[i] = acc_o[i] + sV[j, row0 + r, stage].to(f32)
                         sO[j, row0 + r] = acc_o[i].to(cutlass.BFloat16)
             if warp == 2:
                 self.publish_gates(sG, sBeta, sFac, 1 - slot, nxt, c + 1, seqlen, lane)
@@ -554,7 +558,6 @@ class GDNChunkFwdSm90:
                     C,
                     D,
                     self.threads,
-                    accumulate,
                 )
 
         # ---- final state
@@ -573,7 +576,7 @@ class GDNChunkFwdSm90:
         if cutlass.const_expr(self.make_o):
             cute.copy(tma_q, tQg[None, chunk], tQs[None, s], tma_bar_ptr=full + s)
         cute.copy(tma_k, tKg[None, chunk], tKs[None, s], tma_bar_ptr=full + s)
-        if cutlass.const_expr(self.load_v):
+        if cutlass.const_expr(self.tile_v_src is not None):
             cute.copy(tma_v, tVg[None, chunk], tVs[None, s], tma_bar_ptr=full + s)
         if cutlass.const_expr(self.intra == "load"):
             cute.copy(tma_w, tWg[None, 2 * chunk], tWs[None, 2 * s], tma_bar_ptr=full + s)

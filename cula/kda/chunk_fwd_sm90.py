@@ -136,7 +136,9 @@ class KDAChunkFwdSm90:
         # sequence splitting (cula.ops.segment_split): "transition" runs v = 0 from S = I without output,
         # "correction" runs v = 0 from the given states and adds its output to o
         self.mode = mode
-        self.load_v = mode == "full"
+        # the double-buffered tile next to q, k and g: v; in "correction", the first pass's o of the chunk (that
+        # pass adds its output to it while staging, instead of reading o back from global memory per store)
+        self.tile_v_src = {"full": "v", "correction": "o"}.get(mode)
         self.make_o = mode != "transition"
         if mode == "correction":
             self.has_h0 = True
@@ -181,7 +183,8 @@ class KDAChunkFwdSm90:
         op = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, mQ = cpasync.make_tiled_tma_atom(op, blocks.tma_view(q), one_tile, (C, D))
         tma_k, mK = cpasync.make_tiled_tma_atom(op, blocks.tma_view(k), one_tile, (C, D))
-        tma_v, mV = cpasync.make_tiled_tma_atom(op, blocks.tma_view(v), one_tile, (C, D))
+        v_src = o if cutlass.const_expr(self.tile_v_src == "o") else v
+        tma_v, mV = cpasync.make_tiled_tma_atom(op, blocks.tma_view(v_src), one_tile, (C, D))
         tma_g, mGt = cpasync.make_tiled_tma_atom(op, blocks.tma_view(g), cute.slice_(tile_g, (None, None, 0)), (C, D))
         # Tinv and P side by side (C, C, T|P); the workspace [ranges, chunks * 2 * C, HV, C] of the split passes
         # (chunk c's Tinv at rows 2 c C, its P after them); unused without intra (q's atom stands in for it)
@@ -361,7 +364,7 @@ class KDAChunkFwdSm90:
         if warp == 0:
             if n_chunks > 0:
                 self.issue_qkg(tma_qkg, bar_qkg, cutlass.Int32(0), lane)
-                if cutlass.const_expr(self.load_v):
+                if cutlass.const_expr(self.tile_v_src is not None):
                     self.issue_v(tma_v, tVg, tVs, bar_v, cutlass.Int32(0), lane)
                 if cutlass.const_expr(self.intra == "load"):
                     self.issue_tp(tma_w, tWg, tWs, bar_tp, cutlass.Int32(0), lane)
@@ -387,7 +390,6 @@ class KDAChunkFwdSm90:
         row0 = wg * C if self.state_wgs == 2 else 0
         writes_state = True if self.state_wgs == 2 else wg == 0  # this WG's rows are its own (not a repeat)
 
-        accumulate = self.mode == "correction"  # that pass adds its output to o
         if cutlass.const_expr(self.has_h0):
             blocks.load_state(acc_s, cST, mH0, n, hv, row0)
         elif cutlass.const_expr(self.mode == "transition"):
@@ -407,7 +409,7 @@ class KDAChunkFwdSm90:
         for c in cutlass.range(n_chunks, unroll=1):
             L = cutlass.min(seqlen - c * C, C)
             # the next chunk's v into the other buffer, last read in the previous chunk (before its final barrier)
-            if cutlass.const_expr(self.load_v):
+            if cutlass.const_expr(self.tile_v_src is not None):
                 if warp == 0:
                     if c + 1 < n_chunks:
                         self.issue_v(tma_v, tVg, tVs, bar_v, c + 1, lane)
@@ -492,7 +494,7 @@ class KDAChunkFwdSm90:
                 # while they run: the previous chunk's O (staged in smem, a full chunk) to global memory
                 if cutlass.const_expr(self.make_o):
                     if c > 0:
-                        blocks.store_o_rows(sO, mO, b, hv, tok0 + (c - 1) * C, C, tidx, C, D, self.threads, accumulate)
+                        blocks.store_o_rows(sO, mO, b, hv, tok0 + (c - 1) * C, C, tidx, C, D, self.threads)
                 warpgroup.wait_group(0)
                 if wg == 0:
                     for i in cutlass.range_constexpr(cute.size(acc0)):
@@ -535,7 +537,7 @@ class KDAChunkFwdSm90:
                 # Tinv and P come from the first pass: the B tiles (warps 2-7) and the previous chunk's O alone
                 if cutlass.const_expr(self.make_o):
                     if c > 0:
-                        blocks.store_o_rows(sO, mO, b, hv, tok0 + (c - 1) * C, C, tidx, C, D, self.threads, accumulate)
+                        blocks.store_o_rows(sO, mO, b, hv, tok0 + (c - 1) * C, C, tidx, C, D, self.threads)
                 if warp >= 2:
                     self.build_b_tiles(sG, sK3, sQ3, sKG, sQG, sKD, sGl, sNorm, L, tidx - 64)
                 cute.arch.fence_proxy("async.shared", space="cta")
@@ -556,7 +558,7 @@ class KDAChunkFwdSm90:
             # ---- 3. state products on this WG's 64 value rows
             if cutlass.const_expr(self.intra == "load"):
                 cute.arch.mbarrier_wait(bar_tp, c % 2)
-            if cutlass.const_expr(self.load_v):
+            if cutlass.const_expr(self.tile_v_src is not None):
                 cute.arch.mbarrier_wait(bar_v + c % 2, (c // 2) % 2)
             sV = sV3[None, None, c % 2]
             rS = blocks.acc_to_operand(acc_s)
@@ -583,7 +585,7 @@ class KDAChunkFwdSm90:
             for i in cutlass.range_constexpr(cute.size(acc_k)):
                 r, j = cCC[i]
                 vv = f32(0.0)
-                if cutlass.const_expr(self.load_v):
+                if cutlass.const_expr(self.tile_v_src == "v"):
                     vv = sV[j, row0 + r].to(f32)
                 acc_k[i] = b_j[blocks.acc_col_slot(i)] * (vv - acc_k[i])
             # Y and V_new enter their products as bf16 hi + lo pairs: the state and O then keep ~16 bits of them
@@ -616,6 +618,8 @@ class KDAChunkFwdSm90:
                 if writes_state:
                     for i in cutlass.range_constexpr(cute.size(acc_o)):
                         r, j = cCC[i]
+                        if cutlass.const_expr(self.tile_v_src == "o"):
+                            acc_o[i] = acc_o[i] + sV[j, row0 + r].to(f32)
                         sO[j, row0 + r] = acc_o[i].to(bf16)
             if cutlass.const_expr(self.intra == "save"):
                 if warp == 0:
@@ -631,8 +635,7 @@ class KDAChunkFwdSm90:
         if cutlass.const_expr(self.make_o):
             if n_chunks > 0:
                 blocks.store_o_rows(
-                    sO, mO, b, hv, tok0 + (n_chunks - 1) * C, seqlen - (n_chunks - 1) * C, tidx, C, D, self.threads,
-                    accumulate,
+                    sO, mO, b, hv, tok0 + (n_chunks - 1) * C, seqlen - (n_chunks - 1) * C, tidx, C, D, self.threads
                 )  # fmt: skip
 
         # ---- final state

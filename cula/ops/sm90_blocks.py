@@ -137,12 +137,10 @@ def store_state(acc_s, cST, mHt, n, hv, row0):
 
 @cute.jit
 def store_o_rows(
-    sO, mO, b, hv, tok, rows, tid, C: cutlass.Constexpr, D: cutlass.Constexpr, num_threads: cutlass.Constexpr,
-    accumulate: cutlass.Constexpr,
+    sO, mO, b, hv, tok, rows, tid, C: cutlass.Constexpr, D: cutlass.Constexpr, num_threads: cutlass.Constexpr
 ):  # fmt: skip
     """A (C x D) bf16 output tile staged token-major in ``sO`` to tokens ``[tok, tok + rows)`` of ``mO[b, :, hv]``:
-    16-byte coalesced stores by ``num_threads`` threads, rows past ``rows`` masked; ``accumulate`` adds the tile to
-    what ``mO`` holds instead."""
+    16-byte coalesced stores by ``num_threads`` threads, rows past ``rows`` masked."""
     vec = 8
     per_row = D // vec
     for it in cutlass.range_constexpr(C * per_row // num_threads):
@@ -154,13 +152,7 @@ def store_o_rows(
             dst = cute.local_tile(mO[b, tok + r, hv, None], (vec,), (c0 // vec,))
             frag = cute.make_rmem_tensor(cute.make_layout((1, vec)), cutlass.BFloat16)
             cute.autovec_copy(src, frag)
-            flat = cute.make_tensor(frag.iterator, cute.make_layout(vec))
-            if cutlass.const_expr(accumulate):
-                old = cute.make_rmem_tensor(cute.make_layout(vec), cutlass.BFloat16)
-                cute.autovec_copy(dst, old)
-                total = flat.load().to(cutlass.Float32) + old.load().to(cutlass.Float32)
-                flat.store(total.to(cutlass.BFloat16))
-            cute.autovec_copy(flat, dst)
+            cute.autovec_copy(cute.make_tensor(frag.iterator, cute.make_layout(vec)), dst)
 
 
 @cute.jit
