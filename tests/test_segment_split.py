@@ -1,12 +1,14 @@
 """Sequence splitting (cula.ops.segment_split) on the CPU: the split passes, run by the fp32 reference over token
 ranges, must give the outputs and final states of the unsplit recurrence (GDN scalar gate and KDA per-key gate)."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from cula.ops.delta_rule_ref import linear_attn_ref
-from cula.ops.segment_split import plan_segments, split_forward
+from cula.ops.segment_split import SplitCost, _walk, chunk_walk_ms, plan_segments, split_forward
 
 
 def reference_runner(q, k, v, g, beta, scale):
@@ -67,14 +69,34 @@ def test_plan_segments():
     # many heads or balanced batches: walking whole sequences is at least as fast
     assert plan_segments([8192], 64, 132) is None
     assert plan_segments([2048] * 8, 32, 132) is None
-    # cut points are chunk multiples inside each sequence, and the segments fit one wave
+    # cut points are chunk multiples inside each sequence, and the split is expected to win
     lengths = [40000, 100, 9000]
     cuts = plan_segments(lengths, 4, 132)
     assert cuts is not None
-    segments = sum(len(c) + 1 for c in cuts)
-    assert segments * 4 <= 132
+    assert chunk_walk_ms(lengths, 4, 132, 1.0, True) < 0.97 * chunk_walk_ms(lengths, 4, 132, 1.0, False)
     for n, c in zip(lengths, cuts, strict=True):
         assert all(x % 64 == 0 and 0 < x < n for x in c) and c == sorted(c)
+
+
+def test_the_long_sequence_of_a_skewed_batch_is_split_alone():
+    """Half of 16k tokens in one sequence, nine short ones, 32 heads: the short ones fill the SMs while the long
+    one is walked in pieces."""
+    lengths = [8192] + [910] * 8 + [912]
+    cost = SplitCost(0.69, 0.45, 0.3, cached=True)
+    cuts = plan_segments(lengths, 32, 132, cost=cost)
+    assert cuts is not None and len(cuts[0]) >= 1 and not any(cuts[1:])
+    assert chunk_walk_ms(lengths, 32, 132, 1.0, True, cost) < 0.8 * chunk_walk_ms(lengths, 32, 132, 1.0, False)
+
+
+def test_walk_model_counts_waves():
+    # 34 segments x 4 heads = 136 CTAs on 132 SMs: four SMs run two of them
+    assert _walk([10] * 34, 4, 132) == 20
+    assert _walk([10] * 33, 4, 132) == 10
+    # the four extra CTAs are short: they fit behind the short ones
+    assert _walk([10] * 32 + [1, 1], 4, 132) == 10
+    # far more CTAs than SMs: 61 waves of equal ones; of mixed ones, the chunk-CTAs spread over the SMs
+    assert _walk([3] * 1000, 8, 132) == 3 * 61
+    assert _walk([5] * 500 + [1] * 2000, 8, 132) == math.ceil(4500 * 8 / 132)
 
 
 def test_pass_ranges_are_copied_once_per_split():

@@ -9,6 +9,7 @@ from delta_rule_recurrence import check_fwd
 
 from cula.ops import sm90_entry
 from cula.ops.delta_rule_ref import linear_attn_ref
+from cula.ops.segment_split import UNCACHED, SplitCost
 
 
 def reference_launch(q, k, v, g, beta, o, h0, ht, starts, ends, scale, state_v_first, mode):
@@ -40,14 +41,14 @@ def reference_launch(q, k, v, g, beta, o, h0, ht, starts, ends, scale, state_v_f
         ht[n] = ht_n[0].transpose(-1, -2) if state_v_first else ht_n[0]
 
 
-def entry_for(launch, later_pass_cost=1.0):
+def entry_for(launch, split_cost=UNCACHED):
     """An SM90-entry-shaped forward (as ``check_fwd`` calls it) around ``chunk_fwd`` with this launch."""
 
     def entry(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first, **kw):
         return sm90_entry.chunk_fwd(
             launch, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first,
             kw.get("out"), kw.get("final_state_out"), kw.get("cu_seqlens_cpu"), kw.get("split"), 64,
-            later_pass_cost,
+            split_cost,
         )  # fmt: skip
 
     return entry
@@ -133,7 +134,7 @@ def test_split_passes_with_saved_intra_chunk_matrices(per_key):
             assert all(r == f or r[0] == r[1] for r, f in zip(ranges, full, strict=True))
         reference_launch(q, k, v, g, beta, o, h0, ht, starts, ends, scale, state_v_first, mode)
 
-    cached = entry_for(launch, later_pass_cost=0.45)
+    cached = entry_for(launch, SplitCost(0.69, 0.45, cached=True))
     check_fwd(cached, accept, inputs(2, 2100, 1, 2, per_key), h0=True, split=True)
     assert seen == [("full", "save"), ("transition", "load"), ("correction", "load")]
     seen.clear()

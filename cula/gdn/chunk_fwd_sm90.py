@@ -44,10 +44,12 @@ SUPPORTED_DIMS = (64, 128)
 # One CTA walks its chunks in series at about this many microseconds each (H200, benchmarks/results/h200_fwd.json:
 # 1.381 ms at B2 T16384 H64 = 256 chunks per CTA in one wave, 0.706 ms at B1 T8192 H64 = 128); one CTA per SM.
 CHUNK_LATENCY_US = 5.5
-# A split sequence's transition and correction passes load each chunk's Tinv and P (saved by the first pass) and
-# run the state path alone: about this fraction of a first-pass chunk. A prediction from the session-8 ablation
-# (state path ~4k of ~9.5k cycles per chunk), not yet measured.
-LATER_PASS_COST = 0.45
+# A split sequence's later passes load each chunk's Tinv and P (saved by the first pass) and run the state path
+# alone. Per chunk against an unsplit one (H200, dev inputs, B1 T8192 H64 cut at 4096): correction 4.46 / 6.44 us,
+# transition 2.91 / 6.44. With qk_l2norm they make everything again (correction 7.16 / 6.44; transition taken as a
+# whole chunk, not measured). A link of the start chain (a batched 128 x 128 x 128 product): ~2 us, estimated.
+SPLIT_COST = segment_split.SplitCost(0.69, 0.45, 2.0 / CHUNK_LATENCY_US, cached=True)
+SPLIT_COST_L2NORM = segment_split.SplitCost(1.11, 1.0, 2.0 / CHUNK_LATENCY_US)
 _LOG2E = math.log2(math.e)
 
 
@@ -61,16 +63,16 @@ def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, **
     return True, ""
 
 
-def later_pass_cost(qk_l2norm: bool) -> float:
-    """A later split pass's cost per chunk against the first's: it loads Tinv and P unless the kernel normalises
-    q and k (it would need their norms as well, so it makes everything again)."""
-    return 1.0 if qk_l2norm else LATER_PASS_COST
+def split_cost(qk_l2norm: bool) -> segment_split.SplitCost:
+    """The split passes' costs: the later passes load Tinv and P unless the kernel normalises q and k (they would
+    need the norms as well, so they make everything again)."""
+    return SPLIT_COST_L2NORM if qk_l2norm else SPLIT_COST
 
 
 def estimated_ms(lengths: list[int], HV: int, num_sms: int, qk_l2norm: bool = False) -> float:
     """The kernel's time for sequences of these lengths, split where the entry splits them (matches the H200
     timings of BENCHMARK_H200.md within about 30 %)."""
-    return segment_split.chunk_walk_ms(lengths, HV, num_sms, CHUNK_LATENCY_US, True, later_pass_cost(qk_l2norm))
+    return segment_split.chunk_walk_ms(lengths, HV, num_sms, CHUNK_LATENCY_US, True, split_cost(qk_l2norm))
 
 
 class GDNChunkFwdSm90:
@@ -714,7 +716,7 @@ def chunk_gated_delta_rule_fwd_sm90(
     return sm90_entry.chunk_fwd(
         _launch, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first, out,
         final_state_out, cu_seqlens_cpu, split, CHUNK,
-        later_pass_cost=later_pass_cost(qk_l2norm), qk_l2norm=qk_l2norm,
+        split_cost(qk_l2norm), qk_l2norm=qk_l2norm,
     )  # fmt: skip
 
 

@@ -51,10 +51,10 @@ INTRA = ("none", "save", "load")  # see KDAChunkFwdSm90.__init__
 # One CTA walks its chunks in series at about this many microseconds each (H200, benchmarks/results/h200_fwd.json:
 # 3.22 ms at B2 T16384 H64 = 256 chunks per CTA in one wave, 0.83 ms at B8 T2048 H32); one CTA per SM.
 CHUNK_LATENCY_US = 13.0
-# A split sequence's transition and correction passes load each chunk's Tinv and P (saved by the first pass) and make
-# only the gate cumsum, the B tiles and the state products: about this fraction of a first-pass chunk (a prediction
-# from the session-10 clock profile, ~8k of ~18.9k cycles; not yet measured)
-LATER_PASS_COST = 0.45
+# A split sequence's later passes load each chunk's Tinv and P (saved by the first pass) and make only the gate
+# cumsum, the B tiles and the state products. Per chunk against an unsplit one (H200, dev inputs, B1 T8192 H64 cut
+# at 4096): correction 6.90 / 11.02 us, transition 4.54 / 11.02. A link of the start chain: ~2 us, estimated.
+SPLIT_COST = segment_split.SplitCost(0.63, 0.41, 2.0 / CHUNK_LATENCY_US, cached=True)
 SUPPORTED_DIMS = (64, 128)
 # the lowest gate the intra-chunk factorisation tolerates (module docstring)
 LOWER_BOUND_MIN = -5.0
@@ -76,7 +76,7 @@ def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, **
 
 def estimated_ms(lengths: list[int], HV: int, num_sms: int) -> float:
     """The kernel's time for sequences of these lengths, split where the entry splits them."""
-    return segment_split.chunk_walk_ms(lengths, HV, num_sms, CHUNK_LATENCY_US, True, LATER_PASS_COST)
+    return segment_split.chunk_walk_ms(lengths, HV, num_sms, CHUNK_LATENCY_US, True, SPLIT_COST)
 
 
 class KDAChunkFwdSm90:
@@ -827,7 +827,7 @@ def chunk_kda_fwd_sm90(
     and k in the kernel (FLA's ``use_qk_l2norm_in_kernel``, eps 1e-6 under the root)."""
     return sm90_entry.chunk_fwd(
         _launch, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first, out,
-        final_state_out, cu_seqlens_cpu, split, CHUNK, LATER_PASS_COST, qk_l2norm=qk_l2norm,
+        final_state_out, cu_seqlens_cpu, split, CHUNK, SPLIT_COST, qk_l2norm=qk_l2norm,
     )  # fmt: skip
 
 

@@ -12,8 +12,9 @@ from ``S_start``. A kernel that runs these three modes over a list of token rang
 - ``"correction"``: ``v = 0`` from the given starts; adds ``o_hom`` to ``o``; returns the final states.
 
 Between the passes the starts chain through one K x K by K x V product per segment (``split_forward``).
-Costs three walks of a segment instead of one walk of the sequence, so it pays only when the longest sequence
-is well over three times the chunks each SM gets when all of them are spread (``plan_segments``).
+A split costs a first pass over every segment, a correction pass over the later segments and a transition pass over
+the middle ones; with the intra-chunk matrices cached by the first pass the later passes cost a fraction of it
+(``SplitCost``), and ``plan_segments`` splits where the passes together are expected to beat walking whole.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -29,33 +31,79 @@ CHUNK = 64
 RangeRunner = Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]
 
 
-def plan_segments(
-    lengths: list[int], HV: int, num_sms: int, chunk: int = CHUNK, later_pass_cost: float = 1.0
-) -> list[list[int]] | None:
-    """Cut points per sequence (token counts from its start, a multiple of ``chunk``) that spread the chunk walks
-    over ``num_sms`` CTAs, one CTA per SM; None when splitting would not beat walking each sequence whole.
-    ``later_pass_cost``: a transition or correction pass's cost per chunk, as a fraction of the first pass's."""
+class SplitCost(NamedTuple):
+    """A kernel's split passes: the correction and transition passes' cost per chunk as a fraction of a chunk of the
+    first pass, a link of the start chain (one small product per segment, in series) in the same unit, and whether
+    the later passes are ``cached`` (the first pass saves each chunk's intra-chunk matrices to a workspace, the
+    later passes load them; the kernel's ``intra`` option)."""
+
+    correction: float = 1.0
+    transition: float = 1.0
+    link: float = 0.0
+    cached: bool = False
+
+
+UNCACHED = SplitCost()  # every later pass makes each chunk again, at a first pass's cost
+
+
+def _walk(segs: list[int], HV: int, num_sms: int) -> float:
+    """One pass's time in chunk walks, one CTA per SM: its longest segment; when its CTAs overflow one wave, also
+    all of its chunk-CTAs spread over the SMs, and the waves: among the w x SMs + 1 longest CTAs some SM runs w + 1."""
+    if not segs:
+        return 0.0
+    ranked = sorted(segs, reverse=True)
+    ctas = len(segs) * HV
+    waves = max((w + 1) * ranked[w * num_sms // HV] for w in range(-(-ctas // num_sms)))
+    return float(max(waves, math.ceil(sum(segs) * HV / num_sms)))
+
+
+def _split_walks(chunks: list[int], seg: int, HV: int, num_sms: int, cost: SplitCost) -> float:
+    """The split passes' time in chunk walks when every sequence is cut every ``seg`` chunks."""
+    first, later, middle = [], [], []
+    links = 0
+    for c in chunks:
+        pieces = [min(seg, c - a) for a in range(0, c, seg)] or [0]
+        first += pieces
+        later += pieces[1:]
+        middle += pieces[1:-1]
+        links += len(pieces) - 1
+    return (
+        cost.link * links
+        + _walk(first, HV, num_sms)
+        + cost.correction * _walk(later, HV, num_sms)
+        + cost.transition * _walk(middle, HV, num_sms)
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(lengths: tuple[int, ...], HV: int, num_sms: int, chunk: int, cost: SplitCost) -> tuple[float, int | None]:
+    """(time in chunk walks, segment length in chunks or None for no split) of the fastest plan."""
     chunks = [-(-n // chunk) for n in lengths]
-    total = sum(chunks)
-    if total == 0:
-        return None
-    budget = max(num_sms // HV, 1)  # CTAs per head that still fit one wave
-    spread = math.ceil(total * HV / num_sms)
-    seg = max(math.ceil(total / budget), 1)
-    while sum(-(-c // seg) for c in chunks) > max(budget, len(chunks)):
-        seg += 1
-    cuts = [list(range(seg * chunk, n, seg * chunk)) for n in lengths]
-    # the passes over segments of `seg` chunks against one pass over the longest sequence
-    if pass_factor(cuts, later_pass_cost) * max(seg, spread) >= max(max(chunks), spread):
-        return None
-    return cuts
+    longest = max(chunks, default=0)
+    whole = _walk(chunks, HV, num_sms)
+    best = (whole, None)
+    if whole <= math.ceil(sum(chunks) * HV / num_sms) / 0.97:
+        return best  # bound by the work spread over the SMs: the first pass alone would take as long
+    # the longest sequence in k equal pieces (up to four waves of them), the others cut as often as that needs
+    for k in range(2, min(longest, 4 * max(num_sms // HV, 1), 256) + 1):
+        seg = -(-longest // k)
+        t = _split_walks(chunks, seg, HV, num_sms, cost)
+        # more pieces must win by more than their extra launches are worth (a few percent)
+        if t < 0.97 * best[0]:
+            best = (t, seg)
+    return best
 
 
-def pass_factor(cuts: list[list[int]], later_pass_cost: float) -> float:
-    """The split passes' cost in first passes: the first pass over every segment, a correction pass when some
-    sequence has a second segment, a transition pass when one has a middle segment (:func:`split_forward`)."""
-    most = max((len(c) + 1 for c in cuts), default=1)
-    return 1.0 + later_pass_cost * ((most >= 2) + (most >= 3))
+def plan_segments(
+    lengths: list[int], HV: int, num_sms: int, chunk: int = CHUNK, cost: SplitCost = UNCACHED
+) -> list[list[int]] | None:
+    """Cut points per sequence (token counts from its start, multiples of ``chunk``) for the fastest split under
+    :func:`chunk_walk_ms`'s model, or None when walking each sequence whole is expected to be as fast. Each pass
+    takes its longest segment or, when its CTAs overflow one wave, its chunk-CTAs spread over the SMs."""
+    _, seg = _plan(tuple(lengths), HV, num_sms, chunk, cost)
+    if seg is None:
+        return None
+    return [list(range(seg * chunk, n, seg * chunk)) for n in lengths]
 
 
 def segments(offsets: list[int], cuts: list[list[int]]) -> list[tuple[int, int, int]]:
@@ -68,18 +116,16 @@ def segments(offsets: list[int], cuts: list[list[int]]) -> list[tuple[int, int, 
 
 
 def chunk_walk_ms(
-    lengths: list[int], HV: int, num_sms: int, latency_us: float, splittable: bool, later_pass_cost: float = 1.0
+    lengths: list[int], HV: int, num_sms: int, latency_us: float, splittable: bool, cost: SplitCost = UNCACHED
 ) -> float:
     """A fused chunk kernel's time from its chunk walks at ``latency_us`` per chunk and CTA (one CTA per SM): the
-    longest chain one CTA walks, or all chunk-CTAs spread over the SMs, whichever is longer; with ``splittable``,
-    the split passes (:func:`pass_factor`) over segments where :func:`plan_segments` splits."""
-    chunks = [-(-n // CHUNK) for n in lengths]
-    spread = math.ceil(sum(chunks) * HV / num_sms)
-    cuts = plan_segments(lengths, HV, num_sms, CHUNK, later_pass_cost) if splittable else None
-    if cuts is None:
-        return latency_us * max(max(chunks, default=0), spread) / 1e3
-    seg = max(-(-(c[0] if c else n) // CHUNK) for c, n in zip(cuts, lengths, strict=True))
-    return pass_factor(cuts, later_pass_cost) * latency_us * max(seg, spread) / 1e3
+    longest chain one CTA walks, or all chunk-CTAs spread over the SMs when they overflow a wave; with
+    ``splittable``, the split passes (their per-chunk ``cost``) where :func:`plan_segments` splits."""
+    if splittable:
+        walks, _ = _plan(tuple(lengths), HV, num_sms, CHUNK, cost)
+    else:
+        walks = _walk([-(-n // CHUNK) for n in lengths], HV, num_sms)
+    return latency_us * walks / 1e3
 
 
 def split_forward(

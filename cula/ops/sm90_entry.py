@@ -107,7 +107,7 @@ def chunk_fwd(
     cu_seqlens_cpu,
     split,
     chunk: int,
-    later_pass_cost: float = 1.0,
+    split_cost: segment_split.SplitCost = segment_split.UNCACHED,
     **options,
 ):
     """The Python side of an SM90 chunked forward (GDN, KDA): outputs, varlen ranges, and sequence splitting.
@@ -119,8 +119,8 @@ def chunk_fwd(
     (``cula.ops.segment_split``) when the planner expects that to be faster; ``split`` True/False forces it on/off
     (a cut per 16 chunks when forced on). Varlen offsets come from ``cu_seqlens_cpu``, else from the device once per
     ``cu_seqlens`` tensor (:func:`cula.validation.host_offsets`, the read dispatch makes anyway).
-    ``later_pass_cost`` < 1: the kernel takes ``intra`` (its first split pass saves each chunk's intra-chunk matrices
-    to a workspace, the later passes load them), which makes a later pass cost about that fraction of the first.
+    ``split_cost``: the planner's costs of the split passes; with ``cached`` the kernel takes ``intra`` (its first split
+    pass saves each chunk's intra-chunk matrices to a workspace, the later passes load them).
     Returns ``(o, final_state or None)``."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -140,14 +140,14 @@ def chunk_fwd(
             cuts = [list(range(chunk * 16, n, chunk * 16)) for n in lengths]
         else:
             sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-            cuts = segment_split.plan_segments(lengths, HV, sms, chunk, later_pass_cost)
+            cuts = segment_split.plan_segments(lengths, HV, sms, chunk, split_cost)
     if cuts is not None:
         flat = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta, o)]
         h0 = initial_state
         if h0 is not None and state_v_first:
             h0 = h0.transpose(-1, -2)
 
-        cached = later_pass_cost < 1.0
+        cached = split_cost.cached
         # rows of the workspace per (segment, head): Tinv and P of each chunk, C x C each
         rows = 2 * chunk * max(-(-(e - s) // chunk) for _, s, e in segment_split.segments(offsets, cuts))
         workspace = {}
