@@ -135,7 +135,6 @@ class GDNChunkFwdSm90:
         self.t_stages = self.stages if intra == "load" else 1
         self.threads = 256
         self.a_stride = 68  # padded fp32 row of A^T: 16-byte aligned rows, conflict-free stores from the accumulator
-        self.o_stride = self.D + 8  # padded bf16 row of the O staging tile
 
     # ---------------------------------------------------------------- host side
     @cute.jit
@@ -164,6 +163,10 @@ class GDNChunkFwdSm90:
             (D, C, 2, self.stages),
             order=(1, 0, 2, 3),
         )
+        # the O staging tile, (C, D, 1): the layout of the q/k/v tiles, so a full chunk's O leaves by one TMA store
+        tile_o = cute.tile_to_shape(
+            warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, bf16), (C, D, 1), order=(0, 1, 2)
+        )
         cc_layout = cute.tile_to_shape(
             warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, bf16), (C, C), order=(0, 1)
         )
@@ -185,6 +188,9 @@ class GDNChunkFwdSm90:
         tma_k, mK = cpasync.make_tiled_tma_atom(op, blocks.tma_view(k), one_tile, (C, D))
         v_src = o if cutlass.const_expr(self.tile_v_src == "o") else v
         tma_v, mV = cpasync.make_tiled_tma_atom(op, blocks.tma_view(v_src), one_tile, (C, D))
+        tma_o, mOt = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), blocks.tma_view(o), one_tile, (C, D)
+        )
         # the Tinv / P workspace [ranges, chunks * 2 * C, HV, C] (chunk c's Tinv at rows 2 c C, its P after them);
         # unused without intra (q's atom stands in for it)
         tma_w, mW = tma_q, mQ
@@ -202,7 +208,7 @@ class GDNChunkFwdSm90:
             sFac: cute.struct.MemRange[cutlass.Float32, 4 * C]
             sNorm: cute.struct.MemRange[cutlass.Float32, 3 * C]
             sA: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, C * self.a_stride], 128]
-            sO: cute.struct.Align[cute.struct.MemRange[bf16, C * self.o_stride], 128]
+            sO: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_o)], 1024]
             sQK: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_qk)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_k_major)], 1024]
             sTP: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_tp)], 1024]
@@ -225,6 +231,8 @@ class GDNChunkFwdSm90:
             mV,
             tma_w,
             mW,
+            tma_o,
+            mOt,
             g,
             beta,
             o,
@@ -239,6 +247,7 @@ class GDNChunkFwdSm90:
             tile_k_major,
             tile_mn_major,
             tile_tp,
+            tile_o,
         ).launch(grid=(HV, N, 1), block=(self.threads, 1, 1), smem=Storage.size_in_bytes(), stream=stream)
 
     # ---------------------------------------------------------------- device side
@@ -256,6 +265,8 @@ class GDNChunkFwdSm90:
         mV,
         tma_w,
         mW,
+        tma_o,
+        mOt,
         mG,
         mBeta,
         mO,
@@ -270,6 +281,7 @@ class GDNChunkFwdSm90:
         tile_k_major,
         tile_mn_major,
         tile_tp,
+        tile_o,
     ):
 
         C, D = self.C, self.D
@@ -303,7 +315,8 @@ class GDNChunkFwdSm90:
         # with qk_l2norm, per token of the current chunk: 1 / ||k_t||, log2 ||k_t||, 1 / ||q_t|| (eps under the root)
         sNorm = st.sNorm.get_tensor(cute.make_layout((C, 3)))
         sA = st.sA.get_tensor(cute.make_layout((C, self.a_stride), stride=(self.a_stride, 1)))
-        sO = st.sO.get_tensor(cute.make_layout((C, self.o_stride), stride=(self.o_stride, 1)))
+        sO3 = st.sO.get_tensor(tile_o.outer, swizzle=tile_o.inner)
+        sO = sO3[None, None, 0]
         sQK = st.sQK.get_tensor(tile_qk.outer, swizzle=tile_qk.inner)
         sQ = sQK[None, None, 0, None]
         sK = sQK[None, None, 1, None]
@@ -325,6 +338,7 @@ class GDNChunkFwdSm90:
             # buffers 2 s (Tinv) and 2 s + 1 (P) of t_stage s
             tWs, tWg = blocks.tma_chunk_tiles(tma_w, mW[None, None, hv, n], 0, cute.group_modes(sTP, 2, 4))
         tma = (tma_q, tQg, tQs, tma_k, tKg, tKs, tma_v, tVg, tVs, tma_w, tWg, tWs)
+        tOs, tOg = blocks.tma_chunk_tiles(tma_o, mOt[None, None, hv, b], tok0, sO3)
 
         if warp == 0:
             cpasync.prefetch_descriptor(tma_q)
@@ -332,6 +346,8 @@ class GDNChunkFwdSm90:
             cpasync.prefetch_descriptor(tma_v)
             if cutlass.const_expr(self.intra != "none"):
                 cpasync.prefetch_descriptor(tma_w)
+            if cutlass.const_expr(self.make_o):
+                cpasync.prefetch_descriptor(tma_o)
         if tidx == 0:
             for s in cutlass.range_constexpr(self.stages):
                 cute.arch.mbarrier_init(full + s, 1)
@@ -409,10 +425,6 @@ class GDNChunkFwdSm90:
                         mma_ss, acc_x, tSSa[None, None, None, 1 - wg, stage], tSSb_K[None, None, None, stage], True
                     )
                     warpgroup.commit_group()
-            # while it runs: the previous chunk's O (staged in smem, a full chunk) to global memory
-            if cutlass.const_expr(self.make_o):
-                if c > 0:
-                    blocks.store_o_rows(sO, mO, b, hv, tok0 + (c - 1) * C, C, tidx, C, D, self.threads)
             if cutlass.const_expr(self.intra != "load"):
                 warpgroup.wait_group(0)
                 if cutlass.const_expr(self.qk_l2norm):
@@ -446,6 +458,10 @@ class GDNChunkFwdSm90:
                             cute.autovec_copy(pair, cute.local_tile(sP, (1, 2), (rp, jp // 2)))
             # sP is read by wgmma (async proxy) after ordinary stores
             cute.arch.fence_proxy("async.shared", space="cta")
+            if cutlass.const_expr(self.make_o):
+                # the previous chunk's O store has read the staging tile before anyone writes it again (step 4)
+                if warp == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
             cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
 
             # ---- 2. S^T K^T and S^T Q^T (they do not need Tinv) run on the tensor cores while the CUDA cores solve
@@ -527,7 +543,8 @@ class GDNChunkFwdSm90:
             warpgroup.commit_group()
             warpgroup.wait_group(0)
 
-            # ---- 4. O^T -> smem (token-major); stored during the next chunk (or after the loop)
+            # ---- 4. O^T -> smem (token-major); a full chunk leaves by a TMA store after the barrier, the last one (maybe
+            # partial: rows past the sequence end belong to the next) by plain stores after the loop
             if cutlass.const_expr(self.make_o):
                 if writes_state:
                     for i in cutlass.range_constexpr(cute.size(acc_o)):
@@ -535,6 +552,8 @@ class GDNChunkFwdSm90:
                         if cutlass.const_expr(self.tile_v_src == "o"):
                             acc_o[i] = acc_o[i] + sV[j, row0 + r, stage].to(f32)
                         sO[j, row0 + r] = acc_o[i].to(cutlass.BFloat16)
+                # the TMA store (async proxy) reads what these ordinary stores wrote
+                cute.arch.fence_proxy("async.shared", space="cta")
             if warp == 2:
                 self.publish_gates(sG, sBeta, sFac, 1 - slot, nxt, c + 1, seqlen, lane)
             if cutlass.const_expr(self.intra == "save"):
@@ -545,8 +564,12 @@ class GDNChunkFwdSm90:
             if warp == 0:
                 if c + self.stages < n_chunks:
                     self.issue_tma(tma, full, c + self.stages, lane)
+                if cutlass.const_expr(self.make_o):
+                    if c + 1 < n_chunks:
+                        cute.copy(tma_o, tOs[None, 0], tOg[None, c])
+                        cute.arch.cp_async_bulk_commit_group()
 
-        # the last chunk's O (the loop stores each chunk's O during the next chunk's first product)
+        # the last chunk's O, by plain stores with rows past the sequence end masked
         if cutlass.const_expr(self.make_o):
             if n_chunks > 0:
                 blocks.store_o_rows(
@@ -561,6 +584,8 @@ class GDNChunkFwdSm90:
                     D,
                     self.threads,
                 )
+            if warp == 0:
+                cute.arch.cp_async_bulk_wait_group(0)
 
         # ---- final state
         if writes_state:
