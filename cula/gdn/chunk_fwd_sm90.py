@@ -485,9 +485,7 @@ class GDNChunkFwdSm90:
                 # Tinv and P of this chunk to the workspace; their buffers are next written in the next chunk, after
                 # this chunk's final barrier, before which warp 0 waits for the stores to have read them
                 if warp == 0:
-                    cute.copy(tma_w, tWs[None, 0], tWg[None, 2 * c])
-                    cute.copy(tma_w, tWs[None, 1], tWg[None, 2 * c + 1])
-                    cute.arch.cp_async_bulk_commit_group()
+                    blocks.save_tinv_p(tma_w, tWs, tWg, c)
 
             # ---- 3. the other state products on this WG's 64 value rows. First, while S^T K^T may still run: the
             # factors of this thread's 16 accumulator columns (blocks.acc_col_slot), zero past the sequence end, and

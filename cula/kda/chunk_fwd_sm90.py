@@ -546,9 +546,7 @@ class KDAChunkFwdSm90:
                 # this chunk's Tinv and P to the workspace; warp 0 waits for the stores to have read them before the
                 # chunk's final barrier (the next chunk writes them again)
                 if warp == 0:
-                    cute.copy(tma_w, tWs[None, 0], tWg[None, 2 * c])
-                    cute.copy(tma_w, tWs[None, 1], tWg[None, 2 * c + 1])
-                    cute.arch.cp_async_bulk_commit_group()
+                    blocks.save_tinv_p(tma_w, tWs, tWg, c)
 
             # q, k and g of this chunk are consumed: fetch the next chunk's
             if warp == 0:

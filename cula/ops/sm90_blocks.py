@@ -44,6 +44,15 @@ def tma_chunk_tiles(atom, gX, tok0, sX):
 
 
 @cute.jit
+def save_tinv_p(atom, tWs, tWg, chunk):
+    """One warp: a chunk's Tinv and P (smem tiles 0, 1 of ``tWs``) to its workspace tiles ``2 chunk``, ``2 chunk + 1``
+    by TMA, as one bulk group (the caller waits for it to have read them before they are written again)."""
+    cute.copy(atom, tWs[None, 0], tWg[None, 2 * chunk])
+    cute.copy(atom, tWs[None, 1], tWg[None, 2 * chunk + 1])
+    cute.arch.cp_async_bulk_commit_group()
+
+
+@cute.jit
 def gemm(tiled_mma, acc, a_frag, b_frag, zero_init: cutlass.Constexpr):
     """acc (+)= A B over all k-blocks of the operands (wgmma, issued not waited)."""
     for kb in cutlass.range_constexpr(cute.size(a_frag, mode=[2])):
