@@ -98,8 +98,8 @@ def plan_segments(
     lengths: list[int], HV: int, num_sms: int, chunk: int = CHUNK, cost: SplitCost = UNCACHED
 ) -> list[list[int]] | None:
     """Cut points per sequence (token counts from its start, multiples of ``chunk``) for the fastest split under
-    :func:`chunk_walk_ms`'s model, or None when walking each sequence whole is expected to be as fast. Each pass
-    takes its longest segment or, when its CTAs overflow one wave, its chunk-CTAs spread over the SMs."""
+    :func:`chunk_walk_ms`'s model (each pass as :func:`_walk` times it, the later ones at their ``cost``), or None
+    when walking each sequence whole is expected to be as fast."""
     _, seg = _plan(tuple(lengths), HV, num_sms, chunk, cost)
     if seg is None:
         return None
