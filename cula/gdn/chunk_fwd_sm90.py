@@ -85,7 +85,8 @@ class GDNChunkFwdSm90:
          16-blocks: warps 0-1 invert the diagonal blocks, then all threads join them (fp32, CUDA cores) -> smem
          bf16; warp 2 loads and scans the next chunk's gates into the other gate slot
       3. each WG on its 64 value rows: V_new^T, O^T, state update                         [wgmma RS]
-      4. O staged through smem and stored with rows past the sequence end masked; warp 0 refills the TMA stage.
+      4. O staged through smem; a full chunk's leaves by one TMA store, the last chunk's by plain stores with rows
+         past the sequence end masked; warp 0 refills the TMA stage.
     Split passes (``intra``): "save" TMA-stores each chunk's Tinv and P to the workspace after step 2; "load" skips
     steps 1 and 2's solve and takes Tinv and P from the workspace with the chunk's q/k tiles (a pair per stage).
     """
@@ -425,7 +426,6 @@ class GDNChunkFwdSm90:
                         mma_ss, acc_x, tSSa[None, None, None, 1 - wg, stage], tSSb_K[None, None, None, stage], True
                     )
                     warpgroup.commit_group()
-            if cutlass.const_expr(self.intra != "load"):
                 warpgroup.wait_group(0)
                 if cutlass.const_expr(self.qk_l2norm):
                     self.token_norms(acc_x, cSS, sQ[None, None, stage], sNorm, wg, wtid)
