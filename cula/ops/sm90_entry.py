@@ -148,9 +148,10 @@ def chunk_fwd(
             h0 = h0.transpose(-1, -2)
 
         cached = split_cost.cached
-        # rows of the workspace per (segment, head): Tinv and P of each chunk, C x C each
-        rows = 2 * chunk * max(-(-(e - s) // chunk) for _, s, e in segment_split.segments(offsets, cuts))
         workspace = {}
+        if cached:
+            # rows of the workspace per (segment, head): Tinv and P of each chunk, C x C each
+            rows = 2 * chunk * max(-(-(e - s) // chunk) for _, s, e in segment_split.segments(offsets, cuts))
 
         def run(mode, starts, ends, h0_, out_):
             Vd = K if mode == "transition" else V
