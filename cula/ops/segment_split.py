@@ -128,6 +128,23 @@ def chunk_walk_ms(
     return latency_us * walks / 1e3
 
 
+# (local, trans or None, starts, offsets, rows): writes ``starts`` along a chain plan (``_SplitPlan``)
+ChainRunner = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def chain_starts_torch(local, trans, starts, offsets, rows) -> None:
+    """The start chain in PyTorch (the CPU's; :mod:`cula.ops.state_chain_sm90` is the GPU's): ``offsets`` [chains + 1]
+    into ``rows`` [R, 3]; a chain's first row names the local state of its first segment, each further row one later
+    segment (local index, transition index or -1 for the chain's last segment, slot in ``starts``)."""
+    offsets, rows = offsets.tolist(), rows.tolist()
+    for c in range(len(offsets) - 1):
+        state = local[rows[offsets[c]][0]]
+        for i, t, slot in rows[offsets[c] + 1 : offsets[c + 1]]:
+            starts[slot] = state
+            if t >= 0:
+                state = torch.baddbmm(local[i], trans[t], state)
+
+
 def split_forward(
     run: RangeRunner,
     offsets: list[int],
@@ -136,20 +153,62 @@ def split_forward(
     out: torch.Tensor,
     need_final_state: bool,
     aligned: bool = False,
+    chain: ChainRunner = chain_starts_torch,
 ) -> torch.Tensor | None:
     """Run one op over sequences ``[offsets[n], offsets[n+1])`` of the flattened token axis, each cut at
     ``offsets[n] + cuts[n]``. ``initial_state`` is [N, HV, K, V] fp32 or None; ``out`` receives o. Returns the
     final states [N, HV, K, V] (or None when not needed).
 
     The first pass runs each sequence's first segment from its initial state, so only the middle segments need a
-    transition and only the later ones a correction. With ``aligned`` every pass gets every segment, in the same
-    order (the ones a pass skips as empty ranges), so a runner can hand a pass what the first one left for the same
-    segment index."""
-    segs = segments(offsets, cuts)
-    all_idx = list(range(len(segs)))
+    transition and only the later ones a correction; ``chain`` makes the later segments' starts between them. With
+    ``aligned`` every pass gets every segment, in the same order (the ones a pass skips as empty ranges), so a runner
+    can hand a pass what the first one left for the same segment index. Host work per call is a fixed handful of
+    ops whatever the number of segments (the plan's device tables are made once per split)."""
+    plan = _split_plan(str(out.device), tuple(offsets), tuple(tuple(c) for c in cuts), aligned)
+    h0 = None
+    if initial_state is not None:
+        h0 = initial_state.new_zeros(plan.segments, *initial_state.shape[1:])
+        h0.index_add_(0, plan.first, initial_state)  # onto zeros: a copy (index_copy_ wants int64)
+    local = run("full", *plan.full, h0, out)
+    trans = run("transition", *plan.transition, None, out) if plan.has_middle else None
+    if plan.has_later:
+        starts = local.new_empty(plan.correction[0].numel(), *local.shape[1:])
+        chain(local, trans, starts, *plan.chain)
+        hom = run("correction", *plan.correction, starts, out)
+    if not need_final_state:
+        return None
+    final = local.index_select(0, plan.last)
+    if plan.has_later:
+        final.index_add_(0, plan.split_seqs, hom.index_select(0, plan.split_last))
+    return final
+
+
+class _SplitPlan(NamedTuple):
+    """The device side of one split (int32 views of one tensor): each pass's (starts, ends) token ranges, the start
+    chain's (offsets, rows), each sequence's first and last segment, and the sequences that were cut with the
+    correction slot of their last segment."""
+
+    segments: int
+    has_middle: bool
+    has_later: bool
+    full: tuple[torch.Tensor, torch.Tensor]
+    transition: tuple[torch.Tensor, torch.Tensor]
+    correction: tuple[torch.Tensor, torch.Tensor]
+    chain: tuple[torch.Tensor, torch.Tensor]
+    first: torch.Tensor
+    last: torch.Tensor
+    split_seqs: torch.Tensor
+    split_last: torch.Tensor
+
+
+# Kept for the last few splits seen: a model's layers split their batch the same way, so the host-to-device copy
+# (which waits for the stream, its source being pageable) is made once per split, not once per pass and call.
+@functools.lru_cache(maxsize=16)
+def _split_plan(dev: str, offsets: tuple, cuts: tuple, aligned: bool) -> _SplitPlan:
+    segs = segments(list(offsets), [list(c) for c in cuts])
     first = {n: i for i, (n, _, _) in reversed(list(enumerate(segs)))}
     last = {n: i for i, (n, _, _) in enumerate(segs)}
-    later_idx = [i for i in all_idx if first[segs[i][0]] != i]  # their start comes from the chain
+    later_idx = [i for i in range(len(segs)) if first[segs[i][0]] != i]  # their start comes from the chain
     mid_idx = [i for i in later_idx if last[segs[i][0]] != i]  # and their successor needs their transition
 
     def pairs(idx):
@@ -158,52 +217,36 @@ def split_forward(
         keep = set(idx)
         return [(s, e) if i in keep else (s, s) for i, (_, s, e) in enumerate(segs)]
 
-    full_r, trans_r, corr_r = _device_ranges((pairs(all_idx), pairs(mid_idx), pairs(later_idx)), out.device)
-    slot = (lambda i, idx: i) if aligned else (lambda i, idx: idx.index(i))
+    def slot(i, idx):
+        return i if aligned else idx.index(i)
 
-    h0 = None
-    if initial_state is not None:
-        zero = torch.zeros_like(initial_state[0])
-        h0 = torch.stack([initial_state[n] if first[n] == i else zero for i, (n, _, _) in enumerate(segs)])
-    local = run("full", *full_r, h0, out)
-    trans = run("transition", *trans_r, None, out) if mid_idx else None
-
-    # starts of the later segments: S_start(next) = S_end = M S_start + S_local (S_local alone for a first segment)
-    starts: dict[int, torch.Tensor] = {}
+    offs, rows = [0], []
+    split_seqs, split_last = [], []
     for n, i0 in first.items():
-        state = local[i0]
-        for i in range(i0 + 1, last[n] + 1):
-            starts[i] = state
-            if i != last[n]:
-                state = torch.baddbmm(local[i], trans[slot(i, mid_idx)], state)
-    final = {n: local[i] for n, i in last.items() if first[n] == i}
-    if later_idx:
-        if aligned:
-            zero = torch.zeros_like(local[0])
-            h0c = torch.stack([starts.get(i, zero) for i in all_idx])
-        else:
-            h0c = torch.stack([starts[i] for i in later_idx])
-        hom = run("correction", *corr_r, h0c, out)
-        final.update({n: hom[slot(i, later_idx)] + local[i] for n, i in last.items() if first[n] != i})
-    if not need_final_state:
-        return None
-    return torch.stack([final[n] for n in sorted(last)])
-
-
-def _device_ranges(passes, dev) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(starts, ends) int32 on ``dev`` for each pass's list of (start, end) token ranges."""
-    flat = _device_ranges_flat(str(dev), tuple(tuple(p) for p in passes))
-    out, at = [], 0
-    for p in passes:
-        out.append((flat[0, at : at + len(p)], flat[1, at : at + len(p)]))
+        if last[n] == i0:
+            continue
+        rows.append((i0, -1, -1))
+        rows += [(i, slot(i, mid_idx) if i != last[n] else -1, slot(i, later_idx)) for i in range(i0 + 1, last[n] + 1)]
+        offs.append(len(rows))
+        split_seqs.append(n)
+        split_last.append(slot(last[n], later_idx))
+    ranges = [pairs(range(len(segs))), pairs(mid_idx), pairs(later_idx)]
+    parts = [[s for s, _ in p] for p in ranges] + [[e for _, e in p] for p in ranges]
+    N = len(offsets) - 1
+    parts += [offs, [x for r in rows for x in r], [first[n] for n in range(N)], [last[n] for n in range(N)]]
+    parts += [split_seqs, split_last]
+    flat = torch.tensor([x for p in parts for x in p], dtype=torch.int32).to(dev)
+    views, at = [], 0
+    for p in parts:
+        views.append(flat[at : at + len(p)])
         at += len(p)
-    return out
-
-
-# Kept for the last few splits seen: a model's layers split their batch the same way, so the host-to-device copy
-# (which waits for the stream, its source being pageable) is made once per split, not once per pass and call.
-@functools.lru_cache(maxsize=16)
-def _device_ranges_flat(dev: str, passes: tuple) -> torch.Tensor:
-    """[2, ranges] int32 on ``dev``: every pass's (start, end) token ranges, in order."""
-    cols = [r for p in passes for r in p]
-    return torch.tensor([[s for s, _ in cols], [e for _, e in cols]], dtype=torch.int32).to(dev)
+    return _SplitPlan(
+        len(segs),
+        bool(mid_idx),
+        bool(later_idx),
+        (views[0], views[3]),
+        (views[1], views[4]),
+        (views[2], views[5]),
+        (views[6], views[7].view(-1, 3)),
+        *views[8:],
+    )

@@ -6,7 +6,7 @@ an entry point's bound arguments, and the variants of each kernel that the compi
 import torch
 
 from cula import runtime, validation
-from cula.ops import segment_split
+from cula.ops import segment_split, state_chain_sm90
 from cula.ops.gates import kernel_beta
 
 _DUMMY: dict = {}
@@ -165,7 +165,11 @@ def chunk_fwd(
             launch(*flat[:5], flat[5], h0_, ht_, starts, ends, scale, False, mode, **intra, **options)
             return ht_
 
-        ht = segment_split.split_forward(run, offsets, cuts, h0, flat[5], output_final_state, aligned=cached)
+        # the start chain in one launch on a GPU (a PyTorch loop there costs two host ops per segment)
+        chain = state_chain_sm90.chain_starts if q.is_cuda else segment_split.chain_starts_torch
+        ht = segment_split.split_forward(
+            run, offsets, cuts, h0, flat[5], output_final_state, aligned=cached, chain=chain
+        )
         if ht is not None and state_v_first:
             ht = ht.transpose(-1, -2).contiguous()
         if ht is not None and final_state_out is not None:
