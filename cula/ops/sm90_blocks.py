@@ -21,6 +21,7 @@ All are ``@cute.jit`` functions inlined into the calling kernel:
 import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import warp as warp_mma
 
 
 def tma_view(x):
@@ -206,93 +207,139 @@ def solve_diag16(sAt, sT, tid):
 
 
 @cute.jit
+def _tf32_operand(view, coords, like, mask: cutlass.Constexpr, flag):
+    """A tf32 register operand (laid out as the fragment ``like``) read from ``view``, the fp32 shared-memory operand
+    partitioned for this thread; ``coords`` partitions the identity tensor the same way, (row, k) per element.
+    ``mask`` zeroes elements: "upper" where row < 16 <= k, "low_k" where k < 16 if ``flag`` (else none)."""
+    frag = cute.make_rmem_tensor(like.layout, cutlass.TFloat32)
+    for e in cutlass.range_constexpr(cute.size(frag)):
+        x = view[e]
+        if cutlass.const_expr(mask == "upper"):
+            r, k = coords[e]
+            if r < 16 and k >= 16:
+                x = cutlass.Float32(0.0)
+        if cutlass.const_expr(mask == "low_k"):
+            _, k = coords[e]
+            if flag and k < 16:
+                x = cutlass.Float32(0.0)
+        frag[e] = x.to(cutlass.TFloat32)
+    return frag
+
+
+@cute.jit
+def _mma_tf32(
+    tiled_mma, lane, vA, vB, shape_mnk: cutlass.Constexpr, mask_a: cutlass.Constexpr, mask_b: cutlass.Constexpr, flag
+):
+    """One warp: ``vA`` (M x K) times ``vB`` (given as N x K), fp32 shared-memory views, on the tensor cores in tf32
+    (fp32 range, 10-bit mantissa operands, fp32 sums); masks as :func:`_tf32_operand`. Returns the accumulator and
+    its element coordinates."""
+    M, N, K = shape_mnk
+    thr = tiled_mma.get_slice(lane)
+    tA = thr.partition_A(vA)
+    tB = thr.partition_B(vB)
+    cA = thr.partition_A(cute.make_identity_tensor((M, K)))
+    cB = thr.partition_B(cute.make_identity_tensor((N, K)))
+    fa = _tf32_operand(tA, cA, tiled_mma.make_fragment_A(tA), mask_a, flag)
+    fb = _tf32_operand(tB, cB, tiled_mma.make_fragment_B(tB), mask_b, flag)
+    acc = cute.make_rmem_tensor(thr.partition_shape_C((M, N)), cutlass.Float32)
+    acc.fill(0.0)
+    cute.gemm(tiled_mma, acc, fa, fb, acc)
+    return acc, thr.partition_C(cute.make_identity_tensor((M, N)))
+
+
+@cute.jit
+def _smem_view(sX, ld: cutlass.Constexpr, row, col, shape: cutlass.Constexpr, row_major: cutlass.Constexpr):
+    """``shape`` elements of the row-major ``sX`` (row stride ``ld``) from (row, col): element (x, y) is
+    ``sX[row + x, col + y]`` if ``row_major``, else ``sX[row + y, col + x]`` (a transposed read)."""
+    stride = (ld, 1) if row_major else (1, ld)
+    return cute.make_tensor(sX.iterator + row * ld + col, cute.make_layout(shape, stride=stride))
+
+
+@cute.jit
 def solve_merge(sAt, sT, tid, barrier_id: cutlass.Constexpr, num_threads: cutlass.Constexpr):
-    """Levels 1 and 2 of the blocked inverse, on ``num_threads`` (128 or 256) threads after :func:`solve_diag16`
-    and a barrier: each level joins two diagonal inverses T_lo, T_hi with ``T_21 = -T_hi (A_21 T_lo)`` (16 -> 32,
-    both 32-blocks at once on threads 0-127; then 32 -> 64 on all), as fp32 products on CUDA cores, a 2 x 2 (256
-    threads) or 2 x 4 (128) output block per thread taken as a sum of outer products (8- or 16-byte loads,
-    broadcast within a warp). Results go to ``sT`` (bf16), whose blocks above the diagonal 16-blocks must hold zeros
-    (written once by the caller). ``sAt`` is worked in place: T's blocks are kept row-major where A^T's zero half
-    was, and products stage in its rows 32-63, columns 0-31. The blocks of A^T above the diagonal that are not yet
+    """Levels 1 and 2 of the blocked inverse, after :func:`solve_diag16` and a barrier of ``num_threads`` (128 or
+    256) threads, on warps 0-3 and the tensor cores (warp MMA, tf32 operands, fp32 sums): each level joins two
+    diagonal inverses T_lo, T_hi with ``T_21 = -T_hi (A_21 T_lo)``, a warp per 8 columns of T_21 making both
+    products for them (16 -> 32 for both 32-blocks at once, then 32 -> 64), so only warp barriers order a level's
+    two products. Results go to ``sT`` (bf16), whose blocks above the diagonal 16-blocks must hold zeros (written
+    once by the caller). ``sAt`` is worked in place: level 1's T_21 is kept row-major where A^T's zero half was,
+    and products stage in its rows 32-63, columns 0-31. The blocks of A^T above the diagonal that are not yet
     overwritten are masked, not read as zeros."""
     assert num_threads in (128, 256)
-    f32 = cutlass.Float32
     bf16 = cutlass.BFloat16
-    cw = 512 // num_threads  # level-2 columns per thread
-    x2 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
-    y2 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
-    yw = cute.make_rmem_tensor(cute.make_layout((1, cw)), f32)
-    t4 = cute.make_rmem_tensor(cute.make_layout((1, 4)), f32)
-    u4 = cute.make_rmem_tensor(cute.make_layout((1, 4)), f32)
-    acc = cute.make_rmem_tensor(cute.make_layout((2, 2)), f32)
-    accw = cute.make_rmem_tensor(cute.make_layout((2, cw)), f32)
+    ld = cute.size(sAt, mode=[1])  # row stride of sAt
+    warp = tid // 32
+    lane = tid % 32
+    tiled = cute.make_tiled_mma(warp_mma.MmaTF32Op((16, 8, 8)), (1, 1, 1))
 
-    # ---- level 1 (threads 0-127): pair p joins diagonal blocks 2p, 2p + 1 at offset a; rows 2 ib, cols 2 jb
-    p = tid // 64
-    a = p * 32
-    ib = (tid % 64) // 8
-    jb = tid % 8
-    if tid < 128:
-        acc.fill(0.0)
-        for k in cutlass.range_constexpr(16):
-            # A[a + 16 + i, a + k] = sAt[a + k, a + 16 + i];  T_lo[k, j] = sAt[a + k, a + j]
-            cute.autovec_copy(cute.local_tile(sAt, (1, 2), (a + k, (a + 16) // 2 + ib)), x2)
-            cute.autovec_copy(cute.local_tile(sAt, (1, 2), (a + k, a // 2 + jb)), y2)
-            for r in cutlass.range_constexpr(2):
-                for q in cutlass.range_constexpr(2):
-                    acc[r, q] = acc[r, q] + x2[0, r] * y2[0, q]
-        for r in cutlass.range_constexpr(2):
-            for q in cutlass.range_constexpr(2):
-                sAt[32 + 16 * p + 2 * ib + r, 2 * jb + q] = acc[r, q]
-    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
-    if tid < 128:
-        acc.fill(0.0)
-        for k4 in cutlass.range_constexpr(4):
-            # T_hi[i, k] = sAt[a + 16 + i, a + 16 + k] (4 k per load); M1[k, j] in the staging rows
-            cute.autovec_copy(cute.local_tile(sAt, (1, 4), (a + 16 + 2 * ib, (a + 16) // 4 + k4)), t4)
-            cute.autovec_copy(cute.local_tile(sAt, (1, 4), (a + 17 + 2 * ib, (a + 16) // 4 + k4)), u4)
-            for e in cutlass.range_constexpr(4):
-                cute.autovec_copy(cute.local_tile(sAt, (1, 2), (32 + 16 * p + 4 * k4 + e, jb)), y2)
-                for q in cutlass.range_constexpr(2):
-                    acc[0, q] = acc[0, q] - t4[0, e] * y2[0, q]
-                    acc[1, q] = acc[1, q] - u4[0, e] * y2[0, q]
-        for r in cutlass.range_constexpr(2):
-            for q in cutlass.range_constexpr(2):
-                sAt[a + 16 + 2 * ib + r, a + 2 * jb + q] = acc[r, q]
-                sT[a + 16 + 2 * ib + r, a + 2 * jb + q] = acc[r, q].to(bf16)
+    # ---- level 1 (warps 0-3): pair p joins diagonal blocks 2p, 2p + 1 at offset a; this warp makes columns
+    # [8 nt, 8 nt + 8) of its T_21
+    if warp < 4:
+        p = warp // 2
+        nt = warp % 2
+        a = p * 32
+        # M1 = A_21 T_lo: A_21[i, k] = A[a + 16 + i, a + k] = sAt[a + k, a + 16 + i]; T_lo[k, n] = sAt[a + k, a + n]
+        acc, cc = _mma_tf32(
+            tiled,
+            lane,
+            _smem_view(sAt, ld, a, a + 16, (16, 16), False),
+            _smem_view(sAt, ld, a, a + 8 * nt, (8, 16), False),
+            (16, 8, 16),
+            None,
+            None,
+            False,
+        )
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            i, n = cc[e]
+            sAt[32 + 16 * p + i, 8 * nt + n] = acc[e]
+        cute.arch.sync_warp()
+        # T_21 = -T_hi M1: T_hi[i, k] = sAt[a + 16 + i, a + 16 + k]; M1[k, n] staged at sAt[32 + 16 p + k, 8 nt + n]
+        acc, cc = _mma_tf32(
+            tiled,
+            lane,
+            _smem_view(sAt, ld, a + 16, a + 16, (16, 16), True),
+            _smem_view(sAt, ld, 32 + 16 * p, 8 * nt, (8, 16), False),
+            (16, 8, 16),
+            None,
+            None,
+            False,
+        )
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            i, n = cc[e]
+            sAt[a + 16 + i, a + 8 * nt + n] = -acc[e]
+            sT[a + 16 + i, a + 8 * nt + n] = (-acc[e]).to(bf16)
     cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
 
-    # ---- level 2 (all threads): rows 32 + 2 ib2, columns cw jb2 .. cw jb2 + cw - 1
-    nb = 32 // cw
-    ib2 = tid // nb
-    jb2 = tid % nb
-    accw.fill(0.0)
-    for k in cutlass.range_constexpr(32):
-        cute.autovec_copy(cute.local_tile(sAt, (1, 2), (k, 16 + ib2)), x2)  # A[32 + i, k]
-        cute.autovec_copy(cute.local_tile(sAt, (1, cw), (k, jb2)), yw)  # T_lo[k, j]
-        if cutlass.const_expr(k < 16):
-            if jb2 >= 16 // cw:  # T_lo[k, j] = 0 for k < 16 <= j: there sAt still holds A^T
-                yw.fill(0.0)
-        for r in cutlass.range_constexpr(2):
-            for q in cutlass.range_constexpr(cw):
-                accw[r, q] = accw[r, q] + x2[0, r] * yw[0, q]
-    for r in cutlass.range_constexpr(2):
-        for q in cutlass.range_constexpr(cw):
-            sAt[32 + 2 * ib2 + r, cw * jb2 + q] = accw[r, q]
-    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
-    accw.fill(0.0)
-    for k4 in cutlass.range_constexpr(8):
-        cute.autovec_copy(cute.local_tile(sAt, (1, 4), (32 + 2 * ib2, 8 + k4)), t4)  # T_hi[i, 4 k4 ..]
-        cute.autovec_copy(cute.local_tile(sAt, (1, 4), (33 + 2 * ib2, 8 + k4)), u4)
-        if cutlass.const_expr(k4 >= 4):
-            if ib2 < 8:  # T_hi[i, k] = 0 for i < 16 <= k (A^T there)
-                t4.fill(0.0)
-                u4.fill(0.0)
-        for e in cutlass.range_constexpr(4):
-            cute.autovec_copy(cute.local_tile(sAt, (1, cw), (32 + 4 * k4 + e, jb2)), yw)  # M[k, j]
-            for q in cutlass.range_constexpr(cw):
-                accw[0, q] = accw[0, q] - t4[0, e] * yw[0, q]
-                accw[1, q] = accw[1, q] - u4[0, e] * yw[0, q]
-    for r in cutlass.range_constexpr(2):
-        for q in cutlass.range_constexpr(cw):
-            sT[32 + 2 * ib2 + r, cw * jb2 + q] = accw[r, q].to(bf16)
+    # ---- level 2 (warps 0-3): columns [8 nt, 8 nt + 8) of T_21 (rows 32-63, columns 0-31)
+    if warp < 4:
+        nt = warp
+        # M = A_21 T_lo: A_21[i, k] = A[32 + i, k] = sAt[k, 32 + i]; T_lo[k, n] = sAt[k, 8 nt + n], zero where
+        # k < 16 <= 8 nt + n (sAt holds A^T there)
+        acc, cc = _mma_tf32(
+            tiled,
+            lane,
+            _smem_view(sAt, ld, 0, 32, (32, 32), False),
+            _smem_view(sAt, ld, 0, 8 * nt, (8, 32), False),
+            (32, 8, 32),
+            None,
+            "low_k",
+            nt >= 2,
+        )
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            i, n = cc[e]
+            sAt[32 + i, 8 * nt + n] = acc[e]
+        cute.arch.sync_warp()
+        # T_21 = -T_hi M: T_hi[i, k] = sAt[32 + i, 32 + k], zero where i < 16 <= k (A^T there)
+        acc, cc = _mma_tf32(
+            tiled,
+            lane,
+            _smem_view(sAt, ld, 32, 32, (32, 32), True),
+            _smem_view(sAt, ld, 32, 8 * nt, (8, 32), False),
+            (32, 8, 32),
+            "upper",
+            None,
+            False,
+        )
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            i, n = cc[e]
+            sT[32 + i, 8 * nt + n] = (-acc[e]).to(bf16)
