@@ -49,12 +49,14 @@ CHUNK = 64
 MODES = ("full", "transition", "correction")  # see KDAChunkFwdSm90 and cula.ops.segment_split
 INTRA = ("none", "save", "load")  # see KDAChunkFwdSm90.__init__
 # One CTA walks its chunks in series at about this many microseconds each (H200, benchmarks/results/h200_fwd.json:
-# 3.22 ms at B2 T16384 H64 = 256 chunks per CTA in one wave, 0.83 ms at B8 T2048 H32); one CTA per SM.
-CHUNK_LATENCY_US = 13.0
+# 3.053 ms at B2 T16384 H64 = 256 chunks per CTA in one wave, 0.778 ms at B8 T2048 H32); one CTA per SM.
+CHUNK_LATENCY_US = 12.0
 # A split sequence's later passes load each chunk's Tinv and P (saved by the first pass) and make only the gate
-# cumsum, the B tiles and the state products. Per chunk against an unsplit one (H200, dev inputs, B1 T8192 H64 cut
-# at 4096): correction 6.90 / 11.02 us, transition 4.54 / 11.02. A link of the start chain: ~2 us, estimated.
-SPLIT_COST = segment_split.SplitCost(0.63, 0.41, 2.0 / CHUNK_LATENCY_US, cached=True)
+# cumsum, the B tiles and the state products. Per chunk (H200, dev inputs, B1 T8192 H64 cut at 4096): correction
+# 6.90 us, transition 4.54, against 11.02 for an unsplit chunk then; the tensor-core merge has since made whole
+# chunks ~6 % faster and left these, so here they are 0.63 and 0.41 of 13.0 us over 12.0. A link of the start chain:
+# ~2 us, estimated.
+SPLIT_COST = segment_split.SplitCost(0.68, 0.44, 2.0 / CHUNK_LATENCY_US, cached=True)
 SUPPORTED_DIMS = (64, 128)
 # the lowest gate the intra-chunk factorisation tolerates (module docstring)
 LOWER_BOUND_MIN = -5.0
