@@ -256,6 +256,48 @@ def _smem_view(sX, ld: cutlass.Constexpr, row, col, shape: cutlass.Constexpr, ro
 
 
 @cute.jit
+def _join_columns(sAt, sT, tiled_mma, lane, a, s: cutlass.Constexpr, stage_row, nt, keep: cutlass.Constexpr):
+    """One warp's share of a merge level of :func:`solve_merge`: columns [8 nt, 8 nt + 8) of
+    ``T_21 = -T_hi (A_21 T_lo)`` for the diagonal (s x s) inverses T_lo at (a, a) and T_hi at (a + s, a + s) (row-major
+    in ``sAt``, A_21 read from A^T), the middle product staged at ``sAt[stage_row + k, 8 nt + n]``. T_21 goes to ``sT``
+    (bf16) and, with ``keep``, into ``sAt`` row-major. At s = 32 the 16-blocks above the diagonal of T_lo and T_hi
+    still hold A^T and are masked."""
+    ld = cute.size(sAt, mode=[1])  # row stride of sAt
+    masked = s == 32
+    # M = A_21 T_lo: A_21[i, k] = A[a + s + i, a + k] = sAt[a + k, a + s + i]; T_lo[k, n] = sAt[a + k, a + 8 nt + n]
+    acc, cc = _mma_tf32(
+        tiled_mma,
+        lane,
+        _smem_view(sAt, ld, a, a + s, (s, s), False),
+        _smem_view(sAt, ld, a, a + 8 * nt, (8, s), False),
+        (s, 8, s),
+        None,
+        "low_k" if masked else None,
+        nt >= 2,
+    )
+    for e in cutlass.range_constexpr(cute.size(acc)):
+        i, n = cc[e]
+        sAt[stage_row + i, 8 * nt + n] = acc[e]
+    cute.arch.sync_warp()
+    # T_21 = -T_hi M: T_hi[i, k] = sAt[a + s + i, a + s + k]
+    acc, cc = _mma_tf32(
+        tiled_mma,
+        lane,
+        _smem_view(sAt, ld, a + s, a + s, (s, s), True),
+        _smem_view(sAt, ld, stage_row, 8 * nt, (8, s), False),
+        (s, 8, s),
+        "upper" if masked else None,
+        None,
+        False,
+    )
+    for e in cutlass.range_constexpr(cute.size(acc)):
+        i, n = cc[e]
+        if cutlass.const_expr(keep):
+            sAt[a + s + i, a + 8 * nt + n] = -acc[e]
+        sT[a + s + i, a + 8 * nt + n] = (-acc[e]).to(cutlass.BFloat16)
+
+
+@cute.jit
 def solve_merge(sAt, sT, tid, barrier_id: cutlass.Constexpr, num_threads: cutlass.Constexpr):
     """Levels 1 and 2 of the blocked inverse, after :func:`solve_diag16` and a barrier of ``num_threads`` (128 or
     256) threads, on warps 0-3 and the tensor cores (warp MMA, tf32 operands, fp32 sums): each level joins two
@@ -266,80 +308,13 @@ def solve_merge(sAt, sT, tid, barrier_id: cutlass.Constexpr, num_threads: cutlas
     and products stage in its rows 32-63, columns 0-31. The blocks of A^T above the diagonal that are not yet
     overwritten are masked, not read as zeros."""
     assert num_threads in (128, 256)
-    bf16 = cutlass.BFloat16
-    ld = cute.size(sAt, mode=[1])  # row stride of sAt
     warp = tid // 32
     lane = tid % 32
     tiled = cute.make_tiled_mma(warp_mma.MmaTF32Op((16, 8, 8)), (1, 1, 1))
-
-    # ---- level 1 (warps 0-3): pair p joins diagonal blocks 2p, 2p + 1 at offset a; this warp makes columns
-    # [8 nt, 8 nt + 8) of its T_21
+    # level 1 (warps 0-3): pair p joins diagonal 16-blocks 2p, 2p + 1, staging in rows 32 + 16 p
     if warp < 4:
-        p = warp // 2
-        nt = warp % 2
-        a = p * 32
-        # M1 = A_21 T_lo: A_21[i, k] = A[a + 16 + i, a + k] = sAt[a + k, a + 16 + i]; T_lo[k, n] = sAt[a + k, a + n]
-        acc, cc = _mma_tf32(
-            tiled,
-            lane,
-            _smem_view(sAt, ld, a, a + 16, (16, 16), False),
-            _smem_view(sAt, ld, a, a + 8 * nt, (8, 16), False),
-            (16, 8, 16),
-            None,
-            None,
-            False,
-        )
-        for e in cutlass.range_constexpr(cute.size(acc)):
-            i, n = cc[e]
-            sAt[32 + 16 * p + i, 8 * nt + n] = acc[e]
-        cute.arch.sync_warp()
-        # T_21 = -T_hi M1: T_hi[i, k] = sAt[a + 16 + i, a + 16 + k]; M1[k, n] staged at sAt[32 + 16 p + k, 8 nt + n]
-        acc, cc = _mma_tf32(
-            tiled,
-            lane,
-            _smem_view(sAt, ld, a + 16, a + 16, (16, 16), True),
-            _smem_view(sAt, ld, 32 + 16 * p, 8 * nt, (8, 16), False),
-            (16, 8, 16),
-            None,
-            None,
-            False,
-        )
-        for e in cutlass.range_constexpr(cute.size(acc)):
-            i, n = cc[e]
-            sAt[a + 16 + i, a + 8 * nt + n] = -acc[e]
-            sT[a + 16 + i, a + 8 * nt + n] = (-acc[e]).to(bf16)
+        _join_columns(sAt, sT, tiled, lane, 32 * (warp // 2), 16, 32 + 16 * (warp // 2), warp % 2, True)
     cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
-
-    # ---- level 2 (warps 0-3): columns [8 nt, 8 nt + 8) of T_21 (rows 32-63, columns 0-31)
+    # level 2 (warps 0-3): the two 32-blocks
     if warp < 4:
-        nt = warp
-        # M = A_21 T_lo: A_21[i, k] = A[32 + i, k] = sAt[k, 32 + i]; T_lo[k, n] = sAt[k, 8 nt + n], zero where
-        # k < 16 <= 8 nt + n (sAt holds A^T there)
-        acc, cc = _mma_tf32(
-            tiled,
-            lane,
-            _smem_view(sAt, ld, 0, 32, (32, 32), False),
-            _smem_view(sAt, ld, 0, 8 * nt, (8, 32), False),
-            (32, 8, 32),
-            None,
-            "low_k",
-            nt >= 2,
-        )
-        for e in cutlass.range_constexpr(cute.size(acc)):
-            i, n = cc[e]
-            sAt[32 + i, 8 * nt + n] = acc[e]
-        cute.arch.sync_warp()
-        # T_21 = -T_hi M: T_hi[i, k] = sAt[32 + i, 32 + k], zero where i < 16 <= k (A^T there)
-        acc, cc = _mma_tf32(
-            tiled,
-            lane,
-            _smem_view(sAt, ld, 32, 32, (32, 32), True),
-            _smem_view(sAt, ld, 32, 8 * nt, (8, 32), False),
-            (32, 8, 32),
-            "upper",
-            None,
-            False,
-        )
-        for e in cutlass.range_constexpr(cute.size(acc)):
-            i, n = cc[e]
-            sT[32 + i, 8 * nt + n] = (-acc[e]).to(bf16)
+        _join_columns(sAt, sT, tiled, lane, 0, 32, 32, warp, False)
