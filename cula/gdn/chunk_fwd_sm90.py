@@ -84,7 +84,7 @@ class GDNChunkFwdSm90:
     Threads: 256 = two warpgroups. WG w owns value rows [64 w, 64 w + 64) of S^T. Per chunk:
       1. WG0: K K^T -> A (fp32, smem, transposed);  WG1: Q K^T -> P (bf16, smem)          [wgmma SS]
       2. each WG issues S^T K^T and S^T Q^T on its rows [wgmma RS, async]; meanwhile Tinv = (I + A)^-1 by
-         16-blocks: warps 0-1 invert the diagonal blocks, then all threads join them (fp32, CUDA cores) -> smem
+         16-blocks: warps 0-1 invert the diagonal blocks (fp32), then warps 0-3 join them (warp MMA, tf32) -> smem
          bf16; warp 2 loads and scans the next chunk's gates into the other gate slot
       3. each WG on its 64 value rows: V_new^T, O^T, state update                         [wgmma RS]
       4. O staged through smem; a full chunk's leaves by one TMA store, the last chunk's by plain stores with rows
@@ -466,8 +466,8 @@ class GDNChunkFwdSm90:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
             cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
 
-            # ---- 2. S^T K^T and S^T Q^T (they do not need Tinv) run on the tensor cores while the CUDA cores solve
-            # Tinv = (I + A)^-1 by 16-blocks
+            # ---- 2. S^T K^T and S^T Q^T (they do not need Tinv) are issued before Tinv = (I + A)^-1 is solved by
+            # 16-blocks
             rS = blocks.acc_to_operand(acc_s)
             acc_k = thr_rs.make_fragment_C(acc_cc_shape)
             acc_o = thr_rs.make_fragment_C(acc_cc_shape)

@@ -93,7 +93,7 @@ class KDAChunkFwdSm90:
       1. WG0: A = K-left . R (fp32, smem, transposed);  WG1: P = Q-left . R (bf16, smem); the left operands
          x_i 2^(G_i - G_r) are built in registers                                          [wgmma RS, N = 32 x 2]
       2. Tinv = (I + A)^-1 by 16-blocks: warps 0-1 invert the diagonal blocks while warps 2-7 build the B tiles
-         K 2^G, Q 2^G and K 2^(G_last - G) (zero past the sequence end); then all threads join the blocks; then
+         K 2^G, Q 2^G and K 2^(G_last - G) (zero past the sequence end); then warps 0-3 join the blocks; then
          warp 0 refills q/k/g
       3. each WG on its 64 value rows: S^T (K 2^G)^T, S^T (Q 2^G)^T, V_new^T, O^T, state decay and update [wgmma RS]
       4. O staged through smem and stored with rows past the sequence end masked.
@@ -526,7 +526,7 @@ class KDAChunkFwdSm90:
                 cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
 
                 # ---- 2. Tinv = (I + A)^-1 by 16-blocks: warps 0-1 invert the diagonal blocks while warps 2-7 build
-                # the B tiles of the state products; then all threads join them
+                # the B tiles of the state products; then warps 0-3 join them
                 if warp < 2:
                     blocks.solve_diag16(sA, sT, tidx)
                 else:
