@@ -120,6 +120,6 @@ runtime.register_kernel(
     "state_chain",
     ["sm_90a", "sm_100a"],
     lambda arch: compile_state_chain(arch),
-    ["fma.rn.f32", "ld.global.v", "st.global.v"],  # vector accesses: v4.b32 on sm_90a, v2.b64 on sm_100a,
+    ["fma.rn.f32", "ld.global.v", "st.global.v"],  # vector accesses: v4.b32 on sm_90a, v2.b64 on sm_100a
     clean_sass=True,
 )
