@@ -138,6 +138,68 @@ def test_l2norm_in_kernel(D):
     check_fwd(fwd, supports, (*normed, v, g, beta), [0, 1, 1200, 2300], h0=True, split=False)
 
 
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("D", [128, 64])
+def test_gate_in_kernel(D):
+    """The raw bf16 gate activated by the kernel (lower_bound * sigmoid(exp(A_log) (g + dt_bias))), checked against
+    the recurrence on the gate activated in fp32: varlen with a 1-token sequence, GVA, initial state, split and
+    unsplit; with and without A_log and dt_bias."""
+    from cula.kda.chunk_fwd_sm90 import chunk_kda_fwd_sm90, supports
+    from cula.ops.gates import kda_gate
+
+    HV = 4
+    q, k, v, _, beta = make_inputs(1, 2300, 2, HV, D=D)
+    raw = (torch.randn(1, 2300, HV, D, device="cuda") * 2).bfloat16()
+    A_log = torch.empty(HV, device="cuda").uniform_(1, 16).log()
+    dt_bias = torch.randn(HV * D, device="cuda") * 0.5
+    for gate in ((A_log, dt_bias, LOWER_BOUND), (None, None, -2.0)):
+        g = kda_gate(raw, *gate).float().contiguous()
+
+        def fwd(q_, k_, v_, g_, *args, gate=gate, **kw):  # the kernel gets the raw gate, the reference g
+            return chunk_kda_fwd_sm90(q_, k_, v_, raw, *args, gate=gate, **kw)
+
+        for split in (True, False):
+            check_fwd(fwd, supports, (q, k, v, g, beta), [0, 1, 1200, 2300], h0=True, split=split)
+
+
+def test_raw_bf16_gate_goes_to_the_kernel_unactivated(monkeypatch):
+    """use_gate_in_kernel with a bf16 g and a lower bound: the entry point hands the kernel the raw gate and its
+    parameters (no pass over g before it)."""
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(multi_processor_count=132)
+    )
+    from cula.kda import chunk_fwd_sm90
+
+    seen = {}
+
+    def fake_entry(q, k, v, g, beta, *args, gate=None, **kw):
+        seen.update(g=g, gate=gate)
+        return torch.zeros_like(v), None
+
+    monkeypatch.setattr(chunk_fwd_sm90, "chunk_kda_fwd_sm90", fake_entry)
+    B, T, H, HV, D = 1, 70, 2, 4, 128
+    g = torch.randn(B, T, HV, D).bfloat16()
+    A_log, dt_bias = torch.rand(HV), torch.randn(HV * D)
+    cula.kda.chunk_kda(
+        torch.randn(B, T, H, D).bfloat16(),
+        torch.randn(B, T, H, D).bfloat16(),
+        torch.randn(B, T, HV, D).bfloat16(),
+        g,
+        torch.rand(B, T, HV),
+        safe_gate=True,
+        lower_bound=-3.0,
+        use_gate_in_kernel=True,
+        A_log=A_log,
+        dt_bias=dt_bias,
+    )
+    assert cula.last_decision(cula.kda.chunk_kda).backend == "cute"
+    assert seen["g"].dtype == torch.bfloat16 and torch.equal(seen["g"], g)
+    assert seen["gate"][0] is A_log and seen["gate"][1] is dt_bias and seen["gate"][2] == -3.0
+
+
 def test_dispatch_picks_the_sm90_kernel_only_for_bounded_gates(monkeypatch):
     """On a pretend SM90 device (CPU tensors claiming CUDA): what the kernel serves, and the reasons it declines."""
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))

@@ -134,8 +134,13 @@ def _sm90_run(args: dict[str, Any]):
     from cula.ops.sm90_entry import run_bound
 
     g = args["g"]
+    lower_bound = args.get("lower_bound")
     if args.get("use_gate_in_kernel"):
-        g = kernel_kda_gate(g, args.get("A_log"), args.get("dt_bias"), args.get("lower_bound"))
+        if g.dtype == torch.bfloat16 and lower_bound is not None:
+            # the kernel activates the raw gate as it loads it: no pass over g before it
+            gate = (args.get("A_log"), args.get("dt_bias"), lower_bound)
+            return run_bound(chunk_kda_fwd_sm90, args, g, gate=gate)
+        g = kernel_kda_gate(g, args.get("A_log"), args.get("dt_bias"), lower_bound)
     return run_bound(chunk_kda_fwd_sm90, args, g.float())
 
 

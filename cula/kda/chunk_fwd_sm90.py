@@ -65,14 +65,17 @@ _LOG2E = math.log2(math.e)
 
 def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, **_) -> tuple[bool, str]:
     """Whether :func:`chunk_kda_fwd_sm90` can serve these inputs, and why not. The gate bound (g >= -5) is the
-    caller's promise (FLA's ``safe_gate``) and is not checked here."""
+    caller's promise (FLA's ``safe_gate``) and is not checked here. g: fp32 (activated), or bf16 (raw, activated by
+    the kernel: the entry's ``gate``)."""
     ok, why = sm90_entry.supports_qkv(q, k, v, beta, initial_state, cu_seqlens, SUPPORTED_DIMS)
     if not ok:
         return ok, why
     if g is not None and (
-        g.dtype != torch.float32 or tuple(g.shape) != (*v.shape[:3], q.shape[-1]) or not g.is_contiguous()
+        g.dtype not in (torch.float32, torch.bfloat16)
+        or tuple(g.shape) != (*v.shape[:3], q.shape[-1])
+        or not g.is_contiguous()
     ):
-        return False, "g must be contiguous float32 [B, T, HV, K]"
+        return False, "g must be contiguous float32 or bfloat16 [B, T, HV, K]"
     return True, ""
 
 
@@ -87,9 +90,10 @@ class KDAChunkFwdSm90:
     the state in registers across chunks.
 
     Threads: 256 = two warpgroups. WG w owns value rows [64 w, 64 w + 64) of S^T. Per chunk:
-      0. warp 0 issues the next chunk's v (two buffers). WG0 threads (one key channel each): G = cumsum(g) *
-         log2(e) in place in the g tile, G_last, 2^G_last; threads 128-191: beta (loaded a chunk ahead). Then all
-         threads: R_j = k_j 2^(G_r - G_j) (r = 16 | 48 per 32-token half) -> smem
+      0. warp 0 issues the next chunk's v (two buffers). All threads (one key channel and one part of the chunk's
+         tokens each, the parts joined through their totals): G = cumsum(g) * log2(e) in the fp32 gate tile (g
+         activated first with ``gate_in_kernel``), G_last, 2^G_last; threads 0-63: beta (loaded a chunk ahead).
+         Then all threads: R_j = k_j 2^(G_r - G_j) (r = 16 | 48 per 32-token half) -> smem
       1. WG0: A = K-left . R (fp32, smem, transposed);  WG1: P = Q-left . R (bf16, smem); the left operands
          x_i 2^(G_i - G_r) are built in registers                                          [wgmma RS, N = 32 x 2]
       2. Tinv = (I + A)^-1 by 16-blocks: warps 0-1 invert the diagonal blocks while warps 2-7 build the B tiles
@@ -100,8 +104,12 @@ class KDAChunkFwdSm90:
     Split passes (``intra``): "save" TMA-stores each chunk's Tinv and P to the workspace after step 2; "load" skips
     the R tile, step 1 and the solve (warps 2-7 build only the B tiles) and TMA-loads Tinv and P instead.
 
+    ``gate_in_kernel``: g arrives raw (bf16) and the kernel applies FLA's bounded KDA gate to it,
+    lower_bound * sigmoid(exp(A_log) (g + dt_bias)), in step 0; the raw tile lands in R's buffer (R is made after
+    the scan has read it), the fp32 gate tile then only holds G.
+
     Shared memory: q|k 32 KB, v 2 x 16 KB, g/G 32 KB (fp32), R, K 2^G, Q 2^G, K 2^(G_last - G) 16 KB each, A^T 17 KB
-    (fp32, padded rows), O staging 17 KB, P and Tinv 8 KB each: about 213 KB.
+    (fp32, padded rows), O staging 17 KB, P and Tinv 8 KB each: about 214 KB.
     """
 
     def __init__(
@@ -114,6 +122,7 @@ class KDAChunkFwdSm90:
         mode: str = "full",
         qk_l2norm: bool = False,
         intra: str = "none",
+        gate_in_kernel: bool = False,
     ):
         assert head_dim in SUPPORTED_DIMS
         assert mode in MODES and (mode == "full" or is_varlen)
@@ -126,6 +135,7 @@ class KDAChunkFwdSm90:
         # q and k L2-normalised by the kernel: per-token 1 / ||x|| (row sums in step 0) scale the token rows of the
         # operands it builds anyway (R, the left operands, the B tiles)
         self.qk_l2norm = qk_l2norm
+        self.gate_in_kernel = gate_in_kernel
         # warpgroups holding state rows: at D = 64 WG0 holds all of S^T and WG1 repeats its products without
         # writing them (it still makes P for the chunk)
         self.state_wgs = head_dim // 64
@@ -145,12 +155,14 @@ class KDAChunkFwdSm90:
         if mode == "correction":
             self.has_h0 = True
         self.threads = 256
+        # the gate scan: thread t takes key channel t % D over part t // D of the chunk's tokens
+        self.scan_parts = self.threads // self.D
         self.a_stride = 68  # padded fp32 row of A^T: 16-byte aligned rows, conflict-free stores from the accumulator
         self.o_stride = self.D + 8  # padded bf16 row of the O staging tile
 
     # ---------------------------------------------------------------- host side
     @cute.jit
-    def __call__(self, q, k, v, g, beta, o, h0, ht, starts, ends, w, scale, stream):
+    def __call__(self, q, k, v, g, beta, o, h0, ht, starts, ends, w, scale, a_log, dt_bias, lower_bound, stream):
 
         D, C, Hf = self.D, self.C, self.half
         bf16 = cutlass.BFloat16
@@ -187,7 +199,13 @@ class KDAChunkFwdSm90:
         tma_k, mK = cpasync.make_tiled_tma_atom(op, blocks.tma_view(k), one_tile, (C, D))
         v_src = o if cutlass.const_expr(self.tile_v_src == "o") else v
         tma_v, mV = cpasync.make_tiled_tma_atom(op, blocks.tma_view(v_src), one_tile, (C, D))
-        tma_g, mGt = cpasync.make_tiled_tma_atom(op, blocks.tma_view(g), cute.slice_(tile_g, (None, None, 0)), (C, D))
+        # the gate tile as it arrives: fp32 into the gate tile, or raw bf16 into R's buffer (read as a (C, D) tile)
+        tile_g_in = tile_g
+        if cutlass.const_expr(self.gate_in_kernel):
+            tile_g_in = cute.tile_to_shape(atom_k, (C, D, 1), order=(0, 1, 2))
+        tma_g, mGt = cpasync.make_tiled_tma_atom(
+            op, blocks.tma_view(g), cute.slice_(tile_g_in, (None, None, 0)), (C, D)
+        )
         # Tinv and P side by side (C, C, T|P); the workspace [ranges, chunks * 2 * C, HV, C] of the split passes
         # (chunk c's Tinv at rows 2 c C, its P after them); unused without intra (q's atom stands in for it)
         tile_tp = cute.tile_to_shape(atom_k, (C, C, 2), order=(0, 1, 2))
@@ -203,6 +221,7 @@ class KDAChunkFwdSm90:
             sGl: cute.struct.MemRange[f32, D]
             sDec: cute.struct.MemRange[f32, D]
             sNorm: cute.struct.MemRange[f32, 2 * C]
+            sPart: cute.struct.MemRange[f32, self.threads]
             sA: cute.struct.Align[cute.struct.MemRange[f32, C * self.a_stride], 128]
             sO: cute.struct.Align[cute.struct.MemRange[bf16, C * self.o_stride], 128]
             sGt: cute.struct.Align[cute.struct.MemRange[f32, cute.cosize(tile_g)], 1024]
@@ -214,7 +233,7 @@ class KDAChunkFwdSm90:
             sTP: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_tp)], 1024]
 
         self.storage = Storage
-        self.qkg_bytes = 2 * C * D * 2 + C * D * 4
+        self.qkg_bytes = 2 * C * D * 2 + C * D * (2 if self.gate_in_kernel else 4)
         self.v_bytes = C * D * 2
         self.tp_bytes = (1 + int(self.make_o)) * C * C * 2
         HV = v.shape[2]
@@ -239,13 +258,17 @@ class KDAChunkFwdSm90:
             ht,
             starts,
             ends,
+            a_log,
+            dt_bias,
             q.shape[2],
             q.shape[1],
             HV,
             scale,
+            lower_bound,
             tile_qk,
             tile_v,
             tile_g,
+            tile_g_in,
             tile_r,
             tile_xg,
             tile_kd,
@@ -276,13 +299,17 @@ class KDAChunkFwdSm90:
         mHt,
         mStart,
         mEnd,
+        mALog,
+        mDtBias,
         H,
         T,
         HV,
         scale,
+        lower_bound,
         tile_qk,
         tile_v,
         tile_g,
+        tile_g_in,
         tile_r,
         tile_xg,
         tile_kd,
@@ -320,6 +347,8 @@ class KDAChunkFwdSm90:
         sGl = st.sGl.get_tensor(cute.make_layout(D))  # G_last (log2 units) per key channel
         sDec = st.sDec.get_tensor(cute.make_layout(D))  # 2^G_last: the chunk's state decay per key channel
         sNorm = st.sNorm.get_tensor(cute.make_layout((C, 2)))  # with qk_l2norm: 1 / ||k_t||, 1 / ||q_t|| per token
+        # the gate scan's part totals, (part, channel)
+        sPart = st.sPart.get_tensor(cute.make_layout((self.scan_parts, D), stride=(D, 1)))
         sA = st.sA.get_tensor(cute.make_layout((C, self.a_stride), stride=(self.a_stride, 1)))
         sO = st.sO.get_tensor(cute.make_layout((C, self.o_stride), stride=(self.o_stride, 1)))
         sGt3 = st.sGt.get_tensor(tile_g.outer, swizzle=tile_g.inner)
@@ -329,6 +358,10 @@ class KDAChunkFwdSm90:
         sK3 = sQK[None, None, 1, None]
         sV3 = st.sV.get_tensor(tile_v.outer, swizzle=tile_v.inner)
         sR = st.sR.get_tensor(tile_r.outer, swizzle=tile_r.inner)
+        # where the gate tile arrives: the fp32 gate tile itself, or (raw, bf16) R's buffer
+        sGin3 = sGt3
+        if cutlass.const_expr(self.gate_in_kernel):
+            sGin3 = st.sR.get_tensor(tile_g_in.outer, swizzle=tile_g_in.inner)
         sXG = st.sXG.get_tensor(tile_xg.outer, swizzle=tile_xg.inner)
         sKG = sXG[None, None, 0]
         sQG = sXG[None, None, 1]
@@ -341,7 +374,7 @@ class KDAChunkFwdSm90:
         tQs, tQg = blocks.tma_chunk_tiles(tma_q, mQ[None, None, h, b], tok0, sQ3)
         tKs, tKg = blocks.tma_chunk_tiles(tma_k, mK[None, None, h, b], tok0, sK3)
         tVs, tVg = blocks.tma_chunk_tiles(tma_v, mV[None, None, hv, b], tok0, sV3)
-        tGs, tGg = blocks.tma_chunk_tiles(tma_g, mGt[None, None, hv, b], tok0, sGt3)
+        tGs, tGg = blocks.tma_chunk_tiles(tma_g, mGt[None, None, hv, b], tok0, sGin3)
         tma_qkg = (tma_q, tQg, tQs, tma_k, tKg, tKs, tma_g, tGg, tGs)
         tWs, tWg = tQs, tQg
         if cutlass.const_expr(self.intra != "none"):
@@ -404,9 +437,15 @@ class KDAChunkFwdSm90:
             acc_s.fill(0.0)
         if cutlass.const_expr(self.intra != "load"):
             blocks.solve_clear(sT, tidx, self.threads)  # the barriers of the first chunk's steps 0-1 order it
-        # beta of a chunk is loaded one chunk ahead (threads D .. D + C - 1, one token each): a global load issued in
+        # beta of a chunk is loaded one chunk ahead (threads 0 .. C - 1, one token each): a global load issued in
         # step 0 would hold every thread at step 0's barrier for its whole latency
         beta_next = self.load_beta(mBeta, b, tok0, hv, seqlen, cutlass.Int32(0), tidx)
+        # with gate_in_kernel, this thread's key channel's gate is lower_bound * sigmoid(a (g + dt_bias)), as
+        # 2^G units: lb log2(e) / (1 + 2^(-a log2(e) (g + dt_bias)))
+        gate = (f32(0.0), f32(0.0), f32(0.0))
+        if cutlass.const_expr(self.gate_in_kernel):
+            a = cute.math.exp2(mALog[hv] * _LOG2E, fastmath=True)
+            gate = (-a * _LOG2E, mDtBias[hv * D + tidx % D], lower_bound * _LOG2E)
 
         for c in cutlass.range(n_chunks, unroll=1):
             L = cutlass.min(seqlen - c * C, C)
@@ -417,30 +456,16 @@ class KDAChunkFwdSm90:
                         self.issue_v(tma_v, tVg, tVs, bar_v, c + 1, lane)
             cute.arch.mbarrier_wait(bar_qkg, c % 2)
 
-            # ---- 0. G = cumsum(g) in log2 units, in place (one key channel per WG0 thread; tokens past the
-            # sequence end get g = 0); beta (0 past the end)
-            if tidx < D:
-                # in batches whose loads all issue before their stores: the compiler keeps a load behind any earlier
-                # store to the tile, so a load-add-store per token would chain 64 load latencies
-                run = f32(0.0)
-                gv = cute.make_rmem_tensor(cute.make_layout(16), f32)
-                for t0 in cutlass.range_constexpr(0, C, 16):
-                    for t in cutlass.range_constexpr(16):
-                        gv[t] = f32(0.0)
-                        if t0 + t < L:
-                            gv[t] = sG[t0 + t, tidx]
-                    for t in cutlass.range_constexpr(16):
-                        run = run + gv[t] * _LOG2E
-                        sG[t0 + t, tidx] = run
-                # tokens past the end add 0, so the last sum is G_last
-                sGl[tidx] = run
-                sDec[tidx] = cute.math.exp2(run, fastmath=True)
-            elif tidx < D + C:
-                sBeta[tidx - D] = beta_next
+            # ---- 0. G = cumsum(g) in log2 units (tokens past the sequence end add 0), G_last, 2^G_last; beta of the
+            # chunk; with qk_l2norm the token norms
+            if tidx < C:
+                sBeta[tidx] = beta_next
                 beta_next = self.load_beta(mBeta, b, tok0, hv, seqlen, c + 1, tidx)
-            elif cutlass.const_expr(self.qk_l2norm):
-                if tidx < D + 2 * C:
-                    self.token_norms(sK3, sQ3, sNorm, tidx - D - C)
+            self.scan_gates(sGin3[None, None, 0], sG, sPart, sGl, sDec, L, tidx, gate)
+            if cutlass.const_expr(self.qk_l2norm):
+                if tidx >= C:
+                    if tidx < 2 * C:
+                        self.token_norms(sK3, sQ3, sNorm, tidx - C)
             cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
 
             if cutlass.const_expr(self.intra != "load"):
@@ -645,15 +670,52 @@ class KDAChunkFwdSm90:
     # ---------------------------------------------------------------- helpers
     @cute.jit
     def load_beta(self, mBeta, b, tok0, hv, seqlen, chunk, tidx):
-        """beta (fp32) of token ``tidx - D`` of ``chunk`` for threads D .. D + C - 1; 0 past the sequence end and for
-        other threads."""
+        """beta (fp32) of token ``tidx`` of ``chunk`` for threads 0 .. C - 1; 0 past the sequence end and for other
+        threads."""
         bt = cutlass.Float32(0.0)
-        tb = tidx - self.D
-        if tidx >= self.D:
-            if tb < self.C:
-                if chunk * self.C + tb < seqlen:
-                    bt = mBeta[b, tok0 + chunk * self.C + tb, hv].to(cutlass.Float32)
+        if tidx < self.C:
+            if chunk * self.C + tidx < seqlen:
+                bt = mBeta[b, tok0 + chunk * self.C + tidx, hv].to(cutlass.Float32)
         return bt
+
+    @cute.jit
+    def scan_gates(self, sGin, sG, sPart, sGl, sDec, L, tidx, gate):
+        """G = inclusive cumsum of the chunk's gates over its tokens, in log2 units, into ``sG`` (C, D) fp32; G_last
+        into ``sGl`` and 2^G_last into ``sDec`` per key channel. By all threads: thread t scans channel t % D over
+        token part t // D (the tokens' gates from ``sGin``, activated first with gate_in_kernel: ``gate`` is
+        (-a log2(e), dt_bias of the channel, lower_bound log2(e))), then adds the totals of the parts before its own.
+        Tokens at or past ``L`` add 0. ``sGin`` may be ``sG`` itself (each thread reads its own cells before it
+        writes them)."""
+        f32 = cutlass.Float32
+        n = self.C // self.scan_parts
+        ch = tidx % self.D
+        part = tidx // self.D
+        t0 = part * n
+        gv = cute.make_rmem_tensor(cute.make_layout(n), f32)
+        for t in cutlass.range_constexpr(n):
+            gv[t] = sGin[t0 + t, ch].to(f32)
+        run = f32(0.0)
+        for t in cutlass.range_constexpr(n):
+            x = gv[t] * _LOG2E
+            if cutlass.const_expr(self.gate_in_kernel):
+                neg_a, dt, lb = gate
+                e = cute.math.exp2(neg_a * (gv[t] + dt), fastmath=True)
+                x = lb * cute.arch.rcp_approx(f32(1.0) + e)
+            if t0 + t < L:
+                run = run + x
+            gv[t] = run
+        sPart[part, ch] = run
+        cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+        off = f32(0.0)
+        for p in cutlass.range_constexpr(self.scan_parts - 1):
+            if p < part:
+                off = off + sPart[p, ch]
+        run = run + off
+        for t in cutlass.range_constexpr(n):
+            sG[t0 + t, ch] = gv[t] + off
+        if part == self.scan_parts - 1:
+            sGl[ch] = run
+            sDec[ch] = cute.math.exp2(run, fastmath=True)
 
     @cute.jit
     def token_norms(self, sK3, sQ3, sNorm, t):
@@ -793,14 +855,28 @@ def compile_kda_fwd_sm90(
     mode="full",
     qk_l2norm=False,
     intra="none",
+    gate_in_kernel=False,
 ):
-    kernel = KDAChunkFwdSm90(head_dim, beta_fp32, is_varlen, has_initial_state, state_v_first, mode, qk_l2norm, intra)
-    fake = sm90_entry.fake_args(kernel.D, kernel.beta_fp32, kernel.state_v_first, per_key_gate=True)
+    kernel = KDAChunkFwdSm90(
+        head_dim, beta_fp32, is_varlen, has_initial_state, state_v_first, mode, qk_l2norm, intra, gate_in_kernel
+    )
+    fake = sm90_entry.fake_args(kernel.D, kernel.beta_fp32, kernel.state_v_first, True, raw_gate=gate_in_kernel)
     return runtime.compile_kernel(kernel, fake, arch, keep_artifacts)
 
 
-def _launch(*args, **options):
-    sm90_entry.launch("KDAChunkFwdSm90", compile_kda_fwd_sm90, *args, **options)
+def _launch(*args, gate=None, **options):
+    """``gate``: (A_log or None, dt_bias or None, lower_bound) when g is raw (bf16) and the kernel activates it."""
+    q, v = args[0], args[2]
+    HV, D = v.shape[2], q.shape[3]
+    a_log, dt_bias, lower_bound = gate if gate is not None else (None, None, LOWER_BOUND_MIN)
+    extra = (
+        sm90_entry.zeros_f32(q.device, HV) if a_log is None else a_log.float().contiguous(),
+        sm90_entry.zeros_f32(q.device, HV * D) if dt_bias is None else dt_bias.float().contiguous(),
+        float(lower_bound),
+    )
+    sm90_entry.launch(
+        "KDAChunkFwdSm90", compile_kda_fwd_sm90, *args, extra=extra, gate_in_kernel=gate is not None, **options
+    )
 
 
 def chunk_kda_fwd_sm90(
@@ -819,16 +895,37 @@ def chunk_kda_fwd_sm90(
     cu_seqlens_cpu=None,
     split=None,
     qk_l2norm=False,
+    gate=None,
 ):
     """KDA chunked forward on SM90. Returns ``(o, final_state or None)``; see the module docstring for shapes.
     ``g`` must satisfy g >= -5 (FLA's ``safe_gate``). ``out`` / ``final_state_out`` may be given to write into
     preallocated tensors. Long sequences with few heads are split across CTAs when that is expected to be faster
     (:func:`cula.ops.sm90_entry.chunk_fwd`); ``split`` True/False forces it on/off. ``qk_l2norm``: L2-normalise q
-    and k in the kernel (FLA's ``use_qk_l2norm_in_kernel``, eps 1e-6 under the root)."""
+    and k in the kernel (FLA's ``use_qk_l2norm_in_kernel``, eps 1e-6 under the root). ``gate``: ``(A_log,
+    dt_bias, lower_bound)`` (FLA's ``use_gate_in_kernel`` with a lower bound in [-5, 0); A_log [HV] and dt_bias
+    [HV * K] may be None): g is then the raw bf16 gate input and the kernel applies
+    lower_bound * sigmoid(exp(A_log) (g + dt_bias))."""
+    want = torch.float32 if gate is None else torch.bfloat16
+    if g.dtype != want:
+        raise TypeError(f"g must be {want} {'(activated)' if gate is None else '(raw, with gate)'}, got {g.dtype}")
     return sm90_entry.chunk_fwd(
         _launch, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first, out,
-        final_state_out, cu_seqlens_cpu, split, CHUNK, SPLIT_COST, qk_l2norm=qk_l2norm,
+        final_state_out, cu_seqlens_cpu, split, CHUNK, SPLIT_COST, qk_l2norm=qk_l2norm, gate=gate,
     )  # fmt: skip
 
 
-sm90_entry.register_checked_variants("kda_chunk_fwd_sm90", compile_kda_fwd_sm90, sm90_entry.INTRA_VARIANTS)
+sm90_entry.register_checked_variants(
+    "kda_chunk_fwd_sm90",
+    compile_kda_fwd_sm90,
+    {
+        **sm90_entry.INTRA_VARIANTS,
+        "[gate in kernel]": {"is_varlen": True, "has_initial_state": True, "gate_in_kernel": True},
+        "[gate in kernel, D=64, qk_l2norm]": {"head_dim": 64, "gate_in_kernel": True, "qk_l2norm": True},
+        "[gate in kernel, intra load, correction]": {
+            "is_varlen": True,
+            "mode": "correction",
+            "intra": "load",
+            "gate_in_kernel": True,
+        },
+    },
+)

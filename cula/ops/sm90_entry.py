@@ -39,12 +39,13 @@ def supports_qkv(q, k, v, beta, initial_state, cu_seqlens, dims) -> tuple[bool, 
     return True, ""
 
 
-def fake_args(D: int, beta_fp32: bool, state_v_first: bool, per_key_gate: bool) -> tuple:
+def fake_args(D: int, beta_fp32: bool, state_v_first: bool, per_key_gate: bool, raw_gate: bool = False) -> tuple:
     """Fake arguments for compiling a chunk kernel, in its launch order ``q, k, v, g, beta, o, h0, ht, starts, ends,
-    w, scale, stream``: q, k [B, T, H, D], v and o [B, T, HV, D] bf16; g [B, T, HV] (or [B, T, HV, D] with
-    ``per_key_gate``) fp32; beta fp32 or bf16; the states (N, HV, K, V) fp32, stored [N, HV, V, K] (K contiguous)
-    with ``state_v_first``; int32 token ranges; the split passes' workspace [ranges, rows, HV, 64] bf16. Batch,
-    length, head and range counts symbolic."""
+    w, scale[, a_log, dt_bias, lower_bound], stream``: q, k [B, T, H, D], v and o [B, T, HV, D] bf16; g [B, T, HV]
+    fp32, or with ``per_key_gate`` [B, T, HV, D] (fp32, bf16 when ``raw_gate``: activated by the kernel) followed by
+    the gate's parameters (A_log [HV] and dt_bias [HV * D] fp32, lower_bound); beta fp32 or bf16; the states
+    (N, HV, K, V) fp32, stored [N, HV, V, K] (K contiguous) with ``state_v_first``; int32 token ranges; the split
+    passes' workspace [ranges, rows, HV, 64] bf16. Batch, length, head and range counts symbolic."""
     import cutlass
 
     sym = runtime.sym_int
@@ -53,10 +54,17 @@ def fake_args(D: int, beta_fp32: bool, state_v_first: bool, per_key_gate: bool) 
     bf16 = cutlass.BFloat16
     state_order = (3, 2, 0, 1) if state_v_first else None
     g = (
-        runtime.fake_tensor(cutlass.Float32, (B, T, HV, D))
+        runtime.fake_tensor(bf16 if raw_gate else cutlass.Float32, (B, T, HV, D))
         if per_key_gate
         else runtime.fake_tensor(cutlass.Float32, (B, T, HV), align=4)
     )
+    gate_params = ()
+    if per_key_gate:
+        gate_params = (
+            runtime.fake_tensor(cutlass.Float32, (sym(),), align=4),
+            runtime.fake_tensor(cutlass.Float32, (sym(),), align=4),
+            cutlass.Float32(-5.0),
+        )
     return (
         runtime.fake_tensor(bf16, (B, T, H, D)),
         runtime.fake_tensor(bf16, (B, T, H, D)),
@@ -70,6 +78,7 @@ def fake_args(D: int, beta_fp32: bool, state_v_first: bool, per_key_gate: bool) 
         runtime.fake_tensor(cutlass.Int32, (n_ranges,), align=4),
         runtime.fake_tensor(bf16, (sym(), sym(), HV, 64)),
         cutlass.Float32(1.0),
+        *gate_params,
         runtime.fake_stream(),
     )
 
@@ -79,6 +88,14 @@ def dummy_i32(device) -> torch.Tensor:
     t = _DUMMY.get(device)
     if t is None:
         t = _DUMMY[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return t
+
+
+def zeros_f32(device, n: int) -> torch.Tensor:
+    """A zero fp32 vector of ``n`` elements on ``device`` for an absent gate parameter (made once per size)."""
+    t = _DUMMY.get((device, "f32", n))
+    if t is None:
+        t = _DUMMY[(device, "f32", n)] = torch.zeros(n, dtype=torch.float32, device=device)
     return t
 
 
@@ -190,10 +207,11 @@ def chunk_fwd(
     return o, (ht if output_final_state else None)
 
 
-def run_bound(entry, args: dict, g: torch.Tensor):
+def run_bound(entry, args: dict, g: torch.Tensor, **options):
     """An SM90 chunk forward ``entry`` (GDN's or KDA's) on an entry point's bound arguments, ``g`` being the gate as
-    the kernel takes it (fp32, activated): beta's pre-pass (:func:`cula.ops.gates.kernel_beta`), q and k
-    L2-normalised by the kernel itself when ``use_qk_l2norm_in_kernel`` asks. Returns ``(o, final_state or None)``."""
+    the kernel takes it (fp32 and activated, unless ``options`` give the kernel its activation): beta's pre-pass
+    (:func:`cula.ops.gates.kernel_beta`), q and k L2-normalised by the kernel itself when
+    ``use_qk_l2norm_in_kernel`` asks. Returns ``(o, final_state or None)``."""
     return entry(
         args["q"].contiguous(),
         args["k"].contiguous(),
@@ -207,15 +225,18 @@ def run_bound(entry, args: dict, g: torch.Tensor):
         args["state_v_first"],
         cu_seqlens_cpu=args.get("cu_seqlens_cpu"),
         qk_l2norm=bool(args["use_qk_l2norm_in_kernel"]),
+        **options,
     )
 
 
-def launch(name, compile_fn, q, k, v, g, beta, o, h0, ht, starts, ends, scale, state_v_first, mode, w=None, **options):
+def launch(
+    name, compile_fn, q, k, v, g, beta, o, h0, ht, starts, ends, scale, state_v_first, mode, w=None, extra=(), **options
+):
     """One launch of a chunk kernel compiled by ``compile_fn(arch, keep_artifacts, head_dim, beta_fp32, is_varlen,
     has_initial_state, state_v_first, mode, **options)`` (cached per those constants under ``name``).
     ``starts``/``ends``: int32 token ranges of the sequences in batch row 0 (varlen or split segments), or None for
     one sequence per batch row; ``h0`` None: zero (or identity) start; ``w``: the split passes' workspace (the
-    kernel's ``intra`` option), or None."""
+    kernel's ``intra`` option), or None; ``extra``: the kernel's arguments after ``scale`` (KDA's gate parameters)."""
     K = q.shape[-1]
     beta_fp32 = beta.dtype == torch.float32
     is_varlen = starts is not None
@@ -233,7 +254,7 @@ def launch(name, compile_fn, q, k, v, g, beta, o, h0, ht, starts, ends, scale, s
     fn(
         q, k, v, g, beta, o, ht if h0 is None else h0, ht,
         dummy if starts is None else starts, dummy if ends is None else ends,
-        dummy_workspace(q.device, v.shape[2]) if w is None else w, float(scale),
+        dummy_workspace(q.device, v.shape[2]) if w is None else w, float(scale), *extra,
     )  # fmt: skip
 
 

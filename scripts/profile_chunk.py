@@ -1,0 +1,183 @@
+"""Where a chunk's time goes in an SM90 chunk kernel: clock64 stamps between its steps, on a GPU.
+
+    python scripts/profile_chunk.py [--op gdn] [--B 2 --T 16384 --H 64] [--out stamps.json]
+
+The kernel module's source is patched in memory (the package is left as it is): after each anchor line of the chunk
+loop, every warp's lane 0 of CTA (0, 0) writes the cycles since the loop began into the final-state tensor of that
+CTA (whose own state store is skipped). The report gives, per segment (anchor to anchor) and warp, the mean cycles
+over chunks 4 .. 131, and the kernel's wall time per chunk from CUDA events. The stamps add a few instructions per
+segment; the outputs of the patched kernel are not checked.
+"""
+
+import argparse
+import importlib.util
+import json
+import math
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+N_CHUNKS = 132  # chunks stamped per run: ht[0, 0] holds N_CHUNKS x markers x 8 floats
+WARPS = 8
+
+# per op: the module, its entry, and the loop's anchors (stripped line text, occurrence after the loop start)
+OPS = {
+    "gdn": {
+        "module": "cula/gdn/chunk_fwd_sm90.py",
+        "entry": "chunk_gated_delta_rule_fwd_sm90",
+        "anchors": [
+            ("gates issued", "nxt = self.load_gates(mG, mBeta, b, hv, tok0, seqlen, c + 1, lane)", 1),
+            ("tiles landed", "cute.arch.mbarrier_wait(full + stage, (c // self.stages) % 2)", 1),
+            ("KK^T / QK^T done", "warpgroup.wait_group(0)", 1),
+            ("masks stored", "cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)", 2),
+            ("diagonal blocks", "cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)", 3),
+            ("merge", "cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)", 4),
+            ("S^T K^T / S^T Q^T waited", "warpgroup.wait_group(0)", 2),
+            ("V_new waited", "warpgroup.wait_group(0)", 3),
+            ("O / S products waited", "warpgroup.wait_group(0)", 4),
+            ("O staged, chunk barrier", "cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)", 5),
+        ],
+        "loop": "for c in cutlass.range(n_chunks, unroll=1):",
+        "state_store": "blocks.store_state(acc_s, cST, mHt, n, hv, row0)",
+    },
+    "kda": {
+        "module": "cula/kda/chunk_fwd_sm90.py",
+        "entry": "chunk_kda_fwd_sm90",
+        "anchors": [
+            ("q/k/g landed", "cute.arch.mbarrier_wait(bar_qkg, c % 2)", 1),
+            ("cumsum, beta", "cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)", 1),
+            ("R tile", "cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)", 2),
+            ("left operands, KR / QR waited", "warpgroup.wait_group(0)", 1),
+            ("A / P stored", "cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)", 3),
+            ("diagonal blocks, B tiles", "cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)", 4),
+            ("merge", "cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)", 5),
+            ("S^T K^T / S^T Q^T waited", "warpgroup.wait_group(0)", 2),
+            ("V_new waited", "warpgroup.wait_group(0)", 3),
+            ("O / S products waited", "warpgroup.wait_group(0)", 4),
+            ("O staged, chunk barrier", "cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)", 7),
+        ],
+        "loop": "for c in cutlass.range(n_chunks, unroll=1):",
+        "state_store": "blocks.store_state(acc_s, cST, mHt, n, hv, row0)",
+    },
+}
+
+STAMP_FN = """
+
+@cute.jit
+def _stamp(mHt, t0, c, m: cutlass.Constexpr, warp, lane, n, hv):
+    if n == 0 and hv == 0 and lane == 0 and c < {n_chunks}:
+        t = cute.arch.clock64()
+        i = (c * {n_markers} + m) * {warps} + warp
+        V = mHt.shape[3]
+        mHt[0, 0, i // V, i % V] = (t - t0).to(cutlass.Float32)
+"""
+
+
+def patched_source(spec: dict, root: Path) -> str:
+    lines = (root / spec["module"]).read_text().splitlines()
+    loop = next(i for i, s in enumerate(lines) if s.strip() == spec["loop"])
+    inserts = {}
+    for m, (_, text, occurrence) in enumerate(spec["anchors"]):
+        hits = [i for i in range(loop + 1, len(lines)) if lines[i].strip() == text]
+        at = hits[occurrence - 1]
+        indent = re.match(r"\s*", lines[at]).group(0)
+        inserts.setdefault(at, []).append(f"{indent}_stamp(mHt, _t0, c, {m}, warp, lane, n, hv)")
+    out = []
+    for i, s in enumerate(lines):
+        if i == loop:
+            out.append(re.match(r"\s*", s).group(0) + "_t0 = cute.arch.clock64()")
+        if s.strip() == spec["state_store"]:
+            indent = re.match(r"\s*", s).group(0)
+            out += [f"{indent}if n + hv > 0:", f"{indent}    {s.strip()}"]
+            continue
+        out.append(s)
+        out += inserts.get(i, [])
+    stamp = STAMP_FN.format(n_chunks=N_CHUNKS, n_markers=len(spec["anchors"]), warps=WARPS)
+    return "\n".join(out) + stamp
+
+
+def load_patched(op: str):
+    root = Path(__file__).resolve().parent.parent
+    spec = OPS[op]
+    src = patched_source(spec, root)
+    # the DSL reads a kernel's source from its file: the patched module is a real file
+    name = f"_cula_profiled_{op}"
+    path = Path(tempfile.mkdtemp()) / f"{name}.py"
+    path.write_text(src)
+    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(name, path))
+    sys.modules[name] = module
+    module.__spec__.loader.exec_module(module)
+    return module, spec
+
+
+def inputs(op: str, B: int, T: int, H: int, D: int = 128):
+    dev = "cuda"
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, D, device=dev), dim=-1).bfloat16()
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, D, device=dev), dim=-1).bfloat16()
+    v = torch.randn(B, T, H, D, device=dev).bfloat16()
+    gate_shape = (B, T, H, D) if op == "kda" else (B, T, H)
+    g = (torch.nn.functional.logsigmoid(torch.randn(gate_shape, device=dev) + 3) / 2).clamp(min=-5)
+    beta = torch.rand(B, T, H, device=dev).sigmoid()
+    return q, k, v, g.float(), beta.float()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--op", default="gdn", choices=sorted(OPS))
+    p.add_argument("--B", type=int, default=2)
+    p.add_argument("--T", type=int, default=16384)
+    p.add_argument("--H", type=int, default=64)
+    p.add_argument("--out", default=None)
+    p.add_argument("--gate-in-kernel", action="store_true", help="kda: a raw bf16 gate, activated by the kernel")
+    a = p.parse_args()
+    module, spec = load_patched(a.op)
+    entry = getattr(module, spec["entry"])
+    args = inputs(a.op, a.B, a.T, a.H)
+    options = {}
+    if a.gate_in_kernel:
+        args = (*args[:3], torch.randn_like(args[3]).bfloat16(), args[4])
+        options["gate"] = (None, None, -5.0)
+    n_chunks = math.ceil(a.T / 64)
+    assert n_chunks >= N_CHUNKS, "the sequence must have at least N_CHUNKS chunks"
+
+    def run():
+        return entry(*args, scale=None, output_final_state=True, split=False, **options)
+
+    run()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        _, ht = run()
+    end.record()
+    torch.cuda.synchronize()
+    ms = start.elapsed_time(end) / 5
+    names = [n for n, _, _ in spec["anchors"]]
+    M = len(names)
+    t = ht[0, 0].flatten()[: N_CHUNKS * M * WARPS].double().view(N_CHUNKS, M, WARPS).cpu()
+    # segment m: from marker m - 1 (the previous chunk's last marker for m = 0) to marker m
+    prev = torch.cat([t[:-1, -1:], t[1:, :-1]], dim=1)
+    seg = (t[1:] - prev)[3:]  # chunks 4 ..
+    mean = seg.mean(0)
+    per_chunk = (t[4:, -1] - t[3:-1, -1]).mean(0)
+    report = {
+        "op": a.op,
+        "shape": [a.B, a.T, a.H],
+        "kernel_ms": ms,
+        "us_per_chunk_wall": ms * 1e3 / n_chunks,
+        "cycles_per_chunk": per_chunk.tolist(),
+        "segments": {n: [round(x, 1) for x in mean[m].tolist()] for m, n in enumerate(names)},
+    }
+    print(f"{a.op} B{a.B} T{a.T} H{a.H}: {ms:.3f} ms, {report['us_per_chunk_wall']:.2f} us per chunk")
+    print(f"cycles per chunk (warps 0..7): {[round(x) for x in per_chunk.tolist()]}")
+    for n in names:
+        print(f"  {n:28s} " + " ".join(f"{x:7.0f}" for x in report["segments"][n]))
+    if a.out:
+        Path(a.out).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
