@@ -439,7 +439,9 @@ class KDAChunkFwdSm90:
             blocks.solve_clear(sT, tidx, self.threads)  # the barriers of the first chunk's steps 0-1 order it
         # beta of a chunk is loaded one chunk ahead (threads 0 .. C - 1, one token each): a global load issued in
         # step 0 would hold every thread at step 0's barrier for its whole latency
-        beta_next = self.load_beta(mBeta, b, tok0, hv, seqlen, cutlass.Int32(0), tidx)
+        beta_next = mBeta.element_type(0.0)
+        if n_chunks > 0:
+            beta_next = self.load_beta(mBeta, b, tok0, hv, seqlen, cutlass.Int32(0), tidx)
         # with gate_in_kernel, this thread's key channel's gate is lower_bound * sigmoid(a (g + dt_bias)), as
         # 2^G units: lb log2(e) / (1 + 2^(-a log2(e) (g + dt_bias)))
         gate = (f32(0.0), f32(0.0), f32(0.0))
@@ -459,8 +461,8 @@ class KDAChunkFwdSm90:
             # ---- 0. G = cumsum(g) in log2 units (tokens past the sequence end add 0), G_last, 2^G_last; beta of the
             # chunk; with qk_l2norm the token norms
             if tidx < C:
-                sBeta[tidx] = beta_next
-                beta_next = self.load_beta(mBeta, b, tok0, hv, seqlen, c + 1, tidx)
+                sBeta[tidx] = beta_next.to(f32) if c * C + tidx < seqlen else f32(0.0)
+            beta_next = self.load_beta(mBeta, b, tok0, hv, seqlen, c + 1, tidx)
             self.scan_gates(sGin3[None, None, 0], sG, sPart, sGl, sDec, L, tidx, gate)
             if cutlass.const_expr(self.qk_l2norm):
                 if tidx >= C:
@@ -670,13 +672,11 @@ class KDAChunkFwdSm90:
     # ---------------------------------------------------------------- helpers
     @cute.jit
     def load_beta(self, mBeta, b, tok0, hv, seqlen, chunk, tidx):
-        """beta (fp32) of token ``tidx`` of ``chunk`` for threads 0 .. C - 1; 0 past the sequence end and for other
-        threads."""
-        bt = cutlass.Float32(0.0)
-        if tidx < self.C:
-            if chunk * self.C + tidx < seqlen:
-                bt = mBeta[b, tok0 + chunk * self.C + tidx, hv].to(cutlass.Float32)
-        return bt
+        """beta of token ``tidx % C`` of ``chunk`` as stored: converted (and zeroed past the sequence end) where it is
+        used, so that the load stays in flight until then. The token index is clamped into the sequence instead of
+        branching (needs seqlen >= 1)."""
+        t = cutlass.min(chunk * self.C + tidx % self.C, seqlen - 1)
+        return mBeta[b, tok0 + t, hv]
 
     @cute.jit
     def scan_gates(self, sGin, sG, sPart, sGl, sDec, L, tidx, gate):
