@@ -48,7 +48,9 @@ OPS = {
         "entry": "chunk_kda_fwd_sm90",
         "anchors": [
             ("q/k/g landed", "cute.arch.mbarrier_wait(bar_qkg, c % 2)", 1),
-            ("cumsum, beta", "cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)", 1),
+            ("beta", "beta_next = self.load_beta(mBeta, b, tok0, hv, seqlen, c + 1, tidx)", 1),
+            ("gate scan", "self.scan_gates(sGin3[None, None, 0], sG, sPart, sGl, sDec, L, tidx, gate)", 1),
+            ("step 0 barrier", "cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)", 1),
             ("R tile", "cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)", 2),
             ("left operands, KR / QR waited", "warpgroup.wait_group(0)", 1),
             ("A / P stored", "cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)", 3),
