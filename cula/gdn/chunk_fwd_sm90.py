@@ -85,7 +85,8 @@ class GDNChunkFwdSm90:
       1. WG0: K K^T -> A (fp32, smem, transposed);  WG1: Q K^T -> P (bf16, smem)          [wgmma SS]
       2. each WG issues S^T K^T and S^T Q^T on its rows [wgmma RS, async]; meanwhile Tinv = (I + A)^-1 by
          16-blocks: warps 0-1 invert the diagonal blocks (fp32), then warps 0-3 join them (warp MMA, tf32) -> smem
-         bf16; warp 2 loads and scans the next chunk's gates into the other gate slot
+         bf16; while warps 0-1 solve, warp 2 scans the next chunk's gates (loaded at the chunk's start) into the
+         other gate slot
       3. each WG on its 64 value rows: V_new^T, O^T, state update                         [wgmma RS]
       4. O staged through smem; a full chunk's leaves by one TMA store, the last chunk's by plain stores with rows
          past the sequence end masked; warp 0 refills the TMA stage.
@@ -413,8 +414,7 @@ class GDNChunkFwdSm90:
             g_last = sG[L - 1, slot]
 
             # the next chunk's gates: loaded here by every warp (no branch, so nothing waits for them), published
-            # by warp 2 into the other slot at the end of this chunk (the last readers of that slot were done at
-            # the previous chunk's final barrier)
+            # by warp 2 into the other slot later in the chunk
             nxt = self.load_gates(mG, mBeta, b, hv, tok0, seqlen, c + 1, lane)
             cute.arch.mbarrier_wait(full + stage, (c // self.stages) % 2)
 
@@ -479,6 +479,10 @@ class GDNChunkFwdSm90:
             if cutlass.const_expr(self.intra != "load"):
                 if warp < 2:
                     blocks.solve_diag16(sA, sT, tidx)
+                elif warp == 2:
+                    # the next chunk's gates into the other slot (this chunk reads only its own; the other's last
+                    # readers were done at the previous chunk's final barrier)
+                    self.publish_gates(sG, sBeta, sFac, 1 - slot, nxt, c + 1, seqlen, lane)
                 cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
                 blocks.solve_merge(sA, sT, tidx, 1, self.threads)
                 cute.arch.fence_proxy("async.shared", space="cta")
@@ -554,8 +558,10 @@ class GDNChunkFwdSm90:
                         sO[j, row0 + r] = acc_o[i].to(cutlass.BFloat16)
                 # the TMA store (async proxy) reads what these ordinary stores wrote
                 cute.arch.fence_proxy("async.shared", space="cta")
-            if warp == 2:
-                self.publish_gates(sG, sBeta, sFac, 1 - slot, nxt, c + 1, seqlen, lane)
+            if cutlass.const_expr(self.intra == "load"):
+                # (with the solve, the gates are published while warps 0-1 solve the diagonal blocks)
+                if warp == 2:
+                    self.publish_gates(sG, sBeta, sFac, 1 - slot, nxt, c + 1, seqlen, lane)
             if cutlass.const_expr(self.intra == "save"):
                 if warp == 0:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
