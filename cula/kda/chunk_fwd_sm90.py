@@ -49,14 +49,15 @@ CHUNK = 64
 MODES = ("full", "transition", "correction")  # see KDAChunkFwdSm90 and cula.ops.segment_split
 INTRA = ("none", "save", "load")  # see KDAChunkFwdSm90.__init__
 # One CTA walks its chunks in series at about this many microseconds each (H200, benchmarks/results/h200_fwd.json:
-# 3.053 ms at B2 T16384 H64 = 256 chunks per CTA in one wave, 0.778 ms at B8 T2048 H32); one CTA per SM.
-CHUNK_LATENCY_US = 12.0
+# 2.744 ms at B2 T16384 H64 = 256 chunks per CTA in one wave, 0.699 ms at B8 T2048 H32); one CTA per SM.
+CHUNK_LATENCY_US = 10.8
 # A split sequence's later passes load each chunk's Tinv and P (saved by the first pass) and make only the gate
 # cumsum, the B tiles and the state products. Per chunk (H200, dev inputs, B1 T8192 H64 cut at 4096): correction
-# 6.90 us, transition 4.54, against 11.02 for an unsplit chunk then; the tensor-core merge has since made whole
-# chunks ~6 % faster and left these, so here they are 0.63 and 0.41 of 13.0 us over 12.0. A link of the start chain:
-# ~2 us, estimated.
-SPLIT_COST = segment_split.SplitCost(0.68, 0.44, 2.0 / CHUNK_LATENCY_US, cached=True)
+# 6.90 us, transition 4.54, against 11.02 for an unsplit chunk then; whole chunks have since become faster (the
+# tensor-core merge, the gate activated in the kernel instead of by a pass before it), these less: here they are
+# 0.76 and 0.49 of 10.8 us (the same times as 0.68 and 0.44 of 12.0 before the gate change, not measured since).
+# A link of the start chain: ~2 us, estimated.
+SPLIT_COST = segment_split.SplitCost(0.76, 0.49, 2.0 / CHUNK_LATENCY_US, cached=True)
 SUPPORTED_DIMS = (64, 128)
 # the lowest gate the intra-chunk factorisation tolerates (module docstring)
 LOWER_BOUND_MIN = -5.0
