@@ -158,3 +158,20 @@ def test_varlen_offsets_only_on_the_device_still_split():
     o_ref, ht_ref = linear_attn_ref(q, k, v, g=g, beta=beta, scale=0.2, output_final_state=True, cu_seqlens=cu)
     torch.testing.assert_close(o.float(), o_ref.float(), rtol=0.02, atol=0.02)
     torch.testing.assert_close(ht, ht_ref.float(), rtol=0.02, atol=0.02)
+
+
+@pytest.mark.parametrize("op", ["gdn", "kda"])
+def test_profile_script_finds_its_anchors_in_the_kernels(op):
+    """scripts/profile_chunk.py patches clock stamps after anchor lines of each kernel's chunk loop: every anchor must
+    still be there (one stamp each), so the dev tool keeps working as the kernels change."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("profile_chunk", root / "scripts" / "profile_chunk.py")
+    profile_chunk = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile_chunk)
+    ops = profile_chunk.OPS[op]
+    src = profile_chunk.patched_source(ops, root)
+    assert src.count("_stamp(mHt, _t0, c, ") == len(ops["anchors"])
+    assert "if n + hv > 0:" in src  # the stamped CTA keeps its own final state out of the stamps
