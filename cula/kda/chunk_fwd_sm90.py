@@ -870,11 +870,11 @@ def _launch(*args, gate=None, **options):
     q, v = args[0], args[2]
     HV, D = v.shape[2], q.shape[3]
     a_log, dt_bias, lower_bound = gate if gate is not None else (None, None, LOWER_BOUND_MIN)
-    extra = (
-        sm90_entry.zeros_f32(q.device, HV) if a_log is None else a_log.float().contiguous(),
-        sm90_entry.zeros_f32(q.device, HV * D) if dt_bias is None else dt_bias.float().contiguous(),
-        float(lower_bound),
-    )
+
+    def param(x, n):  # an absent A_log / dt_bias is zeros: exp(0) = 1, + 0
+        return sm90_entry.cached_zeros(q.device, (n,), torch.float32) if x is None else x.float().contiguous()
+
+    extra = (param(a_log, HV), param(dt_bias, HV * D), float(lower_bound))
     sm90_entry.launch(
         "KDAChunkFwdSm90", compile_kda_fwd_sm90, *args, extra=extra, gate_in_kernel=gate is not None, **options
     )

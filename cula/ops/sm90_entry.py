@@ -85,27 +85,13 @@ def fake_args(D: int, beta_fp32: bool, state_v_first: bool, per_key_gate: bool, 
     )
 
 
-def dummy_i32(device) -> torch.Tensor:
-    """A one-element int32 tensor on ``device`` for a kernel's unused int32 arguments (made once per device)."""
-    t = _DUMMY.get(device)
+def cached_zeros(device, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor on ``device``, made once per (device, shape, dtype): what a kernel gets for an argument the call
+    does not use (a range, the split passes' workspace, an absent gate parameter). Never written."""
+    key = (device, tuple(shape), dtype)
+    t = _DUMMY.get(key)
     if t is None:
-        t = _DUMMY[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return t
-
-
-def zeros_f32(device, n: int) -> torch.Tensor:
-    """A zero fp32 vector of ``n`` elements on ``device`` for an absent gate parameter (made once per size)."""
-    t = _DUMMY.get((device, "f32", n))
-    if t is None:
-        t = _DUMMY[(device, "f32", n)] = torch.zeros(n, dtype=torch.float32, device=device)
-    return t
-
-
-def dummy_workspace(device, HV: int) -> torch.Tensor:
-    """A small bf16 [1, 64, HV, 64] tensor on ``device`` for a kernel's unused workspace argument."""
-    t = _DUMMY.get((device, HV))
-    if t is None:
-        t = _DUMMY[(device, HV)] = torch.zeros(1, 64, HV, 64, dtype=torch.bfloat16, device=device)
+        t = _DUMMY[key] = torch.zeros(shape, dtype=dtype, device=device)
     return t
 
 
@@ -252,11 +238,11 @@ def launch(
         # the kernel takes (N, HV, K, V)-shaped tensors; a transposed view carries the V-first storage
         ht = ht.transpose(-1, -2)
         h0 = None if h0 is None else h0.transpose(-1, -2)
-    dummy = dummy_i32(q.device)
+    dummy = cached_zeros(q.device, (1,), torch.int32)
     fn(
         q, k, v, g, beta, o, ht if h0 is None else h0, ht,
         dummy if starts is None else starts, dummy if ends is None else ends,
-        dummy_workspace(q.device, v.shape[2]) if w is None else w, float(scale), *extra,
+        cached_zeros(q.device, (1, 64, v.shape[2], 64), torch.bfloat16) if w is None else w, float(scale), *extra,
     )  # fmt: skip
 
 
