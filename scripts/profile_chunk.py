@@ -23,6 +23,12 @@ import torch
 N_CHUNKS = 132  # chunks stamped per run: ht[0, 0] holds N_CHUNKS x markers x 8 floats
 WARPS = 8
 
+# both kernels: the chunk loop's first line, the final-state store, and the lines most anchors are (stripped)
+LOOP = "for c in cutlass.range(n_chunks, unroll=1):"
+STATE_STORE = "blocks.store_state(acc_s, cST, mHt, n, hv, row0)"
+BARRIER = "cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)"
+WAIT = "warpgroup.wait_group(0)"
+
 # per op: the module, its entry, and the loop's anchors (stripped line text, occurrence after the loop start)
 OPS = {
     "gdn": {
@@ -31,17 +37,15 @@ OPS = {
         "anchors": [
             ("gates issued", "nxt = self.load_gates(mG, mBeta, b, hv, tok0, seqlen, c + 1, lane)", 1),
             ("tiles landed", "cute.arch.mbarrier_wait(full + stage, (c // self.stages) % 2)", 1),
-            ("KK^T / QK^T done", "warpgroup.wait_group(0)", 1),
-            ("masks stored", "cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)", 2),
-            ("diagonal blocks", "cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)", 3),
-            ("merge", "cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)", 4),
-            ("S^T K^T / S^T Q^T waited", "warpgroup.wait_group(0)", 2),
-            ("V_new waited", "warpgroup.wait_group(0)", 3),
-            ("O / S products waited", "warpgroup.wait_group(0)", 4),
-            ("O staged, chunk barrier", "cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)", 5),
+            ("KK^T / QK^T done", WAIT, 1),
+            ("masks stored", BARRIER, 2),
+            ("diagonal blocks", BARRIER, 3),
+            ("merge", BARRIER, 4),
+            ("S^T K^T / S^T Q^T waited", WAIT, 2),
+            ("V_new waited", WAIT, 3),
+            ("O / S products waited", WAIT, 4),
+            ("O staged, chunk barrier", BARRIER, 5),
         ],
-        "loop": "for c in cutlass.range(n_chunks, unroll=1):",
-        "state_store": "blocks.store_state(acc_s, cST, mHt, n, hv, row0)",
     },
     "kda": {
         "module": "cula/kda/chunk_fwd_sm90.py",
@@ -50,19 +54,17 @@ OPS = {
             ("q/k/g landed", "cute.arch.mbarrier_wait(bar_qkg, c % 2)", 1),
             ("beta", "beta_next = self.load_beta(mBeta, b, tok0, hv, seqlen, c + 1, tidx)", 1),
             ("gate scan", "self.scan_gates(sGin3[None, None, 0], sG, sPart, sGl, sDec, L, tidx, gate)", 1),
-            ("step 0 barrier", "cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)", 1),
-            ("R tile", "cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)", 2),
-            ("left operands, KR / QR waited", "warpgroup.wait_group(0)", 1),
-            ("A / P stored", "cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)", 3),
-            ("diagonal blocks, B tiles", "cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)", 4),
-            ("merge", "cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)", 5),
-            ("S^T K^T / S^T Q^T waited", "warpgroup.wait_group(0)", 2),
-            ("V_new waited", "warpgroup.wait_group(0)", 3),
-            ("O / S products waited", "warpgroup.wait_group(0)", 4),
-            ("O staged, chunk barrier", "cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)", 7),
+            ("step 0 barrier", BARRIER, 1),
+            ("R tile", BARRIER, 2),
+            ("left operands, KR / QR waited", WAIT, 1),
+            ("A / P stored", BARRIER, 3),
+            ("diagonal blocks, B tiles", BARRIER, 4),
+            ("merge", BARRIER, 5),
+            ("S^T K^T / S^T Q^T waited", WAIT, 2),
+            ("V_new waited", WAIT, 3),
+            ("O / S products waited", WAIT, 4),
+            ("O staged, chunk barrier", BARRIER, 7),
         ],
-        "loop": "for c in cutlass.range(n_chunks, unroll=1):",
-        "state_store": "blocks.store_state(acc_s, cST, mHt, n, hv, row0)",
     },
 }
 
@@ -80,7 +82,7 @@ def _stamp(mHt, t0, c, m: cutlass.Constexpr, warp, lane, n, hv):
 
 def patched_source(spec: dict, root: Path) -> str:
     lines = (root / spec["module"]).read_text().splitlines()
-    loop = next(i for i, s in enumerate(lines) if s.strip() == spec["loop"])
+    loop = next(i for i, s in enumerate(lines) if s.strip() == LOOP)
     inserts = {}
     for m, (_, text, occurrence) in enumerate(spec["anchors"]):
         hits = [i for i in range(loop + 1, len(lines)) if lines[i].strip() == text]
@@ -91,7 +93,7 @@ def patched_source(spec: dict, root: Path) -> str:
     for i, s in enumerate(lines):
         if i == loop:
             out.append(re.match(r"\s*", s).group(0) + "_t0 = cute.arch.clock64()")
-        if s.strip() == spec["state_store"]:
+        if s.strip() == STATE_STORE:
             indent = re.match(r"\s*", s).group(0)
             out += [f"{indent}if n + hv > 0:", f"{indent}    {s.strip()}"]
             continue
