@@ -175,3 +175,21 @@ def test_profile_script_finds_its_anchors_in_the_kernels(op):
     src = profile_chunk.patched_source(ops, root)
     assert src.count("_stamp(mHt, _t0, c, ") == len(ops["anchors"])
     assert "if n + hv > 0:" in src  # the stamped CTA keeps its own final state out of the stamps
+
+
+def test_gdn_d128_unsplit_runs_the_four_role_kernel():
+    """GDN at D = 128 without split passes or qk_l2norm compiles to the four-role kernel: 512 threads, setmaxnreg per
+    role, V read and O staged by ldmatrix / stmatrix; the other variants stay on the two-warpgroup kernel."""
+    from cula.gdn.chunk_fwd_sm90 import compile_gdn_fwd_sm90, uses_roles
+
+    assert uses_roles(128, "full", False, "none")
+    assert not uses_roles(64, "full", False, "none")
+    assert not uses_roles(128, "full", True, "none")
+    assert not uses_roles(128, "full", False, "save")
+    assert not uses_roles(128, "correction", False, "load")
+    ptx = compile_gdn_fwd_sm90("sm_90a", True, 128, False, True, True, True).artifacts.PTX
+    assert ".reqntid 512" in ptx
+    assert ptx.count("setmaxnreg") == 3
+    assert "ldmatrix.sync.aligned.m8n8.x4.trans" in ptx and "stmatrix.sync.aligned.m8n8.x4.trans" in ptx
+    old = compile_gdn_fwd_sm90("sm_90a", True, 64, False, True, True, True).artifacts.PTX
+    assert ".reqntid 256" in old and "setmaxnreg" not in old

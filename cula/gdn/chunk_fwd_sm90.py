@@ -77,6 +77,13 @@ def estimated_ms(lengths: list[int], HV: int, num_sms: int, qk_l2norm: bool = Fa
     return segment_split.chunk_walk_ms(lengths, HV, num_sms, CHUNK_LATENCY_US, True, split_cost(qk_l2norm))
 
 
+def uses_roles(head_dim: int, mode: str, qk_l2norm: bool, intra: str) -> bool:
+    """Whether a launch runs the four-role kernel (:mod:`cula.gdn.chunk_fwd_roles_sm90`, faster: its intra-chunk
+    matrices are made a chunk ahead of the state chain) instead of :class:`GDNChunkFwdSm90`: D = 128 without the split
+    passes and without qk_l2norm; the others are not written for it yet."""
+    return head_dim == 128 and mode == "full" and intra == "none" and not qk_l2norm
+
+
 class GDNChunkFwdSm90:
     """Fused GDN forward: TMA loads of q/k/v chunks through a 2-stage mbarrier ring, wgmma for every product,
     the chunk's triangular inverse solved in-kernel in fp32, the state in registers across chunks.
@@ -712,6 +719,11 @@ def compile_gdn_fwd_sm90(
     qk_l2norm=False,
     intra="none",
 ):
+    if uses_roles(head_dim, mode, qk_l2norm, intra):
+        # imported here: that module builds on this one's kernel class
+        from cula.gdn.chunk_fwd_roles_sm90 import compile_gdn_fwd_roles_sm90
+
+        return compile_gdn_fwd_roles_sm90(arch, keep_artifacts, beta_fp32, is_varlen, has_initial_state, state_v_first)
     kernel = GDNChunkFwdSm90(head_dim, beta_fp32, is_varlen, has_initial_state, state_v_first, mode, qk_l2norm, intra)
     fake = sm90_entry.fake_args(kernel.D, kernel.beta_fp32, kernel.state_v_first, per_key_gate=False)
     return runtime.compile_kernel(kernel, fake, arch, keep_artifacts)

@@ -12,7 +12,8 @@ All are ``@cute.jit`` functions inlined into the calling kernel:
 - :func:`row_sum_squares`: a bf16 tile row's sum of squares (q / k L2 norms).
 - :func:`load_state` / :func:`store_state`: a warpgroup's rows of S^T between its accumulator and global memory.
 - :func:`store_o_rows`: an output tile staged in shared memory to global memory, rows past the end masked.
-- :func:`solve_clear` (once), then per chunk :func:`solve_diag16` and :func:`solve_merge`: ``(I + A)^-1`` for a
+- :func:`solve_clear` (once), then per chunk :func:`solve_diag16` and :func:`solve_merge` (or both without ``sT``,
+  then :func:`solve_to_bf16`): ``(I + A)^-1`` for a
   strictly lower (64 x 64) ``A`` (the chunk's WY/UT inverse) by 16-blocks: the diagonal ones by forward
   substitution on warps 0-1 (15 serial steps per column instead of 63), then two merge levels as warp MMAs in tf32
   on warps 0-3 (on the H200: ~2 us, then ~0.7 us less per GDN chunk than the step before).
@@ -180,7 +181,7 @@ def solve_diag16(sAt, sT, tid):
     """Level 0 of the blocked ``(I + A)^-1`` (64 x 64, A strictly lower, given transposed in ``sAt``: fp32,
     ``sAt[j, i] = A[i, j]``, rows 16-byte aligned). ``tid`` in [0, 64) inverts column ``tid % 16`` of diagonal
     16-block ``tid // 16`` by right-looking forward substitution (15 steps instead of 63 for the whole matrix) and
-    writes it to ``sT`` (bf16) and, fp32 and row-major, over that diagonal block of ``sAt``. Only the block's own
+    writes it to ``sT`` (bf16; not when ``sT`` is None) and, fp32 and row-major, over that diagonal block of ``sAt``. Only the block's own
     16 threads (half a warp) read that block, so a warp barrier orders the overwrite. :func:`solve_merge` follows
     after a CTA barrier."""
     f32 = cutlass.Float32
@@ -203,7 +204,8 @@ def solve_diag16(sAt, sT, tid):
     cute.arch.sync_warp()
     for i in cutlass.range_constexpr(n):
         sAt[o + i, o + col] = acc[i]
-        sT[o + i, o + col] = acc[i].to(cutlass.BFloat16)
+        if cutlass.const_expr(sT is not None):
+            sT[o + i, o + col] = acc[i].to(cutlass.BFloat16)
 
 
 @cute.jit
@@ -292,15 +294,17 @@ def _join_columns(sAt, sT, tiled_mma, lane, a, s: cutlass.Constexpr, stage_row, 
     )
     for e in cutlass.range_constexpr(cute.size(acc)):
         i, n = cc[e]
-        if cutlass.const_expr(keep):
+        if cutlass.const_expr(keep or sT is None):
             sAt[a + s + i, a + 8 * nt + n] = -acc[e]
-        sT[a + s + i, a + 8 * nt + n] = (-acc[e]).to(cutlass.BFloat16)
+        if cutlass.const_expr(sT is not None):
+            sT[a + s + i, a + 8 * nt + n] = (-acc[e]).to(cutlass.BFloat16)
 
 
 @cute.jit
 def solve_merge(sAt, sT, tid, barrier_id: cutlass.Constexpr, num_threads: cutlass.Constexpr):
     """Levels 1 and 2 of the blocked inverse, after :func:`solve_diag16` and a barrier of ``num_threads`` (128 or
-    256) threads, on warps 0-3 and the tensor cores (warp MMA, tf32 operands, fp32 sums): each level joins two
+    256) threads, on warps 0-3 and the tensor cores (warp MMA, tf32 operands, fp32 sums); ``sT`` None: fp32 results into ``sAt`` only (then
+    :func:`solve_to_bf16`). Each level joins two
     diagonal inverses T_lo, T_hi with ``T_21 = -T_hi (A_21 T_lo)``, a warp per 8 columns of T_21 making both
     products for them (16 -> 32 for both 32-blocks at once, then 32 -> 64), so only warp barriers order a level's
     two products. Results go to ``sT`` (bf16), whose blocks above the diagonal 16-blocks must hold zeros (written
@@ -308,6 +312,8 @@ def solve_merge(sAt, sT, tid, barrier_id: cutlass.Constexpr, num_threads: cutlas
     and products stage in its rows 32-63, columns 0-31. The blocks of A^T above the diagonal that are not yet
     overwritten are masked, not read as zeros."""
     assert num_threads in (128, 256)
+    # without sT, level 2's T_21 is kept in sAt too (rows 32-63, columns 0-31: the warp's own staged columns, read
+    # into its fragments before it writes them), so that sAt ends holding Tinv for solve_to_bf16
     warp = tid // 32
     lane = tid % 32
     tiled = cute.make_tiled_mma(warp_mma.MmaTF32Op((16, 8, 8)), (1, 1, 1))
@@ -318,3 +324,27 @@ def solve_merge(sAt, sT, tid, barrier_id: cutlass.Constexpr, num_threads: cutlas
     # level 2 (warps 0-3): the two 32-blocks
     if warp < 4:
         _join_columns(sAt, sT, tiled, lane, 0, 32, 32, warp, False)
+
+
+@cute.jit
+def solve_to_bf16(sAt, sT, tid, num_threads: cutlass.Constexpr):
+    """After :func:`solve_diag16` and :func:`solve_merge` with ``sT`` None (and a barrier): Tinv, fp32 row-major in
+    the 16-block lower triangle of ``sAt``, to ``sT`` (bf16, any swizzle) in 8-element rows, zeros above the diagonal
+    16-blocks. A few swizzled addresses per thread instead of one per element (ptxas hoists those out of a chunk
+    loop: 48 per thread spilled in a 104-register warpgroup)."""
+    C = cute.size(sT, mode=[0])
+    per_row = C // 8
+    f4 = cute.make_rmem_tensor(cute.make_layout((1, 4)), cutlass.Float32)
+    out = cute.make_rmem_tensor(cute.make_layout((1, 8)), cutlass.BFloat16)
+    for it in cutlass.range_constexpr(C * per_row // num_threads):
+        idx = tid + it * num_threads
+        r = idx // per_row
+        q = idx % per_row
+        for h in cutlass.range_constexpr(2):
+            cute.autovec_copy(cute.local_tile(sAt, (1, 4), (r, 2 * q + h)), f4)
+            for e in cutlass.range_constexpr(4):
+                x = f4[0, e]
+                if (8 * q) // 16 > r // 16:
+                    x = cutlass.Float32(0.0)
+                out[0, 4 * h + e] = x.to(cutlass.BFloat16)
+        cute.autovec_copy(out, cute.local_tile(sT, (1, 8), (r, q)))

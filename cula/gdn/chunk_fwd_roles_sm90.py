@@ -1,0 +1,499 @@
+"""Gated DeltaNet chunked-prefill forward for SM90 in four warpgroup roles (D = 128), CuTe DSL.
+
+The math is :mod:`cula.gdn.chunk_fwd_sm90`'s. There, one chunk is a chain of serial steps on both warpgroups: the
+chunk's own intra-chunk matrices (K K^T, Q K^T, their masks, the triangular solve) sit on the critical path between
+the state products. Here they are made by their own warpgroup a chunk or more ahead, so the two state warpgroups run
+only the state chain (S^T K^T / S^T Q^T, V_new, O, the state update):
+
+- WG0, load (24 registers): warp 0 issues the q | k tiles (3 stages) and the v tiles (2 stages) by TMA; warp 1 scans
+  each chunk's gates into the gate slot of its q | k stage.
+- WG1, aux (104): K K^T and Q K^T (wgmma SS), the masks (A^T fp32 to ``sA``, P bf16 to the Tinv | P stage), Tinv by
+  :func:`cula.ops.sm90_blocks.solve_diag16` / ``solve_merge``.
+- WG2, WG3, state (192 each): value rows 0-63 / 64-127 of S^T as wgmma accumulators; V read and O staged with
+  ``ldmatrix`` / ``stmatrix`` (transposed), O leaving by TMA (two staging buffers).
+
+Hand-offs are mbarrier rings (full: the data is there; empty: its last reader is done): q | k and its gate slot,
+v, Tinv | P.
+
+Shapes as :mod:`cula.gdn.chunk_fwd_sm90` with K = V = 128, ``mode="full"`` without the split passes' workspace.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import warp as warp_ops
+
+from cula import runtime
+from cula.gdn.chunk_fwd_sm90 import GDNChunkFwdSm90
+from cula.ops import sm90_blocks as blocks
+from cula.ops import sm90_entry
+
+# barrier ids: 0 is the CTA's
+_AUX_BARRIER = 1
+_STATE_BARRIER = 2
+
+
+class GDNChunkFwdRolesSm90(GDNChunkFwdSm90):
+    """Fused GDN forward (D = 128, unsplit sequences) with load, aux and two state warpgroups; the gate helpers
+    (:meth:`load_gates`, :meth:`publish_gates`, :meth:`row_col_gates`) are the two-warpgroup kernel's."""
+
+    def __init__(
+        self, beta_fp32: bool = True, is_varlen: bool = False, has_initial_state: bool = False, state_v_first=False
+    ):
+        super().__init__(128, beta_fp32, is_varlen, has_initial_state, state_v_first)
+        self.qk_stages = 3  # the aux role reads up to two chunks ahead of the state role
+        self.v_stages = 2
+        self.tp_stages = 2
+        self.o_bufs = 2
+        self.threads = 512
+        # setmaxnreg per warpgroup (24 + 104 + 2 x 192 = 4 x 128, the launch's share): the state role peaks at ~189
+        self.regs_load, self.regs_aux, self.regs_state = 24, 104, 192
+
+    # ---------------------------------------------------------------- host side
+    @cute.jit
+    def __call__(self, q, k, v, g, beta, o, h0, ht, starts, ends, w, scale, stream):
+        D, C = self.D, self.C
+        bf16 = cutlass.BFloat16
+        OM = cute.nvgpu.OperandMajorMode
+        RMEM = warpgroup.OperandSource.RMEM
+        k_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, bf16)
+        mn_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, bf16)
+
+        # token tiles (C, D), D contiguous, 128B swizzle, and the same bytes read MN-major (D, C): for K in the
+        # state update, for V and O by ldmatrix / stmatrix .trans
+        tile_qk = cute.tile_to_shape(k_atom, (C, D, 2, self.qk_stages), order=(0, 1, 2, 3))
+        tile_qk_mn = cute.tile_to_shape(mn_atom, (D, C, 2, self.qk_stages), order=(1, 0, 2, 3))
+        tile_v = cute.tile_to_shape(k_atom, (C, D, self.v_stages), order=(0, 1, 2))
+        tile_v_mn = cute.tile_to_shape(mn_atom, (D, C, self.v_stages), order=(1, 0, 2))
+        tile_o = cute.tile_to_shape(k_atom, (C, D, self.o_bufs), order=(0, 1, 2))
+        tile_o_mn = cute.tile_to_shape(mn_atom, (D, C, self.o_bufs), order=(1, 0, 2))
+        tile_tp = cute.tile_to_shape(k_atom, (C, C, 2, self.tp_stages), order=(0, 1, 2, 3))
+
+        mma_ss = sm90_utils.make_trivial_tiled_mma(bf16, bf16, OM.K, OM.K, cutlass.Float32, (1, 1, 1), (C, C))
+        mma_rs = sm90_utils.make_trivial_tiled_mma(bf16, bf16, OM.K, OM.K, cutlass.Float32, (1, 1, 1), (C, C), RMEM)
+        mma_state = sm90_utils.make_trivial_tiled_mma(bf16, bf16, OM.K, OM.MN, cutlass.Float32, (1, 1, 1), (C, D), RMEM)
+
+        one_tile = cute.slice_(tile_v, (None, None, 0))
+        op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, mQ = cpasync.make_tiled_tma_atom(op, blocks.tma_view(q), one_tile, (C, D))
+        tma_k, mK = cpasync.make_tiled_tma_atom(op, blocks.tma_view(k), one_tile, (C, D))
+        tma_v, mV = cpasync.make_tiled_tma_atom(op, blocks.tma_view(v), one_tile, (C, D))
+        tma_o, mOt = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), blocks.tma_view(o), one_tile, (C, D)
+        )
+
+        qk_stages, v_stages, tp_stages = self.qk_stages, self.v_stages, self.tp_stages
+
+        @cute.struct
+        class Storage:
+            qk_full: cute.struct.MemRange[cutlass.Int64, qk_stages]
+            qk_empty: cute.struct.MemRange[cutlass.Int64, qk_stages]
+            g_full: cute.struct.MemRange[cutlass.Int64, qk_stages]
+            v_full: cute.struct.MemRange[cutlass.Int64, v_stages]
+            v_empty: cute.struct.MemRange[cutlass.Int64, v_stages]
+            tp_full: cute.struct.MemRange[cutlass.Int64, tp_stages]
+            tp_empty: cute.struct.MemRange[cutlass.Int64, tp_stages]
+            sG: cute.struct.MemRange[cutlass.Float32, qk_stages * C]
+            sBeta: cute.struct.MemRange[cutlass.Float32, qk_stages * C]
+            sFac: cute.struct.MemRange[cutlass.Float32, qk_stages * 2 * C]
+            sA: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, C * self.a_stride], 128]
+            sO: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_o)], 1024]
+            sQK: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_qk)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_v)], 1024]
+            sTP: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_tp)], 1024]
+
+        self.storage = Storage
+        HV = v.shape[2]
+        N = starts.shape[0] if self.is_varlen else q.shape[0]
+        self.kernel(
+            mma_ss,
+            mma_rs,
+            mma_state,
+            tma_q,
+            mQ,
+            tma_k,
+            mK,
+            tma_v,
+            mV,
+            tma_o,
+            mOt,
+            g,
+            beta,
+            o,
+            h0,
+            ht,
+            starts,
+            ends,
+            q.shape[2],
+            q.shape[1],
+            scale,
+            tile_qk,
+            tile_qk_mn,
+            tile_v,
+            tile_v_mn,
+            tile_o,
+            tile_o_mn,
+            tile_tp,
+        ).launch(grid=(HV, N, 1), block=(self.threads, 1, 1), smem=Storage.size_in_bytes(), stream=stream)
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(
+        self,
+        mma_ss,
+        mma_rs,
+        mma_state,
+        tma_q,
+        mQ,
+        tma_k,
+        mK,
+        tma_v,
+        mV,
+        tma_o,
+        mOt,
+        mG,
+        mBeta,
+        mO,
+        mH0,
+        mHt,
+        mStart,
+        mEnd,
+        H,
+        T,
+        scale,
+        tile_qk,
+        tile_qk_mn,
+        tile_v,
+        tile_v_mn,
+        tile_o,
+        tile_o_mn,
+        tile_tp,
+    ):
+        C = self.C
+        tidx, _, _ = cute.arch.thread_idx()
+        hv, n, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        HV = mG.shape[2]
+        h = hv // (HV // H)
+
+        b = n
+        tok0 = cutlass.Int32(0)
+        seqlen = T
+        if cutlass.const_expr(self.is_varlen):
+            b = cutlass.Int32(0)
+            tok0 = cutlass.Int32(mStart[n])
+            seqlen = cutlass.Int32(mEnd[n]) - tok0
+        n_chunks = (seqlen + C - 1) // C
+
+        smem = cutlass.memory.SmemAllocator()
+        st = smem.allocate(self.storage)
+        bars = (
+            st.qk_full.data_ptr(),
+            st.qk_empty.data_ptr(),
+            st.g_full.data_ptr(),
+            st.v_full.data_ptr(),
+            st.v_empty.data_ptr(),
+            st.tp_full.data_ptr(),
+            st.tp_empty.data_ptr(),
+        )
+        # per gate slot (one per q | k stage): G in log2 units, beta, 2^G_t and 2^(G_last - G_t)
+        gates = (
+            st.sG.get_tensor(cute.make_layout((C, self.qk_stages))),
+            st.sBeta.get_tensor(cute.make_layout((C, self.qk_stages))),
+            st.sFac.get_tensor(cute.make_layout((C, self.qk_stages, 2))),
+        )
+        sA = st.sA.get_tensor(cute.make_layout((C, self.a_stride), stride=(self.a_stride, 1)))
+        sQK = st.sQK.get_tensor(tile_qk.outer, swizzle=tile_qk.inner)
+        sV = st.sV.get_tensor(tile_v.outer, swizzle=tile_v.inner)
+        sO = st.sO.get_tensor(tile_o.outer, swizzle=tile_o.inner)
+        sTP = st.sTP.get_tensor(tile_tp.outer, swizzle=tile_tp.inner)
+        # MN-major views of the same bytes (D, C, ...)
+        sK_mn = cute.make_tensor(cute.recast_ptr(sQK.iterator, tile_qk_mn.inner), tile_qk_mn.outer)[None, None, 1, None]
+        sV_mn = cute.make_tensor(cute.recast_ptr(sV.iterator, tile_v_mn.inner), tile_v_mn.outer)
+        sO_mn = cute.make_tensor(cute.recast_ptr(sO.iterator, tile_o_mn.inner), tile_o_mn.outer)
+
+        if tidx == 0:
+            qk_full, qk_empty, g_full, v_full, v_empty, tp_full, tp_empty = bars
+            for s in cutlass.range_constexpr(self.qk_stages):
+                cute.arch.mbarrier_init(qk_full + s, 1)
+                cute.arch.mbarrier_init(qk_empty + s, 384)  # the aux and both state warpgroups' threads
+                cute.arch.mbarrier_init(g_full + s, 32)  # the gate warp's lanes
+            for s in cutlass.range_constexpr(self.v_stages):
+                cute.arch.mbarrier_init(v_full + s, 1)
+                cute.arch.mbarrier_init(v_empty + s, 256)
+            for s in cutlass.range_constexpr(self.tp_stages):
+                cute.arch.mbarrier_init(tp_full + s, 128)
+                cute.arch.mbarrier_init(tp_empty + s, 256)
+            cute.arch.mbarrier_init_fence()
+        if warp == 0:
+            cpasync.prefetch_descriptor(tma_q)
+            cpasync.prefetch_descriptor(tma_k)
+            cpasync.prefetch_descriptor(tma_v)
+            cpasync.prefetch_descriptor(tma_o)
+        cute.arch.sync_threads()
+
+        wg = warp // 4
+        if wg == 0:
+            cute.arch.setmaxregister_decrease(self.regs_load)
+            if warp == 0:
+                self.load_role(tma_q, mQ, tma_k, mK, tma_v, mV, sQK, sV, bars, h, hv, b, tok0, n_chunks)
+            elif warp == 1:
+                self.gate_role(mG, mBeta, gates, bars, b, hv, tok0, seqlen, n_chunks, lane)
+        elif wg == 1:
+            cute.arch.setmaxregister_decrease(self.regs_aux)
+            self.aux_role(mma_ss, sQK, sA, sTP, gates, bars, scale, seqlen, n_chunks, tidx - 128, warp - 4)
+        else:
+            cute.arch.setmaxregister_increase(self.regs_state)
+            self.state_role(
+                mma_rs, mma_state, tma_o, mOt, mO, mH0, mHt, sQK, sK_mn, sV_mn, sO, sO_mn, sTP, gates, bars,
+                scale, n, b, hv, tok0, seqlen, n_chunks, tidx - 256, warp,
+            )  # fmt: skip
+
+    @cute.jit
+    def load_role(self, tma_q, mQ, tma_k, mK, tma_v, mV, sQK, sV, bars, h, hv, b, tok0, n_chunks):
+        """One warp: chunk c's q | k tiles into stage c % 3 once its chunk c - 3 is released, its v tile into stage
+        c % 2 once chunk c - 2's is."""
+        qk_full, qk_empty, _, v_full, v_empty, _, _ = bars
+        tQs, tQg = blocks.tma_chunk_tiles(tma_q, mQ[None, None, h, b], tok0, sQK[None, None, 0, None])
+        tKs, tKg = blocks.tma_chunk_tiles(tma_k, mK[None, None, h, b], tok0, sQK[None, None, 1, None])
+        tVs, tVg = blocks.tma_chunk_tiles(tma_v, mV[None, None, hv, b], tok0, sV)
+        lane = cute.arch.lane_idx()
+        C, D = self.C, self.D
+        for c in cutlass.range(n_chunks, unroll=1):
+            s = c % self.qk_stages
+            cute.arch.mbarrier_wait(qk_empty + s, (c // self.qk_stages + 1) % 2)
+            if lane == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(qk_full + s, 2 * C * D * 2)
+            cute.copy(tma_q, tQg[None, c], tQs[None, s], tma_bar_ptr=qk_full + s)
+            cute.copy(tma_k, tKg[None, c], tKs[None, s], tma_bar_ptr=qk_full + s)
+            vs = c % self.v_stages
+            cute.arch.mbarrier_wait(v_empty + vs, (c // self.v_stages + 1) % 2)
+            if lane == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(v_full + vs, C * D * 2)
+            cute.copy(tma_v, tVg[None, c], tVs[None, vs], tma_bar_ptr=v_full + vs)
+
+    @cute.jit
+    def gate_role(self, mG, mBeta, gates, bars, b, hv, tok0, seqlen, n_chunks, lane):
+        """One warp: chunk c's gates scanned into gate slot c % 3 once chunk c - 3 has released it (the loads are
+        issued before that wait)."""
+        sG, sBeta, sFac = gates
+        _, qk_empty, g_full, _, _, _, _ = bars
+        for c in cutlass.range(n_chunks, unroll=1):
+            s = c % self.qk_stages
+            raw = self.load_gates(mG, mBeta, b, hv, tok0, seqlen, c, lane)
+            cute.arch.mbarrier_wait(qk_empty + s, (c // self.qk_stages + 1) % 2)
+            self.publish_gates(sG, sBeta, sFac, s, raw, c, seqlen, lane)
+            cute.arch.mbarrier_arrive(g_full + s)
+
+    @cute.jit
+    def aux_role(self, mma_ss, sQK, sA, sTP, gates, bars, scale, seqlen, n_chunks, atid, awarp):
+        """One warpgroup: per chunk, A = strict-lower(beta_i K K^T 2^(G_i - G_j)) (fp32, transposed, to ``sA``),
+        P = lower(scale Q K^T 2^(G_i - G_j)) and Tinv = (I + A)^-1 (bf16, to Tinv | P stage c % 2)."""
+        f32 = cutlass.Float32
+        C = self.C
+        sG, sBeta, _ = gates
+        qk_full, qk_empty, g_full, _, _, tp_full, tp_empty = bars
+        thr_ss = mma_ss.get_slice(atid)
+        cSS = thr_ss.partition_C(cute.make_identity_tensor((C, C)))
+        # P leaves the accumulator by stmatrix (row addresses per 8 x 8 matrix, not one swizzled address each)
+        st_p = cute.make_tiled_copy_C(
+            cute.make_copy_atom(warp_ops.StMatrix8x8x16bOp(transpose=False, num_matrices=4), cutlass.BFloat16), mma_ss
+        )
+        thr_stp = st_p.get_slice(atid)
+        for c in cutlass.range(n_chunks, unroll=1):
+            s = c % self.qk_stages
+            ts = c % self.tp_stages
+            L = cutlass.min(seqlen - c * C, C)
+            sT = sTP[None, None, 0, ts]
+            sP = sTP[None, None, 1, ts]
+
+            tSSa = thr_ss.make_fragment_A(thr_ss.partition_A(sQK[None, None, None, s]))
+            tSSb = thr_ss.make_fragment_B(thr_ss.partition_B(sQK[None, None, 1, s]))
+            acc_x = thr_ss.make_fragment_C(thr_ss.partition_shape_C((C, C)))
+            # (no mbarrier wait between a wgmma's issue and its wait: ptxas then waits for it at the branch)
+            cute.arch.mbarrier_wait(qk_full + s, (c // self.qk_stages) % 2)
+            cute.arch.mbarrier_wait(g_full + s, (c // self.qk_stages) % 2)
+            warpgroup.fence()
+            blocks.gemm(mma_ss, acc_x, tSSa[None, None, None, 1], tSSb, True)
+            warpgroup.commit_group()
+            g_r, b_r, _ = self.row_col_gates(sG, sBeta, None, cSS, s)
+            # a row's last unmasked column: the masks then depend on the chunk, and ptxas does not hoist 64
+            # per-element predicates out of the loop (they spilled); rows past the end get none of A and all the
+            # columns before the end of P (harmless: their outputs are not stored, V_new is zero there)
+            lim_a = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Int32)
+            lim_p = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Int32)
+            for rr in cutlass.range_constexpr(2):
+                r, _ = cSS[2 * rr]
+                lim_a[rr] = r if r < L else 0
+                lim_p[rr] = cutlass.min(r, L - 1)
+            warpgroup.wait_group(0)
+            # the previous chunk's merge has read sA
+            cute.arch.barrier(barrier_id=_AUX_BARRIER, number_of_threads=128)
+            for i in cutlass.range_constexpr(cute.size(acc_x)):
+                ra, ja = cSS[i]
+                rr = blocks.acc_row_slot(i)
+                va = f32(0.0)
+                if ja < lim_a[rr]:
+                    va = acc_x[i] * b_r[rr] * cute.math.exp2(g_r[rr] - sG[ja, s], fastmath=True)
+                sA[ja, ra] = va  # transposed: the solver walks A column by column
+            warpgroup.fence()
+            blocks.gemm(mma_ss, acc_x, tSSa[None, None, None, 0], tSSb, True)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            cute.arch.mbarrier_wait(tp_empty + ts, (c // self.tp_stages + 1) % 2)
+            p_frag = cute.make_rmem_tensor(acc_x.layout, cutlass.BFloat16)
+            for i in cutlass.range_constexpr(cute.size(acc_x)):
+                _, jp = cSS[i]
+                rr = blocks.acc_row_slot(i)
+                vp = f32(0.0)
+                if jp <= lim_p[rr]:
+                    vp = acc_x[i] * scale * cute.math.exp2(g_r[rr] - sG[jp, s], fastmath=True)
+                p_frag[i] = vp.to(cutlass.BFloat16)
+            cute.copy(st_p, thr_stp.retile(p_frag), thr_stp.partition_D(sP))
+            # q | k tiles and the gate slot read
+            cute.arch.mbarrier_arrive(qk_empty + s)
+            cute.arch.barrier(barrier_id=_AUX_BARRIER, number_of_threads=128)
+            if awarp < 2:
+                blocks.solve_diag16(sA, None, atid)
+            cute.arch.barrier(barrier_id=_AUX_BARRIER, number_of_threads=128)
+            blocks.solve_merge(sA, None, atid, _AUX_BARRIER, 128)
+            cute.arch.barrier(barrier_id=_AUX_BARRIER, number_of_threads=128)
+            blocks.solve_to_bf16(sA, sT, atid, 128)
+            # P and Tinv are read by the state role's wgmma (async proxy)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.mbarrier_arrive(tp_full + ts)
+
+    @cute.jit
+    def state_role(
+        self, mma_rs, mma_state, tma_o, mOt, mO, mH0, mHt, sQK, sK_mn, sV_mn, sO, sO_mn, sTP, gates, bars,
+        scale, n, b, hv, tok0, seqlen, n_chunks, stid, warp,
+    ):  # fmt: skip
+        """Two warpgroups, value rows [64 swg, 64 swg + 64) of S^T each: per chunk S^T K^T and S^T Q^T, then
+        V_new^T = Y^T Tinv^T, O^T += V_new^T P^T and the state update once the aux role's Tinv | P stage is full;
+        O^T staged by stmatrix and stored by TMA (the last chunk by masked plain stores)."""
+        f32 = cutlass.Float32
+        bf16 = cutlass.BFloat16
+        C, D = self.C, self.D
+        sG, sBeta, sFac = gates
+        qk_full, qk_empty, g_full, v_full, v_empty, tp_full, tp_empty = bars
+        swg = (warp - 8) // 4
+        wtid = stid % 128
+        row0 = swg * C
+        thr_rs = mma_rs.get_slice(wtid)
+        thr_st = mma_state.get_slice(wtid)
+        cCC = thr_rs.partition_C(cute.make_identity_tensor((C, C)))
+        cST = thr_st.partition_C(cute.make_identity_tensor((C, D)))
+        acc_cc_shape = thr_rs.partition_shape_C((C, C))
+        # V read and O^T written through (value row, token) views of the token-major tiles: ldmatrix / stmatrix
+        # .trans give each thread its accumulator elements, a few row addresses per thread instead of one each
+        ld_v = cute.make_tiled_copy_C(
+            cute.make_copy_atom(warp_ops.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), bf16), mma_rs
+        )
+        st_o = cute.make_tiled_copy_C(
+            cute.make_copy_atom(warp_ops.StMatrix8x8x16bOp(transpose=True, num_matrices=4), bf16), mma_rs
+        )
+        thr_ld = ld_v.get_slice(wtid)
+        thr_sto = st_o.get_slice(wtid)
+        tOs, tOg = blocks.tma_chunk_tiles(tma_o, mOt[None, None, hv, b], tok0, sO)
+
+        acc_s = thr_st.make_fragment_C(thr_st.partition_shape_C((C, D)))
+        if cutlass.const_expr(self.has_h0):
+            blocks.load_state(acc_s, cST, mH0, n, hv, row0)
+        else:
+            acc_s.fill(0.0)
+
+        for c in cutlass.range(n_chunks, unroll=1):
+            s = c % self.qk_stages
+            vs = c % self.v_stages
+            ts = c % self.tp_stages
+            ob = c % self.o_bufs
+            L = cutlass.min(seqlen - c * C, C)
+            tRSb_K = thr_rs.make_fragment_B(thr_rs.partition_B(sQK[None, None, 1, s]))
+            tRSb_Q = thr_rs.make_fragment_B(thr_rs.partition_B(sQK[None, None, 0, s]))
+            # every mbarrier wait before the wgmmas are issued (a wait's branch between a wgmma's issue and its
+            # wait makes ptxas wait for the wgmma there)
+            cute.arch.mbarrier_wait(qk_full + s, (c // self.qk_stages) % 2)
+            cute.arch.mbarrier_wait(g_full + s, (c // self.qk_stages) % 2)
+            cute.arch.mbarrier_wait(v_full + vs, (c // self.v_stages) % 2)
+            decay = cute.math.exp2(sG[L - 1, s], fastmath=True)
+            rS = blocks.acc_to_operand(acc_s)
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                acc_s[i] = acc_s[i] * decay
+            acc_k = thr_rs.make_fragment_C(acc_cc_shape)
+            acc_o = thr_rs.make_fragment_C(acc_cc_shape)
+            warpgroup.fence()
+            blocks.gemm(mma_rs, acc_k, rS, tRSb_K, True)
+            blocks.gemm(mma_rs, acc_o, rS, tRSb_Q, True)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+
+            # Y^T[v, j] = beta_j (V[j, v] - 2^G_j (S^T K^T)[v, j])  (beta and V are zero past the sequence end);
+            # per-token factors read where used (held in registers they cost 16 each)
+            v_frag = cute.make_rmem_tensor(acc_cc_shape, bf16)
+            v_rows = cute.local_tile(sV_mn[None, None, vs], (C, C), (swg, 0))
+            cute.copy(ld_v, thr_ld.partition_S(v_rows), thr_ld.retile(v_frag))
+            for i in cutlass.range_constexpr(cute.size(acc_k)):
+                _, j = cCC[i]
+                acc_k[i] = sBeta[j, s] * (v_frag[i].to(f32) - sFac[j, s, 0] * acc_k[i])
+            rY = blocks.acc_to_operand(acc_k)
+            tRSb_T = thr_rs.make_fragment_B(thr_rs.partition_B(sTP[None, None, 0, ts]))
+            tRSb_P = thr_rs.make_fragment_B(thr_rs.partition_B(sTP[None, None, 1, ts]))
+            acc_vn = thr_rs.make_fragment_C(acc_cc_shape)
+            cute.arch.mbarrier_wait(tp_full + ts, (c // self.tp_stages) % 2)
+            warpgroup.fence()
+            blocks.gemm(mma_rs, acc_vn, rY, tRSb_T, True)
+            warpgroup.commit_group()
+            for i in cutlass.range_constexpr(cute.size(acc_o)):
+                _, j = cCC[i]
+                acc_o[i] = acc_o[i] * scale * sFac[j, s, 0]
+            warpgroup.wait_group(0)
+
+            # O^T += V_new^T P^T;  S^T += (V_new^T 2^(G_last - G_j)) K
+            rVn = blocks.acc_to_operand(acc_vn)
+            for i in cutlass.range_constexpr(cute.size(acc_vn)):
+                _, j = cCC[i]
+                acc_vn[i] = acc_vn[i] * sFac[j, s, 1]
+            rVd = blocks.acc_to_operand(acc_vn)
+            tSTb_K = thr_st.make_fragment_B(thr_st.partition_B(sK_mn[None, None, s]))
+            warpgroup.fence()
+            blocks.gemm(mma_rs, acc_o, rVn, tRSb_P, False)
+            blocks.gemm(mma_state, acc_s, rVd, tSTb_K, False)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            cute.arch.mbarrier_arrive(tp_empty + ts)
+            cute.arch.mbarrier_arrive(qk_empty + s)
+            cute.arch.mbarrier_arrive(v_empty + vs)
+
+            # O^T to staging buffer c % 2 (its last reader, the store of chunk c - 2, was waited before the previous
+            # chunk's barrier); a full chunk leaves by TMA, the last (maybe partial) one by masked stores below
+            o_frag = cute.make_rmem_tensor(acc_o.layout, bf16)
+            o_frag.store(acc_o.load().to(bf16))
+            o_rows = cute.local_tile(sO_mn[None, None, ob], (C, C), (swg, 0))
+            cute.copy(st_o, thr_sto.retile(o_frag), thr_sto.partition_D(o_rows))
+            cute.arch.fence_proxy("async.shared", space="cta")
+            if warp == 8:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.barrier(barrier_id=_STATE_BARRIER, number_of_threads=256)
+            if warp == 8:
+                if c + 1 < n_chunks:
+                    cute.copy(tma_o, tOs[None, ob], tOg[None, c])
+                    cute.arch.cp_async_bulk_commit_group()
+
+        if n_chunks > 0:
+            last = n_chunks - 1
+            blocks.store_o_rows(
+                sO[None, None, last % self.o_bufs], mO, b, hv, tok0 + last * C, seqlen - last * C, stid, C, D, 256
+            )
+        if warp == 8:
+            cute.arch.cp_async_bulk_wait_group(0)
+        blocks.store_state(acc_s, cST, mHt, n, hv, row0)
+
+
+def compile_gdn_fwd_roles_sm90(
+    arch="sm_90a", keep_artifacts=False, beta_fp32=True, is_varlen=False, has_initial_state=False, state_v_first=False
+):
+    kernel = GDNChunkFwdRolesSm90(beta_fp32, is_varlen, has_initial_state, state_v_first)
+    fake = sm90_entry.fake_args(128, beta_fp32, state_v_first, per_key_gate=False)
+    return runtime.compile_kernel(kernel, fake, arch, keep_artifacts)
