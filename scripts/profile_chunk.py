@@ -34,6 +34,9 @@ OPS = {
     "gdn": {
         "module": "cula/gdn/chunk_fwd_sm90.py",
         "entry": "chunk_gated_delta_rule_fwd_sm90",
+        # the two-warpgroup kernel (split passes, D = 64, qk_l2norm), kept at D = 128: the four-role kernel that runs
+        # there otherwise is not stamped by this script
+        "replace": {"if uses_roles(head_dim, mode, qk_l2norm, intra):": "if False:"},
         "anchors": [
             ("gates issued", "nxt = self.load_gates(mG, mBeta, b, hv, tok0, seqlen, c + 1, lane)", 1),
             ("tiles landed", "cute.arch.mbarrier_wait(full + stage, (c // self.stages) % 2)", 1),
@@ -93,6 +96,9 @@ def patched_source(spec: dict, root: Path) -> str:
     for i, s in enumerate(lines):
         if i == loop:
             out.append(re.match(r"\s*", s).group(0) + "_t0 = cute.arch.clock64()")
+        for text, repl in spec.get("replace", {}).items():
+            if s.strip() == text:
+                s = s.replace(text, repl)
         if s.strip() == STATE_STORE:
             indent = re.match(r"\s*", s).group(0)
             out += [f"{indent}if n + hv > 0:", f"{indent}    {s.strip()}"]

@@ -175,6 +175,8 @@ def test_profile_script_finds_its_anchors_in_the_kernels(op):
     src = profile_chunk.patched_source(ops, root)
     assert src.count("_stamp(mHt, _t0, c, ") == len(ops["anchors"])
     assert "if n + hv > 0:" in src  # the stamped CTA keeps its own final state out of the stamps
+    for repl in ops.get("replace", {}).values():
+        assert repl in src
 
 
 def test_gdn_d128_unsplit_runs_the_four_role_kernel():
