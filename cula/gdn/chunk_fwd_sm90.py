@@ -42,15 +42,16 @@ MODES = ("full", "transition", "correction")  # see GDNChunkFwdSm90 and cula.ops
 INTRA = ("none", "save", "load")  # see GDNChunkFwdSm90.__init__
 SUPPORTED_DIMS = (64, 128)
 # One CTA walks its chunks in series at about this many microseconds each (H200, benchmarks/results/h200_fwd.json:
-# 1.155 ms at B2 T16384 H64 = 256 chunks per CTA in one wave, 0.296 ms at B8 T2048 H32 = 32); one CTA per SM.
-CHUNK_LATENCY_US = 4.5
-# A split sequence's later passes load each chunk's Tinv and P (saved by the first pass) and run the state path
-# alone. Per chunk (H200, dev inputs, B1 T8192 H64 cut at 4096): correction 4.46 us, transition 2.91, against
-# 6.44 for an unsplit chunk then; whole chunks have since become ~30 % faster (the tensor-core merge, the gate scan
-# beside the solve) and these ~15 % (they solve nothing), so here they are 0.85 and 0.55 of 4.5 us. With qk_l2norm
-# they make everything again (correction 7.16 / 6.44; transition taken as a whole chunk, not measured). A link of the
-# start chain: ~2 us, estimated.
-SPLIT_COST = segment_split.SplitCost(0.85, 0.55, 2.0 / CHUNK_LATENCY_US, cached=True)
+# the four-role kernel, 1.089 ms at B2 T16384 H64 = 256 chunks per CTA in one wave, 0.283 ms at B8 T2048 H32 = two
+# waves of 32); one CTA per SM.
+CHUNK_LATENCY_US = 4.3
+# A split sequence's passes run the two-warpgroup kernel: its first pass saves each chunk's Tinv and P, the later
+# passes load them and run the state path alone. Per chunk (H200): correction 4.46 us and transition 2.91 against
+# 6.44 for a whole chunk when measured (B1 T8192 H64 cut at 4096), since scaled with the kernel to 3.8 and 2.5 us;
+# the first pass 1.15 x 4.3 us, from B1 T8192 H64 split in two (0.568 ms, 2026-12-04) against ~0.545 unsplit on the
+# four-role kernel. With qk_l2norm every pass makes everything again (correction 7.16 / 6.44; transition taken as a
+# whole chunk, not measured), in units of that kernel's own chunk. A link of the start chain: ~2 us, estimated.
+SPLIT_COST = segment_split.SplitCost(0.89, 0.58, 2.0 / CHUNK_LATENCY_US, cached=True, first=1.15)
 SPLIT_COST_L2NORM = segment_split.SplitCost(1.11, 1.0, 2.0 / CHUNK_LATENCY_US)
 _LOG2E = math.log2(math.e)
 

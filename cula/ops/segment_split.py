@@ -32,15 +32,17 @@ RangeRunner = Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor | None, to
 
 
 class SplitCost(NamedTuple):
-    """A kernel's split passes: the correction and transition passes' cost per chunk as a fraction of a chunk of the
-    first pass, a link of the start chain (one small product per segment, in series) in the same unit, and whether
+    """A kernel's split passes: the correction and transition passes' cost per chunk as a fraction of a chunk of an
+    unsplit sequence, a link of the start chain (one small product per segment, in series) in the same unit, whether
     the later passes are ``cached`` (the first pass saves each chunk's intra-chunk matrices to a workspace, the
-    later passes load them; the kernel's ``intra`` option)."""
+    later passes load them; the kernel's ``intra`` option), and the first pass's cost per chunk in that unit (more
+    than 1 where an unsplit sequence runs a faster kernel than the split passes do)."""
 
     correction: float = 1.0
     transition: float = 1.0
     link: float = 0.0
     cached: bool = False
+    first: float = 1.0
 
 
 UNCACHED = SplitCost()  # every later pass makes each chunk again, at a first pass's cost
@@ -69,7 +71,7 @@ def _split_walks(chunks: list[int], seg: int, HV: int, num_sms: int, cost: Split
         links += len(pieces) - 1
     return (
         cost.link * links
-        + _walk(first, HV, num_sms)
+        + cost.first * _walk(first, HV, num_sms)
         + cost.correction * _walk(later, HV, num_sms)
         + cost.transition * _walk(middle, HV, num_sms)
     )
