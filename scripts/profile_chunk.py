@@ -38,7 +38,7 @@ OPS = {
         # there otherwise is not stamped by this script
         "replace": {"if uses_roles(head_dim, mode, qk_l2norm, intra):": "if False:"},
         "anchors": [
-            ("gates issued", "nxt = self.load_gates(mG, mBeta, b, hv, tok0, seqlen, c + 1, lane)", 1),
+            ("gates issued", "nxt = gates_sm90.load_gates(mG, mBeta, b, hv, tok0, seqlen, c + 1, lane, self.C)", 1),
             ("tiles landed", "cute.arch.mbarrier_wait(full + stage, (c // self.stages) % 2)", 1),
             ("KK^T / QK^T done", WAIT, 1),
             ("masks stored", BARRIER, 2),

@@ -8,12 +8,13 @@ only the state chain (S^T K^T / S^T Q^T, V_new, O, the state update):
 - WG0, load (24 registers): warp 0 issues the q | k tiles (3 stages) and the v tiles (2 stages) by TMA; warp 1 scans
   each chunk's gates into the gate slot of its q | k stage.
 - WG1, aux (104): K K^T and Q K^T (wgmma SS), the masks (A^T fp32 to ``sA``, P bf16 to the Tinv | P stage), Tinv by
-  :func:`cula.ops.sm90_blocks.solve_diag16` / ``solve_merge``.
+  :func:`cula.ops.sm90_blocks.solve_diag16` / ``solve_merge`` in fp32, then ``solve_to_bf16``.
 - WG2, WG3, state (192 each): value rows 0-63 / 64-127 of S^T as wgmma accumulators; V read and O staged with
   ``ldmatrix`` / ``stmatrix`` (transposed), O leaving by TMA (two staging buffers).
 
 Hand-offs are mbarrier rings (full: the data is there; empty: its last reader is done): q | k and its gate slot,
-v, Tinv | P.
+v, Tinv | P. On the H200 it is ~5-13 % faster than the two-warpgroup kernel (1.09 against 1.14 ms at B2 T16384
+H64); the aux role's solve still bounds it (NOTES.md, session 15).
 
 Shapes as :mod:`cula.gdn.chunk_fwd_sm90` with K = V = 128, ``mode="full"`` without the split passes' workspace.
 """
@@ -25,23 +26,30 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cute.nvgpu import warp as warp_ops
 
 from cula import runtime
-from cula.gdn.chunk_fwd_sm90 import GDNChunkFwdSm90
+from cula.gdn import gates_sm90
 from cula.ops import sm90_blocks as blocks
 from cula.ops import sm90_entry
+
+CHUNK = 64
 
 # barrier ids: 0 is the CTA's
 _AUX_BARRIER = 1
 _STATE_BARRIER = 2
 
 
-class GDNChunkFwdRolesSm90(GDNChunkFwdSm90):
-    """Fused GDN forward (D = 128, unsplit sequences) with load, aux and two state warpgroups; the gate helpers
-    (:meth:`load_gates`, :meth:`publish_gates`, :meth:`row_col_gates`) are the two-warpgroup kernel's."""
+class GDNChunkFwdRolesSm90:
+    """Fused GDN forward (D = 128, unsplit sequences) with load, aux and two state warpgroups."""
 
     def __init__(
         self, beta_fp32: bool = True, is_varlen: bool = False, has_initial_state: bool = False, state_v_first=False
     ):
-        super().__init__(128, beta_fp32, is_varlen, has_initial_state, state_v_first)
+        self.D = 128
+        self.C = CHUNK
+        self.beta_fp32 = beta_fp32
+        self.is_varlen = is_varlen
+        self.has_h0 = has_initial_state
+        self.state_v_first = state_v_first
+        self.a_stride = 68  # padded fp32 row of A^T: 16-byte aligned rows, conflict-free stores from the accumulator
         self.qk_stages = 3  # the aux role reads up to two chunks ahead of the state role
         self.v_stages = 2
         self.tp_stages = 2
@@ -282,9 +290,9 @@ class GDNChunkFwdRolesSm90(GDNChunkFwdSm90):
         _, qk_empty, g_full, _, _, _, _ = bars
         for c in cutlass.range(n_chunks, unroll=1):
             s = c % self.qk_stages
-            raw = self.load_gates(mG, mBeta, b, hv, tok0, seqlen, c, lane)
+            raw = gates_sm90.load_gates(mG, mBeta, b, hv, tok0, seqlen, c, lane, self.C)
             cute.arch.mbarrier_wait(qk_empty + s, (c // self.qk_stages + 1) % 2)
-            self.publish_gates(sG, sBeta, sFac, s, raw, c, seqlen, lane)
+            gates_sm90.publish_gates(sG, sBeta, sFac, s, raw, c, seqlen, lane, self.C)
             cute.arch.mbarrier_arrive(g_full + s)
 
     @cute.jit
@@ -318,7 +326,7 @@ class GDNChunkFwdRolesSm90(GDNChunkFwdSm90):
             warpgroup.fence()
             blocks.gemm(mma_ss, acc_x, tSSa[None, None, None, 1], tSSb, True)
             warpgroup.commit_group()
-            g_r, b_r, _ = self.row_col_gates(sG, sBeta, None, cSS, s)
+            g_r, b_r, _ = gates_sm90.row_col_gates(sG, sBeta, None, cSS, s, False)
             # a row's last unmasked column: the masks then depend on the chunk, and ptxas does not hoist 64
             # per-element predicates out of the loop (they spilled); rows past the end get none of A and all the
             # columns before the end of P (harmless: their outputs are not stored, V_new is zero there)

@@ -24,8 +24,6 @@ state_v_first). Varlen: B == 1 and cu_seqlens [N + 1]. GVA: value head hv reads 
 K = V = 64 or 128.
 """
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
@@ -33,6 +31,7 @@ import torch
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cula import runtime
+from cula.gdn import chunk_fwd_roles_sm90, gates_sm90
 from cula.ops import segment_split, sm90_entry
 from cula.ops import sm90_blocks as blocks
 from cula.ops.gates import L2NORM_EPS  # FLA's l2norm_fwd: x / sqrt(sum(x^2) + eps)
@@ -53,7 +52,6 @@ CHUNK_LATENCY_US = 4.3
 # whole chunk, not measured), in units of that kernel's own chunk. A link of the start chain: ~2 us, estimated.
 SPLIT_COST = segment_split.SplitCost(0.89, 0.58, 2.0 / CHUNK_LATENCY_US, cached=True, first=1.15)
 SPLIT_COST_L2NORM = segment_split.SplitCost(1.11, 1.0, 2.0 / CHUNK_LATENCY_US)
-_LOG2E = math.log2(math.e)
 
 
 def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, **_) -> tuple[bool, str]:
@@ -373,8 +371,8 @@ class GDNChunkFwdSm90:
 
         if warp == 0:
             if n_chunks > 0:
-                g0 = self.load_gates(mG, mBeta, b, hv, tok0, seqlen, cutlass.Int32(0), lane)
-                self.publish_gates(sG, sBeta, sFac, 0, g0, cutlass.Int32(0), seqlen, lane)
+                g0 = gates_sm90.load_gates(mG, mBeta, b, hv, tok0, seqlen, cutlass.Int32(0), lane, self.C)
+                gates_sm90.publish_gates(sG, sBeta, sFac, 0, g0, cutlass.Int32(0), seqlen, lane, self.C)
 
         # ---- per-thread MMA partitions (each warpgroup works on its own 64 rows)
         thr_ss = mma_ss.get_slice(wtid)
@@ -423,7 +421,7 @@ class GDNChunkFwdSm90:
 
             # the next chunk's gates: loaded here by every warp (no branch, so nothing waits for them), published
             # by warp 2 into the other slot later in the chunk
-            nxt = self.load_gates(mG, mBeta, b, hv, tok0, seqlen, c + 1, lane)
+            nxt = gates_sm90.load_gates(mG, mBeta, b, hv, tok0, seqlen, c + 1, lane, self.C)
             cute.arch.mbarrier_wait(full + stage, (c // self.stages) % 2)
 
             # ---- 1. WG0: A = strict-lower(beta_i K K^T exp(G_i - G_j)); WG1: P = lower(scale Q K^T exp(G_i - G_j))
@@ -441,7 +439,7 @@ class GDNChunkFwdSm90:
                     self.token_norms(acc_x, cSS, sQ[None, None, stage], sNorm, wg, wtid)
                     cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
                 # this thread's accumulator elements lie on 2 rows and 16 columns: their gates are read once
-                g_r, b_r, g_c = self.row_col_gates(sG, sBeta, sNorm, cSS, slot)
+                g_r, b_r, g_c = gates_sm90.row_col_gates(sG, sBeta, sNorm, cSS, slot, self.qk_l2norm)
                 if wg == 0:
                     for i in cutlass.range_constexpr(cute.size(acc_x)):
                         ra, ja = cSS[i]
@@ -490,7 +488,7 @@ class GDNChunkFwdSm90:
                 elif warp == 2:
                     # the next chunk's gates into the other slot (this chunk reads only its own; the other's last
                     # readers were done at the previous chunk's final barrier)
-                    self.publish_gates(sG, sBeta, sFac, 1 - slot, nxt, c + 1, seqlen, lane)
+                    gates_sm90.publish_gates(sG, sBeta, sFac, 1 - slot, nxt, c + 1, seqlen, lane, self.C)
                 cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
                 blocks.solve_merge(sA, sT, tidx, 1, self.threads)
                 cute.arch.fence_proxy("async.shared", space="cta")
@@ -569,7 +567,7 @@ class GDNChunkFwdSm90:
             if cutlass.const_expr(self.intra == "load"):
                 # (with the solve, the gates are published while warps 0-1 solve the diagonal blocks)
                 if warp == 2:
-                    self.publish_gates(sG, sBeta, sFac, 1 - slot, nxt, c + 1, seqlen, lane)
+                    gates_sm90.publish_gates(sG, sBeta, sFac, 1 - slot, nxt, c + 1, seqlen, lane, self.C)
             if cutlass.const_expr(self.intra == "save"):
                 if warp == 0:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -625,28 +623,6 @@ class GDNChunkFwdSm90:
                 cute.copy(tma_w, tWg[None, 2 * chunk + 1], tWs[None, 2 * s + 1], tma_bar_ptr=full + s)
 
     @cute.jit
-    def row_col_gates(self, sG, sBeta, sNorm, cCC, slot):
-        """Gates at this thread's 2 accumulator rows and 16 columns of a (C x C) tile (blocks.acc_row_slot /
-        acc_col_slot): G and beta per row, G per column. With qk_l2norm the
-        row's 1 / ||k|| joins beta and the column's log2 ||k|| joins G (2^(G_r - G_c - log2 ||k_c||))."""
-        f32 = cutlass.Float32
-        g_r = cute.make_rmem_tensor(cute.make_layout(2), f32)
-        b_r = cute.make_rmem_tensor(cute.make_layout(2), f32)
-        g_c = cute.make_rmem_tensor(cute.make_layout(16), f32)
-        for rr in cutlass.range_constexpr(2):
-            r, _ = cCC[2 * rr]  # the first element on row slot rr
-            g_r[rr] = sG[r, slot]
-            b_r[rr] = sBeta[r, slot]
-            if cutlass.const_expr(self.qk_l2norm):
-                b_r[rr] = b_r[rr] * sNorm[r, 0]
-        for kc in cutlass.range_constexpr(16):
-            _, j = cCC[blocks.acc_col_element(kc)]
-            g_c[kc] = sG[j, slot]
-            if cutlass.const_expr(self.qk_l2norm):
-                g_c[kc] = g_c[kc] + sNorm[j, 1]
-        return g_r, b_r, g_c
-
-    @cute.jit
     def token_norms(self, acc_kk, cSS, sQ, sNorm, wg, wtid):
         """Per-token norms of the chunk for qk_l2norm: WG0 takes ||k_t||^2 from the diagonal of its K K^T
         accumulator; WG1 sums the squares of a Q tile row (two threads per row, 64 columns each)."""
@@ -666,46 +642,6 @@ class GDNChunkFwdSm90:
             if half == 0:
                 sNorm[row, 2] = cute.math.rsqrt(acc + eps, fastmath=True)
 
-    @cute.jit
-    def load_gates(self, mG, mBeta, b, hv, tok0, seqlen, chunk, lane):
-        """Raw gates of one chunk, two tokens per lane. The token index is clamped into the sequence instead of
-        branching, so the loads stay in flight until :meth:`publish_gates` uses them (needs seqlen >= 1)."""
-        t = chunk * self.C + lane
-        t_lo = tok0 + cutlass.min(t, seqlen - 1)
-        t_hi = tok0 + cutlass.min(t + 32, seqlen - 1)
-        return mG[b, t_lo, hv], mG[b, t_hi, hv], mBeta[b, t_lo, hv], mBeta[b, t_hi, hv]
-
-    @cute.jit
-    def publish_gates(self, sG, sBeta, sFac, slot, gates, chunk, seqlen, lane):
-        """Inclusive prefix sum of g over the chunk (warp scan), stored in log2 units, with beta and the per-token
-        factors 2^G_t and 2^(G_last - G_t); tokens past the sequence end get g = 0, beta = 0 and a zero second
-        factor (G is flat past the end, so G_last is the chunk's total)."""
-        f32 = cutlass.Float32
-        g_lo, g_hi, b_lo, b_hi = gates
-        t = chunk * self.C + lane
-        zero = f32(0.0)
-        g_lo = g_lo if t < seqlen else zero
-        g_hi = g_hi if t + 32 < seqlen else zero
-        b_lo = b_lo.to(f32) if t < seqlen else zero
-        b_hi = b_hi.to(f32) if t + 32 < seqlen else zero
-        for i in cutlass.range_constexpr(5):
-            up_lo = cute.arch.shuffle_sync_up(g_lo, 1 << i)
-            up_hi = cute.arch.shuffle_sync_up(g_hi, 1 << i)
-            if lane >= (1 << i):
-                g_lo = g_lo + up_lo
-                g_hi = g_hi + up_hi
-        g_hi = g_hi + cute.arch.shuffle_sync(g_lo, 31)
-        sG[lane, slot] = g_lo * _LOG2E
-        sG[lane + 32, slot] = g_hi * _LOG2E
-        sBeta[lane, slot] = b_lo
-        sBeta[lane + 32, slot] = b_hi
-        G_lo, G_hi = g_lo * _LOG2E, g_hi * _LOG2E
-        G_last = cute.arch.shuffle_sync(G_hi, 31)
-        sFac[lane, slot, 0] = cute.math.exp2(G_lo, fastmath=True)
-        sFac[lane + 32, slot, 0] = cute.math.exp2(G_hi, fastmath=True)
-        sFac[lane, slot, 1] = cute.math.exp2(G_last - G_lo, fastmath=True) if t < seqlen else zero
-        sFac[lane + 32, slot, 1] = cute.math.exp2(G_last - G_hi, fastmath=True) if t + 32 < seqlen else zero
-
 
 # -------------------------------------------------------------------- compile + Python entry
 def compile_gdn_fwd_sm90(
@@ -721,10 +657,9 @@ def compile_gdn_fwd_sm90(
     intra="none",
 ):
     if uses_roles(head_dim, mode, qk_l2norm, intra):
-        # imported here: that module builds on this one's kernel class
-        from cula.gdn.chunk_fwd_roles_sm90 import compile_gdn_fwd_roles_sm90
-
-        return compile_gdn_fwd_roles_sm90(arch, keep_artifacts, beta_fp32, is_varlen, has_initial_state, state_v_first)
+        return chunk_fwd_roles_sm90.compile_gdn_fwd_roles_sm90(
+            arch, keep_artifacts, beta_fp32, is_varlen, has_initial_state, state_v_first
+        )
     kernel = GDNChunkFwdSm90(head_dim, beta_fp32, is_varlen, has_initial_state, state_v_first, mode, qk_l2norm, intra)
     fake = sm90_entry.fake_args(kernel.D, kernel.beta_fp32, kernel.state_v_first, per_key_gate=False)
     return runtime.compile_kernel(kernel, fake, arch, keep_artifacts)

@@ -1,0 +1,77 @@
+"""Device helpers shared by the two GDN SM90 kernels (:mod:`cula.gdn.chunk_fwd_sm90`,
+:mod:`cula.gdn.chunk_fwd_roles_sm90`): a chunk's gates loaded and published to a gate slot (G in log2 units, beta,
+2^G and 2^(G_last - G) per token), and the gates at a thread's rows and columns of a (C x C) wgmma accumulator."""
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+
+from cula.ops import sm90_blocks as blocks
+
+_LOG2E = math.log2(math.e)
+
+
+@cute.jit
+def row_col_gates(sG, sBeta, sNorm, cCC, slot, qk_l2norm: cutlass.Constexpr):
+    """Gates at this thread's 2 accumulator rows and 16 columns of a (C x C) tile (blocks.acc_row_slot /
+    acc_col_slot): G and beta per row, G per column. With qk_l2norm the
+    row's 1 / ||k|| joins beta and the column's log2 ||k|| joins G (2^(G_r - G_c - log2 ||k_c||))."""
+    f32 = cutlass.Float32
+    g_r = cute.make_rmem_tensor(cute.make_layout(2), f32)
+    b_r = cute.make_rmem_tensor(cute.make_layout(2), f32)
+    g_c = cute.make_rmem_tensor(cute.make_layout(16), f32)
+    for rr in cutlass.range_constexpr(2):
+        r, _ = cCC[2 * rr]  # the first element on row slot rr
+        g_r[rr] = sG[r, slot]
+        b_r[rr] = sBeta[r, slot]
+        if cutlass.const_expr(qk_l2norm):
+            b_r[rr] = b_r[rr] * sNorm[r, 0]
+    for kc in cutlass.range_constexpr(16):
+        _, j = cCC[blocks.acc_col_element(kc)]
+        g_c[kc] = sG[j, slot]
+        if cutlass.const_expr(qk_l2norm):
+            g_c[kc] = g_c[kc] + sNorm[j, 1]
+    return g_r, b_r, g_c
+
+
+@cute.jit
+def load_gates(mG, mBeta, b, hv, tok0, seqlen, chunk, lane, C: cutlass.Constexpr):
+    """Raw gates of one chunk, two tokens per lane. The token index is clamped into the sequence instead of
+    branching, so the loads stay in flight until :meth:`publish_gates` uses them (needs seqlen >= 1)."""
+    t = chunk * C + lane
+    t_lo = tok0 + cutlass.min(t, seqlen - 1)
+    t_hi = tok0 + cutlass.min(t + 32, seqlen - 1)
+    return mG[b, t_lo, hv], mG[b, t_hi, hv], mBeta[b, t_lo, hv], mBeta[b, t_hi, hv]
+
+
+@cute.jit
+def publish_gates(sG, sBeta, sFac, slot, gates, chunk, seqlen, lane, C: cutlass.Constexpr):
+    """Inclusive prefix sum of g over the chunk (warp scan), stored in log2 units, with beta and the per-token
+    factors 2^G_t and 2^(G_last - G_t); tokens past the sequence end get g = 0, beta = 0 and a zero second
+    factor (G is flat past the end, so G_last is the chunk's total)."""
+    f32 = cutlass.Float32
+    g_lo, g_hi, b_lo, b_hi = gates
+    t = chunk * C + lane
+    zero = f32(0.0)
+    g_lo = g_lo if t < seqlen else zero
+    g_hi = g_hi if t + 32 < seqlen else zero
+    b_lo = b_lo.to(f32) if t < seqlen else zero
+    b_hi = b_hi.to(f32) if t + 32 < seqlen else zero
+    for i in cutlass.range_constexpr(5):
+        up_lo = cute.arch.shuffle_sync_up(g_lo, 1 << i)
+        up_hi = cute.arch.shuffle_sync_up(g_hi, 1 << i)
+        if lane >= (1 << i):
+            g_lo = g_lo + up_lo
+            g_hi = g_hi + up_hi
+    g_hi = g_hi + cute.arch.shuffle_sync(g_lo, 31)
+    sG[lane, slot] = g_lo * _LOG2E
+    sG[lane + 32, slot] = g_hi * _LOG2E
+    sBeta[lane, slot] = b_lo
+    sBeta[lane + 32, slot] = b_hi
+    G_lo, G_hi = g_lo * _LOG2E, g_hi * _LOG2E
+    G_last = cute.arch.shuffle_sync(G_hi, 31)
+    sFac[lane, slot, 0] = cute.math.exp2(G_lo, fastmath=True)
+    sFac[lane + 32, slot, 0] = cute.math.exp2(G_hi, fastmath=True)
+    sFac[lane, slot, 1] = cute.math.exp2(G_last - G_lo, fastmath=True) if t < seqlen else zero
+    sFac[lane + 32, slot, 1] = cute.math.exp2(G_last - G_hi, fastmath=True) if t + 32 < seqlen else zero
