@@ -305,15 +305,7 @@ class GDNChunkFwdSm90:
         HV = mG.shape[2]
         h = hv // (HV // H)
 
-        # sequence bounds: varlen packs all sequences in batch 0
-        b = n
-        tok0 = cutlass.Int32(0)
-        seqlen = T
-        if cutlass.const_expr(self.is_varlen):
-            b = cutlass.Int32(0)
-            tok0 = cutlass.Int32(mStart[n])
-            seqlen = cutlass.Int32(mEnd[n]) - tok0
-        n_chunks = (seqlen + C - 1) // C
+        b, tok0, seqlen, n_chunks = blocks.sequence_bounds(n, T, mStart, mEnd, self.is_varlen, C)
 
         smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(self.storage)

@@ -2,6 +2,7 @@
 
 All are ``@cute.jit`` functions inlined into the calling kernel:
 
+- :func:`sequence_bounds`: a CTA's sequence (batch row, first token, length, chunks), fixed-length or varlen.
 - :func:`tma_view` / :func:`tma_chunk_tiles`: TMA views of a ``[B, T, heads, D]`` tensor cut in ``C``-token tiles.
 - :func:`gemm`: ``acc (+)= A B`` over all k-blocks with wgmma (issued, not waited).
 - :func:`acc_to_operand`: a (64 x N) fp32 wgmma accumulator as the bf16 register A operand of the next wgmma.
@@ -43,6 +44,20 @@ def tma_chunk_tiles(atom, gX, tok0, sX):
     tile = (cute.size(sX, mode=[0]), cute.size(sX, mode=[1]))
     gX = cute.local_tile(cute.domain_offset((tok0, 0), gX), tile, (None, 0))
     return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
+
+
+@cute.jit
+def sequence_bounds(n, T, mStart, mEnd, is_varlen: cutlass.Constexpr, C: cutlass.Constexpr):
+    """CTA row ``n``'s sequence: ``(batch row, first token, length, chunks of C)``. Varlen packs all sequences in
+    batch row 0 between ``mStart[n]`` and ``mEnd[n]``; otherwise sequence n is batch row n, ``T`` tokens."""
+    b = n
+    tok0 = cutlass.Int32(0)
+    seqlen = T
+    if cutlass.const_expr(is_varlen):
+        b = cutlass.Int32(0)
+        tok0 = cutlass.Int32(mStart[n])
+        seqlen = cutlass.Int32(mEnd[n]) - tok0
+    return b, tok0, seqlen, (seqlen + C - 1) // C
 
 
 @cute.jit
