@@ -1,12 +1,13 @@
 """Where a chunk's time goes in an SM90 chunk kernel: clock64 stamps between its steps, on a GPU.
 
-    python scripts/profile_chunk.py [--op gdn] [--B 2 --T 16384 --H 64] [--out stamps.json]
+    python scripts/profile_chunk.py [--op gdn|gdn_roles|kda] [--B 2 --T 16384 --H 64] [--out stamps.json]
 
-The kernel module's source is patched in memory (the package is left as it is): after each anchor line of the chunk
-loop, every warp's lane 0 of CTA (0, 0) writes the cycles since the loop began into the final-state tensor of that
-CTA (whose own state store is skipped). The report gives, per segment (anchor to anchor) and warp, the mean cycles
-over chunks 4 .. 131, and the kernel's wall time per chunk from CUDA events. The stamps add a few instructions per
-segment; the outputs of the patched kernel are not checked.
+The kernel module's source is patched in memory (the package is left as it is): after each anchor line of a chunk
+loop, every warp's lane 0 of CTA (0, 0) writes the cycles since its loop began into the final-state tensor of that
+CTA (whose own state store is skipped). The report gives, per warp, the mean cycles of each segment between the
+anchors that warp passes (in a warp-specialised kernel each role has its own chain) over chunks 4 .. N, and the
+kernel's wall time per chunk from CUDA events. The stamps add a few instructions per segment; the outputs of the
+patched kernel are not checked.
 """
 
 import argparse
@@ -20,14 +21,14 @@ from pathlib import Path
 
 import torch
 
-N_CHUNKS = 132  # chunks stamped per run: ht[0, 0] holds N_CHUNKS x markers x 8 floats
-WARPS = 8
+STAMPS = 128 * 128  # floats of ht[0, 0]: chunks x markers x warps
 
 # both kernels: the chunk loop's first line, the final-state store, and the lines most anchors are (stripped)
 LOOP = "for c in cutlass.range(n_chunks, unroll=1):"
 STATE_STORE = "blocks.store_state(acc_s, cST, mHt, n, hv, row0)"
 BARRIER = "cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)"
 WAIT = "warpgroup.wait_group(0)"
+AUX_BARRIER = "cute.arch.barrier(barrier_id=_AUX_BARRIER, number_of_threads=128)"
 
 # per op: the module, its entry, and the loop's anchors (stripped line text, occurrence after the loop start)
 OPS = {
@@ -48,6 +49,37 @@ OPS = {
             ("V_new waited", WAIT, 3),
             ("O / S products waited", WAIT, 4),
             ("O staged, chunk barrier", BARRIER, 5),
+        ],
+    },
+    "gdn_roles": {
+        "module": "cula/gdn/chunk_fwd_roles_sm90.py",
+        # the entry stays cula.gdn's; its compile function is pointed at the patched module's
+        "hook": ("cula.gdn.chunk_fwd_roles_sm90", "compile_gdn_fwd_roles_sm90"),
+        "entry": "chunk_gated_delta_rule_fwd_sm90",
+        "warps": 16,
+        # the aux role gets the stamps' tensor
+        "replace": {
+            "self.aux_role(mma_ss, sQK, sA, sTP, gates, bars, scale, seqlen, n_chunks, tidx - 128, warp - 4)": (
+                "self.aux_role(mma_ss, sQK, sA, sTP, gates, bars, scale, seqlen, n_chunks, tidx - 128, warp - 4, mHt)"
+            ),
+            "def aux_role(self, mma_ss, sQK, sA, sTP, gates, bars, scale, seqlen, n_chunks, atid, awarp):": (
+                "def aux_role(self, mma_ss, sQK, sA, sTP, gates, bars, scale, seqlen, n_chunks, atid, awarp, mHt):"
+            ),
+        },
+        "anchors": [
+            ("aux: tiles, gates landed", "cute.arch.mbarrier_wait(g_full + s, (c // self.qk_stages) % 2)", 1),
+            ("aux: K K^T waited", WAIT, 1),
+            ("aux: A masks, Q K^T waited", WAIT, 2),
+            ("aux: P stored", "cute.arch.mbarrier_arrive(qk_empty + s)", 1),
+            ("aux: diagonal blocks", AUX_BARRIER, 3),
+            ("aux: merge", AUX_BARRIER, 4),
+            ("aux: Tinv published", "cute.arch.mbarrier_arrive(tp_full + ts)", 1),
+            ("state: tiles, gates landed", "cute.arch.mbarrier_wait(v_full + vs, (c // self.v_stages) % 2)", 1),
+            ("state: S^T K^T / S^T Q^T waited", WAIT, 3),
+            ("state: Tinv waited", "cute.arch.mbarrier_wait(tp_full + ts, (c // self.tp_stages) % 2)", 1),
+            ("state: V_new waited", WAIT, 4),
+            ("state: O / S products waited", WAIT, 5),
+            ("state: O staged, barrier", "cute.arch.barrier(barrier_id=_STATE_BARRIER, number_of_threads=256)", 1),
         ],
     },
     "kda": {
@@ -74,13 +106,19 @@ OPS = {
 STAMP_FN = """
 
 @cute.jit
-def _stamp(mHt, t0, c, m: cutlass.Constexpr, warp, lane, n, hv):
-    if n == 0 and hv == 0 and lane == 0 and c < {n_chunks}:
+def _stamp(mHt, t0, c, m: cutlass.Constexpr):
+    hv, n, _ = cute.arch.block_idx()
+    warp = cute.arch.warp_idx()
+    if n == 0 and hv == 0 and cute.arch.lane_idx() == 0 and c < {n_chunks}:
         t = cute.arch.clock64()
         i = (c * {n_markers} + m) * {warps} + warp
         V = mHt.shape[3]
         mHt[0, 0, i // V, i % V] = (t - t0).to(cutlass.Float32)
 """
+
+
+def stamped_chunks(spec: dict) -> int:
+    return STAMPS // (len(spec["anchors"]) * spec.get("warps", 8))
 
 
 def patched_source(spec: dict, root: Path) -> str:
@@ -91,10 +129,10 @@ def patched_source(spec: dict, root: Path) -> str:
         hits = [i for i in range(loop + 1, len(lines)) if lines[i].strip() == text]
         at = hits[occurrence - 1]
         indent = re.match(r"\s*", lines[at]).group(0)
-        inserts.setdefault(at, []).append(f"{indent}_stamp(mHt, _t0, c, {m}, warp, lane, n, hv)")
+        inserts.setdefault(at, []).append(f"{indent}_stamp(mHt, _t0, c, {m})")
     out = []
     for i, s in enumerate(lines):
-        if i == loop:
+        if s.strip() == LOOP:  # every chunk loop (one per role in a warp-specialised kernel) starts its own clock
             out.append(re.match(r"\s*", s).group(0) + "_t0 = cute.arch.clock64()")
         for text, repl in spec.get("replace", {}).items():
             if s.strip() == text:
@@ -105,7 +143,7 @@ def patched_source(spec: dict, root: Path) -> str:
             continue
         out.append(s)
         out += inserts.get(i, [])
-    stamp = STAMP_FN.format(n_chunks=N_CHUNKS, n_markers=len(spec["anchors"]), warps=WARPS)
+    stamp = STAMP_FN.format(n_chunks=stamped_chunks(spec), n_markers=len(spec["anchors"]), warps=spec.get("warps", 8))
     return "\n".join(out) + stamp
 
 
@@ -120,6 +158,10 @@ def load_patched(op: str):
     module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(name, path))
     sys.modules[name] = module
     module.__spec__.loader.exec_module(module)
+    if "hook" in spec:
+        target, fn = spec["hook"]
+        setattr(importlib.import_module(target), fn, getattr(module, fn))
+        module = importlib.import_module("cula.gdn.chunk_fwd_sm90")
     return module, spec
 
 
@@ -128,7 +170,7 @@ def inputs(op: str, B: int, T: int, H: int, D: int = 128):
     q = torch.nn.functional.normalize(torch.randn(B, T, H, D, device=dev), dim=-1).bfloat16()
     k = torch.nn.functional.normalize(torch.randn(B, T, H, D, device=dev), dim=-1).bfloat16()
     v = torch.randn(B, T, H, D, device=dev).bfloat16()
-    gate_shape = (B, T, H, D) if op == "kda" else (B, T, H)
+    gate_shape = (B, T, H, D) if op == "kda" else (B, T, H)  # gdn, gdn_roles: one gate per head
     g = (torch.nn.functional.logsigmoid(torch.randn(gate_shape, device=dev) + 3) / 2).clamp(min=-5)
     beta = torch.rand(B, T, H, device=dev).sigmoid()
     return q, k, v, g.float(), beta.float()
@@ -151,7 +193,8 @@ def main():
         args = (*args[:3], torch.randn_like(args[3]).bfloat16(), args[4])
         options["gate"] = (None, None, -5.0)
     n_chunks = math.ceil(a.T / 64)
-    assert n_chunks >= N_CHUNKS, "the sequence must have at least N_CHUNKS chunks"
+    N = stamped_chunks(spec)
+    assert n_chunks >= N, f"the sequence must have at least {N} chunks"
 
     def run():
         return entry(*args, scale=None, output_final_state=True, split=False, **options)
@@ -166,25 +209,28 @@ def main():
     torch.cuda.synchronize()
     ms = start.elapsed_time(end) / 5
     names = [n for n, _, _ in spec["anchors"]]
-    M = len(names)
-    t = ht[0, 0].flatten()[: N_CHUNKS * M * WARPS].double().view(N_CHUNKS, M, WARPS).cpu()
-    # segment m: from marker m - 1 (the previous chunk's last marker for m = 0) to marker m
-    prev = torch.cat([t[:-1, -1:], t[1:, :-1]], dim=1)
-    seg = (t[1:] - prev)[3:]  # chunks 4 ..
-    mean = seg.mean(0)
-    per_chunk = (t[4:, -1] - t[3:-1, -1]).mean(0)
-    report = {
-        "op": a.op,
-        "shape": [a.B, a.T, a.H],
-        "kernel_ms": ms,
-        "us_per_chunk_wall": ms * 1e3 / n_chunks,
-        "cycles_per_chunk": per_chunk.tolist(),
-        "segments": {n: [round(x, 1) for x in mean[m].tolist()] for m, n in enumerate(names)},
-    }
+    M, W = len(names), spec.get("warps", 8)
+    t = ht[0, 0].flatten()[: N * M * W].double().view(N, M, W).cpu()
+    report = {"op": a.op, "shape": [a.B, a.T, a.H], "kernel_ms": ms, "us_per_chunk_wall": ms * 1e3 / n_chunks}
     print(f"{a.op} B{a.B} T{a.T} H{a.H}: {ms:.3f} ms, {report['us_per_chunk_wall']:.2f} us per chunk")
-    print(f"cycles per chunk (warps 0..7): {[round(x) for x in per_chunk.tolist()]}")
+    # per warp, the anchors it passed; segment m: from its previous anchor (the previous chunk's last for its first)
+    warps = {}
+    for w in range(W):
+        mine = [m for m in range(M) if t[1:, m, w].abs().sum() > 0]
+        if not mine:
+            continue
+        tw = t[:, mine, w]
+        prev = torch.cat([tw[:-1, -1:], tw[1:, :-1]], dim=1)
+        seg = (tw[1:] - prev)[3:].mean(0)
+        warps[w] = {
+            "cycles_per_chunk": (tw[4:, -1] - tw[3:-1, -1]).mean().item(),
+            "segments": {names[m]: round(seg[k].item(), 1) for k, m in enumerate(mine)},
+        }
+    report["warps"] = warps
     for n in names:
-        print(f"  {n:28s} " + " ".join(f"{x:7.0f}" for x in report["segments"][n]))
+        row = [f"{w}:{v['segments'][n]:.0f}" for w, v in warps.items() if n in v["segments"]]
+        print(f"  {n:34s} " + " ".join(row))
+    print("  cycles per chunk " + " ".join(f"{w}:{v['cycles_per_chunk']:.0f}" for w, v in warps.items()))
     if a.out:
         Path(a.out).write_text(json.dumps(report, indent=1))
 

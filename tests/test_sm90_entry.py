@@ -160,7 +160,7 @@ def test_varlen_offsets_only_on_the_device_still_split():
     torch.testing.assert_close(ht, ht_ref.float(), rtol=0.02, atol=0.02)
 
 
-@pytest.mark.parametrize("op", ["gdn", "kda"])
+@pytest.mark.parametrize("op", ["gdn", "gdn_roles", "kda"])
 def test_profile_script_finds_its_anchors_in_the_kernels(op):
     """scripts/profile_chunk.py patches clock stamps after anchor lines of each kernel's chunk loop: every anchor must
     still be there (one stamp each), so the dev tool keeps working as the kernels change."""
