@@ -44,6 +44,8 @@ SUPPORTED_DIMS = (64, 128)
 # the four-role kernel, 1.089 ms at B2 T16384 H64 = 256 chunks per CTA in one wave, 0.283 ms at B8 T2048 H32 = two
 # waves of 32); one CTA per SM.
 CHUNK_LATENCY_US = 4.3
+# with qk_l2norm the two-warpgroup kernel runs every chunk (1.461 ms at B2 T16384 H64, same run)
+CHUNK_LATENCY_L2NORM_US = 5.7
 # A split sequence's passes run the two-warpgroup kernel: its first pass saves each chunk's Tinv and P, the later
 # passes load them and run the state path alone. Per chunk (H200): correction 4.46 us and transition 2.91 against
 # 6.44 for a whole chunk when measured (B1 T8192 H64 cut at 4096), since scaled with the kernel to 3.8 and 2.5 us;
@@ -51,7 +53,7 @@ CHUNK_LATENCY_US = 4.3
 # four-role kernel. With qk_l2norm every pass makes everything again (correction 7.16 / 6.44; transition taken as a
 # whole chunk, not measured), in units of that kernel's own chunk. A link of the start chain: ~2 us, estimated.
 SPLIT_COST = segment_split.SplitCost(0.89, 0.58, 2.0 / CHUNK_LATENCY_US, cached=True, first=1.15)
-SPLIT_COST_L2NORM = segment_split.SplitCost(1.11, 1.0, 2.0 / CHUNK_LATENCY_US)
+SPLIT_COST_L2NORM = segment_split.SplitCost(1.11, 1.0, 2.0 / CHUNK_LATENCY_L2NORM_US)
 
 
 def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, **_) -> tuple[bool, str]:
@@ -73,7 +75,8 @@ def split_cost(qk_l2norm: bool) -> segment_split.SplitCost:
 def estimated_ms(lengths: list[int], HV: int, num_sms: int, qk_l2norm: bool = False) -> float:
     """The kernel's time for sequences of these lengths, split where the entry splits them (matches the H200
     timings of BENCHMARK_H200.md within about 30 %)."""
-    return segment_split.chunk_walk_ms(lengths, HV, num_sms, CHUNK_LATENCY_US, True, split_cost(qk_l2norm))
+    latency = CHUNK_LATENCY_L2NORM_US if qk_l2norm else CHUNK_LATENCY_US
+    return segment_split.chunk_walk_ms(lengths, HV, num_sms, latency, True, split_cost(qk_l2norm))
 
 
 def uses_roles(head_dim: int, mode: str, qk_l2norm: bool, intra: str) -> bool:
