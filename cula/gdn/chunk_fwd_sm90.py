@@ -1,4 +1,7 @@
-"""Gated DeltaNet chunked-prefill forward for SM90 (sm_90a), CuTe DSL.
+"""Gated DeltaNet chunked-prefill forward for SM90 (sm_90a), CuTe DSL: the entry, and the two-warpgroup kernel.
+
+The entry compiles the four-role kernel (:mod:`cula.gdn.chunk_fwd_roles_sm90`) for D = 128 unsplit calls without
+qk_l2norm (:func:`uses_roles`) and the kernel below for the rest: D = 64, the split passes, qk_l2norm.
 
 One CTA per (sequence, value head) walks the sequence in chunks of C = 64 tokens and keeps the fp32 state on chip
 across all chunks. Math per chunk (FLA convention; state S is K x V; G = cumulative log gate inside the chunk):
