@@ -40,15 +40,12 @@ _STATE_BARRIER = 2
 class GDNChunkFwdRolesSm90:
     """Fused GDN forward (D = 128, unsplit sequences) with load, aux and two state warpgroups."""
 
-    def __init__(
-        self, beta_fp32: bool = True, is_varlen: bool = False, has_initial_state: bool = False, state_v_first=False
-    ):
+    def __init__(self, is_varlen: bool = False, has_initial_state: bool = False):
+        # (beta's dtype and the state's storage order reach the kernel with its tensors: not constants of this class)
         self.D = 128
         self.C = CHUNK
-        self.beta_fp32 = beta_fp32
         self.is_varlen = is_varlen
         self.has_h0 = has_initial_state
-        self.state_v_first = state_v_first
         self.a_stride = 68  # padded fp32 row of A^T: 16-byte aligned rows, conflict-free stores from the accumulator
         self.qk_stages = 3  # the aux role reads up to two chunks ahead of the state role
         self.v_stages = 2
@@ -495,6 +492,6 @@ class GDNChunkFwdRolesSm90:
 def compile_gdn_fwd_roles_sm90(
     arch="sm_90a", keep_artifacts=False, beta_fp32=True, is_varlen=False, has_initial_state=False, state_v_first=False
 ):
-    kernel = GDNChunkFwdRolesSm90(beta_fp32, is_varlen, has_initial_state, state_v_first)
+    kernel = GDNChunkFwdRolesSm90(is_varlen, has_initial_state)
     fake = sm90_entry.fake_args(128, beta_fp32, state_v_first, per_key_gate=False)
     return runtime.compile_kernel(kernel, fake, arch, keep_artifacts)
