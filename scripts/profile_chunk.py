@@ -53,8 +53,10 @@ OPS = {
     },
     "gdn_roles": {
         "module": "cula/gdn/chunk_fwd_roles_sm90.py",
-        # the entry stays cula.gdn's; its compile function is pointed at the patched module's
-        "hook": ("cula.gdn.chunk_fwd_roles_sm90", "compile_gdn_fwd_roles_sm90"),
+        # the entry stays in its own module, whose call of this module's compile function is pointed at the patched
+        # module's
+        "hook": "compile_gdn_fwd_roles_sm90",
+        "entry_module": "cula.gdn.chunk_fwd_sm90",
         "entry": "chunk_gated_delta_rule_fwd_sm90",
         "warps": 16,
         # the aux role gets the stamps' tensor
@@ -161,9 +163,9 @@ def load_patched(op: str):
     sys.modules[name] = module
     module.__spec__.loader.exec_module(module)
     if "hook" in spec:
-        target, fn = spec["hook"]
-        setattr(importlib.import_module(target), fn, getattr(module, fn))
-        module = importlib.import_module("cula.gdn.chunk_fwd_sm90")
+        installed = importlib.import_module(spec["module"].removesuffix(".py").replace("/", "."))
+        setattr(installed, spec["hook"], getattr(module, spec["hook"]))
+        module = importlib.import_module(spec["entry_module"])
     return module, spec
 
 
