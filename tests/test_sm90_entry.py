@@ -100,7 +100,8 @@ def test_a_wrong_correction_pass_fails():
         (kernel, v)
         for kernel in ("gdn_chunk_fwd_sm90", "kda_chunk_fwd_sm90")
         for v in {**sm90_entry.CHECKED_VARIANTS, **sm90_entry.INTRA_VARIANTS}
-    ],
+    ]
+    + [("gdn_chunk_fwd_sm90", "[fixed length]")],
 )
 def test_kernel_variants_compile_for_sm90_on_cpu(kernel, variant):
     """Every checked variant of both chunk kernels compiles for sm_90a on the CPU, with wgmma and TMA in its PTX and

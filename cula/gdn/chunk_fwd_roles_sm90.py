@@ -316,38 +316,42 @@ class GDNChunkFwdRolesSm90:
             warpgroup.fence()
             blocks.gemm(mma_ss, acc_x, tSSa[None, None, None, 1], tSSb, True)
             warpgroup.commit_group()
-            g_r, b_r, _ = gates_sm90.row_col_gates(sG, sBeta, None, cSS, s, False)
+            g_r, b_r, g_c = gates_sm90.row_col_gates(sG, sBeta, None, cSS, s, False)
             # a row's last unmasked column: the masks then depend on the chunk, and ptxas does not hoist 64
             # per-element predicates out of the loop (they spilled); rows past the end get none of A and all the
             # columns before the end of P (harmless: their outputs are not stored, V_new is zero there)
             lim_a = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Int32)
-            lim_p = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Int32)
             for rr in cutlass.range_constexpr(2):
                 r, _ = cSS[2 * rr]
                 lim_a[rr] = r if r < L else 0
-                lim_p[rr] = cutlass.min(r, L - 1)
             warpgroup.wait_group(0)
             # the previous chunk's merge has read sA
             cute.arch.barrier(barrier_id=_AUX_BARRIER, number_of_threads=128)
             for i in cutlass.range_constexpr(cute.size(acc_x)):
                 ra, ja = cSS[i]
-                rr = blocks.acc_row_slot(i)
+                rr, kc = blocks.acc_row_slot(i), blocks.acc_col_slot(i)
                 va = f32(0.0)
                 if ja < lim_a[rr]:
-                    va = acc_x[i] * b_r[rr] * cute.math.exp2(g_r[rr] - sG[ja, s], fastmath=True)
+                    va = acc_x[i] * b_r[rr] * cute.math.exp2(g_r[rr] - g_c[kc], fastmath=True)
                 sA[ja, ra] = va  # transposed: the solver walks A column by column
             warpgroup.fence()
             blocks.gemm(mma_ss, acc_x, tSSa[None, None, None, 0], tSSb, True)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
             cute.arch.mbarrier_wait(tp_empty + ts, (c // self.tp_stages + 1) % 2)
+            # the gates read again: held across Q K^T they push loop invariants of the solve out to local memory
+            g_r, _, g_c = gates_sm90.row_col_gates(sG, sBeta, None, cSS, s, False)
+            lim_p = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Int32)
+            for rr in cutlass.range_constexpr(2):
+                r, _ = cSS[2 * rr]
+                lim_p[rr] = cutlass.min(r, L - 1)
             p_frag = cute.make_rmem_tensor(acc_x.layout, cutlass.BFloat16)
             for i in cutlass.range_constexpr(cute.size(acc_x)):
                 _, jp = cSS[i]
-                rr = blocks.acc_row_slot(i)
+                rr, kc = blocks.acc_row_slot(i), blocks.acc_col_slot(i)
                 vp = f32(0.0)
                 if jp <= lim_p[rr]:
-                    vp = acc_x[i] * scale * cute.math.exp2(g_r[rr] - sG[jp, s], fastmath=True)
+                    vp = acc_x[i] * scale * cute.math.exp2(g_r[rr] - g_c[kc], fastmath=True)
                 p_frag[i] = vp.to(cutlass.BFloat16)
             cute.copy(st_p, thr_stp.retile(p_frag), thr_stp.partition_D(sP))
             # q | k tiles and the gate slot read

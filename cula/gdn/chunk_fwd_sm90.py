@@ -697,4 +697,7 @@ def chunk_gated_delta_rule_fwd_sm90(
     )  # fmt: skip
 
 
-sm90_entry.register_checked_variants("gdn_chunk_fwd_sm90", compile_gdn_fwd_sm90, sm90_entry.INTRA_VARIANTS)
+# the four-role kernel's fixed-length form too: its register allocation differs from the varlen one's (it spilled alone)
+sm90_entry.register_checked_variants(
+    "gdn_chunk_fwd_sm90", compile_gdn_fwd_sm90, {**sm90_entry.INTRA_VARIANTS, "[fixed length]": {}}
+)
