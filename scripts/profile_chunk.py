@@ -1,6 +1,6 @@
 """Where a chunk's time goes in an SM90 chunk kernel: clock64 stamps between its steps, on a GPU.
 
-    python scripts/profile_chunk.py [--op gdn|gdn_roles|kda] [--B 2 --T 16384 --H 64] [--out stamps.json]
+    python scripts/profile_chunk.py [--op gdn|gdn_roles|kda] [--B 2 --T 16384 --H 64] [--out stamps.json] [--module PATH]
 
 The kernel module's source is patched in memory (the package is left as it is): after each anchor line of a chunk
 loop, every warp's lane 0 of CTA (0, 0) writes the cycles since its loop began into the final-state tensor of that
@@ -39,7 +39,7 @@ OPS = {
         # there otherwise is not stamped by this script
         "replace": {"if uses_roles(head_dim, mode, qk_l2norm, intra):": "if False:"},
         "anchors": [
-            ("gates issued", "nxt = gates_sm90.load_gates(mG, mBeta, b, hv, tok0, seqlen, c + 1, lane, self.C)", 1),
+            ("gates issued", "nxt = gates_sm90.load_gates(gG, gBeta, tok0, seqlen, c + 1, lane, self.C)", 1),
             ("tiles landed", "cute.arch.mbarrier_wait(full + stage, (c // self.stages) % 2)", 1),
             ("KK^T / QK^T done", WAIT, 1),
             ("masks stored", BARRIER, 2),
@@ -75,9 +75,9 @@ OPS = {
             ("aux: A masks stored", "warpgroup.fence()", 2),
             ("aux: Q K^T waited", WAIT, 2),
             ("aux: P stored", "cute.arch.mbarrier_arrive(qk_empty + s)", 1),
+            ("aux: barrier", AUX_BARRIER, 2),
             ("aux: diagonal blocks", AUX_BARRIER, 3),
-            ("aux: merge", AUX_BARRIER, 4),
-            ("aux: Tinv published", "cute.arch.mbarrier_arrive(tp_full + ts)", 1),
+            ("aux: merge, Tinv published", "cute.arch.mbarrier_arrive(tp_full + ts)", 1),
             ("state: tiles, gates landed", "cute.arch.mbarrier_wait(v_full + vs, (c // self.v_stages) % 2)", 1),
             ("state: S^T K^T / S^T Q^T waited", WAIT, 3),
             ("state: Tinv waited", "cute.arch.mbarrier_wait(tp_full + ts, (c // self.tp_stages) % 2)", 1),
@@ -125,8 +125,8 @@ def stamped_chunks(spec: dict) -> int:
     return STAMPS // (len(spec["anchors"]) * spec.get("warps", 8))
 
 
-def patched_source(spec: dict, root: Path) -> str:
-    lines = (root / spec["module"]).read_text().splitlines()
+def patched_source(spec: dict, root: Path, module: str | None = None) -> str:
+    lines = (root / (module or spec["module"])).read_text().splitlines()
     loop = next(i for i, s in enumerate(lines) if s.strip() == LOOP)
     inserts = {}
     for m, (_, text, occurrence) in enumerate(spec["anchors"]):
@@ -151,10 +151,10 @@ def patched_source(spec: dict, root: Path) -> str:
     return "\n".join(out) + stamp
 
 
-def load_patched(op: str):
+def load_patched(op: str, module: str | None = None):
     root = Path(__file__).resolve().parent.parent
     spec = OPS[op]
-    src = patched_source(spec, root)
+    src = patched_source(spec, root, module)
     # the DSL reads a kernel's source from its file: the patched module is a real file
     name = f"_cula_profiled_{op}"
     path = Path(tempfile.mkdtemp()) / f"{name}.py"
@@ -188,8 +188,9 @@ def main():
     p.add_argument("--H", type=int, default=64)
     p.add_argument("--out", default=None)
     p.add_argument("--gate-in-kernel", action="store_true", help="kda: a raw bf16 gate, activated by the kernel")
+    p.add_argument("--module", default=None, help="a variant of the op's module (same anchors), path from the root")
     a = p.parse_args()
-    module, spec = load_patched(a.op)
+    module, spec = load_patched(a.op, a.module)
     entry = getattr(module, spec["entry"])
     args = inputs(a.op, a.B, a.T, a.H)
     options = {}

@@ -1,8 +1,8 @@
-"""The chunk kernels' triangular inverse (cula.ops.sm90_blocks: solve_clear, solve_diag16, solve_merge,
-solve_to_bf16) alone: a test kernel inverts a batch of 64 x 64 unit-lower-triangular matrices the way the SM90 kernels
-do (bf16 written by the solve on 256 threads; or fp32 kept in A^T's buffer and converted at the end, on the 128
-threads of the GDN four-role kernel's aux warpgroup), compiled on the CPU (its merge must use the warp MMA in tf32) and
-checked on an SM90 GPU against an fp64 inverse."""
+"""The chunk kernels' triangular inverse (cula.ops.sm90_blocks: solve_clear, solve_diag16, solve_merge, and the
+one-warpgroup solve_diag16_per_warp, solve_merge_to_bf16) alone: a test kernel inverts a batch of 64 x 64
+unit-lower-triangular matrices the way the SM90 kernels do (on 256 threads, the diagonal blocks on warps 0-1; or on the
+128 threads of the GDN four-role kernel's aux warpgroup), compiled on the CPU (its merge must use the warp MMA in tf32)
+and checked on an SM90 GPU against an fp64 inverse."""
 
 import pytest
 import torch
@@ -20,12 +20,13 @@ A_STRIDE = 68  # as the kernels pad A^T's rows
 
 class SolveTest:
     """One CTA per matrix: ``a`` [N, C, C] fp32 (strictly lower) -> ``t`` [N, C, C] bf16 = (I + A)^-1, through
-    shared memory laid out as in the chunk kernels (A^T fp32 with padded rows, T bf16). ``via_fp32``: the solve keeps
-    fp32 results only and ``solve_to_bf16`` writes T, whose buffer starts as NaN (so every element must be written)."""
+    shared memory laid out as in the chunk kernels (A^T fp32 with padded rows, T bf16). ``one_warpgroup``: the
+    four-role kernel's solve, into a T buffer that starts as NaN but for the 32-block above the diagonal (zeros, as
+    its caller clears it once), so every other element must be written."""
 
-    def __init__(self, via_fp32: bool = False):
-        self.via_fp32 = via_fp32
-        self.threads = 128 if via_fp32 else 256
+    def __init__(self, one_warpgroup: bool = False):
+        self.one_warpgroup = one_warpgroup
+        self.threads = 128 if one_warpgroup else 256
 
     @cute.jit
     def __call__(self, mA, mT, stream):
@@ -46,39 +47,41 @@ class SolveTest:
             idx = tidx + it * self.threads
             i, j = idx // C, idx % C
             sA[j, i] = mA[n, i, j]  # stored transposed, as the kernels store A
-        if cutlass.const_expr(self.via_fp32):
+        if cutlass.const_expr(self.one_warpgroup):
             for it in cutlass.range_constexpr(C * C // self.threads):
                 idx = tidx + it * self.threads
-                sT[idx // C, idx % C] = cutlass.BFloat16(float("nan"))
+                i, j = idx // C, idx % C
+                sT[i, j] = cutlass.BFloat16(0.0) if i < 32 and j >= 32 else cutlass.BFloat16(float("nan"))
         else:
             blocks.solve_clear(sT, tidx, self.threads)
         cute.arch.sync_threads()
-        out = None if self.via_fp32 else sT
-        if warp < 2:
-            blocks.solve_diag16(sA, out, tidx)
-        cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
-        blocks.solve_merge(sA, out, tidx, 1, self.threads)
-        if cutlass.const_expr(self.via_fp32):
+        if cutlass.const_expr(self.one_warpgroup):
+            blocks.solve_diag16_per_warp(sA, tidx)
             cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
-            blocks.solve_to_bf16(sA, sT, tidx, self.threads)
+            blocks.solve_merge_to_bf16(sA, sT, tidx, 1)
+        else:
+            if warp < 2:
+                blocks.solve_diag16(sA, sT, tidx)
+            cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+            blocks.solve_merge(sA, sT, tidx, 1, self.threads)
         cute.arch.sync_threads()
         for it in cutlass.range_constexpr(C * C // self.threads):
             idx = tidx + it * self.threads
             mT[n, idx // C, idx % C] = sT[idx // C, idx % C]
 
 
-def _compile(arch=None, keep=False, via_fp32=False):
+def _compile(arch=None, keep=False, one_warpgroup=False):
     fake = [
         runtime.fake_tensor(cutlass.Float32, (runtime.sym_int(), C, C)),
         runtime.fake_tensor(cutlass.BFloat16, (runtime.sym_int(), C, C)),
         runtime.fake_stream(),
     ]
-    return runtime.compile_kernel(SolveTest(via_fp32), fake, arch=arch, keep_artifacts=keep)
+    return runtime.compile_kernel(SolveTest(one_warpgroup), fake, arch=arch, keep_artifacts=keep)
 
 
-@pytest.mark.parametrize("via_fp32", [False, True])
-def test_solve_compiles_with_tf32_warp_mma(via_fp32):
-    ptx = _compile("sm_90a", keep=True, via_fp32=via_fp32).artifacts.PTX
+@pytest.mark.parametrize("one_warpgroup", [False, True])
+def test_solve_compiles_with_tf32_warp_mma(one_warpgroup):
+    ptx = _compile("sm_90a", keep=True, one_warpgroup=one_warpgroup).artifacts.PTX
     assert ptx.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32") > 0
 
 
@@ -94,13 +97,13 @@ def _chunk_matrices(n, decay, beta_max, device):
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("decay,beta_max", [(0.0, 1.0), (0.05, 1.0), (0.5, 2.0)])
-@pytest.mark.parametrize("via_fp32", [False, True])
-def test_solve_matches_fp64_inverse(decay, beta_max, via_fp32):
+@pytest.mark.parametrize("one_warpgroup", [False, True])
+def test_solve_matches_fp64_inverse(decay, beta_max, one_warpgroup):
     A = _chunk_matrices(24, decay, beta_max, "cuda")
     eye = torch.eye(C, device="cuda", dtype=torch.float64)
     ref = torch.linalg.inv(eye + A)
     got = torch.full((A.shape[0], C, C), float("nan"), device="cuda", dtype=torch.bfloat16)
-    _compile(via_fp32=via_fp32)(A.float(), got)
+    _compile(one_warpgroup=one_warpgroup)(A.float(), got)
     torch.cuda.synchronize()
     assert not got.isnan().any()
     err = (got.double() - ref).norm(dim=(1, 2)) / ref.norm(dim=(1, 2))

@@ -8,13 +8,13 @@ only the state chain (S^T K^T / S^T Q^T, V_new, O, the state update):
 - WG0, load (24 registers): warp 0 issues the q | k tiles (3 stages) and the v tiles (2 stages) by TMA; warp 1 scans
   each chunk's gates into the gate slot of its q | k stage.
 - WG1, aux (104): K K^T and Q K^T (wgmma SS), the masks (A^T fp32 to ``sA``, P bf16 to the Tinv | P stage), Tinv by
-  :func:`cula.ops.sm90_blocks.solve_diag16` / ``solve_merge`` in fp32, then ``solve_to_bf16``.
+  :func:`cula.ops.sm90_blocks.solve_diag16_per_warp` / ``solve_merge_to_bf16``.
 - WG2, WG3, state (192 each): value rows 0-63 / 64-127 of S^T as wgmma accumulators; V read and O staged with
   ``ldmatrix`` / ``stmatrix`` (transposed), O leaving by TMA (two staging buffers).
 
 Hand-offs are mbarrier rings (full: the data is there; empty: its last reader is done): q | k and its gate slot,
-v, Tinv | P. On the H200 it is ~5-13 % faster than the two-warpgroup kernel (1.09 against 1.14 ms at B2 T16384
-H64); the aux role's solve still bounds it (NOTES.md, session 15).
+v, Tinv | P. The aux role's chain bounds it: alone it takes ~60 % of the kernel's time, and the state warpgroups'
+shared-memory and tensor-core traffic stretches it (NOTES.md, sessions 15-16).
 
 Shapes as :mod:`cula.gdn.chunk_fwd_sm90` with K = V = 128, ``mode="full"`` without the split passes' workspace.
 """
@@ -278,9 +278,10 @@ class GDNChunkFwdRolesSm90:
         issued before that wait)."""
         sG, sBeta, sFac = gates
         _, qk_empty, g_full, _, _, _, _ = bars
+        gG, gBeta = mG[b, None, hv], mBeta[b, None, hv]
         for c in cutlass.range(n_chunks, unroll=1):
             s = c % self.qk_stages
-            raw = gates_sm90.load_gates(mG, mBeta, b, hv, tok0, seqlen, c, lane, self.C)
+            raw = gates_sm90.load_gates(gG, gBeta, tok0, seqlen, c, lane, self.C)
             cute.arch.mbarrier_wait(qk_empty + s, (c // self.qk_stages + 1) % 2)
             gates_sm90.publish_gates(sG, sBeta, sFac, s, raw, c, seqlen, lane, self.C)
             cute.arch.mbarrier_arrive(g_full + s)
@@ -300,6 +301,9 @@ class GDNChunkFwdRolesSm90:
             cute.make_copy_atom(warp_ops.StMatrix8x8x16bOp(transpose=False, num_matrices=4), cutlass.BFloat16), mma_ss
         )
         thr_stp = st_p.get_slice(atid)
+        # Tinv's blocks above the diagonal stay zero (ordered for the state role by the first fence.proxy.async)
+        for ts in cutlass.range_constexpr(self.tp_stages):
+            blocks.solve_clear(sTP[None, None, 0, ts], atid, 128)
         for c in cutlass.range(n_chunks, unroll=1):
             s = c % self.qk_stages
             ts = c % self.tp_stages
@@ -357,12 +361,9 @@ class GDNChunkFwdRolesSm90:
             # q | k tiles and the gate slot read
             cute.arch.mbarrier_arrive(qk_empty + s)
             cute.arch.barrier(barrier_id=_AUX_BARRIER, number_of_threads=128)
-            if awarp < 2:
-                blocks.solve_diag16(sA, None, atid)
+            blocks.solve_diag16_per_warp(sA, atid)
             cute.arch.barrier(barrier_id=_AUX_BARRIER, number_of_threads=128)
-            blocks.solve_merge(sA, None, atid, _AUX_BARRIER, 128)
-            cute.arch.barrier(barrier_id=_AUX_BARRIER, number_of_threads=128)
-            blocks.solve_to_bf16(sA, sT, atid, 128)
+            blocks.solve_merge_to_bf16(sA, sT, atid, _AUX_BARRIER)
             # P and Tinv are read by the state role's wgmma (async proxy)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.mbarrier_arrive(tp_full + ts)

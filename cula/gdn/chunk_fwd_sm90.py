@@ -367,9 +367,10 @@ class GDNChunkFwdSm90:
                 if s < n_chunks:
                     self.issue_tma(tma, full, cutlass.Int32(s), lane)
 
+        gG, gBeta = mG[b, None, hv], mBeta[b, None, hv]
         if warp == 0:
             if n_chunks > 0:
-                g0 = gates_sm90.load_gates(mG, mBeta, b, hv, tok0, seqlen, cutlass.Int32(0), lane, self.C)
+                g0 = gates_sm90.load_gates(gG, gBeta, tok0, seqlen, cutlass.Int32(0), lane, self.C)
                 gates_sm90.publish_gates(sG, sBeta, sFac, 0, g0, cutlass.Int32(0), seqlen, lane, self.C)
 
         # ---- per-thread MMA partitions (each warpgroup works on its own 64 rows)
@@ -419,7 +420,7 @@ class GDNChunkFwdSm90:
 
             # the next chunk's gates: loaded here by every warp (no branch, so nothing waits for them), published
             # by warp 2 into the other slot later in the chunk
-            nxt = gates_sm90.load_gates(mG, mBeta, b, hv, tok0, seqlen, c + 1, lane, self.C)
+            nxt = gates_sm90.load_gates(gG, gBeta, tok0, seqlen, c + 1, lane, self.C)
             cute.arch.mbarrier_wait(full + stage, (c // self.stages) % 2)
 
             # ---- 1. WG0: A = strict-lower(beta_i K K^T exp(G_i - G_j)); WG1: P = lower(scale Q K^T exp(G_i - G_j))

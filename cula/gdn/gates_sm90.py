@@ -36,13 +36,15 @@ def row_col_gates(sG, sBeta, sNorm, cCC, slot, qk_l2norm: cutlass.Constexpr):
 
 
 @cute.jit
-def load_gates(mG, mBeta, b, hv, tok0, seqlen, chunk, lane, C: cutlass.Constexpr):
-    """Raw gates of one chunk, two tokens per lane. The token index is clamped into the sequence instead of
-    branching, so the loads stay in flight until :meth:`publish_gates` uses them (needs seqlen >= 1)."""
+def load_gates(gG, gBeta, tok0, seqlen, chunk, lane, C: cutlass.Constexpr):
+    """Raw gates of one chunk, two tokens per lane, from one head's gates ``gG`` / ``gBeta`` (``mG[b, None, hv]``:
+    sliced once, outside the chunk loop, they cost the gate warp fewer registers). The token index is clamped into
+    the sequence instead of branching, so the loads stay in flight until :meth:`publish_gates` uses them (needs
+    seqlen >= 1)."""
     t = chunk * C + lane
     t_lo = tok0 + cutlass.min(t, seqlen - 1)
     t_hi = tok0 + cutlass.min(t + 32, seqlen - 1)
-    return mG[b, t_lo, hv], mG[b, t_hi, hv], mBeta[b, t_lo, hv], mBeta[b, t_hi, hv]
+    return gG[t_lo], gG[t_hi], gBeta[t_lo], gBeta[t_hi]
 
 
 @cute.jit

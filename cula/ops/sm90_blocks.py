@@ -13,11 +13,10 @@ All are ``@cute.jit`` functions inlined into the calling kernel:
 - :func:`row_sum_squares`: a bf16 tile row's sum of squares (q / k L2 norms).
 - :func:`load_state` / :func:`store_state`: a warpgroup's rows of S^T between its accumulator and global memory.
 - :func:`store_o_rows`: an output tile staged in shared memory to global memory, rows past the end masked.
-- :func:`solve_clear` (once), then per chunk :func:`solve_diag16` and :func:`solve_merge` (or both without ``sT``,
-  then :func:`solve_to_bf16`): ``(I + A)^-1`` for a
-  strictly lower (64 x 64) ``A`` (the chunk's WY/UT inverse) by 16-blocks: the diagonal ones by forward
-  substitution on warps 0-1 (15 serial steps per column instead of 63), then two merge levels as warp MMAs in tf32
-  on warps 0-3 (on the H200: ~2 us, then ~0.7 us less per GDN chunk than the step before).
+- :func:`solve_clear` (once), then per chunk :func:`solve_diag16` and :func:`solve_merge` (or, on one warpgroup,
+  :func:`solve_diag16_per_warp` and :func:`solve_merge_to_bf16`): ``(I + A)^-1`` for a strictly lower (64 x 64)
+  ``A`` (the chunk's WY/UT inverse) by 16-blocks: the diagonal ones by forward substitution (15 serial steps per
+  column instead of 63), then two merge levels as warp MMAs in tf32 on warps 0-3.
 """
 
 import cutlass
@@ -196,7 +195,7 @@ def solve_diag16(sAt, sT, tid):
     """Level 0 of the blocked ``(I + A)^-1`` (64 x 64, A strictly lower, given transposed in ``sAt``: fp32,
     ``sAt[j, i] = A[i, j]``, rows 16-byte aligned). ``tid`` in [0, 64) inverts column ``tid % 16`` of diagonal
     16-block ``tid // 16`` by right-looking forward substitution (15 steps instead of 63 for the whole matrix) and
-    writes it to ``sT`` (bf16; not when ``sT`` is None) and, fp32 and row-major, over that diagonal block of ``sAt``. Only the block's own
+    writes it to ``sT`` (bf16) and, fp32 and row-major, over that diagonal block of ``sAt``. Only the block's own
     16 threads (half a warp) read that block, so a warp barrier orders the overwrite. :func:`solve_merge` follows
     after a CTA barrier."""
     f32 = cutlass.Float32
@@ -219,8 +218,36 @@ def solve_diag16(sAt, sT, tid):
     cute.arch.sync_warp()
     for i in cutlass.range_constexpr(n):
         sAt[o + i, o + col] = acc[i]
-        if cutlass.const_expr(sT is not None):
-            sT[o + i, o + col] = acc[i].to(cutlass.BFloat16)
+        sT[o + i, o + col] = acc[i].to(cutlass.BFloat16)
+
+
+@cute.jit
+def solve_diag16_per_warp(sAt, tid):
+    """:func:`solve_diag16` for a whole warpgroup, fp32 results only: ``tid`` in [0, 128), warp w inverts diagonal
+    16-block w, lanes l and l + 16 both work column l % 16 and lanes below 16 store it. No thread idles, so the
+    caller needs no branch around it (ptxas predicates a warp-uniform one instruction by instruction)."""
+    f32 = cutlass.Float32
+    n = 16
+    o = (tid // 32) * n
+    col = tid % n
+    # r = e_col - (the updates so far): x_j = r[j] once step j is reached. e_col is made from A's zero diagonal:
+    # ptxas cannot hoist a shared load out of the chunk loop (the constant e_col it hoisted and spilled)
+    zero = sAt[o + col, o + col]
+    r = cute.make_rmem_tensor(cute.make_layout(n), f32)
+    for i in cutlass.range_constexpr(n):
+        r[i] = zero + f32(1.0) if i == col else zero
+    a4 = cute.make_rmem_tensor(cute.make_layout((1, 4)), f32)
+    for j in cutlass.range_constexpr(n - 1):
+        xj = r[j]
+        for blk in cutlass.range_constexpr((j + 1) // 4, n // 4):
+            cute.autovec_copy(cute.local_tile(sAt, (1, 4), (o + j, o // 4 + blk)), a4)
+            for e in cutlass.range_constexpr(4):
+                if 4 * blk + e > j:
+                    r[4 * blk + e] = r[4 * blk + e] - a4[0, e] * xj
+    cute.arch.sync_warp()
+    if tid % 32 < n:
+        for i in cutlass.range_constexpr(n):
+            sAt[o + i, o + col] = r[i]
 
 
 @cute.jit
@@ -277,7 +304,7 @@ def _join_columns(sAt, sT, tiled_mma, lane, a, s: cutlass.Constexpr, stage_row, 
     """One warp's share of a merge level of :func:`solve_merge`: columns [8 nt, 8 nt + 8) of
     ``T_21 = -T_hi (A_21 T_lo)`` for the diagonal (s x s) inverses T_lo at (a, a) and T_hi at (a + s, a + s) (row-major
     in ``sAt``, A_21 read from A^T), the middle product staged at ``sAt[stage_row + k, 8 nt + n]``. T_21 goes to ``sT``
-    (bf16) and, with ``keep``, into ``sAt`` row-major. At s = 32 the 16-blocks above the diagonal of T_lo and T_hi
+    (bf16; not when None) and, with ``keep``, into ``sAt`` row-major. At s = 32 the 16-blocks above the diagonal of T_lo and T_hi
     still hold A^T and are masked."""
     ld = cute.size(sAt, mode=[1])  # row stride of sAt
     masked = s == 32
@@ -309,7 +336,7 @@ def _join_columns(sAt, sT, tiled_mma, lane, a, s: cutlass.Constexpr, stage_row, 
     )
     for e in cutlass.range_constexpr(cute.size(acc)):
         i, n = cc[e]
-        if cutlass.const_expr(keep or sT is None):
+        if cutlass.const_expr(keep):
             sAt[a + s + i, a + 8 * nt + n] = -acc[e]
         if cutlass.const_expr(sT is not None):
             sT[a + s + i, a + 8 * nt + n] = (-acc[e]).to(cutlass.BFloat16)
@@ -318,8 +345,7 @@ def _join_columns(sAt, sT, tiled_mma, lane, a, s: cutlass.Constexpr, stage_row, 
 @cute.jit
 def solve_merge(sAt, sT, tid, barrier_id: cutlass.Constexpr, num_threads: cutlass.Constexpr):
     """Levels 1 and 2 of the blocked inverse, after :func:`solve_diag16` and a barrier of ``num_threads`` (128 or
-    256) threads, on warps 0-3 and the tensor cores (warp MMA, tf32 operands, fp32 sums); ``sT`` None: fp32 results into ``sAt`` only (then
-    :func:`solve_to_bf16`). Each level joins two
+    256) threads, on warps 0-3 and the tensor cores (warp MMA, tf32 operands, fp32 sums). Each level joins two
     diagonal inverses T_lo, T_hi with ``T_21 = -T_hi (A_21 T_lo)``, a warp per 8 columns of T_21 making both
     products for them (16 -> 32 for both 32-blocks at once, then 32 -> 64), so only warp barriers order a level's
     two products. Results go to ``sT`` (bf16), whose blocks above the diagonal 16-blocks must hold zeros (written
@@ -327,8 +353,6 @@ def solve_merge(sAt, sT, tid, barrier_id: cutlass.Constexpr, num_threads: cutlas
     and products stage in its rows 32-63, columns 0-31. The blocks of A^T above the diagonal that are not yet
     overwritten are masked, not read as zeros."""
     assert num_threads in (128, 256)
-    # without sT, level 2's T_21 is kept in sAt too (rows 32-63, columns 0-31: the warp's own staged columns, read
-    # into its fragments before it writes them), so that sAt ends holding Tinv for solve_to_bf16
     warp = tid // 32
     lane = tid % 32
     tiled = cute.make_tiled_mma(warp_mma.MmaTF32Op((16, 8, 8)), (1, 1, 1))
@@ -342,24 +366,29 @@ def solve_merge(sAt, sT, tid, barrier_id: cutlass.Constexpr, num_threads: cutlas
 
 
 @cute.jit
-def solve_to_bf16(sAt, sT, tid, num_threads: cutlass.Constexpr):
-    """After :func:`solve_diag16` and :func:`solve_merge` with ``sT`` None (and a barrier): Tinv, fp32 row-major in
-    the 16-block lower triangle of ``sAt``, to ``sT`` (bf16, any swizzle) in 8-element rows, zeros above the diagonal
-    16-blocks. A few swizzled addresses per thread instead of one per element (ptxas hoists those out of a chunk
-    loop: 48 per thread spilled in a 104-register warpgroup)."""
-    C = cute.size(sT, mode=[0])
-    per_row = C // 8
+def solve_merge_to_bf16(sAt, sT, tid, barrier_id: cutlass.Constexpr):
+    """:func:`solve_merge` on one warpgroup (``tid`` in [0, 128)) after :func:`solve_diag16_per_warp`, writing Tinv to
+    ``sT`` (bf16, any swizzle) with no fp32 pass after it: level 1 keeps its T_21 in ``sAt`` (fp32) only; then the
+    two diagonal 32-blocks, final, are converted (zeros above their diagonal 16-blocks) while level 2 writes its
+    T_21 straight to ``sT``. The 32-block above the diagonal of ``sT`` is never written: it must hold zeros
+    (:func:`solve_clear` once). A caller's ``fence.proxy.async`` then orders each thread's own writes: no barrier."""
+    warp = tid // 32
+    lane = tid % 32
+    tiled = cute.make_tiled_mma(warp_mma.MmaTF32Op((16, 8, 8)), (1, 1, 1))
+    _join_columns(sAt, None, tiled, lane, 32 * (warp // 2), 16, 32 + 16 * (warp // 2), warp % 2, True)
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=128)
+    # the diagonal 32-blocks: row tid // 2, 16 columns from 32 (row // 32) + 16 (tid % 2), as 2 x 8 bf16
+    r = tid // 2
+    q0 = 4 * (r // 32) + 2 * (tid % 2)  # first 4-float (and 8-bf16 / 2) group of the row's 16 columns
     f4 = cute.make_rmem_tensor(cute.make_layout((1, 4)), cutlass.Float32)
     out = cute.make_rmem_tensor(cute.make_layout((1, 8)), cutlass.BFloat16)
-    for it in cutlass.range_constexpr(C * per_row // num_threads):
-        idx = tid + it * num_threads
-        r = idx // per_row
-        q = idx % per_row
-        for h in cutlass.range_constexpr(2):
-            cute.autovec_copy(cute.local_tile(sAt, (1, 4), (r, 2 * q + h)), f4)
+    for h8 in cutlass.range_constexpr(2):
+        for h4 in cutlass.range_constexpr(2):
+            cute.autovec_copy(cute.local_tile(sAt, (1, 4), (r, 2 * (q0 + h8) + h4)), f4)
             for e in cutlass.range_constexpr(4):
                 x = f4[0, e]
-                if (8 * q) // 16 > r // 16:
+                if (tid % 2) * 16 > r % 32:  # the upper 16-block of a diagonal 32-block
                     x = cutlass.Float32(0.0)
-                out[0, 4 * h + e] = x.to(cutlass.BFloat16)
-        cute.autovec_copy(out, cute.local_tile(sT, (1, 8), (r, q)))
+                out[0, 4 * h4 + e] = x.to(cutlass.BFloat16)
+        cute.autovec_copy(out, cute.local_tile(sT, (1, 8), (r, q0 + h8)))
+    _join_columns(sAt, sT, tiled, lane, 0, 32, 32, warp, False)
