@@ -3,8 +3,9 @@
 #   bash scripts/gpu_check.sh OUTDIR [benchmark arguments...]     (SKIP_GPU_TESTS=1: the benchmark only)
 # FLA autotunes each op at each new shape on its first call (up to minutes). Its choices are kept on disk
 # (TRITON_CACHE_AUTOTUNING) and packed into OUTDIR/fla_autotune.tgz; a later run reads them back from
-# FLA_AUTOTUNE_TGZ (default: benchmarks/results/fla_autotune_h200.tgz, FLA's GDN and KDA forward choices for every
-# grid, from the project's H200 with triton 3.6) and skips that autotuning. On the project's H200 test machine, first
+# FLA_AUTOTUNE_TGZ (default: benchmarks/results/fla_autotune_h200.tgz, FLA's GDN, KDA and GLA forward choices for
+# the core, varlen, long and layer grids, not simple_gla's, from the project's H200 with triton 3.6) and skips that
+# autotuning. On the project's H200 test machine, first
 # `. .device/b/setup.sh` (see NOTES.md, "GPU runs").
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUTDIR [benchmark args]}

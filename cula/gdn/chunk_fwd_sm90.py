@@ -43,19 +43,20 @@ CHUNK = 64
 MODES = ("full", "transition", "correction")  # see GDNChunkFwdSm90 and cula.ops.segment_split
 INTRA = ("none", "save", "load")  # see GDNChunkFwdSm90.__init__
 SUPPORTED_DIMS = (64, 128)
-# One CTA walks its chunks in series at about this many microseconds each (H200, benchmarks/results/h200_fwd.json:
-# the four-role kernel, 1.089 ms at B2 T16384 H64 = 256 chunks per CTA in one wave, 0.283 ms at B8 T2048 H32 = two
-# waves of 32); one CTA per SM.
-CHUNK_LATENCY_US = 4.3
-# with qk_l2norm the two-warpgroup kernel runs every chunk (1.461 ms at B2 T16384 H64, same run)
+# One CTA walks its chunks in series at about this many microseconds each (H200: the four-role kernel, ~0.94 ms at
+# B2 T16384 H64 = 256 chunks per CTA in one wave through the public entry, 2026-12-04 session 16); one CTA per SM.
+CHUNK_LATENCY_US = 3.7
+# with qk_l2norm the two-warpgroup kernel runs every chunk (1.461 ms at B2 T16384 H64, session 15)
 CHUNK_LATENCY_L2NORM_US = 5.7
 # A split sequence's passes run the two-warpgroup kernel: its first pass saves each chunk's Tinv and P, the later
 # passes load them and run the state path alone. Per chunk (H200): correction 4.46 us and transition 2.91 against
 # 6.44 for a whole chunk when measured (B1 T8192 H64 cut at 4096), since scaled with the kernel to 3.8 and 2.5 us;
-# the first pass 1.15 x 4.3 us, from B1 T8192 H64 split in two (0.568 ms, 2026-12-04) against ~0.545 unsplit on the
-# four-role kernel. With qk_l2norm every pass makes everything again (correction 7.16 / 6.44; transition taken as a
+# the first pass ~4.95 us, from B1 T8192 H64 split in two (0.568 ms, 2026-12-04). Below in units of the four-role
+# kernel's chunk. With qk_l2norm every pass makes everything again (correction 7.16 / 6.44; transition taken as a
 # whole chunk, not measured), in units of that kernel's own chunk. A link of the start chain: ~2 us, estimated.
-SPLIT_COST = segment_split.SplitCost(0.89, 0.58, 2.0 / CHUNK_LATENCY_US, cached=True, first=1.15)
+SPLIT_COST = segment_split.SplitCost(
+    3.83 / CHUNK_LATENCY_US, 2.49 / CHUNK_LATENCY_US, 2.0 / CHUNK_LATENCY_US, cached=True, first=4.95 / CHUNK_LATENCY_US
+)
 SPLIT_COST_L2NORM = segment_split.SplitCost(1.11, 1.0, 2.0 / CHUNK_LATENCY_L2NORM_US)
 
 
