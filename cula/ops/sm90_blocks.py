@@ -304,8 +304,8 @@ def _join_columns(sAt, sT, tiled_mma, lane, a, s: cutlass.Constexpr, stage_row, 
     """One warp's share of a merge level of :func:`solve_merge`: columns [8 nt, 8 nt + 8) of
     ``T_21 = -T_hi (A_21 T_lo)`` for the diagonal (s x s) inverses T_lo at (a, a) and T_hi at (a + s, a + s) (row-major
     in ``sAt``, A_21 read from A^T), the middle product staged at ``sAt[stage_row + k, 8 nt + n]``. T_21 goes to ``sT``
-    (bf16; not when None) and, with ``keep``, into ``sAt`` row-major. At s = 32 the 16-blocks above the diagonal of T_lo and T_hi
-    still hold A^T and are masked."""
+    (bf16; not when None) and, with ``keep``, into ``sAt`` row-major. At s = 32 the 16-blocks above the diagonal of
+    T_lo and T_hi still hold A^T and are masked."""
     ld = cute.size(sAt, mode=[1])  # row stride of sAt
     masked = s == 32
     # M = A_21 T_lo: A_21[i, k] = A[a + s + i, a + k] = sAt[a + k, a + s + i]; T_lo[k, n] = sAt[a + k, a + 8 nt + n]
