@@ -196,3 +196,19 @@ def test_gdn_d128_unsplit_runs_the_four_role_kernel():
     assert "ldmatrix.sync.aligned.m8n8.x4.trans" in ptx and "stmatrix.sync.aligned.m8n8.x4.trans" in ptx
     old = compile_gdn_fwd_sm90("sm_90a", True, 64, False, True, True, True).artifacts.PTX
     assert ".reqntid 256" in old and "setmaxnreg" not in old
+
+
+def test_tree_comparison_script_parses(monkeypatch):
+    """scripts/ab_trees.py (GPU-side A/B of source trees) keeps a worker that compiles and a working command line."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("ab_trees", root / "scripts" / "ab_trees.py")
+    ab_trees = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab_trees)
+    compile(ab_trees.WORKER, "ab_trees_worker", "exec")
+    monkeypatch.setattr("sys.argv", ["ab_trees.py", "--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        ab_trees.main()
+    assert exit_info.value.code == 0

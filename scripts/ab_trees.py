@@ -1,0 +1,95 @@
+"""Time one op's SM90 entry in several source trees of cuLA, side by side on the same GPU, and compare their outputs.
+
+    python scripts/ab_trees.py [--op gdn|kda] [--shapes 2x16384x64,8x2048x32] [--split] [--l2norm] TREE [TREE ...]
+
+A tree is a folder holding a ``cula`` package: this checkout (``.``) or another revision extracted into the
+repository, for instance ``mkdir -p dev_trees/merge && git archive gdn-merge-registers cula | tar -x -C
+dev_trees/merge`` (plain files travel with the working tree to the GPU machine; a ``git worktree`` would be a nested
+repository, sent without its files). Each tree runs in its own subprocess, in the order given, on inputs made from
+one seed, and times
+the op's public SM90 entry with ``triton.testing.do_bench``; the first tree's outputs are the reference for the
+largest absolute difference of the others' (o and final state). Trees are timed in turn, the first again at the
+end, so drift between calls shows.
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+WORKER = r"""
+import json, sys, torch
+from triton.testing import do_bench
+tree, op, shapes, split, l2norm, out_dir, tag = sys.argv[1:8]
+sys.path.insert(0, tree)
+import cula
+assert cula.__file__.startswith(tree.rstrip("/")), cula.__file__
+if op == "gdn":
+    from cula.gdn.chunk_fwd_sm90 import chunk_gated_delta_rule_fwd_sm90 as entry
+else:
+    from cula.kda.chunk_fwd_sm90 import chunk_kda_fwd_sm90 as entry
+split = {"auto": None, "on": True, "off": False}[split]
+rows = []
+for shape in shapes.split(","):
+    B, T, H = (int(x) for x in shape.split("x"))
+    g = torch.Generator(device="cuda").manual_seed(B * 1000003 + T * 101 + H)
+    def rnd(*s):
+        return torch.randn(*s, device="cuda", generator=g)
+    q, k = rnd(B, T, H, 128), rnd(B, T, H, 128)
+    if l2norm == "0":
+        q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
+    q, k, v = q.bfloat16(), k.bfloat16(), rnd(B, T, H, 128).bfloat16()
+    gate = (B, T, H, 128) if op == "kda" else (B, T, H)
+    gl = (torch.nn.functional.logsigmoid(rnd(*gate) + 3) / 2).clamp(min=-5).float()
+    beta = torch.rand(B, T, H, device="cuda", generator=g).float()
+    kw = {"qk_l2norm": True} if l2norm == "1" else {}
+    def run():
+        return entry(q, k, v, gl, beta, output_final_state=True, split=split, **kw)
+    o, ht = run()
+    torch.cuda.synchronize()
+    torch.save((o.cpu(), ht.cpu()), f"{out_dir}/{shape}.{tag}.pt")
+    rows.append({"shape": shape, "ms": do_bench(run, warmup=50, rep=300), "nan": bool(o.isnan().any() or ht.isnan().any())})
+print(json.dumps(rows))
+"""
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--op", default="gdn", choices=["gdn", "kda"])
+    p.add_argument("--shapes", default="2x16384x64,8x2048x32,1x8192x64", help="comma list of BxTxH")
+    p.add_argument("--split", default="auto", choices=["auto", "on", "off"], help="the entry's split argument")
+    p.add_argument("--l2norm", action="store_true", help="raw q / k normalised by the kernel (qk_l2norm)")
+    p.add_argument("--out", default=None, help="write the table as JSON here")
+    p.add_argument("trees", nargs="+")
+    a = p.parse_args()
+    import torch
+
+    order = [*a.trees, a.trees[0]] if len(a.trees) > 1 else a.trees
+    results = []
+    with tempfile.TemporaryDirectory() as out_dir:
+        for i, tree in enumerate(order):
+            root = str(Path(tree).resolve())
+            args = [root, a.op, a.shapes, a.split, "1" if a.l2norm else "0", out_dir, str(i)]
+            done = subprocess.run([sys.executable, "-c", WORKER, *args], capture_output=True, text=True)
+            if done.returncode != 0:
+                print(f"{tree}: failed\n{done.stderr[-3000:]}", flush=True)
+                results.append({"tree": tree, "rows": None})
+                continue
+            rows = json.loads(done.stdout.strip().splitlines()[-1])
+            for row in rows:
+                if i > 0 and results[0]["rows"] is not None:
+                    o0, h0 = torch.load(f"{out_dir}/{row['shape']}.0.pt")
+                    o1, h1 = torch.load(f"{out_dir}/{row['shape']}.{i}.pt")
+                    row["max_diff_o"] = (o1.float() - o0.float()).abs().max().item()
+                    row["max_diff_state"] = (h1 - h0).abs().max().item()
+                print(f"{tree:40s} {row['shape']:14s} {row['ms']:.4f} ms  " + json.dumps(row), flush=True)
+            results.append({"tree": tree, "rows": rows})
+    if a.out:
+        Path(a.out).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
