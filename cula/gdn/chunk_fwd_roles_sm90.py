@@ -241,7 +241,7 @@ class GDNChunkFwdRolesSm90:
                 self.gate_role(mG, mBeta, gates, bars, b, hv, tok0, seqlen, n_chunks, lane)
         elif wg == 1:
             cute.arch.setmaxregister_decrease(self.regs_aux)
-            self.aux_role(mma_ss, sQK, sA, sTP, gates, bars, scale, seqlen, n_chunks, tidx - 128, warp - 4)
+            self.aux_role(mma_ss, sQK, sA, sTP, gates, bars, scale, seqlen, n_chunks, tidx - 128)
         else:
             cute.arch.setmaxregister_increase(self.regs_state)
             self.state_role(
@@ -287,7 +287,7 @@ class GDNChunkFwdRolesSm90:
             cute.arch.mbarrier_arrive(g_full + s)
 
     @cute.jit
-    def aux_role(self, mma_ss, sQK, sA, sTP, gates, bars, scale, seqlen, n_chunks, atid, awarp):
+    def aux_role(self, mma_ss, sQK, sA, sTP, gates, bars, scale, seqlen, n_chunks, atid):
         """One warpgroup: per chunk, A = strict-lower(beta_i K K^T 2^(G_i - G_j)) (fp32, transposed, to ``sA``),
         P = lower(scale Q K^T 2^(G_i - G_j)) and Tinv = (I + A)^-1 (bf16, to Tinv | P stage c % 2)."""
         f32 = cutlass.Float32
