@@ -40,12 +40,14 @@ _STATE_BARRIER = 2
 class GDNChunkFwdRolesSm90:
     """Fused GDN forward (D = 128, unsplit sequences) with load, aux and two state warpgroups."""
 
-    def __init__(self, is_varlen: bool = False, has_initial_state: bool = False):
+    def __init__(self, is_varlen: bool = False, has_initial_state: bool = False, intra_save: bool = False):
         # (beta's dtype and the state's storage order reach the kernel with its tensors: not constants of this class)
         self.D = 128
         self.C = CHUNK
         self.is_varlen = is_varlen
         self.has_h0 = has_initial_state
+        # a split sequence's first pass: each chunk's Tinv and P also go to the workspace w for the later passes
+        self.intra_save = intra_save
         self.a_stride = 68  # padded fp32 row of A^T: 16-byte aligned rows, conflict-free stores from the accumulator
         self.qk_stages = 3  # the aux role reads up to two chunks ahead of the state role
         self.v_stages = 2
@@ -87,6 +89,13 @@ class GDNChunkFwdRolesSm90:
         tma_o, mOt = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), blocks.tma_view(o), one_tile, (C, D)
         )
+        # the Tinv / P workspace [ranges, chunks * 2 * C, HV, C] (chunk c's Tinv at rows 2 c C, its P after them);
+        # unused without intra_save (q's atom stands in for it)
+        tma_w, mW = tma_q, mQ
+        if cutlass.const_expr(self.intra_save):
+            tma_w, mW = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), blocks.tma_view(w), cute.slice_(tile_tp, (None, None, 0, 0)), (C, C)
+            )
 
         qk_stages, v_stages, tp_stages = self.qk_stages, self.v_stages, self.tp_stages
 
@@ -123,6 +132,8 @@ class GDNChunkFwdRolesSm90:
             mV,
             tma_o,
             mOt,
+            tma_w,
+            mW,
             g,
             beta,
             o,
@@ -157,6 +168,8 @@ class GDNChunkFwdRolesSm90:
         mV,
         tma_o,
         mOt,
+        tma_w,
+        mW,
         mG,
         mBeta,
         mO,
@@ -241,7 +254,13 @@ class GDNChunkFwdRolesSm90:
                 self.gate_role(mG, mBeta, gates, bars, b, hv, tok0, seqlen, n_chunks, lane)
         elif wg == 1:
             cute.arch.setmaxregister_decrease(self.regs_aux)
-            self.aux_role(mma_ss, sQK, sA, sTP, gates, bars, scale, seqlen, n_chunks, tidx - 128, warp - 4)
+            # with intra_save, (C, C) tiles of this (range, head)'s workspace: 2 c for chunk c's Tinv, 2 c + 1 for its
+            # P; smem tiles 2 t (Tinv) and 2 t + 1 (P) of Tinv | P stage t
+            save = None
+            if cutlass.const_expr(self.intra_save):
+                tWs, tWg = blocks.tma_chunk_tiles(tma_w, mW[None, None, hv, n], 0, cute.group_modes(sTP, 2, 4))
+                save = (tma_w, tWs, tWg)
+            self.aux_role(mma_ss, sQK, sA, sTP, gates, bars, scale, seqlen, n_chunks, tidx - 128, warp - 4, save)
         else:
             cute.arch.setmaxregister_increase(self.regs_state)
             self.state_role(
@@ -287,7 +306,7 @@ class GDNChunkFwdRolesSm90:
             cute.arch.mbarrier_arrive(g_full + s)
 
     @cute.jit
-    def aux_role(self, mma_ss, sQK, sA, sTP, gates, bars, scale, seqlen, n_chunks, atid, awarp):
+    def aux_role(self, mma_ss, sQK, sA, sTP, gates, bars, scale, seqlen, n_chunks, atid, awarp, save):
         """One warpgroup: per chunk, A = strict-lower(beta_i K K^T 2^(G_i - G_j)) (fp32, transposed, to ``sA``),
         P = lower(scale Q K^T 2^(G_i - G_j)) and Tinv = (I + A)^-1 (bf16, to Tinv | P stage c % 2)."""
         f32 = cutlass.Float32
@@ -329,6 +348,11 @@ class GDNChunkFwdRolesSm90:
                 r, _ = cSS[2 * rr]
                 lim_a[rr] = r if r < L else 0
             warpgroup.wait_group(0)
+            if cutlass.const_expr(self.intra_save):
+                if awarp == 0:
+                    # this Tinv | P stage's last save (chunk c - 2) has read it before the barrier below, after which
+                    # P and Tinv are written there again
+                    cute.arch.cp_async_bulk_wait_group(1, read=True)
             # the previous chunk's merge has read sA
             cute.arch.barrier(barrier_id=_AUX_BARRIER, number_of_threads=128)
             for i in cutlass.range_constexpr(cute.size(acc_x)):
@@ -367,6 +391,17 @@ class GDNChunkFwdRolesSm90:
             # P and Tinv are read by the state role's wgmma (async proxy)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.mbarrier_arrive(tp_full + ts)
+            if cutlass.const_expr(self.intra_save):
+                if awarp == 0:
+                    # every aux thread has fenced its part (the stage's full barrier), then one TMA store group
+                    tma_w, tWs, tWg = save
+                    cute.arch.mbarrier_wait(tp_full + ts, (c // self.tp_stages) % 2)
+                    cute.copy(tma_w, tWs[None, 2 * ts], tWg[None, 2 * c])
+                    cute.copy(tma_w, tWs[None, 2 * ts + 1], tWg[None, 2 * c + 1])
+                    cute.arch.cp_async_bulk_commit_group()
+        if cutlass.const_expr(self.intra_save):
+            if awarp == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def state_role(
@@ -495,8 +530,15 @@ class GDNChunkFwdRolesSm90:
 
 
 def compile_gdn_fwd_roles_sm90(
-    arch="sm_90a", keep_artifacts=False, beta_fp32=True, is_varlen=False, has_initial_state=False, state_v_first=False
+    arch="sm_90a",
+    keep_artifacts=False,
+    beta_fp32=True,
+    is_varlen=False,
+    has_initial_state=False,
+    state_v_first=False,
+    intra="none",
 ):
-    kernel = GDNChunkFwdRolesSm90(is_varlen, has_initial_state)
+    assert intra in ("none", "save")
+    kernel = GDNChunkFwdRolesSm90(is_varlen, has_initial_state, intra == "save")
     fake = sm90_entry.fake_args(128, beta_fp32, state_v_first, per_key_gate=False)
     return runtime.compile_kernel(kernel, fake, arch, keep_artifacts)

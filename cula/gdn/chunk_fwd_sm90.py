@@ -85,9 +85,10 @@ def estimated_ms(lengths: list[int], HV: int, num_sms: int, qk_l2norm: bool = Fa
 
 def uses_roles(head_dim: int, mode: str, qk_l2norm: bool, intra: str) -> bool:
     """Whether a launch runs the four-role kernel (:mod:`cula.gdn.chunk_fwd_roles_sm90`, faster: its intra-chunk
-    matrices are made a chunk ahead of the state chain) instead of :class:`GDNChunkFwdSm90`: D = 128 without the split
-    passes and without qk_l2norm; the others are not written for it yet."""
-    return head_dim == 128 and mode == "full" and intra == "none" and not qk_l2norm
+    matrices are made a chunk ahead of the state chain) instead of :class:`GDNChunkFwdSm90`: D = 128 whole sequences
+    or a split's first pass (saving Tinv and P), without qk_l2norm; the later split passes, D = 64 and qk_l2norm are
+    not written for it yet."""
+    return head_dim == 128 and mode == "full" and intra in ("none", "save") and not qk_l2norm
 
 
 class GDNChunkFwdSm90:
@@ -658,7 +659,7 @@ def compile_gdn_fwd_sm90(
 ):
     if uses_roles(head_dim, mode, qk_l2norm, intra):
         return chunk_fwd_roles_sm90.compile_gdn_fwd_roles_sm90(
-            arch, keep_artifacts, beta_fp32, is_varlen, has_initial_state, state_v_first
+            arch, keep_artifacts, beta_fp32, is_varlen, has_initial_state, state_v_first, intra
         )
     kernel = GDNChunkFwdSm90(head_dim, beta_fp32, is_varlen, has_initial_state, state_v_first, mode, qk_l2norm, intra)
     fake = sm90_entry.fake_args(kernel.D, kernel.beta_fp32, kernel.state_v_first, per_key_gate=False)
@@ -701,5 +702,12 @@ def chunk_gated_delta_rule_fwd_sm90(
 
 # the four-role kernel's fixed-length form too: its register allocation differs from the varlen one's (it spilled alone)
 sm90_entry.register_checked_variants(
-    "gdn_chunk_fwd_sm90", compile_gdn_fwd_sm90, {**sm90_entry.INTRA_VARIANTS, "[fixed length]": {}}
+    "gdn_chunk_fwd_sm90",
+    compile_gdn_fwd_sm90,
+    {
+        **sm90_entry.INTRA_VARIANTS,
+        "[fixed length]": {},
+        # the two-warpgroup kernel's save path (D = 64; at D = 128 "[intra save]" is the four-role kernel's)
+        "[D=64, intra save]": {"head_dim": 64, "is_varlen": True, "has_initial_state": True, "intra": "save"},
+    },
 )
