@@ -85,10 +85,11 @@ def estimated_ms(lengths: list[int], HV: int, num_sms: int, qk_l2norm: bool = Fa
 
 def uses_roles(head_dim: int, mode: str, qk_l2norm: bool, intra: str) -> bool:
     """Whether a launch runs the four-role kernel (:mod:`cula.gdn.chunk_fwd_roles_sm90`, faster: its intra-chunk
-    matrices are made a chunk ahead of the state chain) instead of :class:`GDNChunkFwdSm90`: D = 128 whole sequences
-    or a split's first pass (saving Tinv and P), without qk_l2norm; the later split passes, D = 64 and qk_l2norm are
-    not written for it yet."""
-    return head_dim == 128 and mode == "full" and intra in ("none", "save") and not qk_l2norm
+    matrices are made a chunk ahead of the state chain) instead of :class:`GDNChunkFwdSm90`: D = 128 without qk_l2norm,
+    whole sequences and every split pass (the first saves Tinv and P, the later load them); D = 64, qk_l2norm and
+    split passes that make Tinv and P again are not written for it."""
+    split_pass = (mode == "full" and intra in ("none", "save")) or (mode != "full" and intra == "load")
+    return head_dim == 128 and split_pass and not qk_l2norm
 
 
 class GDNChunkFwdSm90:
@@ -659,7 +660,7 @@ def compile_gdn_fwd_sm90(
 ):
     if uses_roles(head_dim, mode, qk_l2norm, intra):
         return chunk_fwd_roles_sm90.compile_gdn_fwd_roles_sm90(
-            arch, keep_artifacts, beta_fp32, is_varlen, has_initial_state, state_v_first, intra
+            arch, keep_artifacts, beta_fp32, is_varlen, has_initial_state, state_v_first, mode, intra
         )
     kernel = GDNChunkFwdSm90(head_dim, beta_fp32, is_varlen, has_initial_state, state_v_first, mode, qk_l2norm, intra)
     fake = sm90_entry.fake_args(kernel.D, kernel.beta_fp32, kernel.state_v_first, per_key_gate=False)
@@ -707,7 +708,9 @@ sm90_entry.register_checked_variants(
     {
         **sm90_entry.INTRA_VARIANTS,
         "[fixed length]": {},
-        # the two-warpgroup kernel's save path (D = 64; at D = 128 "[intra save]" is the four-role kernel's)
+        # the two-warpgroup kernel's split passes with saved matrices (D = 64; at D = 128 the "[intra ...]" variants
+        # are the four-role kernel's)
         "[D=64, intra save]": {"head_dim": 64, "is_varlen": True, "has_initial_state": True, "intra": "save"},
+        "[D=64, intra load, correction]": {"head_dim": 64, "is_varlen": True, "mode": "correction", "intra": "load"},
     },
 )
