@@ -61,11 +61,13 @@ OPS = {
         "warps": 16,
         # the aux role gets the stamps' tensor
         "replace": {
-            "self.aux_role(mma_ss, sQK, sA, sTP, gates, bars, scale, seqlen, n_chunks, tidx - 128)": (
-                "self.aux_role(mma_ss, sQK, sA, sTP, gates, bars, scale, seqlen, n_chunks, tidx - 128, mHt)"
+            "self.aux_role(mma_ss, sQK, sA, sTP, gates, bars, scale, seqlen, n_chunks, tidx - 128, warp - 4, save)": (
+                "self.aux_role(mma_ss, sQK, sA, sTP, gates, bars, scale, seqlen, n_chunks, tidx - 128, warp - 4, save,"
+                " mHt)"
             ),
-            "def aux_role(self, mma_ss, sQK, sA, sTP, gates, bars, scale, seqlen, n_chunks, atid):": (
-                "def aux_role(self, mma_ss, sQK, sA, sTP, gates, bars, scale, seqlen, n_chunks, atid, mHt):"
+            "def aux_role(self, mma_ss, sQK, sA, sTP, gates, bars, scale, seqlen, n_chunks, atid, awarp, save):": (
+                "def aux_role(self, mma_ss, sQK, sA, sTP, gates, bars, scale, seqlen, n_chunks, atid, awarp, save,"
+                " mHt):"
             ),
         },
         "anchors": [

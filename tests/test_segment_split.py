@@ -69,6 +69,9 @@ def test_plan_segments():
     # many heads or balanced batches: walking whole sequences is at least as fast
     assert plan_segments([8192], 64, 132) is None
     assert plan_segments([2048] * 8, 32, 132) is None
+    # a split's own cost (launches, allocations) counts once: larger than the walk it saves, no split
+    assert plan_segments([65536], 8, 132, cost=SplitCost(fixed=1000.0)) is None
+    assert plan_segments([65536], 8, 132, cost=SplitCost(fixed=100.0)) is not None
     # cut points are chunk multiples inside each sequence, and the split is expected to win
     lengths = [40000, 100, 9000]
     cuts = plan_segments(lengths, 4, 132)

@@ -40,12 +40,26 @@ _STATE_BARRIER = 2
 class GDNChunkFwdRolesSm90:
     """Fused GDN forward (D = 128, unsplit sequences) with load, aux and two state warpgroups."""
 
-    def __init__(self, is_varlen: bool = False, has_initial_state: bool = False):
+    def __init__(
+        self, is_varlen: bool = False, has_initial_state: bool = False, mode: str = "full", intra: str = "none"
+    ):
         # (beta's dtype and the state's storage order reach the kernel with its tensors: not constants of this class)
+        assert (mode == "full" and intra in ("none", "save")) or (
+            mode in ("transition", "correction") and intra == "load"
+        )
         self.D = 128
         self.C = CHUNK
         self.is_varlen = is_varlen
         self.has_h0 = has_initial_state
+        # a split sequence's passes (cula.ops.segment_split): the first ("full", intra "save") also stores each
+        # chunk's Tinv and P to the workspace w; the later ones ("transition": v = 0 from S = I, no output;
+        # "correction": v = 0 from the given states, output added to o) load them by TMA and have no aux role
+        self.mode = mode
+        self.intra_save = intra == "save"
+        self.intra_load = intra == "load"
+        self.make_o = mode != "transition"
+        # the tile that arrives in the v stages: v; in "correction" the first pass's o of the chunk; none in "transition"
+        self.v_src = {"full": "v", "correction": "o"}.get(mode)
         self.a_stride = 68  # padded fp32 row of A^T: 16-byte aligned rows, conflict-free stores from the accumulator
         self.qk_stages = 3  # the aux role reads up to two chunks ahead of the state role
         self.v_stages = 2
@@ -83,10 +97,18 @@ class GDNChunkFwdRolesSm90:
         op = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, mQ = cpasync.make_tiled_tma_atom(op, blocks.tma_view(q), one_tile, (C, D))
         tma_k, mK = cpasync.make_tiled_tma_atom(op, blocks.tma_view(k), one_tile, (C, D))
-        tma_v, mV = cpasync.make_tiled_tma_atom(op, blocks.tma_view(v), one_tile, (C, D))
+        tma_v, mV = cpasync.make_tiled_tma_atom(op, blocks.tma_view(o if self.v_src == "o" else v), one_tile, (C, D))
         tma_o, mOt = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), blocks.tma_view(o), one_tile, (C, D)
         )
+        # the Tinv / P workspace [ranges, chunks * 2 * C, HV, C] (chunk c's Tinv at rows 2 c C, its P after them);
+        # unused without intra_save (q's atom stands in for it)
+        tma_w, mW = tma_q, mQ
+        if cutlass.const_expr(self.intra_save or self.intra_load):
+            w_op = cpasync.CopyBulkTensorTileS2GOp() if self.intra_save else op
+            tma_w, mW = cpasync.make_tiled_tma_atom(
+                w_op, blocks.tma_view(w), cute.slice_(tile_tp, (None, None, 0, 0)), (C, C)
+            )
 
         qk_stages, v_stages, tp_stages = self.qk_stages, self.v_stages, self.tp_stages
 
@@ -123,6 +145,8 @@ class GDNChunkFwdRolesSm90:
             mV,
             tma_o,
             mOt,
+            tma_w,
+            mW,
             g,
             beta,
             o,
@@ -157,6 +181,8 @@ class GDNChunkFwdRolesSm90:
         mV,
         tma_o,
         mOt,
+        tma_w,
+        mW,
         mG,
         mBeta,
         mO,
@@ -216,13 +242,14 @@ class GDNChunkFwdRolesSm90:
             qk_full, qk_empty, g_full, v_full, v_empty, tp_full, tp_empty = bars
             for s in cutlass.range_constexpr(self.qk_stages):
                 cute.arch.mbarrier_init(qk_full + s, 1)
-                cute.arch.mbarrier_init(qk_empty + s, 384)  # the aux and both state warpgroups' threads
+                # the aux (without intra load) and both state warpgroups' threads
+                cute.arch.mbarrier_init(qk_empty + s, 256 if self.intra_load else 384)
                 cute.arch.mbarrier_init(g_full + s, 32)  # the gate warp's lanes
             for s in cutlass.range_constexpr(self.v_stages):
                 cute.arch.mbarrier_init(v_full + s, 1)
                 cute.arch.mbarrier_init(v_empty + s, 256)
             for s in cutlass.range_constexpr(self.tp_stages):
-                cute.arch.mbarrier_init(tp_full + s, 128)
+                cute.arch.mbarrier_init(tp_full + s, 1 if self.intra_load else 128)  # TMA, or the aux threads
                 cute.arch.mbarrier_init(tp_empty + s, 256)
             cute.arch.mbarrier_init_fence()
         if warp == 0:
@@ -236,12 +263,23 @@ class GDNChunkFwdRolesSm90:
         if wg == 0:
             cute.arch.setmaxregister_decrease(self.regs_load)
             if warp == 0:
-                self.load_role(tma_q, mQ, tma_k, mK, tma_v, mV, sQK, sV, bars, h, hv, b, tok0, n_chunks)
+                load_tp = None
+                if cutlass.const_expr(self.intra_load):
+                    tWs, tWg = blocks.tma_chunk_tiles(tma_w, mW[None, None, hv, n], 0, cute.group_modes(sTP, 2, 4))
+                    load_tp = (tma_w, tWs, tWg)
+                self.load_role(tma_q, mQ, tma_k, mK, tma_v, mV, sQK, sV, bars, h, hv, b, tok0, n_chunks, load_tp)
             elif warp == 1:
                 self.gate_role(mG, mBeta, gates, bars, b, hv, tok0, seqlen, n_chunks, lane)
         elif wg == 1:
             cute.arch.setmaxregister_decrease(self.regs_aux)
-            self.aux_role(mma_ss, sQK, sA, sTP, gates, bars, scale, seqlen, n_chunks, tidx - 128)
+            # with intra_save, (C, C) tiles of this (range, head)'s workspace: 2 c for chunk c's Tinv, 2 c + 1 for its
+            # P; smem tiles 2 t (Tinv) and 2 t + 1 (P) of Tinv | P stage t
+            save = None
+            if cutlass.const_expr(self.intra_save):
+                tWs, tWg = blocks.tma_chunk_tiles(tma_w, mW[None, None, hv, n], 0, cute.group_modes(sTP, 2, 4))
+                save = (tma_w, tWs, tWg)
+            if cutlass.const_expr(not self.intra_load):
+                self.aux_role(mma_ss, sQK, sA, sTP, gates, bars, scale, seqlen, n_chunks, tidx - 128, warp - 4, save)
         else:
             cute.arch.setmaxregister_increase(self.regs_state)
             self.state_role(
@@ -250,10 +288,11 @@ class GDNChunkFwdRolesSm90:
             )  # fmt: skip
 
     @cute.jit
-    def load_role(self, tma_q, mQ, tma_k, mK, tma_v, mV, sQK, sV, bars, h, hv, b, tok0, n_chunks):
-        """One warp: chunk c's q | k tiles into stage c % 3 once its chunk c - 3 is released, its v tile into stage
-        c % 2 once chunk c - 2's is."""
-        qk_full, qk_empty, _, v_full, v_empty, _, _ = bars
+    def load_role(self, tma_q, mQ, tma_k, mK, tma_v, mV, sQK, sV, bars, h, hv, b, tok0, n_chunks, load_tp):
+        """One warp: chunk c's q | k tiles into stage c % 3 once its chunk c - 3 is released, its v (or first-pass o)
+        tile into stage c % 2 once chunk c - 2's is; with ``load_tp`` (intra load) also its saved Tinv (and P) into
+        Tinv | P stage c % 2."""
+        qk_full, qk_empty, _, v_full, v_empty, tp_full, tp_empty = bars
         tQs, tQg = blocks.tma_chunk_tiles(tma_q, mQ[None, None, h, b], tok0, sQK[None, None, 0, None])
         tKs, tKg = blocks.tma_chunk_tiles(tma_k, mK[None, None, h, b], tok0, sQK[None, None, 1, None])
         tVs, tVg = blocks.tma_chunk_tiles(tma_v, mV[None, None, hv, b], tok0, sV)
@@ -266,11 +305,21 @@ class GDNChunkFwdRolesSm90:
                 cute.arch.mbarrier_arrive_and_expect_tx(qk_full + s, 2 * C * D * 2)
             cute.copy(tma_q, tQg[None, c], tQs[None, s], tma_bar_ptr=qk_full + s)
             cute.copy(tma_k, tKg[None, c], tKs[None, s], tma_bar_ptr=qk_full + s)
-            vs = c % self.v_stages
-            cute.arch.mbarrier_wait(v_empty + vs, (c // self.v_stages + 1) % 2)
-            if lane == 0:
-                cute.arch.mbarrier_arrive_and_expect_tx(v_full + vs, C * D * 2)
-            cute.copy(tma_v, tVg[None, c], tVs[None, vs], tma_bar_ptr=v_full + vs)
+            if cutlass.const_expr(self.v_src is not None):
+                vs = c % self.v_stages
+                cute.arch.mbarrier_wait(v_empty + vs, (c // self.v_stages + 1) % 2)
+                if lane == 0:
+                    cute.arch.mbarrier_arrive_and_expect_tx(v_full + vs, C * D * 2)
+                cute.copy(tma_v, tVg[None, c], tVs[None, vs], tma_bar_ptr=v_full + vs)
+            if cutlass.const_expr(self.intra_load):
+                tma_w, tWs, tWg = load_tp
+                ts = c % self.tp_stages
+                cute.arch.mbarrier_wait(tp_empty + ts, (c // self.tp_stages + 1) % 2)
+                if lane == 0:
+                    cute.arch.mbarrier_arrive_and_expect_tx(tp_full + ts, (2 if self.make_o else 1) * C * C * 2)
+                cute.copy(tma_w, tWg[None, 2 * c], tWs[None, 2 * ts], tma_bar_ptr=tp_full + ts)
+                if cutlass.const_expr(self.make_o):
+                    cute.copy(tma_w, tWg[None, 2 * c + 1], tWs[None, 2 * ts + 1], tma_bar_ptr=tp_full + ts)
 
     @cute.jit
     def gate_role(self, mG, mBeta, gates, bars, b, hv, tok0, seqlen, n_chunks, lane):
@@ -287,7 +336,7 @@ class GDNChunkFwdRolesSm90:
             cute.arch.mbarrier_arrive(g_full + s)
 
     @cute.jit
-    def aux_role(self, mma_ss, sQK, sA, sTP, gates, bars, scale, seqlen, n_chunks, atid):
+    def aux_role(self, mma_ss, sQK, sA, sTP, gates, bars, scale, seqlen, n_chunks, atid, awarp, save):
         """One warpgroup: per chunk, A = strict-lower(beta_i K K^T 2^(G_i - G_j)) (fp32, transposed, to ``sA``),
         P = lower(scale Q K^T 2^(G_i - G_j)) and Tinv = (I + A)^-1 (bf16, to Tinv | P stage c % 2)."""
         f32 = cutlass.Float32
@@ -329,6 +378,11 @@ class GDNChunkFwdRolesSm90:
                 r, _ = cSS[2 * rr]
                 lim_a[rr] = r if r < L else 0
             warpgroup.wait_group(0)
+            if cutlass.const_expr(self.intra_save):
+                if awarp == 0:
+                    # this Tinv | P stage's last save (chunk c - 2) has read it before the barrier below, after which
+                    # P and Tinv are written there again
+                    cute.arch.cp_async_bulk_wait_group(1, read=True)
             # the previous chunk's merge has read sA
             cute.arch.barrier(barrier_id=_AUX_BARRIER, number_of_threads=128)
             for i in cutlass.range_constexpr(cute.size(acc_x)):
@@ -367,6 +421,17 @@ class GDNChunkFwdRolesSm90:
             # P and Tinv are read by the state role's wgmma (async proxy)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.mbarrier_arrive(tp_full + ts)
+            if cutlass.const_expr(self.intra_save):
+                if awarp == 0:
+                    # every aux thread has fenced its part (the stage's full barrier), then one TMA store group
+                    tma_w, tWs, tWg = save
+                    cute.arch.mbarrier_wait(tp_full + ts, (c // self.tp_stages) % 2)
+                    cute.copy(tma_w, tWs[None, 2 * ts], tWg[None, 2 * c])
+                    cute.copy(tma_w, tWs[None, 2 * ts + 1], tWg[None, 2 * c + 1])
+                    cute.arch.cp_async_bulk_commit_group()
+        if cutlass.const_expr(self.intra_save):
+            if awarp == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def state_role(
@@ -404,6 +469,10 @@ class GDNChunkFwdRolesSm90:
         acc_s = thr_st.make_fragment_C(thr_st.partition_shape_C((C, D)))
         if cutlass.const_expr(self.has_h0):
             blocks.load_state(acc_s, cST, mH0, n, hv, row0)
+        elif cutlass.const_expr(self.mode == "transition"):
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                rh, kh = cST[i]
+                acc_s[i] = f32(1.0) if kh == row0 + rh else f32(0.0)
         else:
             acc_s.fill(0.0)
 
@@ -419,7 +488,8 @@ class GDNChunkFwdRolesSm90:
             # wait makes ptxas wait for the wgmma there)
             cute.arch.mbarrier_wait(qk_full + s, (c // self.qk_stages) % 2)
             cute.arch.mbarrier_wait(g_full + s, (c // self.qk_stages) % 2)
-            cute.arch.mbarrier_wait(v_full + vs, (c // self.v_stages) % 2)
+            if cutlass.const_expr(self.v_src is not None):
+                cute.arch.mbarrier_wait(v_full + vs, (c // self.v_stages) % 2)
             decay = cute.math.exp2(sG[L - 1, s], fastmath=True)
             rS = blocks.acc_to_operand(acc_s)
             for i in cutlass.range_constexpr(cute.size(acc_s)):
@@ -428,18 +498,25 @@ class GDNChunkFwdRolesSm90:
             acc_o = thr_rs.make_fragment_C(acc_cc_shape)
             warpgroup.fence()
             blocks.gemm(mma_rs, acc_k, rS, tRSb_K, True)
-            blocks.gemm(mma_rs, acc_o, rS, tRSb_Q, True)
+            if cutlass.const_expr(self.make_o):
+                blocks.gemm(mma_rs, acc_o, rS, tRSb_Q, True)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
 
             # Y^T[v, j] = beta_j (V[j, v] - 2^G_j (S^T K^T)[v, j])  (beta and V are zero past the sequence end);
             # per-token factors read where used (held in registers they cost 16 each)
-            v_frag = cute.make_rmem_tensor(acc_cc_shape, bf16)
-            v_rows = cute.local_tile(sV_mn[None, None, vs], (C, C), (swg, 0))
-            cute.copy(ld_v, thr_ld.partition_S(v_rows), thr_ld.retile(v_frag))
-            for i in cutlass.range_constexpr(cute.size(acc_k)):
-                _, j = cCC[i]
-                acc_k[i] = sBeta[j, s] * (v_frag[i].to(f32) - sFac[j, s, 0] * acc_k[i])
+            # (v = 0 in the later split passes)
+            if cutlass.const_expr(self.v_src == "v"):
+                v_frag = cute.make_rmem_tensor(acc_cc_shape, bf16)
+                v_rows = cute.local_tile(sV_mn[None, None, vs], (C, C), (swg, 0))
+                cute.copy(ld_v, thr_ld.partition_S(v_rows), thr_ld.retile(v_frag))
+                for i in cutlass.range_constexpr(cute.size(acc_k)):
+                    _, j = cCC[i]
+                    acc_k[i] = sBeta[j, s] * (v_frag[i].to(f32) - sFac[j, s, 0] * acc_k[i])
+            else:
+                for i in cutlass.range_constexpr(cute.size(acc_k)):
+                    _, j = cCC[i]
+                    acc_k[i] = -(sBeta[j, s] * sFac[j, s, 0]) * acc_k[i]
             rY = blocks.acc_to_operand(acc_k)
             tRSb_T = thr_rs.make_fragment_B(thr_rs.partition_B(sTP[None, None, 0, ts]))
             tRSb_P = thr_rs.make_fragment_B(thr_rs.partition_B(sTP[None, None, 1, ts]))
@@ -448,9 +525,10 @@ class GDNChunkFwdRolesSm90:
             warpgroup.fence()
             blocks.gemm(mma_rs, acc_vn, rY, tRSb_T, True)
             warpgroup.commit_group()
-            for i in cutlass.range_constexpr(cute.size(acc_o)):
-                _, j = cCC[i]
-                acc_o[i] = acc_o[i] * scale * sFac[j, s, 0]
+            if cutlass.const_expr(self.make_o):
+                for i in cutlass.range_constexpr(cute.size(acc_o)):
+                    _, j = cCC[i]
+                    acc_o[i] = acc_o[i] * scale * sFac[j, s, 0]
             warpgroup.wait_group(0)
 
             # O^T += V_new^T P^T;  S^T += (V_new^T 2^(G_last - G_j)) K
@@ -461,42 +539,61 @@ class GDNChunkFwdRolesSm90:
             rVd = blocks.acc_to_operand(acc_vn)
             tSTb_K = thr_st.make_fragment_B(thr_st.partition_B(sK_mn[None, None, s]))
             warpgroup.fence()
-            blocks.gemm(mma_rs, acc_o, rVn, tRSb_P, False)
+            if cutlass.const_expr(self.make_o):
+                blocks.gemm(mma_rs, acc_o, rVn, tRSb_P, False)
             blocks.gemm(mma_state, acc_s, rVd, tSTb_K, False)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
             cute.arch.mbarrier_arrive(tp_empty + ts)
             cute.arch.mbarrier_arrive(qk_empty + s)
-            cute.arch.mbarrier_arrive(v_empty + vs)
+            if cutlass.const_expr(self.v_src == "v"):
+                cute.arch.mbarrier_arrive(v_empty + vs)
 
-            # O^T to staging buffer c % 2 (its last reader, the store of chunk c - 2, was waited before the previous
-            # chunk's barrier); a full chunk leaves by TMA, the last (maybe partial) one by masked stores below
-            o_frag = cute.make_rmem_tensor(acc_o.layout, bf16)
-            o_frag.store(acc_o.load().to(bf16))
-            o_rows = cute.local_tile(sO_mn[None, None, ob], (C, C), (swg, 0))
-            cute.copy(st_o, thr_sto.retile(o_frag), thr_sto.partition_D(o_rows))
-            cute.arch.fence_proxy("async.shared", space="cta")
-            if warp == 8:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-            cute.arch.barrier(barrier_id=_STATE_BARRIER, number_of_threads=256)
-            if warp == 8:
-                if c + 1 < n_chunks:
-                    cute.copy(tma_o, tOs[None, ob], tOg[None, c])
-                    cute.arch.cp_async_bulk_commit_group()
+            if cutlass.const_expr(self.make_o):
+                # "correction": the first pass's o of the chunk (in the v stage) added, then the stage released
+                if cutlass.const_expr(self.v_src == "o"):
+                    o_prev = cute.make_rmem_tensor(acc_cc_shape, bf16)
+                    prev_rows = cute.local_tile(sV_mn[None, None, vs], (C, C), (swg, 0))
+                    cute.copy(ld_v, thr_ld.partition_S(prev_rows), thr_ld.retile(o_prev))
+                    for i in cutlass.range_constexpr(cute.size(acc_o)):
+                        acc_o[i] = acc_o[i] + o_prev[i].to(f32)
+                    cute.arch.mbarrier_arrive(v_empty + vs)
+                # O^T to staging buffer c % 2 (its last reader, the store of chunk c - 2, was waited before the
+                # previous chunk's barrier); a full chunk leaves by TMA, the last (maybe partial) one by masked stores
+                o_frag = cute.make_rmem_tensor(acc_o.layout, bf16)
+                o_frag.store(acc_o.load().to(bf16))
+                o_rows = cute.local_tile(sO_mn[None, None, ob], (C, C), (swg, 0))
+                cute.copy(st_o, thr_sto.retile(o_frag), thr_sto.partition_D(o_rows))
+                cute.arch.fence_proxy("async.shared", space="cta")
+                if warp == 8:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.barrier(barrier_id=_STATE_BARRIER, number_of_threads=256)
+                if warp == 8:
+                    if c + 1 < n_chunks:
+                        cute.copy(tma_o, tOs[None, ob], tOg[None, c])
+                        cute.arch.cp_async_bulk_commit_group()
 
-        if n_chunks > 0:
-            last = n_chunks - 1
-            blocks.store_o_rows(
-                sO[None, None, last % self.o_bufs], mO, b, hv, tok0 + last * C, seqlen - last * C, stid, C, D, 256
-            )
-        if warp == 8:
-            cute.arch.cp_async_bulk_wait_group(0)
+        if cutlass.const_expr(self.make_o):
+            if n_chunks > 0:
+                last = n_chunks - 1
+                blocks.store_o_rows(
+                    sO[None, None, last % self.o_bufs], mO, b, hv, tok0 + last * C, seqlen - last * C, stid, C, D, 256
+                )
+            if warp == 8:
+                cute.arch.cp_async_bulk_wait_group(0)
         blocks.store_state(acc_s, cST, mHt, n, hv, row0)
 
 
 def compile_gdn_fwd_roles_sm90(
-    arch="sm_90a", keep_artifacts=False, beta_fp32=True, is_varlen=False, has_initial_state=False, state_v_first=False
+    arch="sm_90a",
+    keep_artifacts=False,
+    beta_fp32=True,
+    is_varlen=False,
+    has_initial_state=False,
+    state_v_first=False,
+    mode="full",
+    intra="none",
 ):
-    kernel = GDNChunkFwdRolesSm90(is_varlen, has_initial_state)
+    kernel = GDNChunkFwdRolesSm90(is_varlen, has_initial_state, mode, intra)
     fake = sm90_entry.fake_args(128, beta_fp32, state_v_first, per_key_gate=False)
     return runtime.compile_kernel(kernel, fake, arch, keep_artifacts)

@@ -48,14 +48,20 @@ SUPPORTED_DIMS = (64, 128)
 CHUNK_LATENCY_US = 3.7
 # with qk_l2norm the two-warpgroup kernel runs every chunk (1.461 ms at B2 T16384 H64, session 15)
 CHUNK_LATENCY_L2NORM_US = 5.7
-# A split sequence's passes run the two-warpgroup kernel: its first pass saves each chunk's Tinv and P, the later
-# passes load them and run the state path alone. Per chunk (H200): correction 4.46 us and transition 2.91 against
-# 6.44 for a whole chunk when measured (B1 T8192 H64 cut at 4096), since scaled with the kernel to 3.8 and 2.5 us;
-# the first pass ~4.95 us, from B1 T8192 H64 split in two (0.568 ms, 2026-12-04). Below in units of the four-role
-# kernel's chunk. With qk_l2norm every pass makes everything again (correction 7.16 / 6.44; transition taken as a
-# whole chunk, not measured), in units of that kernel's own chunk. A link of the start chain: ~2 us, estimated.
+# A split sequence's passes run the four-role kernel too: its first pass saves each chunk's Tinv and P, the later
+# passes load them and run the state chain alone. Per chunk (H200, B1 T65536 H8 cut every 64 chunks, 128 CTAs, events
+# around each launch, 2026-12-04 session 17): first pass 3.47 us, correction 2.61 (2.34 at B1 T32768 H16), transition
+# 1.40; at 64 CTAs (cut every 128) 3.32 / 2.06 / 1.14. Around the launches a split call spent 54-88 us more: about
+# 4.25 us per link of the start chain (in series) and ~30 us once. Below in units of the whole-sequence chunk. With
+# qk_l2norm the two-warpgroup kernel makes everything in every pass (correction 7.16 / 6.44; transition taken as a
+# whole chunk, not measured), in units of that kernel's own chunk.
 SPLIT_COST = segment_split.SplitCost(
-    3.83 / CHUNK_LATENCY_US, 2.49 / CHUNK_LATENCY_US, 2.0 / CHUNK_LATENCY_US, cached=True, first=4.95 / CHUNK_LATENCY_US
+    2.5 / CHUNK_LATENCY_US,
+    1.4 / CHUNK_LATENCY_US,
+    4.25 / CHUNK_LATENCY_US,
+    cached=True,
+    first=3.47 / CHUNK_LATENCY_US,
+    fixed=30 / CHUNK_LATENCY_US,
 )
 SPLIT_COST_L2NORM = segment_split.SplitCost(1.11, 1.0, 2.0 / CHUNK_LATENCY_L2NORM_US)
 
@@ -85,9 +91,11 @@ def estimated_ms(lengths: list[int], HV: int, num_sms: int, qk_l2norm: bool = Fa
 
 def uses_roles(head_dim: int, mode: str, qk_l2norm: bool, intra: str) -> bool:
     """Whether a launch runs the four-role kernel (:mod:`cula.gdn.chunk_fwd_roles_sm90`, faster: its intra-chunk
-    matrices are made a chunk ahead of the state chain) instead of :class:`GDNChunkFwdSm90`: D = 128 without the split
-    passes and without qk_l2norm; the others are not written for it yet."""
-    return head_dim == 128 and mode == "full" and intra == "none" and not qk_l2norm
+    matrices are made a chunk ahead of the state chain) instead of :class:`GDNChunkFwdSm90`: D = 128 without qk_l2norm,
+    whole sequences and every split pass (the first saves Tinv and P, the later load them); D = 64, qk_l2norm and
+    split passes that make Tinv and P again are not written for it."""
+    split_pass = (mode == "full" and intra in ("none", "save")) or (mode != "full" and intra == "load")
+    return head_dim == 128 and split_pass and not qk_l2norm
 
 
 class GDNChunkFwdSm90:
@@ -658,7 +666,7 @@ def compile_gdn_fwd_sm90(
 ):
     if uses_roles(head_dim, mode, qk_l2norm, intra):
         return chunk_fwd_roles_sm90.compile_gdn_fwd_roles_sm90(
-            arch, keep_artifacts, beta_fp32, is_varlen, has_initial_state, state_v_first
+            arch, keep_artifacts, beta_fp32, is_varlen, has_initial_state, state_v_first, mode, intra
         )
     kernel = GDNChunkFwdSm90(head_dim, beta_fp32, is_varlen, has_initial_state, state_v_first, mode, qk_l2norm, intra)
     fake = sm90_entry.fake_args(kernel.D, kernel.beta_fp32, kernel.state_v_first, per_key_gate=False)
@@ -701,5 +709,14 @@ def chunk_gated_delta_rule_fwd_sm90(
 
 # the four-role kernel's fixed-length form too: its register allocation differs from the varlen one's (it spilled alone)
 sm90_entry.register_checked_variants(
-    "gdn_chunk_fwd_sm90", compile_gdn_fwd_sm90, {**sm90_entry.INTRA_VARIANTS, "[fixed length]": {}}
+    "gdn_chunk_fwd_sm90",
+    compile_gdn_fwd_sm90,
+    {
+        **sm90_entry.INTRA_VARIANTS,
+        "[fixed length]": {},
+        # the two-warpgroup kernel's split passes with saved matrices (D = 64; at D = 128 the "[intra ...]" variants
+        # are the four-role kernel's)
+        "[D=64, intra save]": {"head_dim": 64, "is_varlen": True, "has_initial_state": True, "intra": "save"},
+        "[D=64, intra load, correction]": {"head_dim": 64, "is_varlen": True, "mode": "correction", "intra": "load"},
+    },
 )

@@ -43,6 +43,7 @@ class SplitCost(NamedTuple):
     link: float = 0.0
     cached: bool = False
     first: float = 1.0
+    fixed: float = 0.0
 
 
 UNCACHED = SplitCost()  # every later pass makes each chunk again, at a first pass's cost
@@ -70,7 +71,8 @@ def _split_walks(chunks: list[int], seg: int, HV: int, num_sms: int, cost: Split
         middle += pieces[1:-1]
         links += len(pieces) - 1
     return (
-        cost.link * links
+        cost.fixed
+        + cost.link * links
         + cost.first * _walk(first, HV, num_sms)
         + cost.correction * _walk(later, HV, num_sms)
         + cost.transition * _walk(middle, HV, num_sms)
