@@ -101,7 +101,7 @@ def test_a_wrong_correction_pass_fails():
         for kernel in ("gdn_chunk_fwd_sm90", "kda_chunk_fwd_sm90")
         for v in {**sm90_entry.CHECKED_VARIANTS, **sm90_entry.INTRA_VARIANTS}
     ]
-    + [("gdn_chunk_fwd_sm90", "[fixed length]")],
+    + [("gdn_chunk_fwd_sm90", "[fixed length]"), ("gdn_chunk_fwd_sm90", "[qk_l2norm, correction]")],
 )
 def test_kernel_variants_compile_for_sm90_on_cpu(kernel, variant):
     """Every checked variant of both chunk kernels compiles for sm_90a on the CPU, with wgmma and TMA in its PTX and
@@ -181,18 +181,20 @@ def test_profile_script_finds_its_anchors_in_the_kernels(op):
 
 
 def test_gdn_d128_unsplit_runs_the_four_role_kernel():
-    """GDN at D = 128 without split passes or qk_l2norm compiles to the four-role kernel: 512 threads, setmaxnreg per
-    role, V read and O staged by ldmatrix / stmatrix; the other variants stay on the two-warpgroup kernel."""
+    """GDN at D = 128 without split passes compiles to the four-role kernel (with qk_l2norm too: then two more load
+    warps make the norms): 512 threads, setmaxnreg per role, V read and O staged by ldmatrix / stmatrix; D = 64 and
+    the split passes stay on the two-warpgroup kernel."""
     from cula.gdn.chunk_fwd_sm90 import compile_gdn_fwd_sm90, uses_roles
 
-    assert uses_roles(128, "full", False, "none")
-    assert not uses_roles(64, "full", False, "none")
-    assert not uses_roles(128, "full", True, "none")
-    assert not uses_roles(128, "full", False, "save")
-    assert not uses_roles(128, "correction", False, "load")
-    ptx = compile_gdn_fwd_sm90("sm_90a", True, 128, False, True, True, True).artifacts.PTX
-    assert ".reqntid 512" in ptx
-    assert ptx.count("setmaxnreg") == 3
-    assert "ldmatrix.sync.aligned.m8n8.x4.trans" in ptx and "stmatrix.sync.aligned.m8n8.x4.trans" in ptx
+    assert uses_roles(128, "full", "none")
+    assert not uses_roles(64, "full", "none")
+    assert not uses_roles(128, "full", "save")
+    assert not uses_roles(128, "correction", "load")
+    for qk_l2norm in (False, True):
+        ptx = compile_gdn_fwd_sm90("sm_90a", True, 128, False, True, True, True, qk_l2norm=qk_l2norm).artifacts.PTX
+        assert ".reqntid 512" in ptx
+        assert ptx.count("setmaxnreg") == 3
+        assert "ldmatrix.sync.aligned.m8n8.x4.trans" in ptx and "stmatrix.sync.aligned.m8n8.x4.trans" in ptx
+        assert ("rsqrt.approx" in ptx) == qk_l2norm
     old = compile_gdn_fwd_sm90("sm_90a", True, 64, False, True, True, True).artifacts.PTX
     assert ".reqntid 256" in old and "setmaxnreg" not in old

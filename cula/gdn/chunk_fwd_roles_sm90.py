@@ -6,7 +6,8 @@ the state products. Here they are made by their own warpgroup a chunk or more ah
 only the state chain (S^T K^T / S^T Q^T, V_new, O, the state update):
 
 - WG0, load (24 registers): warp 0 issues the q | k tiles (3 stages) and the v tiles (2 stages) by TMA; warp 1 scans
-  each chunk's gates into the gate slot of its q | k stage.
+  each chunk's gates into the gate slot of its q | k stage; with qk_l2norm, warps 2 and 3 normalise the landed q and
+  k tiles in place (bf16, as FLA's l2norm pass hands them over) before the gate slot is marked full.
 - WG1, aux (104): K K^T and Q K^T (wgmma SS), the masks (A^T fp32 to ``sA``, P bf16 to the Tinv | P stage), Tinv by
   :func:`cula.ops.sm90_blocks.solve_diag16_per_warp` / ``solve_merge_to_bf16``.
 - WG2, WG3, state (192 each): value rows 0-63 / 64-127 of S^T as wgmma accumulators; V read and O staged with
@@ -29,6 +30,7 @@ from cula import runtime
 from cula.gdn import gates_sm90
 from cula.ops import sm90_blocks as blocks
 from cula.ops import sm90_entry
+from cula.ops.gates import L2NORM_EPS  # FLA's l2norm_fwd: x / sqrt(sum(x^2) + eps)
 
 CHUNK = 64
 
@@ -40,12 +42,13 @@ _STATE_BARRIER = 2
 class GDNChunkFwdRolesSm90:
     """Fused GDN forward (D = 128, unsplit sequences) with load, aux and two state warpgroups."""
 
-    def __init__(self, is_varlen: bool = False, has_initial_state: bool = False):
+    def __init__(self, is_varlen: bool = False, has_initial_state: bool = False, qk_l2norm: bool = False):
         # (beta's dtype and the state's storage order reach the kernel with its tensors: not constants of this class)
         self.D = 128
         self.C = CHUNK
         self.is_varlen = is_varlen
         self.has_h0 = has_initial_state
+        self.qk_l2norm = qk_l2norm
         self.a_stride = 68  # padded fp32 row of A^T: 16-byte aligned rows, conflict-free stores from the accumulator
         self.qk_stages = 3  # the aux role reads up to two chunks ahead of the state role
         self.v_stages = 2
@@ -217,7 +220,8 @@ class GDNChunkFwdRolesSm90:
             for s in cutlass.range_constexpr(self.qk_stages):
                 cute.arch.mbarrier_init(qk_full + s, 1)
                 cute.arch.mbarrier_init(qk_empty + s, 384)  # the aux and both state warpgroups' threads
-                cute.arch.mbarrier_init(g_full + s, 32)  # the gate warp's lanes
+                # the gate warp's lanes; with qk_l2norm also the two norm warps', once q and k are normalised
+                cute.arch.mbarrier_init(g_full + s, 96 if self.qk_l2norm else 32)
             for s in cutlass.range_constexpr(self.v_stages):
                 cute.arch.mbarrier_init(v_full + s, 1)
                 cute.arch.mbarrier_init(v_empty + s, 256)
@@ -239,6 +243,8 @@ class GDNChunkFwdRolesSm90:
                 self.load_role(tma_q, mQ, tma_k, mK, tma_v, mV, sQK, sV, bars, h, hv, b, tok0, n_chunks)
             elif warp == 1:
                 self.gate_role(mG, mBeta, gates, bars, b, hv, tok0, seqlen, n_chunks, lane)
+            elif cutlass.const_expr(self.qk_l2norm):
+                self.norm_role(sQK, bars, n_chunks, warp - 2, lane)
         elif wg == 1:
             cute.arch.setmaxregister_decrease(self.regs_aux)
             self.aux_role(mma_ss, sQK, sA, sTP, gates, bars, scale, seqlen, n_chunks, tidx - 128, warp - 4)
@@ -284,6 +290,35 @@ class GDNChunkFwdRolesSm90:
             raw = gates_sm90.load_gates(gG, gBeta, tok0, seqlen, c, lane, self.C)
             cute.arch.mbarrier_wait(qk_empty + s, (c // self.qk_stages + 1) % 2)
             gates_sm90.publish_gates(sG, sBeta, sFac, s, raw, c, seqlen, lane, self.C)
+            cute.arch.mbarrier_arrive(g_full + s)
+
+    @cute.jit
+    def norm_role(self, sQK, bars, n_chunks, which, lane):
+        """qk_l2norm, warps 2 (q) and 3 (k) of the load warpgroup: once chunk c's q | k stage has landed, each lane
+        L2-normalises two rows of its tile in place (fp32 sums, eps under the root, written back in bf16 as FLA's
+        l2norm pass would hand them over), then arrives on the stage's gate barrier, which the other roles wait
+        before they read the tiles. Rows past the sequence end are zeros (TMA) and stay zeros."""
+        f32 = cutlass.Float32
+        qk_full, _, g_full, _, _, _, _ = bars
+        groups = self.D // 32  # of 4 16-byte pieces: a loop, not unrolled (unrolled, its loads spilled elsewhere)
+        piece = cute.make_rmem_tensor(cute.make_layout((1, 8)), cutlass.BFloat16)
+        for c in cutlass.range(n_chunks, unroll=1):
+            s = c % self.qk_stages
+            cute.arch.mbarrier_wait(qk_full + s, (c // self.qk_stages) % 2)
+            tile = sQK[None, None, which, s]
+            for half in cutlass.range_constexpr(2):
+                row = lane + 32 * half
+                n2 = f32(L2NORM_EPS)
+                for grp in cutlass.range(groups, unroll=1):
+                    n2 = n2 + blocks.row_sum_squares(tile, row, 4 * grp, 4)
+                inv = cute.math.rsqrt(n2, fastmath=True)
+                for blk in cutlass.range(self.D // 8, unroll=1):
+                    dst = cute.local_tile(tile, (1, 8), (row, blk))
+                    cute.autovec_copy(dst, piece)
+                    piece.store((piece.load().to(f32) * inv).to(cutlass.BFloat16))
+                    cute.autovec_copy(piece, dst)
+            # the tiles are read by wgmma (async proxy)
+            cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.mbarrier_arrive(g_full + s)
 
     @cute.jit
@@ -495,8 +530,14 @@ class GDNChunkFwdRolesSm90:
 
 
 def compile_gdn_fwd_roles_sm90(
-    arch="sm_90a", keep_artifacts=False, beta_fp32=True, is_varlen=False, has_initial_state=False, state_v_first=False
+    arch="sm_90a",
+    keep_artifacts=False,
+    beta_fp32=True,
+    is_varlen=False,
+    has_initial_state=False,
+    state_v_first=False,
+    qk_l2norm=False,
 ):
-    kernel = GDNChunkFwdRolesSm90(is_varlen, has_initial_state)
+    kernel = GDNChunkFwdRolesSm90(is_varlen, has_initial_state, qk_l2norm)
     fake = sm90_entry.fake_args(128, beta_fp32, state_v_first, per_key_gate=False)
     return runtime.compile_kernel(kernel, fake, arch, keep_artifacts)

@@ -1,7 +1,7 @@
 """Gated DeltaNet chunked-prefill forward for SM90 (sm_90a), CuTe DSL: the entry, and the two-warpgroup kernel.
 
-The entry compiles the four-role kernel (:mod:`cula.gdn.chunk_fwd_roles_sm90`) for D = 128 unsplit calls without
-qk_l2norm (:func:`uses_roles`) and the kernel below for the rest: D = 64, the split passes, qk_l2norm.
+The entry compiles the four-role kernel (:mod:`cula.gdn.chunk_fwd_roles_sm90`) for D = 128 unsplit calls
+(:func:`uses_roles`) and the kernel below for the rest: D = 64, the split passes.
 
 One CTA per (sequence, value head) walks the sequence in chunks of C = 64 tokens and keeps the fp32 state on chip
 across all chunks. Math per chunk (FLA convention; state S is K x V; G = cumulative log gate inside the chunk):
@@ -83,11 +83,11 @@ def estimated_ms(lengths: list[int], HV: int, num_sms: int, qk_l2norm: bool = Fa
     return segment_split.chunk_walk_ms(lengths, HV, num_sms, latency, True, split_cost(qk_l2norm))
 
 
-def uses_roles(head_dim: int, mode: str, qk_l2norm: bool, intra: str) -> bool:
+def uses_roles(head_dim: int, mode: str, intra: str) -> bool:
     """Whether a launch runs the four-role kernel (:mod:`cula.gdn.chunk_fwd_roles_sm90`, faster: its intra-chunk
     matrices are made a chunk ahead of the state chain) instead of :class:`GDNChunkFwdSm90`: D = 128 without the split
-    passes and without qk_l2norm; the others are not written for it yet."""
-    return head_dim == 128 and mode == "full" and intra == "none" and not qk_l2norm
+    passes (with or without qk_l2norm); the others are not written for it yet."""
+    return head_dim == 128 and mode == "full" and intra == "none"
 
 
 class GDNChunkFwdSm90:
@@ -656,9 +656,9 @@ def compile_gdn_fwd_sm90(
     qk_l2norm=False,
     intra="none",
 ):
-    if uses_roles(head_dim, mode, qk_l2norm, intra):
+    if uses_roles(head_dim, mode, intra):
         return chunk_fwd_roles_sm90.compile_gdn_fwd_roles_sm90(
-            arch, keep_artifacts, beta_fp32, is_varlen, has_initial_state, state_v_first
+            arch, keep_artifacts, beta_fp32, is_varlen, has_initial_state, state_v_first, qk_l2norm
         )
     kernel = GDNChunkFwdSm90(head_dim, beta_fp32, is_varlen, has_initial_state, state_v_first, mode, qk_l2norm, intra)
     fake = sm90_entry.fake_args(kernel.D, kernel.beta_fp32, kernel.state_v_first, per_key_gate=False)
@@ -700,6 +700,13 @@ def chunk_gated_delta_rule_fwd_sm90(
 
 
 # the four-role kernel's fixed-length form too: its register allocation differs from the varlen one's (it spilled alone)
+# (and the two-warpgroup kernel's qk_l2norm path, which the split passes take)
 sm90_entry.register_checked_variants(
-    "gdn_chunk_fwd_sm90", compile_gdn_fwd_sm90, {**sm90_entry.INTRA_VARIANTS, "[fixed length]": {}}
+    "gdn_chunk_fwd_sm90",
+    compile_gdn_fwd_sm90,
+    {
+        **sm90_entry.INTRA_VARIANTS,
+        "[fixed length]": {},
+        "[qk_l2norm, correction]": {"is_varlen": True, "mode": "correction", "qk_l2norm": True},
+    },
 )
