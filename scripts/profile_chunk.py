@@ -35,7 +35,7 @@ OPS = {
     "gdn": {
         "module": "cula/gdn/chunk_fwd_sm90.py",
         "entry": "chunk_gated_delta_rule_fwd_sm90",
-        # the two-warpgroup kernel (split passes, D = 64, qk_l2norm), kept at D = 128: the four-role kernel that runs
+        # the two-warpgroup kernel (D = 64, qk_l2norm's split passes), kept at D = 128: the four-role kernel that runs
         # there otherwise is not stamped by this script
         "replace": {"if uses_roles(head_dim, mode, qk_l2norm, intra):": "if False:"},
         "anchors": [

@@ -94,6 +94,12 @@ def test_a_wrong_correction_pass_fails():
         check_fwd(entry_for(no_correction), accept, inputs(1, 2100, 1, 1, False), h0=True, split=True)
 
 
+# (local-memory instructions, injected warpgroup.arrive) kept where measured faster than the clean alternative: the
+# four-role GDN kernel with qk_l2norm, whose state role at 184 registers (the norm warps have 40) reloads loop
+# invariants once per chunk (1.195 ms at B2 T16384 H64, against 1.467 with clean 24-register norm warps)
+SASS_ALLOWED = {"gdn_chunk_fwd_sm90[qk_l2norm]": (16, 40)}
+
+
 @pytest.mark.parametrize(
     "kernel,variant",
     [
@@ -101,16 +107,25 @@ def test_a_wrong_correction_pass_fails():
         for kernel in ("gdn_chunk_fwd_sm90", "kda_chunk_fwd_sm90")
         for v in {**sm90_entry.CHECKED_VARIANTS, **sm90_entry.INTRA_VARIANTS}
     ]
-    + [("gdn_chunk_fwd_sm90", v) for v in ("[fixed length]", "[D=64, intra save]", "[D=64, intra load, correction]")],
+    + [
+        ("gdn_chunk_fwd_sm90", v)
+        for v in (
+            "[fixed length]",
+            "[D=64, intra save]",
+            "[D=64, intra load, correction]",
+            "[qk_l2norm, correction]",
+        )
+    ],
 )
 def test_kernel_variants_compile_for_sm90_on_cpu(kernel, variant):
     """Every checked variant of both chunk kernels compiles for sm_90a on the CPU, with wgmma and TMA in its PTX and
-    no local memory or injected warpgroup.arrive in its machine code."""
+    no local memory or injected warpgroup.arrive in its machine code (but where measured and kept: SASS_ALLOWED)."""
     from cula import compile_check
 
     report = compile_check.check_kernel(kernel + variant, "sm_90a")
-    assert report.ok, report.error
-    assert report.local_mem == 0 and report.injected_arrives == 0
+    assert report.ok or report.error.startswith("SASS not clean"), report.error
+    local_mem, arrives = SASS_ALLOWED.get(kernel + variant, (0, 0))
+    assert report.local_mem <= local_mem and report.injected_arrives <= arrives, report.error
     assert report.counts["wgmma.mma_async"] > 0 and report.counts["cp.async.bulk.tensor"] > 0
 
 
@@ -181,21 +196,22 @@ def test_profile_script_finds_its_anchors_in_the_kernels(op):
 
 
 def test_gdn_d128_unsplit_runs_the_four_role_kernel():
-    """GDN at D = 128 without qk_l2norm, whole sequences or any split pass, compiles to the four-role kernel: 512
-    threads, setmaxnreg per role, V read and O staged by ldmatrix / stmatrix; the other variants stay on the
-    two-warpgroup kernel."""
+    """GDN at D = 128 compiles to the four-role kernel for whole sequences (with qk_l2norm too: then two more load
+    warps normalise q and k) and, without qk_l2norm, for every split pass: 512 threads, setmaxnreg per role, V read
+    and O staged by ldmatrix / stmatrix; the other variants stay on the two-warpgroup kernel."""
     from cula.gdn.chunk_fwd_sm90 import compile_gdn_fwd_sm90, uses_roles
 
-    assert uses_roles(128, "full", False, "none")
+    assert uses_roles(128, "full", False, "none") and uses_roles(128, "full", True, "none")
     assert not uses_roles(64, "full", False, "none")
-    assert not uses_roles(128, "full", True, "none")
     assert uses_roles(128, "full", False, "save")  # a split's first pass
     assert uses_roles(128, "correction", False, "load") and uses_roles(128, "transition", False, "load")
     assert not uses_roles(128, "correction", True, "none")  # qk_l2norm splits make everything in every pass
-    ptx = compile_gdn_fwd_sm90("sm_90a", True, 128, False, True, True, True).artifacts.PTX
-    assert ".reqntid 512" in ptx
-    assert ptx.count("setmaxnreg") == 3
-    assert "ldmatrix.sync.aligned.m8n8.x4.trans" in ptx and "stmatrix.sync.aligned.m8n8.x4.trans" in ptx
+    for qk_l2norm in (False, True):
+        ptx = compile_gdn_fwd_sm90("sm_90a", True, 128, False, True, True, True, qk_l2norm=qk_l2norm).artifacts.PTX
+        assert ".reqntid 512" in ptx
+        assert ptx.count("setmaxnreg") == 3
+        assert "ldmatrix.sync.aligned.m8n8.x4.trans" in ptx and "stmatrix.sync.aligned.m8n8.x4.trans" in ptx
+        assert ("rsqrt.approx" in ptx) == qk_l2norm
     old = compile_gdn_fwd_sm90("sm_90a", True, 64, False, True, True, True).artifacts.PTX
     assert ".reqntid 256" in old and "setmaxnreg" not in old
 

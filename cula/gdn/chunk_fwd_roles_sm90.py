@@ -6,7 +6,8 @@ the state products. Here they are made by their own warpgroup a chunk or more ah
 only the state chain (S^T K^T / S^T Q^T, V_new, O, the state update):
 
 - WG0, load (24 registers): warp 0 issues the q | k tiles (3 stages) and the v tiles (2 stages) by TMA; warp 1 scans
-  each chunk's gates into the gate slot of its q | k stage.
+  each chunk's gates into the gate slot of its q | k stage; with qk_l2norm, warps 2 and 3 normalise the landed q and
+  k tiles in place (bf16, as FLA's l2norm pass hands them over) before the gate slot is marked full.
 - WG1, aux (104): K K^T and Q K^T (wgmma SS), the masks (A^T fp32 to ``sA``, P bf16 to the Tinv | P stage), Tinv by
   :func:`cula.ops.sm90_blocks.solve_diag16_per_warp` / ``solve_merge_to_bf16``.
 - WG2, WG3, state (192 each): value rows 0-63 / 64-127 of S^T as wgmma accumulators; V read and O staged with
@@ -29,6 +30,7 @@ from cula import runtime
 from cula.gdn import gates_sm90
 from cula.ops import sm90_blocks as blocks
 from cula.ops import sm90_entry
+from cula.ops.gates import L2NORM_EPS  # FLA's l2norm_fwd: x / sqrt(sum(x^2) + eps)
 
 CHUNK = 64
 
@@ -41,7 +43,12 @@ class GDNChunkFwdRolesSm90:
     """Fused GDN forward (D = 128, unsplit sequences) with load, aux and two state warpgroups."""
 
     def __init__(
-        self, is_varlen: bool = False, has_initial_state: bool = False, mode: str = "full", intra: str = "none"
+        self,
+        is_varlen: bool = False,
+        has_initial_state: bool = False,
+        mode: str = "full",
+        intra: str = "none",
+        qk_l2norm: bool = False,
     ):
         # (beta's dtype and the state's storage order reach the kernel with its tensors: not constants of this class)
         assert (mode == "full" and intra in ("none", "save")) or (
@@ -60,14 +67,17 @@ class GDNChunkFwdRolesSm90:
         self.make_o = mode != "transition"
         # the tile that arrives in the v stages: v; in "correction" the first pass's o of the chunk; none in "transition"
         self.v_src = {"full": "v", "correction": "o"}.get(mode)
+        self.qk_l2norm = qk_l2norm
         self.a_stride = 68  # padded fp32 row of A^T: 16-byte aligned rows, conflict-free stores from the accumulator
         self.qk_stages = 3  # the aux role reads up to two chunks ahead of the state role
         self.v_stages = 2
         self.tp_stages = 2
         self.o_bufs = 2
         self.threads = 512
-        # setmaxnreg per warpgroup (24 + 104 + 2 x 192 = 4 x 128, the launch's share): the state role peaks at ~189
-        self.regs_load, self.regs_aux, self.regs_state = 24, 104, 192
+        # setmaxnreg per warpgroup (24 + 104 + 2 x 192 = 4 x 128, the launch's share): the state role peaks at ~189.
+        # With qk_l2norm the norm warps take 40 and the state role reloads a few loop invariants from local memory
+        # (13-14 local-memory instructions; timed faster than 24-register norm warps, see norm_role)
+        self.regs_load, self.regs_aux, self.regs_state = (40, 104, 184) if qk_l2norm else (24, 104, 192)
 
     # ---------------------------------------------------------------- host side
     @cute.jit
@@ -244,7 +254,8 @@ class GDNChunkFwdRolesSm90:
                 cute.arch.mbarrier_init(qk_full + s, 1)
                 # the aux (without intra load) and both state warpgroups' threads
                 cute.arch.mbarrier_init(qk_empty + s, 256 if self.intra_load else 384)
-                cute.arch.mbarrier_init(g_full + s, 32)  # the gate warp's lanes
+                # the gate warp's lanes; with qk_l2norm also the two norm warps', once q and k are normalised
+                cute.arch.mbarrier_init(g_full + s, 96 if self.qk_l2norm else 32)
             for s in cutlass.range_constexpr(self.v_stages):
                 cute.arch.mbarrier_init(v_full + s, 1)
                 cute.arch.mbarrier_init(v_empty + s, 256)
@@ -270,6 +281,8 @@ class GDNChunkFwdRolesSm90:
                 self.load_role(tma_q, mQ, tma_k, mK, tma_v, mV, sQK, sV, bars, h, hv, b, tok0, n_chunks, load_tp)
             elif warp == 1:
                 self.gate_role(mG, mBeta, gates, bars, b, hv, tok0, seqlen, n_chunks, lane)
+            elif cutlass.const_expr(self.qk_l2norm):
+                self.norm_role(sQK, bars, n_chunks, warp - 2, lane)
         elif wg == 1:
             cute.arch.setmaxregister_decrease(self.regs_aux)
             # with intra_save, (C, C) tiles of this (range, head)'s workspace: 2 c for chunk c's Tinv, 2 c + 1 for its
@@ -333,6 +346,54 @@ class GDNChunkFwdRolesSm90:
             raw = gates_sm90.load_gates(gG, gBeta, tok0, seqlen, c, lane, self.C)
             cute.arch.mbarrier_wait(qk_empty + s, (c // self.qk_stages + 1) % 2)
             gates_sm90.publish_gates(sG, sBeta, sFac, s, raw, c, seqlen, lane, self.C)
+            cute.arch.mbarrier_arrive(g_full + s)
+
+    @cute.jit
+    def norm_role(self, sQK, bars, n_chunks, which, lane):
+        """qk_l2norm, warps 2 (q) and 3 (k) of the load warpgroup: once chunk c's q | k stage has landed, the warp
+        L2-normalises its tile in place, four rows per step, eight lanes per row (each holds two 16-byte pieces: fp32
+        sums joined by shuffles, eps under the root, written back in bf16 as FLA's l2norm pass would hand them over),
+        then arrives on the stage's gate barrier, which the other roles wait before they read the tiles. The next
+        step's pieces are read before this step's sums are joined. (A lane per row, 24 registers: 32 shared-memory
+        round trips per row in series, 1.47 ms at B2 T16384 H64; this way, 40 registers: 1.20 ms.) Rows past the
+        sequence end are zeros (TMA) and stay zeros."""
+        f32 = cutlass.Float32
+        qk_full, _, g_full, _, _, _, _ = bars
+        half = self.D // 16  # 16-byte pieces per half row
+        steps = self.C // 4
+        # (the two 16-byte pieces of this lane's row: this step's and the next step's)
+        cur = [cute.make_rmem_tensor(cute.make_layout((1, 8)), cutlass.BFloat16) for _ in range(2)]
+        nxt = [cute.make_rmem_tensor(cute.make_layout((1, 8)), cutlass.BFloat16) for _ in range(2)]
+        for c in cutlass.range(n_chunks, unroll=1):
+            s = c % self.qk_stages
+            cute.arch.mbarrier_wait(qk_full + s, (c // self.qk_stages) % 2)
+            tile = sQK[None, None, which, s]
+            for p in cutlass.range_constexpr(2):
+                cute.autovec_copy(cute.local_tile(tile, (1, 8), (lane // 8, lane % 8 + p * half)), cur[p])
+            for step in cutlass.range(steps, unroll=1):
+                row = 4 * step + lane // 8
+                # the next step's pieces are read before this step's sums are joined (at the last step a finished
+                # row of this tile: read, not used)
+                row_next = 4 * ((step + 1) % steps) + lane // 8
+                for p in cutlass.range_constexpr(2):
+                    src = cute.local_tile(tile, (1, 8), (row_next, lane % 8 + p * half))
+                    cute.autovec_copy(src, nxt[p])
+                n2a, n2b = f32(0.0), f32(0.0)
+                for e in cutlass.range_constexpr(8):
+                    n2a = n2a + cur[0][e].to(f32) * cur[0][e].to(f32)
+                    n2b = n2b + cur[1][e].to(f32) * cur[1][e].to(f32)
+                n2 = n2a + n2b
+                for i in cutlass.range_constexpr(3):
+                    n2 = n2 + cute.arch.shuffle_sync_bfly(n2, 1 << i)
+                inv = cute.math.rsqrt(n2 + f32(L2NORM_EPS), fastmath=True)
+                for p in cutlass.range_constexpr(2):
+                    for e in cutlass.range_constexpr(8):
+                        cur[p][e] = (cur[p][e].to(f32) * inv).to(cutlass.BFloat16)
+                    cute.autovec_copy(cur[p], cute.local_tile(tile, (1, 8), (row, lane % 8 + p * half)))
+                for p in cutlass.range_constexpr(2):
+                    cur[p].store(nxt[p].load())
+            # the tiles are read by wgmma (async proxy)
+            cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.mbarrier_arrive(g_full + s)
 
     @cute.jit
@@ -593,7 +654,8 @@ def compile_gdn_fwd_roles_sm90(
     state_v_first=False,
     mode="full",
     intra="none",
+    qk_l2norm=False,
 ):
-    kernel = GDNChunkFwdRolesSm90(is_varlen, has_initial_state, mode, intra)
+    kernel = GDNChunkFwdRolesSm90(is_varlen, has_initial_state, mode, intra, qk_l2norm)
     fake = sm90_entry.fake_args(128, beta_fp32, state_v_first, per_key_gate=False)
     return runtime.compile_kernel(kernel, fake, arch, keep_artifacts)

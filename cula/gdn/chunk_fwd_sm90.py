@@ -1,7 +1,7 @@
 """Gated DeltaNet chunked-prefill forward for SM90 (sm_90a), CuTe DSL: the entry, and the two-warpgroup kernel.
 
-The entry compiles the four-role kernel (:mod:`cula.gdn.chunk_fwd_roles_sm90`) for D = 128 unsplit calls without
-qk_l2norm (:func:`uses_roles`) and the kernel below for the rest: D = 64, the split passes, qk_l2norm.
+The entry compiles the four-role kernel (:mod:`cula.gdn.chunk_fwd_roles_sm90`) for D = 128 (:func:`uses_roles`) and
+the kernel below for the rest: D = 64, and the split passes of calls with qk_l2norm.
 
 One CTA per (sequence, value head) walks the sequence in chunks of C = 64 tokens and keeps the fp32 state on chip
 across all chunks. Math per chunk (FLA convention; state S is K x V; G = cumulative log gate inside the chunk):
@@ -46,15 +46,17 @@ SUPPORTED_DIMS = (64, 128)
 # One CTA walks its chunks in series at about this many microseconds each (H200: the four-role kernel, ~0.94 ms at
 # B2 T16384 H64 = 256 chunks per CTA in one wave through the public entry, 2026-12-04 session 16); one CTA per SM.
 CHUNK_LATENCY_US = 3.7
-# with qk_l2norm the two-warpgroup kernel runs every chunk (1.461 ms at B2 T16384 H64, session 15)
-CHUNK_LATENCY_L2NORM_US = 5.7
+# with qk_l2norm (the four-role kernel, its load warpgroup normalising q and k: 1.195 ms at B2 T16384 H64 through the
+# SM90 entry, 2026-12-04 session 17)
+CHUNK_LATENCY_L2NORM_US = 4.7
 # A split sequence's passes run the four-role kernel too: its first pass saves each chunk's Tinv and P, the later
 # passes load them and run the state chain alone. Per chunk (H200, B1 T65536 H8 cut every 64 chunks, 128 CTAs, events
 # around each launch, 2026-12-04 session 17): first pass 3.47 us, correction 2.61 (2.34 at B1 T32768 H16), transition
 # 1.40; at 64 CTAs (cut every 128) 3.32 / 2.06 / 1.14. Around the launches a split call spent 54-88 us more: about
 # 4.25 us per link of the start chain (in series) and ~30 us once. Below in units of the whole-sequence chunk. With
-# qk_l2norm the two-warpgroup kernel makes everything in every pass (correction 7.16 / 6.44; transition taken as a
-# whole chunk, not measured), in units of that kernel's own chunk.
+# qk_l2norm the first pass is the four-role kernel's whole chunk and the later passes run the two-warpgroup kernel,
+# making everything again: correction ~6.3 us per chunk, transition ~5.7 (that kernel's whole chunk with qk_l2norm,
+# 1.461 ms at B2 T16384 H64 in session 15; correction measured at 7.16 / 6.44 of it), in units of the l2norm chunk.
 SPLIT_COST = segment_split.SplitCost(
     2.5 / CHUNK_LATENCY_US,
     1.4 / CHUNK_LATENCY_US,
@@ -63,7 +65,12 @@ SPLIT_COST = segment_split.SplitCost(
     first=3.47 / CHUNK_LATENCY_US,
     fixed=30 / CHUNK_LATENCY_US,
 )
-SPLIT_COST_L2NORM = segment_split.SplitCost(1.11, 1.0, 2.0 / CHUNK_LATENCY_L2NORM_US)
+SPLIT_COST_L2NORM = segment_split.SplitCost(
+    6.3 / CHUNK_LATENCY_L2NORM_US,
+    5.7 / CHUNK_LATENCY_L2NORM_US,
+    4.25 / CHUNK_LATENCY_L2NORM_US,
+    fixed=30 / CHUNK_LATENCY_L2NORM_US,
+)
 
 
 def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, **_) -> tuple[bool, str]:
@@ -91,11 +98,11 @@ def estimated_ms(lengths: list[int], HV: int, num_sms: int, qk_l2norm: bool = Fa
 
 def uses_roles(head_dim: int, mode: str, qk_l2norm: bool, intra: str) -> bool:
     """Whether a launch runs the four-role kernel (:mod:`cula.gdn.chunk_fwd_roles_sm90`, faster: its intra-chunk
-    matrices are made a chunk ahead of the state chain) instead of :class:`GDNChunkFwdSm90`: D = 128 without qk_l2norm,
-    whole sequences and every split pass (the first saves Tinv and P, the later load them); D = 64, qk_l2norm and
-    split passes that make Tinv and P again are not written for it."""
+    matrices are made a chunk ahead of the state chain) instead of :class:`GDNChunkFwdSm90`: D = 128, whole
+    sequences (with or without qk_l2norm) and, without qk_l2norm, every split pass (the first saves Tinv and P, the
+    later load them); D = 64 and qk_l2norm's split passes (they make Tinv and P again) are not written for it."""
     split_pass = (mode == "full" and intra in ("none", "save")) or (mode != "full" and intra == "load")
-    return head_dim == 128 and split_pass and not qk_l2norm
+    return head_dim == 128 and ((mode == "full" and intra == "none") or (split_pass and not qk_l2norm))
 
 
 class GDNChunkFwdSm90:
@@ -666,7 +673,7 @@ def compile_gdn_fwd_sm90(
 ):
     if uses_roles(head_dim, mode, qk_l2norm, intra):
         return chunk_fwd_roles_sm90.compile_gdn_fwd_roles_sm90(
-            arch, keep_artifacts, beta_fp32, is_varlen, has_initial_state, state_v_first, mode, intra
+            arch, keep_artifacts, beta_fp32, is_varlen, has_initial_state, state_v_first, mode, intra, qk_l2norm
         )
     kernel = GDNChunkFwdSm90(head_dim, beta_fp32, is_varlen, has_initial_state, state_v_first, mode, qk_l2norm, intra)
     fake = sm90_entry.fake_args(kernel.D, kernel.beta_fp32, kernel.state_v_first, per_key_gate=False)
@@ -708,6 +715,7 @@ def chunk_gated_delta_rule_fwd_sm90(
 
 
 # the four-role kernel's fixed-length form too: its register allocation differs from the varlen one's (it spilled alone)
+# (and the two-warpgroup kernel's qk_l2norm path, which the split passes take)
 sm90_entry.register_checked_variants(
     "gdn_chunk_fwd_sm90",
     compile_gdn_fwd_sm90,
@@ -718,5 +726,6 @@ sm90_entry.register_checked_variants(
         # are the four-role kernel's)
         "[D=64, intra save]": {"head_dim": 64, "is_varlen": True, "has_initial_state": True, "intra": "save"},
         "[D=64, intra load, correction]": {"head_dim": 64, "is_varlen": True, "mode": "correction", "intra": "load"},
+        "[qk_l2norm, correction]": {"is_varlen": True, "mode": "correction", "qk_l2norm": True},
     },
 )
