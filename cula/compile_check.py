@@ -137,8 +137,11 @@ def check_kernel(name: str, arch: str) -> Report:
     if spec.clean_sass and not error:
         if sass is None:
             error = "cannot check the SASS: no cuobjdump (it ships with triton)"
-        elif local or injected:
-            error = f"SASS not clean: {local} local-memory instructions (spills), {injected} warpgroup.arrive injected"
+        elif local > spec.sass_allowed[0] or injected > spec.sass_allowed[1]:
+            error = (
+                f"SASS not clean: {local} local-memory instructions (spills), {injected} warpgroup.arrive injected"
+                f" (allowed: {spec.sass_allowed[0]}, {spec.sass_allowed[1]})"
+            )
     return Report(name, arch, not error, seconds, counts, max(regs) if regs else None, error, local, injected)
 
 

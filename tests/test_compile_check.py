@@ -59,8 +59,8 @@ def registered(monkeypatch):
     monkeypatch.setattr(runtime, "_REGISTRY", {})
     monkeypatch.setattr(compile_check, "import_kernel_modules", lambda: [])
 
-    def add(name, fn, expected, clean_sass=False):
-        runtime.register_kernel(name, ["sm_90a"], fn, expected, clean_sass)
+    def add(name, fn, expected, clean_sass=False, sass_allowed=(0, 0)):
+        runtime.register_kernel(name, ["sm_90a"], fn, expected, clean_sass, sass_allowed)
 
     return add
 
@@ -93,3 +93,14 @@ def test_fails_on_local_memory_in_a_clean_kernel(registered):
     assert clean.ok and clean.local_mem == 0 and clean.injected_arrives == 0, clean
     spilled = compile_check.check_kernel("shuffle", "sm_90a")
     assert not spilled.ok and spilled.local_mem > 0 and "SASS not clean" in spilled.error, spilled
+
+
+def test_a_measured_allowance_of_local_memory_passes_up_to_its_count(registered):
+    registered("shuffle", compile_shuffle, ["st.global"], clean_sass=True)
+    spills = compile_check.check_kernel("shuffle", "sm_90a").local_mem
+    assert spills > 0
+    registered("shuffle_allowed", compile_shuffle, ["st.global"], clean_sass=True, sass_allowed=(spills, 0))
+    assert compile_check.check_kernel("shuffle_allowed", "sm_90a").ok
+    registered("shuffle_short", compile_shuffle, ["st.global"], clean_sass=True, sass_allowed=(spills - 1, 0))
+    short = compile_check.check_kernel("shuffle_short", "sm_90a")
+    assert not short.ok and "allowed" in short.error, short

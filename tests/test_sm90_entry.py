@@ -94,12 +94,6 @@ def test_a_wrong_correction_pass_fails():
         check_fwd(entry_for(no_correction), accept, inputs(1, 2100, 1, 1, False), h0=True, split=True)
 
 
-# (local-memory instructions, injected warpgroup.arrive) kept where measured faster than the clean alternative: the
-# four-role GDN kernel with qk_l2norm, whose state role at 184 registers (the norm warps have 40) reloads loop
-# invariants once per chunk (1.195 ms at B2 T16384 H64, against 1.467 with clean 24-register norm warps)
-SASS_ALLOWED = {"gdn_chunk_fwd_sm90[qk_l2norm]": (16, 40)}
-
-
 @pytest.mark.parametrize(
     "kernel,variant",
     [
@@ -119,13 +113,13 @@ SASS_ALLOWED = {"gdn_chunk_fwd_sm90[qk_l2norm]": (16, 40)}
 )
 def test_kernel_variants_compile_for_sm90_on_cpu(kernel, variant):
     """Every checked variant of both chunk kernels compiles for sm_90a on the CPU, with wgmma and TMA in its PTX and
-    no local memory or injected warpgroup.arrive in its machine code (but where measured and kept: SASS_ALLOWED)."""
+    no local memory or injected warpgroup.arrive in its machine code (one variant has a measured allowance)."""
     from cula import compile_check
 
     report = compile_check.check_kernel(kernel + variant, "sm_90a")
-    assert report.ok or report.error.startswith("SASS not clean"), report.error
-    local_mem, arrives = SASS_ALLOWED.get(kernel + variant, (0, 0))
-    assert report.local_mem <= local_mem and report.injected_arrives <= arrives, report.error
+    assert report.ok, report.error
+    if kernel + variant != "gdn_chunk_fwd_sm90[qk_l2norm]":  # the one allowance (registered with the kernel)
+        assert report.local_mem == 0 and report.injected_arrives == 0
     assert report.counts["wgmma.mma_async"] > 0 and report.counts["cp.async.bulk.tensor"] > 0
 
 

@@ -56,8 +56,8 @@ CHUNK_LATENCY_US = 10.8
 # 6.90 us, transition 4.54, against 11.02 for an unsplit chunk then; whole chunks have since become faster (the
 # tensor-core merge, the gate activated in the kernel instead of by a pass before it), these less: here they are
 # 0.76 and 0.49 of 10.8 us (the same times as 0.68 and 0.44 of 12.0 before the gate change, not measured since).
-# A link of the start chain: ~2 us, estimated.
-SPLIT_COST = segment_split.SplitCost(0.76, 0.49, 2.0 / CHUNK_LATENCY_US, cached=True)
+# A link of the start chain: ~0.5 us per value head (the same chain kernel as GDN's, measured there in session 17).
+SPLIT_COST = segment_split.SplitCost(0.76, 0.49, 0.5 / CHUNK_LATENCY_US, cached=True)
 SUPPORTED_DIMS = (64, 128)
 # the lowest gate the intra-chunk factorisation tolerates (module docstring)
 LOWER_BOUND_MIN = -5.0

@@ -32,11 +32,15 @@ RangeRunner = Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor | None, to
 
 
 class SplitCost(NamedTuple):
-    """A kernel's split passes: the correction and transition passes' cost per chunk as a fraction of a chunk of an
-    unsplit sequence, a link of the start chain (one small product per segment, in series) in the same unit, whether
-    the later passes are ``cached`` (the first pass saves each chunk's intra-chunk matrices to a workspace, the
-    later passes load them; the kernel's ``intra`` option), and the first pass's cost per chunk in that unit (more
-    than 1 where an unsplit sequence runs a faster kernel than the split passes do)."""
+    """A kernel's split passes, in units of a chunk of an unsplit sequence: the correction and transition passes' cost
+    per chunk; a link of the start chain (one small product per segment, in series) per value head (the chain
+    launch's time grows with the heads); whether the later passes are ``cached`` (the first pass saves each chunk's
+    intra-chunk matrices to a workspace, the later passes load them; the kernel's ``intra`` option; they then launch a
+    CTA for every segment, empty where they skip it); the first pass's cost per chunk (more than 1 where an unsplit
+    sequence runs a faster kernel than the split passes do); what a split call costs once (its extra launches and
+    allocations); each wave of CTAs a pass launches beyond its first (their prologues, empty ranges included); and
+    the cost per chunk of a chain walked while the other SMs idle (``lone``: less contention; scaled up to 1 as the
+    CTAs walking the longest chains fill the SMs)."""
 
     correction: float = 1.0
     transition: float = 1.0
@@ -44,6 +48,8 @@ class SplitCost(NamedTuple):
     cached: bool = False
     first: float = 1.0
     fixed: float = 0.0
+    wave: float = 0.0
+    lone: float = 1.0
 
 
 UNCACHED = SplitCost()  # every later pass makes each chunk again, at a first pass's cost
@@ -60,6 +66,17 @@ def _walk(segs: list[int], HV: int, num_sms: int) -> float:
     return float(max(waves, math.ceil(sum(segs) * HV / num_sms)))
 
 
+def _whole_walks(chunks: list[int], HV: int, num_sms: int, cost: SplitCost) -> float:
+    """:func:`_walk` of the unsplit sequences, its longest chains at ``cost.lone`` per chunk when few CTAs walk them."""
+    walks = _walk(chunks, HV, num_sms)
+    longest = max(chunks, default=0)
+    if walks > longest:  # several waves: the SMs stay busy
+        return walks
+    n_long = HV * sum(c == longest for c in chunks)
+    lone = cost.lone + (1.0 - cost.lone) * min(n_long, num_sms) / num_sms
+    return max(longest * lone, math.ceil(sum(chunks) * HV / num_sms))
+
+
 def _split_walks(chunks: list[int], seg: int, HV: int, num_sms: int, cost: SplitCost) -> float:
     """The split passes' time in chunk walks when every sequence is cut every ``seg`` chunks."""
     first, later, middle = [], [], []
@@ -70,9 +87,14 @@ def _split_walks(chunks: list[int], seg: int, HV: int, num_sms: int, cost: Split
         later += pieces[1:]
         middle += pieces[1:-1]
         links += len(pieces) - 1
+    launched = [len(first), len(first) if cost.cached else len(later)]
+    if middle:
+        launched.append(len(first) if cost.cached else len(middle))
+    extra_waves = sum(-(-n * HV // num_sms) - 1 for n in launched)
     return (
         cost.fixed
-        + cost.link * links
+        + cost.wave * extra_waves
+        + cost.link * links * HV
         + cost.first * _walk(first, HV, num_sms)
         + cost.correction * _walk(later, HV, num_sms)
         + cost.transition * _walk(middle, HV, num_sms)
@@ -84,7 +106,7 @@ def _plan(lengths: tuple[int, ...], HV: int, num_sms: int, chunk: int, cost: Spl
     """(time in chunk walks, segment length in chunks or None for no split) of the fastest plan."""
     chunks = [-(-n // chunk) for n in lengths]
     longest = max(chunks, default=0)
-    whole = _walk(chunks, HV, num_sms)
+    whole = _whole_walks(chunks, HV, num_sms, cost)
     best = (whole, None)
     if whole <= math.ceil(sum(chunks) * HV / num_sms) / 0.97:
         return best  # bound by the work spread over the SMs: the first pass alone would take as long
@@ -128,7 +150,7 @@ def chunk_walk_ms(
     if splittable:
         walks, _ = _plan(tuple(lengths), HV, num_sms, CHUNK, cost)
     else:
-        walks = _walk([-(-n // CHUNK) for n in lengths], HV, num_sms)
+        walks = _whole_walks([-(-n // CHUNK) for n in lengths], HV, num_sms, cost)
     return latency_us * walks / 1e3
 
 
