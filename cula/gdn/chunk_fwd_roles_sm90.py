@@ -17,7 +17,10 @@ Hand-offs are mbarrier rings (full: the data is there; empty: its last reader is
 v, Tinv | P. The aux role's chain bounds it: alone it takes ~60 % of the kernel's time, and the state warpgroups'
 shared-memory and tensor-core traffic stretches it (NOTES.md, sessions 15-16).
 
-Shapes as :mod:`cula.gdn.chunk_fwd_sm90` with K = V = 128, ``mode="full"`` without the split passes' workspace.
+The kernel also runs a split sequence's passes (:mod:`cula.ops.segment_split`): the first saves each chunk's Tinv and
+P to a workspace, the later ones (``transition``, ``correction``) load them by TMA and run without the aux role.
+
+Shapes as :mod:`cula.gdn.chunk_fwd_sm90` with K = V = 128.
 """
 
 import cutlass
@@ -40,7 +43,7 @@ _STATE_BARRIER = 2
 
 
 class GDNChunkFwdRolesSm90:
-    """Fused GDN forward (D = 128, unsplit sequences) with load, aux and two state warpgroups."""
+    """Fused GDN forward (D = 128: whole sequences and split passes) with load, aux and two state warpgroups."""
 
     def __init__(
         self,
