@@ -1,6 +1,7 @@
 """Where a chunk's time goes in an SM90 chunk kernel: clock64 stamps between its steps, on a GPU.
 
-    python scripts/profile_chunk.py [--op gdn|gdn_roles|kda] [--B 2 --T 16384 --H 64] [--out stamps.json] [--module PATH]
+    python scripts/profile_chunk.py [--op gdn|gdn_roles|kda] [--B 2 --T 16384 --H 64] [--out stamps.json]
+        [--module PATH]
 
 The kernel module's source is patched in memory (the package is left as it is): after each anchor line of a chunk
 loop, every warp's lane 0 of CTA (0, 0) writes the cycles since its loop began into the final-state tensor of that
@@ -61,12 +62,15 @@ OPS = {
         "warps": 16,
         # the aux role gets the stamps' tensor
         "replace": {
-            "self.aux_role(mma_ss, sQK, sA, sTP, gates, bars, scale, seqlen, n_chunks, tidx - 128, warp - 4, save)": (
-                "self.aux_role(mma_ss, sQK, sA, sTP, gates, bars, scale, seqlen, n_chunks, tidx - 128, warp - 4, save,"
-                " mHt)"
+            (
+                "self.aux_role(mma_ss, sQK, sA, sTP, gates, bars, scale, seqlen, n_chunks, tidx - 128, warp - 4,"
+                " w_tiles)"
+            ): (
+                "self.aux_role(mma_ss, sQK, sA, sTP, gates, bars, scale, seqlen, n_chunks, tidx - 128, warp - 4,"
+                " w_tiles, mHt)"
             ),
-            "def aux_role(self, mma_ss, sQK, sA, sTP, gates, bars, scale, seqlen, n_chunks, atid, awarp, save):": (
-                "def aux_role(self, mma_ss, sQK, sA, sTP, gates, bars, scale, seqlen, n_chunks, atid, awarp, save,"
+            "def aux_role(self, mma_ss, sQK, sA, sTP, gates, bars, scale, seqlen, n_chunks, atid, awarp, w_tiles):": (
+                "def aux_role(self, mma_ss, sQK, sA, sTP, gates, bars, scale, seqlen, n_chunks, atid, awarp, w_tiles,"
                 " mHt):"
             ),
         },

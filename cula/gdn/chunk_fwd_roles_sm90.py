@@ -68,7 +68,8 @@ class GDNChunkFwdRolesSm90:
         self.intra_save = intra == "save"
         self.intra_load = intra == "load"
         self.make_o = mode != "transition"
-        # the tile that arrives in the v stages: v; in "correction" the first pass's o of the chunk; none in "transition"
+        # the tile that arrives in the v stages: v; in "correction" the first pass's o of the chunk; none in
+        # "transition"
         self.v_src = {"full": "v", "correction": "o"}.get(mode)
         self.qk_l2norm = qk_l2norm
         self.a_stride = 68  # padded fp32 row of A^T: 16-byte aligned rows, conflict-free stores from the accumulator
@@ -273,29 +274,27 @@ class GDNChunkFwdRolesSm90:
             cpasync.prefetch_descriptor(tma_o)
         cute.arch.sync_threads()
 
+        # with intra save / load, (C, C) tiles of this (range, head)'s workspace: 2 c for chunk c's Tinv, 2 c + 1 for
+        # its P; smem tiles 2 t (Tinv) and 2 t + 1 (P) of Tinv | P stage t (the aux role stores them, or the load
+        # warp loads them)
+        w_tiles = None
+        if cutlass.const_expr(self.intra_save or self.intra_load):
+            tWs, tWg = blocks.tma_chunk_tiles(tma_w, mW[None, None, hv, n], 0, cute.group_modes(sTP, 2, 4))
+            w_tiles = (tma_w, tWs, tWg)
+
         wg = warp // 4
         if wg == 0:
             cute.arch.setmaxregister_decrease(self.regs_load)
             if warp == 0:
-                load_tp = None
-                if cutlass.const_expr(self.intra_load):
-                    tWs, tWg = blocks.tma_chunk_tiles(tma_w, mW[None, None, hv, n], 0, cute.group_modes(sTP, 2, 4))
-                    load_tp = (tma_w, tWs, tWg)
-                self.load_role(tma_q, mQ, tma_k, mK, tma_v, mV, sQK, sV, bars, h, hv, b, tok0, n_chunks, load_tp)
+                self.load_role(tma_q, mQ, tma_k, mK, tma_v, mV, sQK, sV, bars, h, hv, b, tok0, n_chunks, w_tiles)
             elif warp == 1:
                 self.gate_role(mG, mBeta, gates, bars, b, hv, tok0, seqlen, n_chunks, lane)
             elif cutlass.const_expr(self.qk_l2norm):
                 self.norm_role(sQK, bars, n_chunks, warp - 2, lane)
         elif wg == 1:
             cute.arch.setmaxregister_decrease(self.regs_aux)
-            # with intra_save, (C, C) tiles of this (range, head)'s workspace: 2 c for chunk c's Tinv, 2 c + 1 for its
-            # P; smem tiles 2 t (Tinv) and 2 t + 1 (P) of Tinv | P stage t
-            save = None
-            if cutlass.const_expr(self.intra_save):
-                tWs, tWg = blocks.tma_chunk_tiles(tma_w, mW[None, None, hv, n], 0, cute.group_modes(sTP, 2, 4))
-                save = (tma_w, tWs, tWg)
             if cutlass.const_expr(not self.intra_load):
-                self.aux_role(mma_ss, sQK, sA, sTP, gates, bars, scale, seqlen, n_chunks, tidx - 128, warp - 4, save)
+                self.aux_role(mma_ss, sQK, sA, sTP, gates, bars, scale, seqlen, n_chunks, tidx - 128, warp - 4, w_tiles)
         else:
             cute.arch.setmaxregister_increase(self.regs_state)
             self.state_role(
@@ -304,10 +303,10 @@ class GDNChunkFwdRolesSm90:
             )  # fmt: skip
 
     @cute.jit
-    def load_role(self, tma_q, mQ, tma_k, mK, tma_v, mV, sQK, sV, bars, h, hv, b, tok0, n_chunks, load_tp):
+    def load_role(self, tma_q, mQ, tma_k, mK, tma_v, mV, sQK, sV, bars, h, hv, b, tok0, n_chunks, w_tiles):
         """One warp: chunk c's q | k tiles into stage c % 3 once its chunk c - 3 is released, its v (or first-pass o)
-        tile into stage c % 2 once chunk c - 2's is; with ``load_tp`` (intra load) also its saved Tinv (and P) into
-        Tinv | P stage c % 2."""
+        tile into stage c % 2 once chunk c - 2's is; with intra load also its saved Tinv (and P) into Tinv | P stage
+        c % 2 (``w_tiles``: the workspace's TMA atom and tiles)."""
         qk_full, qk_empty, _, v_full, v_empty, tp_full, tp_empty = bars
         tQs, tQg = blocks.tma_chunk_tiles(tma_q, mQ[None, None, h, b], tok0, sQK[None, None, 0, None])
         tKs, tKg = blocks.tma_chunk_tiles(tma_k, mK[None, None, h, b], tok0, sQK[None, None, 1, None])
@@ -328,14 +327,12 @@ class GDNChunkFwdRolesSm90:
                     cute.arch.mbarrier_arrive_and_expect_tx(v_full + vs, C * D * 2)
                 cute.copy(tma_v, tVg[None, c], tVs[None, vs], tma_bar_ptr=v_full + vs)
             if cutlass.const_expr(self.intra_load):
-                tma_w, tWs, tWg = load_tp
+                tma_w, tWs, tWg = w_tiles
                 ts = c % self.tp_stages
                 cute.arch.mbarrier_wait(tp_empty + ts, (c // self.tp_stages + 1) % 2)
                 if lane == 0:
                     cute.arch.mbarrier_arrive_and_expect_tx(tp_full + ts, (2 if self.make_o else 1) * C * C * 2)
-                cute.copy(tma_w, tWg[None, 2 * c], tWs[None, 2 * ts], tma_bar_ptr=tp_full + ts)
-                if cutlass.const_expr(self.make_o):
-                    cute.copy(tma_w, tWg[None, 2 * c + 1], tWs[None, 2 * ts + 1], tma_bar_ptr=tp_full + ts)
+                blocks.load_tinv_p(tma_w, tWg, tWs, c, ts, tp_full + ts, self.make_o)
 
     @cute.jit
     def gate_role(self, mG, mBeta, gates, bars, b, hv, tok0, seqlen, n_chunks, lane):
@@ -400,7 +397,7 @@ class GDNChunkFwdRolesSm90:
             cute.arch.mbarrier_arrive(g_full + s)
 
     @cute.jit
-    def aux_role(self, mma_ss, sQK, sA, sTP, gates, bars, scale, seqlen, n_chunks, atid, awarp, save):
+    def aux_role(self, mma_ss, sQK, sA, sTP, gates, bars, scale, seqlen, n_chunks, atid, awarp, w_tiles):
         """One warpgroup: per chunk, A = strict-lower(beta_i K K^T 2^(G_i - G_j)) (fp32, transposed, to ``sA``),
         P = lower(scale Q K^T 2^(G_i - G_j)) and Tinv = (I + A)^-1 (bf16, to Tinv | P stage c % 2)."""
         f32 = cutlass.Float32
@@ -488,11 +485,9 @@ class GDNChunkFwdRolesSm90:
             if cutlass.const_expr(self.intra_save):
                 if awarp == 0:
                     # every aux thread has fenced its part (the stage's full barrier), then one TMA store group
-                    tma_w, tWs, tWg = save
+                    tma_w, tWs, tWg = w_tiles
                     cute.arch.mbarrier_wait(tp_full + ts, (c // self.tp_stages) % 2)
-                    cute.copy(tma_w, tWs[None, 2 * ts], tWg[None, 2 * c])
-                    cute.copy(tma_w, tWs[None, 2 * ts + 1], tWg[None, 2 * c + 1])
-                    cute.arch.cp_async_bulk_commit_group()
+                    blocks.save_tinv_p(tma_w, tWs, tWg, c, ts)
         if cutlass.const_expr(self.intra_save):
             if awarp == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)

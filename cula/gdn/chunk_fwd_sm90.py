@@ -641,9 +641,7 @@ class GDNChunkFwdSm90:
         if cutlass.const_expr(self.tile_v_src is not None):
             cute.copy(tma_v, tVg[None, chunk], tVs[None, s], tma_bar_ptr=full + s)
         if cutlass.const_expr(self.intra == "load"):
-            cute.copy(tma_w, tWg[None, 2 * chunk], tWs[None, 2 * s], tma_bar_ptr=full + s)
-            if cutlass.const_expr(self.make_o):
-                cute.copy(tma_w, tWg[None, 2 * chunk + 1], tWs[None, 2 * s + 1], tma_bar_ptr=full + s)
+            blocks.load_tinv_p(tma_w, tWg, tWs, chunk, s, full + s, self.make_o)
 
     @cute.jit
     def token_norms(self, acc_kk, cSS, sQ, sNorm, wg, wtid):

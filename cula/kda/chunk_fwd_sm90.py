@@ -823,9 +823,7 @@ class KDAChunkFwdSm90:
         """One warp: Tinv (and P when the pass makes o) of ``chunk`` from the workspace, completing on ``bar``."""
         if lane == 0:
             cute.arch.mbarrier_arrive_and_expect_tx(bar, self.tp_bytes)
-        cute.copy(tma_w, tWg[None, 2 * chunk], tWs[None, 0], tma_bar_ptr=bar)
-        if cutlass.const_expr(self.make_o):
-            cute.copy(tma_w, tWg[None, 2 * chunk + 1], tWs[None, 1], tma_bar_ptr=bar)
+        blocks.load_tinv_p(tma_w, tWg, tWs, chunk, 0, bar, self.make_o)
 
     @cute.jit
     def issue_v(self, tma_v, tVg, tVs, bar_v, chunk, lane):

@@ -3,6 +3,7 @@
 All are ``@cute.jit`` functions inlined into the calling kernel:
 
 - :func:`sequence_bounds`: a CTA's sequence (batch row, first token, length, chunks), fixed-length or varlen.
+- :func:`save_tinv_p` / :func:`load_tinv_p`: a chunk's Tinv and P to / from a split's workspace by TMA.
 - :func:`tma_view` / :func:`tma_chunk_tiles`: TMA views of a ``[B, T, heads, D]`` tensor cut in ``C``-token tiles.
 - :func:`gemm`: ``acc (+)= A B`` over all k-blocks with wgmma (issued, not waited).
 - :func:`acc_to_operand`: a (64 x N) fp32 wgmma accumulator as the bf16 register A operand of the next wgmma.
@@ -60,12 +61,23 @@ def sequence_bounds(n, T, mStart, mEnd, is_varlen: cutlass.Constexpr, C: cutlass
 
 
 @cute.jit
-def save_tinv_p(atom, tWs, tWg, chunk):
-    """One warp: a chunk's Tinv and P (smem tiles 0, 1 of ``tWs``) to its workspace tiles ``2 chunk``, ``2 chunk + 1``
-    by TMA, as one bulk group (the caller waits for it to have read them before they are written again)."""
-    cute.copy(atom, tWs[None, 0], tWg[None, 2 * chunk])
-    cute.copy(atom, tWs[None, 1], tWg[None, 2 * chunk + 1])
+def save_tinv_p(atom, tWs, tWg, chunk, stage=0):
+    """One warp: a chunk's Tinv and P (smem tiles ``2 stage``, ``2 stage + 1`` of ``tWs``) to its workspace tiles
+    ``2 chunk``, ``2 chunk + 1`` by TMA, as one bulk group (the caller waits for it to have read them before they are
+    written again)."""
+    cute.copy(atom, tWs[None, 2 * stage], tWg[None, 2 * chunk])
+    cute.copy(atom, tWs[None, 2 * stage + 1], tWg[None, 2 * chunk + 1])
     cute.arch.cp_async_bulk_commit_group()
+
+
+@cute.jit
+def load_tinv_p(atom, tWg, tWs, chunk, stage, bar, with_p: cutlass.Constexpr):
+    """The reverse of :func:`save_tinv_p`: a chunk's saved Tinv (and, ``with_p``, its P) from the workspace into smem
+    tiles ``2 stage`` (and ``2 stage + 1``) of ``tWs`` by TMA, completing on ``bar`` (its expected bytes are the
+    caller's)."""
+    cute.copy(atom, tWg[None, 2 * chunk], tWs[None, 2 * stage], tma_bar_ptr=bar)
+    if cutlass.const_expr(with_p):
+        cute.copy(atom, tWg[None, 2 * chunk + 1], tWs[None, 2 * stage + 1], tma_bar_ptr=bar)
 
 
 @cute.jit
