@@ -52,15 +52,17 @@ CHUNK_LATENCY_L2NORM_US = 4.7
 # A split sequence's passes run the four-role kernel too: its first pass saves each chunk's Tinv and P, the later
 # passes load them and run the state chain alone. Per chunk (H200, B1 T65536 H8 cut every 64 chunks, 128 CTAs, events
 # around each launch, 2026-12-04 session 17): first pass 3.47 us, correction 2.61 (2.34 at B1 T32768 H16), transition
-# 1.40; at 64 CTAs (cut every 128) 3.32 / 2.06 / 1.14 (correction taken as 2.3). Between the launches a split call spent 48-102 us more: ~25 us
-# once and ~0.5 us per link of the start chain and value head (4.25 per link at H8, ~15 at H32). On the skewed varlen
-# mixes (H32; their later passes launch a CTA for every segment, 448-768) each CTA wave beyond a pass's first cost
-# ~7 us. A sequence walked by few CTAs runs faster than at full load: 3.2-3.36 us per chunk at 8-32 CTAs. These fit
-# the ten split / unsplit timings of that session within ~10 % (B1 T8192 H64 split in two: 0.392 ms, model 0.426). Below in units of the whole-sequence
-# chunk. With qk_l2norm the first pass is the four-role kernel's whole chunk and the later passes run the
-# two-warpgroup kernel, making everything again: correction ~6.3 us per chunk, transition ~5.7 (that kernel's whole
-# chunk with qk_l2norm, 1.461 ms at B2 T16384 H64 in session 15; correction measured at 7.16 / 6.44 of it), in units
-# of the l2norm chunk.
+# 1.40; at 64 CTAs (cut every 128) 3.32 / 2.06 / 1.14 (correction taken as 2.3). Between the launches a split call
+# spent 48-102 us more: ~25 us once and ~0.5 us per link of the start chain and value head (4.25 per link at H8, ~15
+# at H32). On the skewed varlen mixes (H32; their later passes launch a CTA for every segment, 448-768) each CTA wave
+# beyond a pass's first cost ~7 us. These fit the ten split / unsplit timings of that session within ~10 % (B1 T8192
+# H64 split in two: 0.392 ms, model 0.426). Below in units of the whole-sequence chunk. With qk_l2norm the first pass
+# is the four-role kernel's whole chunk and the later passes run the two-warpgroup kernel, making everything again:
+# correction ~6.3 us per chunk, transition ~5.7 (that kernel's whole chunk with qk_l2norm, 1.461 ms at B2 T16384 H64
+# in session 15; correction measured at 7.16 / 6.44 of it), in units of the l2norm chunk.
+# A sequence walked by few CTAs runs faster than at full load: 3.2-3.36 us per chunk at 8-32 CTAs, as a fraction of
+# a chunk at full load (measured without qk_l2norm, taken as the same with it).
+LONE_FRACTION = 3.25 / CHUNK_LATENCY_US
 SPLIT_COST = segment_split.SplitCost(
     2.3 / CHUNK_LATENCY_US,
     1.4 / CHUNK_LATENCY_US,
@@ -69,7 +71,7 @@ SPLIT_COST = segment_split.SplitCost(
     first=3.47 / CHUNK_LATENCY_US,
     fixed=25 / CHUNK_LATENCY_US,
     wave=7 / CHUNK_LATENCY_US,
-    lone=3.25 / CHUNK_LATENCY_US,
+    lone=LONE_FRACTION,
 )
 SPLIT_COST_L2NORM = segment_split.SplitCost(
     6.3 / CHUNK_LATENCY_L2NORM_US,
@@ -77,7 +79,7 @@ SPLIT_COST_L2NORM = segment_split.SplitCost(
     0.5 / CHUNK_LATENCY_L2NORM_US,
     fixed=25 / CHUNK_LATENCY_L2NORM_US,
     wave=7 / CHUNK_LATENCY_L2NORM_US,
-    lone=3.25 / CHUNK_LATENCY_US,
+    lone=LONE_FRACTION,
 )
 
 
