@@ -134,7 +134,8 @@ def _sm90_faster_than_fla(args: dict[str, Any]) -> tuple[bool, str]:
 
     from cula.gdn.chunk_fwd_sm90 import estimated_ms
 
-    return kernel_vs_fla(args, partial(estimated_ms, qk_l2norm=bool(args["use_qk_l2norm_in_kernel"])), FLA_TIME)
+    estimate = partial(estimated_ms, qk_l2norm=bool(args["use_qk_l2norm_in_kernel"]), head_dim=args["q"].shape[-1])
+    return kernel_vs_fla(args, estimate, FLA_TIME)
 
 
 def _sm90_run(args: dict[str, Any]):

@@ -6,8 +6,8 @@ the state products. Here they are made by their own warpgroup a chunk or more ah
 only the state chain (S^T K^T / S^T Q^T, V_new, O, the state update):
 
 - WG0, load (24 registers): warp 0 issues the q | k tiles (3 stages) and the v tiles (2 stages) by TMA; warp 1 scans
-  each chunk's gates into the gate slot of its q | k stage; with qk_l2norm, warps 2 and 3 normalise the landed q and
-  k tiles in place (bf16, as FLA's l2norm pass hands them over) before the gate slot is marked full.
+  each chunk's gates into the gate slot of its q | k stage; with qk_l2norm, warps 2 and 3 first take the norms of the
+  landed q and k rows, which the gate warp folds into the slot's gates and factors (the tiles stay as loaded).
 - WG1, aux (104): K K^T and Q K^T (wgmma SS), the masks (A^T fp32 to ``sA``, P bf16 to the Tinv | P stage), Tinv by
   :func:`cula.ops.sm90_blocks.solve_diag16_per_warp` / ``solve_merge_to_bf16``.
 - WG2, WG3, state (192 each): value rows 0-63 / 64-127 of S^T as wgmma accumulators; V read and O staged with
@@ -78,10 +78,12 @@ class GDNChunkFwdRolesSm90:
         self.tp_stages = 2
         self.o_bufs = 2
         self.threads = 512
-        # setmaxnreg per warpgroup (24 + 104 + 2 x 192 = 4 x 128, the launch's share): the state role peaks at ~189.
-        # With qk_l2norm the norm warps take 40 and the state role reloads a few loop invariants from local memory
-        # (13-14 local-memory instructions; timed faster than 24-register norm warps, see norm_role)
-        self.regs_load, self.regs_aux, self.regs_state = (40, 104, 184) if qk_l2norm else (24, 104, 192)
+        # setmaxnreg per warpgroup (24 + 104 + 2 x 192 = 4 x 128, the launch's share): the state role peaks at ~189
+        self.regs_load, self.regs_aux, self.regs_state = 24, 104, 192
+        # per-token factors of a gate slot: 2^G and 2^(G_last - G); with qk_l2norm 2^G / ||q||, 2^(G_last - G) / ||k||
+        # and 2^G / ||k||, then the norm columns (norm_role, publish_norm_gates)
+        self.fac_cols = 3 if qk_l2norm else 2
+        self.norm_cols = 4 if qk_l2norm else 0
 
     # ---------------------------------------------------------------- host side
     @cute.jit
@@ -137,12 +139,13 @@ class GDNChunkFwdRolesSm90:
             tp_empty: cute.struct.MemRange[cutlass.Int64, tp_stages]
             sG: cute.struct.MemRange[cutlass.Float32, qk_stages * C]
             sBeta: cute.struct.MemRange[cutlass.Float32, qk_stages * C]
-            sFac: cute.struct.MemRange[cutlass.Float32, qk_stages * 2 * C]
+            sFac: cute.struct.MemRange[cutlass.Float32, qk_stages * (self.fac_cols + self.norm_cols) * C]
             sA: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, C * self.a_stride], 128]
             sO: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_o)], 1024]
             sQK: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_qk)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_v)], 1024]
             sTP: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_tp)], 1024]
+            norm_full: cute.struct.MemRange[cutlass.Int64, qk_stages]  # used with qk_l2norm
 
         self.storage = Storage
         HV = v.shape[2]
@@ -236,12 +239,21 @@ class GDNChunkFwdRolesSm90:
             st.tp_full.data_ptr(),
             st.tp_empty.data_ptr(),
         )
-        # per gate slot (one per q | k stage): G in log2 units, beta, 2^G_t and 2^(G_last - G_t)
+        if cutlass.const_expr(self.qk_l2norm):
+            bars = (*bars, st.norm_full.data_ptr())
+        # per gate slot (one per q | k stage): G in log2 units, beta, the per-token factors (fac_cols), and with
+        # qk_l2norm the norm columns after them
+        sFac = st.sFac.get_tensor(cute.make_layout((C, self.qk_stages, self.fac_cols)))
         gates = (
             st.sG.get_tensor(cute.make_layout((C, self.qk_stages))),
             st.sBeta.get_tensor(cute.make_layout((C, self.qk_stages))),
-            st.sFac.get_tensor(cute.make_layout((C, self.qk_stages, 2))),
+            sFac,
         )
+        if cutlass.const_expr(self.qk_l2norm):
+            sNorm = cute.make_tensor(
+                sFac.iterator + C * self.qk_stages * self.fac_cols, cute.make_layout((C, self.qk_stages, 4))
+            )
+            gates = (*gates, sNorm)
         sA = st.sA.get_tensor(cute.make_layout((C, self.a_stride), stride=(self.a_stride, 1)))
         sQK = st.sQK.get_tensor(tile_qk.outer, swizzle=tile_qk.inner)
         sV = st.sV.get_tensor(tile_v.outer, swizzle=tile_v.inner)
@@ -253,13 +265,14 @@ class GDNChunkFwdRolesSm90:
         sO_mn = cute.make_tensor(cute.recast_ptr(sO.iterator, tile_o_mn.inner), tile_o_mn.outer)
 
         if tidx == 0:
-            qk_full, qk_empty, g_full, v_full, v_empty, tp_full, tp_empty = bars
+            qk_full, qk_empty, g_full, v_full, v_empty, tp_full, tp_empty = bars[:7]
             for s in cutlass.range_constexpr(self.qk_stages):
                 cute.arch.mbarrier_init(qk_full + s, 1)
                 # the aux (without intra load) and both state warpgroups' threads
                 cute.arch.mbarrier_init(qk_empty + s, 256 if self.intra_load else 384)
-                # the gate warp's lanes; with qk_l2norm also the two norm warps', once q and k are normalised
-                cute.arch.mbarrier_init(g_full + s, 96 if self.qk_l2norm else 32)
+                cute.arch.mbarrier_init(g_full + s, 32)  # the gate warp's lanes
+                if cutlass.const_expr(self.qk_l2norm):
+                    cute.arch.mbarrier_init(bars[7] + s, 64)  # the norm warps' lanes
             for s in cutlass.range_constexpr(self.v_stages):
                 cute.arch.mbarrier_init(v_full + s, 1)
                 cute.arch.mbarrier_init(v_empty + s, 256)
@@ -290,7 +303,7 @@ class GDNChunkFwdRolesSm90:
             elif warp == 1:
                 self.gate_role(mG, mBeta, gates, bars, b, hv, tok0, seqlen, n_chunks, lane)
             elif cutlass.const_expr(self.qk_l2norm):
-                self.norm_role(sQK, bars, n_chunks, warp - 2, lane)
+                self.norm_role(sQK, gates, bars, n_chunks, warp - 2, lane)
         elif wg == 1:
             cute.arch.setmaxregister_decrease(self.regs_aux)
             if cutlass.const_expr(not self.intra_load):
@@ -307,7 +320,7 @@ class GDNChunkFwdRolesSm90:
         """One warp: chunk c's q | k tiles into stage c % 3 once its chunk c - 3 is released, its v (or first-pass o)
         tile into stage c % 2 once chunk c - 2's is; with intra load also its saved Tinv (and P) into Tinv | P stage
         c % 2 (``w_tiles``: the workspace's TMA atom and tiles)."""
-        qk_full, qk_empty, _, v_full, v_empty, tp_full, tp_empty = bars
+        qk_full, qk_empty, _, v_full, v_empty, tp_full, tp_empty = bars[:7]
         tQs, tQg = blocks.tma_chunk_tiles(tma_q, mQ[None, None, h, b], tok0, sQK[None, None, 0, None])
         tKs, tKg = blocks.tma_chunk_tiles(tma_k, mK[None, None, h, b], tok0, sQK[None, None, 1, None])
         tVs, tVg = blocks.tma_chunk_tiles(tma_v, mV[None, None, hv, b], tok0, sV)
@@ -338,63 +351,61 @@ class GDNChunkFwdRolesSm90:
     def gate_role(self, mG, mBeta, gates, bars, b, hv, tok0, seqlen, n_chunks, lane):
         """One warp: chunk c's gates scanned into gate slot c % 3 once chunk c - 3 has released it (the loads are
         issued before that wait)."""
-        sG, sBeta, sFac = gates
-        _, qk_empty, g_full, _, _, _, _ = bars
+        sG, sBeta, sFac = gates[:3]
+        _, qk_empty, g_full, _, _, _, _ = bars[:7]
         gG, gBeta = mG[b, None, hv], mBeta[b, None, hv]
         for c in cutlass.range(n_chunks, unroll=1):
             s = c % self.qk_stages
             raw = gates_sm90.load_gates(gG, gBeta, tok0, seqlen, c, lane, self.C)
             cute.arch.mbarrier_wait(qk_empty + s, (c // self.qk_stages + 1) % 2)
             gates_sm90.publish_gates(sG, sBeta, sFac, s, raw, c, seqlen, lane, self.C)
+            if cutlass.const_expr(self.qk_l2norm):
+                cute.arch.mbarrier_wait(bars[7] + s, (c // self.qk_stages) % 2)
+                self.publish_norm_gates(gates, s, lane)
             cute.arch.mbarrier_arrive(g_full + s)
 
     @cute.jit
-    def norm_role(self, sQK, bars, n_chunks, which, lane):
-        """qk_l2norm, warps 2 (q) and 3 (k) of the load warpgroup: once chunk c's q | k stage has landed, the warp
-        L2-normalises its tile in place, four rows per step, eight lanes per row (each holds two 16-byte pieces: fp32
-        sums joined by shuffles, eps under the root, written back in bf16 as FLA's l2norm pass would hand them over),
-        then arrives on the stage's gate barrier, which the other roles wait before they read the tiles. The next
-        step's pieces are read before this step's sums are joined. (A lane per row, 24 registers: 32 shared-memory
-        round trips per row in series, 1.47 ms at B2 T16384 H64; this way, 40 registers: 1.20 ms.) Rows past the
-        sequence end are zeros (TMA) and stay zeros."""
+    def norm_role(self, sQK, gates, bars, n_chunks, which, lane):
+        """qk_l2norm, warps 2 and 3 of the load warpgroup, a lane per row (rows 32 ``which`` + lane of q and of k):
+        once chunk c's q | k stage has landed, each row's sum of squares (fp32, eps under the root as FLA's
+        l2norm_fwd) gives 1 / ||q|| and 1 / ||k|| in norm columns 0 and 1 of gate slot c % 3 (the stage's norm
+        barrier), which the gate warp folds into the slot (``publish_norm_gates``). The tiles are not rewritten
+        (normalising them in place bounded the chunk: 8.2k cycles against 6.3k)."""
         f32 = cutlass.Float32
-        qk_full, _, g_full, _, _, _, _ = bars
-        half = self.D // 16  # 16-byte pieces per half row
-        steps = self.C // 4
-        # (the two 16-byte pieces of this lane's row: this step's and the next step's)
-        cur = [cute.make_rmem_tensor(cute.make_layout((1, 8)), cutlass.BFloat16) for _ in range(2)]
-        nxt = [cute.make_rmem_tensor(cute.make_layout((1, 8)), cutlass.BFloat16) for _ in range(2)]
+        sNorm = gates[3]
+        qk_full = bars[0]
+        norm_full = bars[7]
+        row = 32 * which + lane
         for c in cutlass.range(n_chunks, unroll=1):
             s = c % self.qk_stages
             cute.arch.mbarrier_wait(qk_full + s, (c // self.qk_stages) % 2)
-            tile = sQK[None, None, which, s]
-            for p in cutlass.range_constexpr(2):
-                cute.autovec_copy(cute.local_tile(tile, (1, 8), (lane // 8, lane % 8 + p * half)), cur[p])
-            for step in cutlass.range(steps, unroll=1):
-                row = 4 * step + lane // 8
-                # the next step's pieces are read before this step's sums are joined (at the last step a finished
-                # row of this tile: read, not used)
-                row_next = 4 * ((step + 1) % steps) + lane // 8
-                for p in cutlass.range_constexpr(2):
-                    src = cute.local_tile(tile, (1, 8), (row_next, lane % 8 + p * half))
-                    cute.autovec_copy(src, nxt[p])
-                n2a, n2b = f32(0.0), f32(0.0)
-                for e in cutlass.range_constexpr(8):
-                    n2a = n2a + cur[0][e].to(f32) * cur[0][e].to(f32)
-                    n2b = n2b + cur[1][e].to(f32) * cur[1][e].to(f32)
-                n2 = n2a + n2b
-                for i in cutlass.range_constexpr(3):
-                    n2 = n2 + cute.arch.shuffle_sync_bfly(n2, 1 << i)
-                inv = cute.math.rsqrt(n2 + f32(L2NORM_EPS), fastmath=True)
-                for p in cutlass.range_constexpr(2):
-                    for e in cutlass.range_constexpr(8):
-                        cur[p][e] = (cur[p][e].to(f32) * inv).to(cutlass.BFloat16)
-                    cute.autovec_copy(cur[p], cute.local_tile(tile, (1, 8), (row, lane % 8 + p * half)))
-                for p in cutlass.range_constexpr(2):
-                    cur[p].store(nxt[p].load())
-            # the tiles are read by wgmma (async proxy)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.mbarrier_arrive(g_full + s)
+            for x in cutlass.range_constexpr(2):
+                # four 16-byte pieces per step of a loop: fully unrolled, the swizzled addresses of 16 pieces took
+                # more than this warpgroup's 24 registers, and the compiler then spilled the aux role too
+                tile = sQK[None, None, x, s]
+                n2 = f32(0.0)
+                for blk in cutlass.range(self.D // 32, unroll=1):
+                    n2 = n2 + blocks.row_sum_squares(tile, row, 4 * blk, 4)
+                sNorm[row, s, x] = cute.math.rsqrt(n2 + f32(L2NORM_EPS), fastmath=True)
+            cute.arch.mbarrier_arrive(norm_full + s)
+
+    @cute.jit
+    def publish_norm_gates(self, gates, s, lane):
+        """qk_l2norm, the gate warp, after ``publish_gates`` and the slot's norm barrier: 1 / ||q|| and 1 / ||k|| folded
+        into gate slot s for its two tokens per lane. Norm columns become G - log2 ||q|| (P's rows), -, beta / ||k||
+        (A's rows), G + log2 ||k|| (A's and P's columns); the state role's factors 2^G / ||q|| (O), 2^(G_last - G) /
+        ||k|| (the state update) and 2^G / ||k|| (Y)."""
+        sG, sBeta, sFac, sNorm = gates
+        for h in cutlass.range_constexpr(2):
+            t = lane + 32 * h
+            inv_q, inv_k = sNorm[t, s, 0], sNorm[t, s, 1]
+            G, two_g = sG[t, s], sFac[t, s, 0]
+            sNorm[t, s, 0] = G + cute.math.log2(inv_q, fastmath=True)
+            sNorm[t, s, 2] = sBeta[t, s] * inv_k
+            sNorm[t, s, 3] = G - cute.math.log2(inv_k, fastmath=True)
+            sFac[t, s, 0] = two_g * inv_q
+            sFac[t, s, 1] = sFac[t, s, 1] * inv_k
+            sFac[t, s, 2] = two_g * inv_k
 
     @cute.jit
     def aux_role(self, mma_ss, sQK, sA, sTP, gates, bars, scale, seqlen, n_chunks, atid, awarp, w_tiles):
@@ -402,8 +413,8 @@ class GDNChunkFwdRolesSm90:
         P = lower(scale Q K^T 2^(G_i - G_j)) and Tinv = (I + A)^-1 (bf16, to Tinv | P stage c % 2)."""
         f32 = cutlass.Float32
         C = self.C
-        sG, sBeta, _ = gates
-        qk_full, qk_empty, g_full, _, _, tp_full, tp_empty = bars
+        sG, sBeta = gates[0], gates[1]
+        qk_full, qk_empty, g_full, _, _, tp_full, tp_empty = bars[:7]
         thr_ss = mma_ss.get_slice(atid)
         cSS = thr_ss.partition_C(cute.make_identity_tensor((C, C)))
         # P leaves the accumulator by stmatrix (row addresses per 8 x 8 matrix, not one swizzled address each)
@@ -430,7 +441,10 @@ class GDNChunkFwdRolesSm90:
             warpgroup.fence()
             blocks.gemm(mma_ss, acc_x, tSSa[None, None, None, 1], tSSb, True)
             warpgroup.commit_group()
-            g_r, b_r, g_c = gates_sm90.row_col_gates(sG, sBeta, None, cSS, s, False)
+            if cutlass.const_expr(self.qk_l2norm):
+                g_r, b_r, g_c = self.folded_gates(gates, cSS, s, False)
+            else:
+                g_r, b_r, g_c = gates_sm90.row_col_gates(sG, sBeta, None, cSS, s, False)
             # a row's last unmasked column: the masks then depend on the chunk, and ptxas does not hoist 64
             # per-element predicates out of the loop (they spilled); rows past the end get none of A and all the
             # columns before the end of P (harmless: their outputs are not stored, V_new is zero there)
@@ -459,7 +473,10 @@ class GDNChunkFwdRolesSm90:
             warpgroup.wait_group(0)
             cute.arch.mbarrier_wait(tp_empty + ts, (c // self.tp_stages + 1) % 2)
             # the gates read again: held across Q K^T they push loop invariants of the solve out to local memory
-            g_r, _, g_c = gates_sm90.row_col_gates(sG, sBeta, None, cSS, s, False)
+            if cutlass.const_expr(self.qk_l2norm):
+                g_r, _, g_c = self.folded_gates(gates, cSS, s, True)
+            else:
+                g_r, _, g_c = gates_sm90.row_col_gates(sG, sBeta, None, cSS, s, False)
             lim_p = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Int32)
             for rr in cutlass.range_constexpr(2):
                 r, _ = cSS[2 * rr]
@@ -493,6 +510,24 @@ class GDNChunkFwdRolesSm90:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
+    def folded_gates(self, gates, cSS, s, for_p: cutlass.Constexpr):
+        """qk_l2norm: :func:`cula.gdn.gates_sm90.row_col_gates` with the norms folded in (``publish_norm_gates``): row
+        gates G (A) or G - log2 ||q|| (P), row factors beta / ||k||, column gates G + log2 ||k||."""
+        f32 = cutlass.Float32
+        sG, sNorm = gates[0], gates[3]
+        g_r = cute.make_rmem_tensor(cute.make_layout(2), f32)
+        b_r = cute.make_rmem_tensor(cute.make_layout(2), f32)
+        g_c = cute.make_rmem_tensor(cute.make_layout(16), f32)
+        for rr in cutlass.range_constexpr(2):
+            r, _ = cSS[2 * rr]
+            g_r[rr] = sNorm[r, s, 0] if for_p else sG[r, s]
+            b_r[rr] = sNorm[r, s, 2]
+        for kc in cutlass.range_constexpr(16):
+            _, j = cSS[blocks.acc_col_element(kc)]
+            g_c[kc] = sNorm[j, s, 3]
+        return g_r, b_r, g_c
+
+    @cute.jit
     def state_role(
         self, mma_rs, mma_state, tma_o, mOt, mO, mH0, mHt, sQK, sK_mn, sV_mn, sO, sO_mn, sTP, gates, bars,
         scale, n, b, hv, tok0, seqlen, n_chunks, stid, warp,
@@ -503,8 +538,10 @@ class GDNChunkFwdRolesSm90:
         f32 = cutlass.Float32
         bf16 = cutlass.BFloat16
         C, D = self.C, self.D
-        sG, sBeta, sFac = gates
-        qk_full, qk_empty, g_full, v_full, v_empty, tp_full, tp_empty = bars
+        sG, sBeta, sFac = gates[:3]
+        qk_full, qk_empty, g_full, v_full, v_empty, tp_full, tp_empty = bars[:7]
+        # the factor of Y's S^T K^T term: 2^G, or with qk_l2norm 2^G / ||k|| (column 0 is then 2^G / ||q||, for O)
+        fac_y = 2 if self.qk_l2norm else 0
         swg = (warp - 8) // 4
         wtid = stid % 128
         row0 = swg * C
@@ -571,11 +608,11 @@ class GDNChunkFwdRolesSm90:
                 cute.copy(ld_v, thr_ld.partition_S(v_rows), thr_ld.retile(v_frag))
                 for i in cutlass.range_constexpr(cute.size(acc_k)):
                     _, j = cCC[i]
-                    acc_k[i] = sBeta[j, s] * (v_frag[i].to(f32) - sFac[j, s, 0] * acc_k[i])
+                    acc_k[i] = sBeta[j, s] * (v_frag[i].to(f32) - sFac[j, s, fac_y] * acc_k[i])
             else:
                 for i in cutlass.range_constexpr(cute.size(acc_k)):
                     _, j = cCC[i]
-                    acc_k[i] = -(sBeta[j, s] * sFac[j, s, 0]) * acc_k[i]
+                    acc_k[i] = -(sBeta[j, s] * sFac[j, s, fac_y]) * acc_k[i]
             rY = blocks.acc_to_operand(acc_k)
             tRSb_T = thr_rs.make_fragment_B(thr_rs.partition_B(sTP[None, None, 0, ts]))
             tRSb_P = thr_rs.make_fragment_B(thr_rs.partition_B(sTP[None, None, 1, ts]))

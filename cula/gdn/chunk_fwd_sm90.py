@@ -1,7 +1,7 @@
 """Gated DeltaNet chunked-prefill forward for SM90 (sm_90a), CuTe DSL: the entry, and the two-warpgroup kernel.
 
 The entry compiles the four-role kernel (:mod:`cula.gdn.chunk_fwd_roles_sm90`) for D = 128 (:func:`uses_roles`) and
-the kernel below for the rest: D = 64, and the split passes of calls with qk_l2norm.
+the kernel below for D = 64.
 
 One CTA per (sequence, value head) walks the sequence in chunks of C = 64 tokens and keeps the fp32 state on chip
 across all chunks. Math per chunk (FLA convention; state S is K x V; G = cumulative log gate inside the chunk):
@@ -46,9 +46,9 @@ SUPPORTED_DIMS = (64, 128)
 # One CTA walks its chunks in series at about this many microseconds each (H200: the four-role kernel, ~0.94 ms at
 # B2 T16384 H64 = 256 chunks per CTA in one wave through the public entry, 2026-12-04 session 16); one CTA per SM.
 CHUNK_LATENCY_US = 3.7
-# with qk_l2norm (the four-role kernel, its load warpgroup normalising q and k: 1.195 ms at B2 T16384 H64 through the
-# SM90 entry, 2026-12-04 session 17)
-CHUNK_LATENCY_L2NORM_US = 4.7
+# with qk_l2norm (the four-role kernel, the norms folded into its gates: 0.968 ms at B2 T16384 H64 against 0.912
+# without, same process, 2026-12-04 session 18)
+CHUNK_LATENCY_L2NORM_US = 3.9
 # A split sequence's passes run the four-role kernel too: its first pass saves each chunk's Tinv and P, the later
 # passes load them and run the state chain alone. Per chunk (H200, B1 T65536 H8 cut every 64 chunks, 128 CTAs, events
 # around each launch, 2026-12-04 session 17): first pass 3.47 us, correction 2.61 (2.34 at B1 T32768 H16), transition
@@ -56,10 +56,13 @@ CHUNK_LATENCY_L2NORM_US = 4.7
 # spent 48-102 us more: ~25 us once and ~0.5 us per link of the start chain and value head (4.25 per link at H8, ~15
 # at H32). On the skewed varlen mixes (H32; their later passes launch a CTA for every segment, 448-768) each CTA wave
 # beyond a pass's first cost ~7 us. These fit the ten split / unsplit timings of that session within ~10 % (B1 T8192
-# H64 split in two: 0.392 ms, model 0.426). Below in units of the whole-sequence chunk. With qk_l2norm the first pass
-# is the four-role kernel's whole chunk and the later passes run the two-warpgroup kernel, making everything again:
-# correction ~6.3 us per chunk, transition ~5.7 (that kernel's whole chunk with qk_l2norm, 1.461 ms at B2 T16384 H64
-# in session 15; correction measured at 7.16 / 6.44 of it), in units of the l2norm chunk.
+# H64 split in two: 0.392 ms, model 0.426). Below in units of the whole-sequence chunk. With qk_l2norm (D = 128) the
+# passes are the same kernel's with its norm warps; not timed per pass: the later passes taken as 0.2 us per chunk
+# slower (measured, session 18: B1 T65536 H8 0.635 ms, B1 T32768 H16 0.615, B1 T8192 H64 split in two 0.432, unsplit
+# 0.453; model 0.581 / 0.577 / 0.451; at 0.6 us slower the first two fit and the last is not split, which lost). At
+# D = 64 with qk_l2norm the later passes make everything again (two-warpgroup kernel): correction ~6.3 us per chunk,
+# transition ~5.7, against a whole chunk of ~4.7 (session 15's measurements of that kernel at D = 128, the D = 64
+# kernel taken as the same fractions).
 # A sequence walked by few CTAs runs faster than at full load: 3.2-3.36 us per chunk at 8-32 CTAs, as a fraction of
 # a chunk at full load (measured without qk_l2norm, taken as the same with it).
 LONE_FRACTION = 3.25 / CHUNK_LATENCY_US
@@ -74,12 +77,17 @@ SPLIT_COST = segment_split.SplitCost(
     lone=LONE_FRACTION,
 )
 SPLIT_COST_L2NORM = segment_split.SplitCost(
-    6.3 / CHUNK_LATENCY_L2NORM_US,
-    5.7 / CHUNK_LATENCY_L2NORM_US,
+    2.5 / CHUNK_LATENCY_L2NORM_US,
+    1.6 / CHUNK_LATENCY_L2NORM_US,
     0.5 / CHUNK_LATENCY_L2NORM_US,
+    cached=True,
+    first=3.47 / CHUNK_LATENCY_US,
     fixed=25 / CHUNK_LATENCY_L2NORM_US,
     wave=7 / CHUNK_LATENCY_L2NORM_US,
     lone=LONE_FRACTION,
+)
+SPLIT_COST_L2NORM_D64 = segment_split.SplitCost(
+    6.3 / 4.7, 5.7 / 4.7, 0.5 / 4.7, fixed=25 / 4.7, wave=7 / 4.7, lone=LONE_FRACTION
 )
 
 
@@ -93,26 +101,28 @@ def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, **
     return True, ""
 
 
-def split_cost(qk_l2norm: bool) -> segment_split.SplitCost:
-    """The split passes' costs: the later passes load Tinv and P unless the kernel normalises q and k (they would
-    need the norms as well, so they make everything again)."""
-    return SPLIT_COST_L2NORM if qk_l2norm else SPLIT_COST
+def split_cost(qk_l2norm: bool, head_dim: int = 128) -> segment_split.SplitCost:
+    """The split passes' costs: the later passes load Tinv and P (``cached``) but at D = 64 with qk_l2norm (the
+    two-warpgroup kernel would need the norms there as well, so it makes everything again)."""
+    if qk_l2norm:
+        return SPLIT_COST_L2NORM if head_dim == 128 else SPLIT_COST_L2NORM_D64
+    return SPLIT_COST
 
 
-def estimated_ms(lengths: list[int], HV: int, num_sms: int, qk_l2norm: bool = False) -> float:
+def estimated_ms(lengths: list[int], HV: int, num_sms: int, qk_l2norm: bool = False, head_dim: int = 128) -> float:
     """The kernel's time for sequences of these lengths, split where the entry splits them (matches the H200
     timings of BENCHMARK_H200.md within about 30 %)."""
     latency = CHUNK_LATENCY_L2NORM_US if qk_l2norm else CHUNK_LATENCY_US
-    return segment_split.chunk_walk_ms(lengths, HV, num_sms, latency, True, split_cost(qk_l2norm))
+    return segment_split.chunk_walk_ms(lengths, HV, num_sms, latency, True, split_cost(qk_l2norm, head_dim))
 
 
 def uses_roles(head_dim: int, mode: str, qk_l2norm: bool, intra: str) -> bool:
     """Whether a launch runs the four-role kernel (:mod:`cula.gdn.chunk_fwd_roles_sm90`, faster: its intra-chunk
     matrices are made a chunk ahead of the state chain) instead of :class:`GDNChunkFwdSm90`: D = 128, whole
-    sequences (with or without qk_l2norm) and, without qk_l2norm, every split pass (the first saves Tinv and P, the
-    later load them); D = 64 and qk_l2norm's split passes (they make Tinv and P again) are not written for it."""
+    sequences and every split pass that saves or loads Tinv and P (with or without qk_l2norm); D = 64 is not written
+    for it."""
     split_pass = (mode == "full" and intra in ("none", "save")) or (mode != "full" and intra == "load")
-    return head_dim == 128 and ((mode == "full" and intra == "none") or (split_pass and not qk_l2norm))
+    return head_dim == 128 and split_pass
 
 
 class GDNChunkFwdSm90:
@@ -718,12 +728,12 @@ def chunk_gated_delta_rule_fwd_sm90(
     return sm90_entry.chunk_fwd(
         _launch, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first, out,
         final_state_out, cu_seqlens_cpu, split, CHUNK,
-        split_cost(qk_l2norm), qk_l2norm=qk_l2norm,
+        split_cost(qk_l2norm, q.shape[-1]), qk_l2norm=qk_l2norm,
     )  # fmt: skip
 
 
 # the four-role kernel's fixed-length form too: its register allocation differs from the varlen one's (it spilled alone)
-# (and the two-warpgroup kernel's qk_l2norm path, which the split passes take)
+# (and the two-warpgroup kernel's qk_l2norm path, which D = 64's split passes take)
 sm90_entry.register_checked_variants(
     "gdn_chunk_fwd_sm90",
     compile_gdn_fwd_sm90,
@@ -734,9 +744,13 @@ sm90_entry.register_checked_variants(
         # are the four-role kernel's)
         "[D=64, intra save]": {"head_dim": 64, "is_varlen": True, "has_initial_state": True, "intra": "save"},
         "[D=64, intra load, correction]": {"head_dim": 64, "is_varlen": True, "mode": "correction", "intra": "load"},
-        "[qk_l2norm, correction]": {"is_varlen": True, "mode": "correction", "qk_l2norm": True},
+        "[qk_l2norm, intra save]": {"is_varlen": True, "intra": "save", "qk_l2norm": True},
+        "[qk_l2norm, intra load, correction]": {
+            "is_varlen": True,
+            "mode": "correction",
+            "intra": "load",
+            "qk_l2norm": True,
+        },
+        "[D=64, qk_l2norm, correction]": {"head_dim": 64, "is_varlen": True, "mode": "correction", "qk_l2norm": True},
     },
-    # the four-role kernel with qk_l2norm: its state role at 184 registers (the norm warps have 40) reloads a few loop
-    # invariants per chunk; timed faster than clean 24-register norm warps (GDNChunkFwdRolesSm90.norm_role)
-    sass_allowed={"[qk_l2norm]": (16, 40)},
 )
