@@ -392,9 +392,10 @@ class GDNChunkFwdRolesSm90:
     @cute.jit
     def publish_norm_gates(self, gates, s, lane):
         """qk_l2norm, the gate warp, after ``publish_gates`` and the slot's norm barrier: 1 / ||q|| and 1 / ||k|| folded
-        into gate slot s for its two tokens per lane. Norm columns become G - log2 ||q|| (P's rows), -, beta / ||k||
-        (A's rows), G + log2 ||k|| (A's and P's columns); the state role's factors 2^G / ||q|| (O), 2^(G_last - G) /
-        ||k|| (the state update) and 2^G / ||k|| (Y)."""
+        into gate slot s for its two tokens per lane. Norm column 0 becomes G - log2 ||q|| (P's rows), 2 beta / ||k||
+        (A's rows), 3 G + log2 ||k|| (A's and P's columns; column 1 keeps 1 / ||k||); the state role's factors become
+        2^G / ||q|| (O), 2^(G_last - G) / ||k|| (the state update) and 2^G / ||k|| (Y). Rows past the sequence end
+        (zeros) get 1 / sqrt(eps): finite, and their beta and last factor are zero."""
         sG, sBeta, sFac, sNorm = gates
         for h in cutlass.range_constexpr(2):
             t = lane + 32 * h

@@ -81,7 +81,7 @@ SPLIT_COST_L2NORM = segment_split.SplitCost(
     1.6 / CHUNK_LATENCY_L2NORM_US,
     0.5 / CHUNK_LATENCY_L2NORM_US,
     cached=True,
-    first=3.47 / CHUNK_LATENCY_US,
+    first=3.47 / CHUNK_LATENCY_US,  # the same fraction of a whole chunk as without qk_l2norm
     fixed=25 / CHUNK_LATENCY_L2NORM_US,
     wave=7 / CHUNK_LATENCY_L2NORM_US,
     lone=LONE_FRACTION,
