@@ -212,17 +212,20 @@ def test_gdn_d128_unsplit_runs_the_four_role_kernel():
     assert ".reqntid 256" in old and "setmaxnreg" not in old
 
 
-def test_tree_comparison_script_parses(monkeypatch):
-    """scripts/ab_trees.py (GPU-side A/B of source trees) keeps a worker that compiles and a working command line."""
+@pytest.mark.parametrize("script", ["ab_trees", "split_pass_times"])
+def test_gpu_timing_scripts_parse(script, monkeypatch):
+    """The GPU-side timing scripts (scripts/ab_trees.py: A/B of source trees, with a worker that must compile;
+    scripts/split_pass_times.py: each launch of a split call) keep a working command line."""
     import importlib.util
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    spec = importlib.util.spec_from_file_location("ab_trees", root / "scripts" / "ab_trees.py")
-    ab_trees = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ab_trees)
-    compile(ab_trees.WORKER, "ab_trees_worker", "exec")
-    monkeypatch.setattr("sys.argv", ["ab_trees.py", "--help"])
+    spec = importlib.util.spec_from_file_location(script, root / "scripts" / f"{script}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if script == "ab_trees":
+        compile(module.WORKER, "ab_trees_worker", "exec")
+    monkeypatch.setattr("sys.argv", [f"{script}.py", "--help"])
     with pytest.raises(SystemExit) as exit_info:
-        ab_trees.main()
+        module.main()
     assert exit_info.value.code == 0

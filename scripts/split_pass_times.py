@@ -1,0 +1,119 @@
+"""Time each launch of a split SM90 chunk call with CUDA events: the data the split cost model is fitted to
+(``SplitCost`` in cula/gdn/chunk_fwd_sm90.py and cula/kda/chunk_fwd_sm90.py).
+
+    python scripts/split_pass_times.py [--op gdn|kda] [--l2norm] [--shapes 1x65536x8,1x8192x64] [--seg CHUNKS]
+
+For each B x T x H shape (D = 128, bf16) it prints the whole call (``triton.testing.do_bench``, split as the entry
+plans it, or every ``--seg`` chunks), the same call unsplit, the model's estimate, and per launch of the split call
+(medians over 20 calls): mode, CTAs, chunks walked by its longest CTA, ms and us per such chunk. What the launches
+do not cover (the start chain, allocations, launch gaps) is the rest of the call.
+"""
+
+import argparse
+import statistics
+
+
+def per_launch(entry_module, call, reps: int = 20) -> list[dict]:
+    """Median time of each launch of ``call()`` (in launch order), recorded by wrapping ``entry_module._launch``."""
+    import torch
+
+    original = entry_module._launch
+    events = []
+
+    def timed(*args, **kw):
+        starts = args[8]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        original(*args, **kw)
+        end.record()
+        ctas = (args[0].shape[0] if starts is None else starts.numel()) * args[2].shape[2]
+        events.append((args[12], kw.get("intra", "none"), ctas, start, end))
+
+    entry_module._launch = timed
+    try:
+        runs = []
+        for _ in range(reps):
+            events.clear()
+            call()
+            torch.cuda.synchronize()
+            runs.append([(m, i, n, s.elapsed_time(e)) for m, i, n, s, e in events])
+    finally:
+        entry_module._launch = original
+    return [
+        {"mode": m, "intra": i, "ctas": n, "ms": statistics.median(run[j][3] for run in runs)}
+        for j, (m, i, n, _) in enumerate(runs[0])
+    ]
+
+
+def time_shape(op: str, module, entry, shape: str, l2norm: bool, sms: int) -> None:
+    """Print the call, the unsplit call, the model and each launch for one B x T x H shape (D = 128)."""
+    import functools
+
+    import torch
+    from triton.testing import do_bench
+
+    from cula.ops import segment_split
+
+    B, T, H = (int(x) for x in shape.split("x"))
+    D = 128
+    q, k, v = (torch.randn(B, T, H, D, device="cuda") for _ in range(3))
+    if not l2norm:
+        q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
+    gate = (B, T, H, D) if op == "kda" else (B, T, H)
+    g = (torch.nn.functional.logsigmoid(torch.randn(*gate, device="cuda") + 3) / 2).clamp(min=-5)
+    beta = torch.rand(B, T, H, device="cuda")
+    kw = {"qk_l2norm": True} if l2norm else {}
+    call = functools.partial(entry, q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta, output_final_state=True, **kw)
+
+    whole = do_bench(call, warmup=20, rep=200)
+    unsplit = do_bench(lambda: call(split=False), warmup=20, rep=200)
+    # (KDA's model has no qk_l2norm cost)
+    model = module.estimated_ms([T] * B, H, sms, **(kw if op == "gdn" else {}))
+    print(f"{op} {shape}{' qk_l2norm' if l2norm else ''}: call {whole:.3f} ms, unsplit {unsplit:.3f} ms, "
+          f"model {model:.3f} ms (for the planner's own plan)")  # fmt: skip
+    launches = per_launch(module, call)
+    cost = module.split_cost(l2norm) if op == "gdn" else module.SPLIT_COST
+    plan = segment_split.plan_segments([T] * B, H, sms, segment_split.CHUNK, cost)
+    pieces = [T] if plan is None else [e - s for _, s, e in segment_split.segments([0, T], plan[:1])]
+    longest = -(-max(pieces) // segment_split.CHUNK)
+    for row in launches:
+        print(f"  {row['mode']:10s} intra={row['intra']:4s} {row['ctas']:5d} CTAs  {row['ms']:.3f} ms  "
+              f"{1000 * row['ms'] / longest:.2f} us per chunk of the longest segment ({longest})")  # fmt: skip
+    print(f"  rest of the call {whole - sum(r['ms'] for r in launches):.3f} ms")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--op", default="gdn", choices=["gdn", "kda"])
+    p.add_argument("--shapes", default="1x65536x8,1x8192x64", help="comma list of BxTxH")
+    p.add_argument("--seg", type=int, default=None, help="cut every sequence every SEG chunks (default: the plan)")
+    p.add_argument("--l2norm", action="store_true", help="raw q / k normalised by the kernel (qk_l2norm)")
+    a = p.parse_args()
+
+    import torch
+
+    from cula.ops import segment_split
+
+    if a.op == "gdn":
+        from cula.gdn import chunk_fwd_sm90 as module
+
+        entry = module.chunk_gated_delta_rule_fwd_sm90
+    else:
+        from cula.kda import chunk_fwd_sm90 as module
+
+        entry = module.chunk_kda_fwd_sm90
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if a.seg is not None:
+        chunk = segment_split.CHUNK
+
+        def every_seg(lengths, *_args, **_kw):
+            return [list(range(a.seg * chunk, n, a.seg * chunk)) for n in lengths]
+
+        segment_split.plan_segments = every_seg
+    for shape in a.shapes.split(","):
+        time_shape(a.op, module, entry, shape, a.l2norm, sms)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
