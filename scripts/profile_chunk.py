@@ -38,7 +38,7 @@ OPS = {
         "entry": "chunk_gated_delta_rule_fwd_sm90",
         # the two-warpgroup kernel (D = 64, qk_l2norm's split passes), kept at D = 128: the four-role kernel that runs
         # there otherwise is not stamped by this script
-        "replace": {"if uses_roles(head_dim, mode, qk_l2norm, intra):": "if False:"},
+        "replace": {"if uses_roles(head_dim, mode, intra):": "if False:"},
         "anchors": [
             ("gates issued", "nxt = gates_sm90.load_gates(gG, gBeta, tok0, seqlen, c + 1, lane, self.C)", 1),
             ("tiles landed", "cute.arch.mbarrier_wait(full + stage, (c // self.stages) % 2)", 1),

@@ -196,12 +196,11 @@ def test_gdn_d128_unsplit_runs_the_four_role_kernel():
     role, V read and O staged by ldmatrix / stmatrix; the other variants stay on the two-warpgroup kernel."""
     from cula.gdn.chunk_fwd_sm90 import compile_gdn_fwd_sm90, uses_roles
 
-    assert uses_roles(128, "full", False, "none") and uses_roles(128, "full", True, "none")
-    assert not uses_roles(64, "full", False, "none")
-    assert uses_roles(128, "full", False, "save")  # a split's first pass
-    assert uses_roles(128, "correction", False, "load") and uses_roles(128, "transition", False, "load")
-    assert uses_roles(128, "correction", True, "load") and uses_roles(128, "full", True, "save")
-    assert not uses_roles(128, "correction", True, "none")  # a pass that makes everything again (as at D = 64)
+    assert uses_roles(128, "full", "none")
+    assert not uses_roles(64, "full", "none")
+    assert uses_roles(128, "full", "save")  # a split's first pass
+    assert uses_roles(128, "correction", "load") and uses_roles(128, "transition", "load")
+    assert not uses_roles(128, "correction", "none")  # a pass that makes everything again (as at D = 64)
     for qk_l2norm in (False, True):
         ptx = compile_gdn_fwd_sm90("sm_90a", True, 128, False, True, True, True, qk_l2norm=qk_l2norm).artifacts.PTX
         assert ".reqntid 512" in ptx

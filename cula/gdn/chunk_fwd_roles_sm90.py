@@ -118,7 +118,7 @@ class GDNChunkFwdRolesSm90:
             cpasync.CopyBulkTensorTileS2GOp(), blocks.tma_view(o), one_tile, (C, D)
         )
         # the Tinv / P workspace [ranges, chunks * 2 * C, HV, C] (chunk c's Tinv at rows 2 c C, its P after them);
-        # unused without intra_save (q's atom stands in for it)
+        # unused without intra save / load (q's atom stands in for it)
         tma_w, mW = tma_q, mQ
         if cutlass.const_expr(self.intra_save or self.intra_load):
             w_op = cpasync.CopyBulkTensorTileS2GOp() if self.intra_save else op
@@ -251,7 +251,8 @@ class GDNChunkFwdRolesSm90:
         )
         if cutlass.const_expr(self.qk_l2norm):
             sNorm = cute.make_tensor(
-                sFac.iterator + C * self.qk_stages * self.fac_cols, cute.make_layout((C, self.qk_stages, 4))
+                sFac.iterator + C * self.qk_stages * self.fac_cols,
+                cute.make_layout((C, self.qk_stages, self.norm_cols)),
             )
             gates = (*gates, sNorm)
         sA = st.sA.get_tensor(cute.make_layout((C, self.a_stride), stride=(self.a_stride, 1)))
@@ -514,19 +515,9 @@ class GDNChunkFwdRolesSm90:
     def folded_gates(self, gates, cSS, s, for_p: cutlass.Constexpr):
         """qk_l2norm: :func:`cula.gdn.gates_sm90.row_col_gates` with the norms folded in (``publish_norm_gates``): row
         gates G (A) or G - log2 ||q|| (P), row factors beta / ||k||, column gates G + log2 ||k||."""
-        f32 = cutlass.Float32
         sG, sNorm = gates[0], gates[3]
-        g_r = cute.make_rmem_tensor(cute.make_layout(2), f32)
-        b_r = cute.make_rmem_tensor(cute.make_layout(2), f32)
-        g_c = cute.make_rmem_tensor(cute.make_layout(16), f32)
-        for rr in cutlass.range_constexpr(2):
-            r, _ = cSS[2 * rr]
-            g_r[rr] = sNorm[r, s, 0] if for_p else sG[r, s]
-            b_r[rr] = sNorm[r, s, 2]
-        for kc in cutlass.range_constexpr(16):
-            _, j = cSS[blocks.acc_col_element(kc)]
-            g_c[kc] = sNorm[j, s, 3]
-        return g_r, b_r, g_c
+        row_g = sNorm[None, None, 0] if for_p else sG
+        return gates_sm90.gates_at(cSS, row_g, sNorm[None, None, 2], sNorm[None, None, 3], s)
 
     @cute.jit
     def state_role(

@@ -63,6 +63,7 @@ CHUNK_LATENCY_L2NORM_US = 3.9
 # D = 64 with qk_l2norm the later passes make everything again (two-warpgroup kernel): correction ~6.3 us per chunk,
 # transition ~5.7, against a whole chunk of ~4.7 (session 15's measurements of that kernel at D = 128, the D = 64
 # kernel taken as the same fractions).
+TWO_WARPGROUP_L2NORM_CHUNK_US = 4.7
 # A sequence walked by few CTAs runs faster than at full load: 3.2-3.36 us per chunk at 8-32 CTAs, as a fraction of
 # a chunk at full load (measured without qk_l2norm, taken as the same with it).
 LONE_FRACTION = 3.25 / CHUNK_LATENCY_US
@@ -87,7 +88,12 @@ SPLIT_COST_L2NORM = segment_split.SplitCost(
     lone=LONE_FRACTION,
 )
 SPLIT_COST_L2NORM_D64 = segment_split.SplitCost(
-    6.3 / 4.7, 5.7 / 4.7, 0.5 / 4.7, fixed=25 / 4.7, wave=7 / 4.7, lone=LONE_FRACTION
+    6.3 / TWO_WARPGROUP_L2NORM_CHUNK_US,
+    5.7 / TWO_WARPGROUP_L2NORM_CHUNK_US,
+    0.5 / TWO_WARPGROUP_L2NORM_CHUNK_US,
+    fixed=25 / TWO_WARPGROUP_L2NORM_CHUNK_US,
+    wave=7 / TWO_WARPGROUP_L2NORM_CHUNK_US,
+    lone=LONE_FRACTION,
 )
 
 
@@ -116,7 +122,7 @@ def estimated_ms(lengths: list[int], HV: int, num_sms: int, qk_l2norm: bool = Fa
     return segment_split.chunk_walk_ms(lengths, HV, num_sms, latency, True, split_cost(qk_l2norm, head_dim))
 
 
-def uses_roles(head_dim: int, mode: str, qk_l2norm: bool, intra: str) -> bool:
+def uses_roles(head_dim: int, mode: str, intra: str) -> bool:
     """Whether a launch runs the four-role kernel (:mod:`cula.gdn.chunk_fwd_roles_sm90`, faster: its intra-chunk
     matrices are made a chunk ahead of the state chain) instead of :class:`GDNChunkFwdSm90`: D = 128, whole
     sequences and every split pass that saves or loads Tinv and P (with or without qk_l2norm); D = 64 is not written
@@ -689,7 +695,7 @@ def compile_gdn_fwd_sm90(
     qk_l2norm=False,
     intra="none",
 ):
-    if uses_roles(head_dim, mode, qk_l2norm, intra):
+    if uses_roles(head_dim, mode, intra):
         return chunk_fwd_roles_sm90.compile_gdn_fwd_roles_sm90(
             arch, keep_artifacts, beta_fp32, is_varlen, has_initial_state, state_v_first, mode, intra, qk_l2norm
         )

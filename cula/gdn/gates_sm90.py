@@ -13,24 +13,34 @@ _LOG2E = math.log2(math.e)
 
 
 @cute.jit
-def row_col_gates(sG, sBeta, sNorm, cCC, slot, qk_l2norm: cutlass.Constexpr):
-    """Gates at this thread's 2 accumulator rows and 16 columns of a (C x C) tile (blocks.acc_row_slot /
-    acc_col_slot): G and beta per row, G per column. With qk_l2norm the
-    row's 1 / ||k|| joins beta and the column's log2 ||k|| joins G (2^(G_r - G_c - log2 ||k_c||))."""
+def gates_at(cCC, row_g, row_b, col_g, slot):
+    """Per-token values at this thread's 2 accumulator rows and 16 columns of a (C x C) tile (blocks.acc_row_slot /
+    acc_col_slot): ``row_g`` and ``row_b`` at its rows, ``col_g`` at its columns (each (C, slots), read in ``slot``)."""
     f32 = cutlass.Float32
     g_r = cute.make_rmem_tensor(cute.make_layout(2), f32)
     b_r = cute.make_rmem_tensor(cute.make_layout(2), f32)
     g_c = cute.make_rmem_tensor(cute.make_layout(16), f32)
     for rr in cutlass.range_constexpr(2):
         r, _ = cCC[2 * rr]  # the first element on row slot rr
-        g_r[rr] = sG[r, slot]
-        b_r[rr] = sBeta[r, slot]
-        if cutlass.const_expr(qk_l2norm):
-            b_r[rr] = b_r[rr] * sNorm[r, 0]
+        g_r[rr] = row_g[r, slot]
+        b_r[rr] = row_b[r, slot]
     for kc in cutlass.range_constexpr(16):
         _, j = cCC[blocks.acc_col_element(kc)]
-        g_c[kc] = sG[j, slot]
-        if cutlass.const_expr(qk_l2norm):
+        g_c[kc] = col_g[j, slot]
+    return g_r, b_r, g_c
+
+
+@cute.jit
+def row_col_gates(sG, sBeta, sNorm, cCC, slot, qk_l2norm: cutlass.Constexpr):
+    """:func:`gates_at` of G and beta per row, G per column. With qk_l2norm the row's 1 / ||k|| joins beta and the
+    column's log2 ||k|| joins G (2^(G_r - G_c - log2 ||k_c||))."""
+    g_r, b_r, g_c = gates_at(cCC, sG, sBeta, sG, slot)
+    if cutlass.const_expr(qk_l2norm):
+        for rr in cutlass.range_constexpr(2):
+            r, _ = cCC[2 * rr]
+            b_r[rr] = b_r[rr] * sNorm[r, 0]
+        for kc in cutlass.range_constexpr(16):
+            _, j = cCC[blocks.acc_col_element(kc)]
             g_c[kc] = g_c[kc] + sNorm[j, 1]
     return g_r, b_r, g_c
 

@@ -265,11 +265,9 @@ INTRA_VARIANTS = {
 }
 
 
-def register_checked_variants(
-    name: str, compile_fn, extra: dict | None = None, sass_allowed: dict[str, tuple[int, int]] | None = None
-) -> None:
+def register_checked_variants(name: str, compile_fn, extra: dict | None = None) -> None:
     """Register ``name + suffix`` for every :data:`CHECKED_VARIANTS` entry (and ``extra`` ones), compiled by
-    ``compile_fn(arch, **options)`` for sm_90a, with clean machine code but for ``sass_allowed[suffix]``."""
+    ``compile_fn(arch, **options)`` for sm_90a, with clean machine code."""
     for suffix, options in {**CHECKED_VARIANTS, **(extra or {})}.items():
         runtime.register_kernel(
             f"{name}{suffix}",
@@ -277,5 +275,4 @@ def register_checked_variants(
             lambda arch, o=options: compile_fn(arch, **o),
             ["wgmma.mma_async", "cp.async.bulk.tensor"],
             clean_sass=True,
-            sass_allowed=(sass_allowed or {}).get(suffix, (0, 0)),
         )
