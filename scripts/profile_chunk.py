@@ -30,6 +30,8 @@ STATE_STORE = "blocks.store_state(acc_s, cST, mHt, n, hv, row0)"
 BARRIER = "cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)"
 WAIT = "warpgroup.wait_group(0)"
 AUX_BARRIER = "cute.arch.barrier(barrier_id=_AUX_BARRIER, number_of_threads=128)"
+KDA_MATH_BARRIER = "cute.arch.barrier(barrier_id=_MATH_BARRIER, number_of_threads=nt)"
+KDA_PREP_BARRIER = "cute.arch.barrier(barrier_id=_PREP_BARRIER, number_of_threads=self.prep_threads)"
 
 # per op: the module, its entry, and the loop's anchors (stripped line text, occurrence after the loop start)
 OPS = {
@@ -95,20 +97,48 @@ OPS = {
     "kda": {
         "module": "cula/kda/chunk_fwd_sm90.py",
         "entry": "chunk_kda_fwd_sm90",
+        "warps": 12,
+        # the prep role gets the stamps' tensor
+        "replace": {
+            "tidx - self.math_threads, warp - 2 * 4,": "tidx - self.math_threads, warp - 2 * 4, mHt,",
+            "self, tma_qkg, bar_qkg, mBeta, mALog, mDtBias, lower_bound, sm, b, tok0, hv, seqlen, n_chunks, t, pwarp": (
+                "self, tma_qkg, bar_qkg, mBeta, mALog, mDtBias, lower_bound, sm, b, tok0, hv, seqlen, n_chunks, t, pwarp,"
+                " mHt"
+            ),
+        },
         "anchors": [
-            ("q/k/g landed", "cute.arch.mbarrier_wait(bar_qkg, c % 2)", 1),
-            ("beta", "beta_next = self.load_beta(mBeta, b, tok0, hv, seqlen, c + 1, tidx)", 1),
-            ("gate scan", "self.scan_gates(sGin3[None, None, 0], sG, sPart, sGl, sDec, L, tidx, gate)", 1),
-            ("step 0 barrier", BARRIER, 1),
-            ("R tile", BARRIER, 2),
-            ("left operands, KR / QR waited", WAIT, 1),
-            ("A / P stored", BARRIER, 3),
-            ("diagonal blocks, B tiles", BARRIER, 4),
-            ("merge", BARRIER, 5),
-            ("S^T K^T / S^T Q^T waited", WAIT, 2),
-            ("V_new waited", WAIT, 3),
-            ("O / S products waited", WAIT, 4),
-            ("O staged, chunk barrier", BARRIER, 7),
+            ("prep: q/k/g landed", "cute.arch.mbarrier_wait(bar_qkg, c % 2)", 1),
+            ("prep: gate scan", "self.scan_gates(sGin, sG, sPart, sGl, sDec, slot, L, t, gate)", 1),
+            ("prep: norms, barrier", KDA_PREP_BARRIER, 1),
+            (
+                "prep: R published",
+                "cute.arch.barrier_arrive(barrier_id=_GR_FULL_BARRIER, number_of_threads=self.threads)",
+                1,
+            ),
+            (
+                "prep: B tiles published",
+                "cute.arch.barrier_arrive(barrier_id=_B_FULL_BARRIER, number_of_threads=self.threads)",
+                1,
+            ),
+            (
+                "prep: AP_DONE waited",
+                "cute.arch.barrier(barrier_id=_AP_DONE_BARRIER, number_of_threads=self.threads)",
+                1,
+            ),
+            ("math: R waited", "cute.arch.mbarrier_wait(bar_qkg, c % 2)", 2),
+            ("math: left operands, KR / QR waited", WAIT, 1),
+            ("math: A / P stored", KDA_MATH_BARRIER, 1),
+            ("math: diagonal blocks", KDA_MATH_BARRIER, 2),
+            ("math: merge", KDA_MATH_BARRIER, 3),
+            (
+                "math: B tiles waited",
+                "cute.arch.barrier(barrier_id=_B_FULL_BARRIER, number_of_threads=self.threads)",
+                1,
+            ),
+            ("math: S^T K^T / S^T Q^T waited", WAIT, 2),
+            ("math: V_new waited", WAIT, 3),
+            ("math: O / S products waited", WAIT, 4),
+            ("math: O staged, chunk barrier", KDA_MATH_BARRIER, 4),
         ],
     },
 }

@@ -48,20 +48,28 @@ from cula.ops.gates import L2NORM_EPS  # FLA's l2norm_fwd: x / sqrt(sum(x^2) + e
 CHUNK = 64
 MODES = ("full", "transition", "correction")  # see KDAChunkFwdSm90 and cula.ops.segment_split
 INTRA = ("none", "save", "load")  # see KDAChunkFwdSm90.__init__
-# One CTA walks its chunks in series at about this many microseconds each (H200, benchmarks/results/h200_fwd.json:
-# 2.744 ms at B2 T16384 H64 = 256 chunks per CTA in one wave, 0.699 ms at B8 T2048 H32); one CTA per SM.
-CHUNK_LATENCY_US = 10.8
+# One CTA walks its chunks in series at about this many microseconds each (H200, the benchmark's setting: 2.167 ms
+# at B2 T16384 H64 = 256 chunks per CTA in one wave, 0.559 ms at B8 T2048 H32 = 64 chunk walks); one CTA per SM.
+CHUNK_LATENCY_US = 8.5
 # A split sequence's later passes load each chunk's Tinv and P (saved by the first pass) and make only the gate
-# cumsum, the B tiles and the state products. Per chunk (H200, dev inputs, B1 T8192 H64 cut at 4096): correction
-# 6.90 us, transition 4.54, against 11.02 for an unsplit chunk then; whole chunks have since become faster (the
-# tensor-core merge, the gate activated in the kernel instead of by a pass before it), these less: here they are
-# 0.76 and 0.49 of 10.8 us (the same times as 0.68 and 0.44 of 12.0 before the gate change, not measured since).
-# A link of the start chain: ~0.5 us per value head (the same chain kernel as GDN's, measured there in session 17).
-SPLIT_COST = segment_split.SplitCost(0.76, 0.49, 0.5 / CHUNK_LATENCY_US, cached=True)
+# cumsum, the B tiles and the state products. Per chunk (H200, scripts/split_pass_times.py --op kda at B1 T65536 H8,
+# B1 T32768 H16 and B1 T8192 H64, 128 CTAs per pass): first pass (saving Tinv and P) 8.65 us, correction 4.90-5.13,
+# transition 3.85-3.87. A link of the start chain: ~0.5 us per value head (the same chain kernel as GDN's, measured
+# there in session 17).
+SPLIT_COST = segment_split.SplitCost(5.0 / CHUNK_LATENCY_US, 3.86 / CHUNK_LATENCY_US, 0.5 / CHUNK_LATENCY_US,
+                                     cached=True, first=8.65 / CHUNK_LATENCY_US)  # fmt: skip
 SUPPORTED_DIMS = (64, 128)
 # the lowest gate the intra-chunk factorisation tolerates (module docstring)
 LOWER_BOUND_MIN = -5.0
 _LOG2E = math.log2(math.e)
+# named barriers: within the math role, within the prep role, and the hand-offs between them (prep arrives on
+# GR_FULL and B_FULL, the math role on AP_DONE and B_EMPTY; the other side waits)
+_MATH_BARRIER = 1
+_PREP_BARRIER = 2
+_GR_FULL_BARRIER = 3
+_AP_DONE_BARRIER = 4
+_B_FULL_BARRIER = 5
+_B_EMPTY_BARRIER = 6
 
 
 def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, **_) -> tuple[bool, str]:
@@ -86,31 +94,34 @@ def estimated_ms(lengths: list[int], HV: int, num_sms: int) -> float:
 
 
 class KDAChunkFwdSm90:
-    """Fused KDA forward: TMA loads of the q/k/g and v chunk tiles (one buffer each, refilled as soon as the
-    chunk's last reader is done), wgmma for every product, the chunk's triangular inverse solved in-kernel in fp32,
-    the state in registers across chunks.
+    """Fused KDA forward: TMA loads of the q/k/g and v chunk tiles (one q/k/g buffer, refilled as soon as the chunk's
+    last reader is done; two v buffers), wgmma for every product, the chunk's triangular inverse solved in-kernel in
+    fp32, the state in registers across chunks.
 
-    Threads: 256 = two warpgroups. WG w owns value rows [64 w, 64 w + 64) of S^T. Per chunk:
-      0. warp 0 issues the next chunk's v (two buffers). All threads (one key channel and one part of the chunk's
-         tokens each, the parts joined through their totals): G = cumsum(g) * log2(e) in the fp32 gate tile (g
-         activated first with ``gate_in_kernel``), G_last, 2^G_last; threads 0-63: beta (loaded a chunk ahead).
-         Then all threads: R_j = k_j 2^(G_r - G_j) (r = 16 | 48 per 32-token half) -> smem
-      1. WG0: A = K-left . R (fp32, smem, transposed);  WG1: P = Q-left . R (bf16, smem); the left operands
-         x_i 2^(G_i - G_r) are built in registers                                          [wgmma RS, N = 32 x 2]
-      2. Tinv = (I + A)^-1 by 16-blocks: warps 0-1 invert the diagonal blocks while warps 2-7 build the B tiles
-         K 2^G, Q 2^G and K 2^(G_last - G) (zero past the sequence end); then warps 0-3 join the blocks; then
-         warp 0 refills q/k/g
-      3. each WG on its 64 value rows: S^T (K 2^G)^T, S^T (Q 2^G)^T, V_new^T, O^T, state decay and update [wgmma RS]
-      4. O staged through smem and stored with rows past the sequence end masked.
+    Threads: 384 = three warpgroups in two roles, handing over through named barriers (prep arrives on GR_FULL and
+    B_FULL, math on AP_DONE and B_EMPTY; the other side waits):
+    - prep (warpgroup 2, 56 registers): per chunk, once its tiles have landed: beta; G = cumsum(g) * log2(e) (g
+      activated first with ``gate_in_kernel``), G_last, 2^G_last; with qk_l2norm the token norms; R_j =
+      k_j 2^(G_r - G_j) (r = 16 | 48 per 32-token half) -> GR_FULL; after B_EMPTY (the previous chunk's state
+      products are done) the B tiles K 2^G, Q 2^G and K 2^(G_last - G) (zero past the sequence end) -> B_FULL; after
+      AP_DONE it loads the next chunk's q/k/g, and its gate scan and R run while the math role solves and makes the
+      state products of this chunk. beta and 2^G_last alternate between two columns by chunk parity.
+    - math (warpgroups 0-1, 224 registers; WG w owns value rows [64 w, 64 w + 64) of S^T), per chunk:
+      1. WG0: A = K-left . R (fp32, smem, transposed); WG1: P = Q-left . R (bf16, smem); the left operands
+         x_i 2^(G_i - G_r) are built in registers [wgmma RS, N = 32 x 2] -> AP_DONE
+      2. Tinv = (I + A)^-1 by 16-blocks: warps 0-1 invert the diagonal blocks, warps 0-3 join them
+      3. after B_FULL, each WG on its 64 value rows: S^T (K 2^G)^T, S^T (Q 2^G)^T, V_new^T, O^T, state decay and
+         update [wgmma RS] -> B_EMPTY
+      4. O staged through smem and stored during the next chunk's step 1, rows past the sequence end masked.
     Split passes (``intra``): "save" TMA-stores each chunk's Tinv and P to the workspace after step 2; "load" skips
-    the R tile, step 1 and the solve (warps 2-7 build only the B tiles) and TMA-loads Tinv and P instead.
+    the R tile, step 1 and the solve and TMA-loads Tinv and P instead.
 
     ``gate_in_kernel``: g arrives raw (bf16) and the kernel applies FLA's bounded KDA gate to it,
-    lower_bound * sigmoid(exp(A_log) (g + dt_bias)), in step 0; the raw tile lands in R's buffer (R is made after
+    lower_bound * sigmoid(exp(A_log) (g + dt_bias)), in the scan; the raw tile lands in R's buffer (R is made after
     the scan has read it), the fp32 gate tile then only holds G.
 
-    Shared memory: q|k 32 KB, v 2 x 16 KB, g/G 32 KB (fp32), R, K 2^G, Q 2^G, K 2^(G_last - G) 16 KB each, A^T 17 KB
-    (fp32, padded rows), O staging 17 KB, P and Tinv 8 KB each: about 214 KB.
+    Shared memory: q|k 32 KB, v 2 x 16 KB, g/G 32 KB (fp32; 34 KB padded with ``gate_in_kernel``), R, K 2^G, Q 2^G,
+    K 2^(G_last - G) 16 KB each, A^T 17 KB (fp32, padded rows), O staging 17 KB, P and Tinv 8 KB each: about 214 KB.
     """
 
     def __init__(
@@ -155,9 +166,18 @@ class KDAChunkFwdSm90:
         self.make_o = mode != "transition"
         if mode == "correction":
             self.has_h0 = True
-        self.threads = 256
-        # the gate scan: thread t takes key channel t % D over part t // D of the chunk's tokens
-        self.scan_parts = self.threads // self.D
+        # warpgroups 0-1: the math role; warpgroup 2: the prep role (gates, R and B tiles, the q | k | g loads)
+        self.math_threads = 256
+        self.prep_threads = 128
+        self.threads = self.math_threads + self.prep_threads
+        # setmaxnreg per warpgroup (2 x 232 + 40 <= 3 x 168, the launch's share)
+        self.regs_math, self.regs_prep = 224, 56
+        # the gate scan: prep thread t takes key channel t % D over part t // D of the chunk's tokens
+        # row stride of the fp32 gate tile G: a TMA box (D) where fp32 g lands in it; else padded by 8 floats, so that
+        # the math role's reads of G at its accumulator positions (8-byte pairs, 4 rows per half-warp) hit distinct
+        # banks (the scan and the tile builders read whole rows, conflict-free either way)
+        self.g_stride = head_dim + 8 if gate_in_kernel else head_dim
+        self.scan_parts = self.prep_threads // self.D
         self.a_stride = 68  # padded fp32 row of A^T: 16-byte aligned rows, conflict-free stores from the accumulator
         self.o_stride = self.D + 8  # padded bf16 row of the O staging tile
 
@@ -172,14 +192,12 @@ class KDAChunkFwdSm90:
         RMEM = warpgroup.OperandSource.RMEM
         atom_k = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, bf16)
 
-        # q and k tiles side by side (C, D, q|k, 1); v (C, D, 1); the gate tile (C, D, 1) fp32, 128B swizzle so the
-        # per-channel scan and the operand builders read it without bank conflicts
+        # q and k tiles side by side (C, D, q|k, 1); v (C, D, 1); the gate tile (C, D, 1) fp32 row-major, not
+        # swizzled: the scan's token rows are compile-time, so its addresses are immediates (see self.g_stride)
         tile_qk = cute.tile_to_shape(atom_k, (C, D, 2, 1), order=(0, 1, 2, 3))
         # v in two buffers: chunk c + 1's v lands during chunk c
         tile_v = cute.tile_to_shape(atom_k, (C, D, 2), order=(0, 1, 2))
-        tile_g = cute.tile_to_shape(
-            warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, f32), (C, D, 1), order=(0, 1, 2)
-        )
+        tile_g = cute.make_layout((C, D, 1), stride=(self.g_stride, 1, C * self.g_stride))
         # derived B tiles: R in two 32-token halves (Hf, D, 2); K 2^G | Q 2^G (C, D, 2); K 2^(G_last - G) read
         # MN-major (D, C) and written through that view
         tile_r = cute.tile_to_shape(atom_k, (Hf, D, 2), order=(0, 1, 2))
@@ -203,7 +221,7 @@ class KDAChunkFwdSm90:
         # the gate tile as it arrives: fp32 into the gate tile, or raw bf16 into R's buffer (read as a (C, D) tile)
         tile_g_in = tile_g
         if cutlass.const_expr(self.gate_in_kernel):
-            tile_g_in = cute.tile_to_shape(atom_k, (C, D, 1), order=(0, 1, 2))
+            tile_g_in = cute.make_layout((C, D, 1), stride=(D, 1, C * D))
         tma_g, mGt = cpasync.make_tiled_tma_atom(
             op, blocks.tma_view(g), cute.slice_(tile_g_in, (None, None, 0)), (C, D)
         )
@@ -218,11 +236,11 @@ class KDAChunkFwdSm90:
         @cute.struct
         class Storage:
             bars: cute.struct.MemRange[cutlass.Int64, 4]  # q/k/g loaded, v loaded (per v buffer), Tinv/P loaded
-            sBeta: cute.struct.MemRange[f32, C]
+            sBeta: cute.struct.MemRange[f32, 2 * C]
             sGl: cute.struct.MemRange[f32, D]
-            sDec: cute.struct.MemRange[f32, D]
+            sDec: cute.struct.MemRange[f32, 2 * D]
             sNorm: cute.struct.MemRange[f32, 2 * C]
-            sPart: cute.struct.MemRange[f32, self.threads]
+            sPart: cute.struct.MemRange[f32, self.prep_threads]
             sA: cute.struct.Align[cute.struct.MemRange[f32, C * self.a_stride], 128]
             sO: cute.struct.Align[cute.struct.MemRange[bf16, C * self.o_stride], 128]
             sGt: cute.struct.Align[cute.struct.MemRange[f32, cute.cosize(tile_g)], 1024]
@@ -318,15 +336,10 @@ class KDAChunkFwdSm90:
         tile_tp,
     ):
 
-        C, D, Hf = self.C, self.D, self.half
-        f32 = cutlass.Float32
-        bf16 = cutlass.BFloat16
+        C, D = self.C, self.D
         tidx, _, _ = cute.arch.thread_idx()
         hv, n, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        lane = cute.arch.lane_idx()
-        wg = warp // 4  # math warpgroup: value rows [64 wg, 64 wg + 64) of S^T
-        wtid = tidx % 128
         h = hv // (HV // H)
 
         b, tok0, seqlen, n_chunks = blocks.sequence_bounds(n, T, mStart, mEnd, self.is_varlen, C)
@@ -336,15 +349,17 @@ class KDAChunkFwdSm90:
         bar_qkg = st.bars.data_ptr()
         bar_v = bar_qkg + 1  # buffer s completes on bar_v + s
         bar_tp = bar_qkg + 3  # with intra == "load": the chunk's Tinv and P
-        sBeta = st.sBeta.get_tensor(cute.make_layout(C))
+        # beta and 2^G_last of chunk c in column c % 2: the prep role writes chunk c + 1's while the math role's state
+        # products read chunk c's
+        sBeta = st.sBeta.get_tensor(cute.make_layout((C, 2), stride=(1, C)))
+        sDec = st.sDec.get_tensor(cute.make_layout((D, 2), stride=(1, D)))
         sGl = st.sGl.get_tensor(cute.make_layout(D))  # G_last (log2 units) per key channel
-        sDec = st.sDec.get_tensor(cute.make_layout(D))  # 2^G_last: the chunk's state decay per key channel
         sNorm = st.sNorm.get_tensor(cute.make_layout((C, 2)))  # with qk_l2norm: 1 / ||k_t||, 1 / ||q_t|| per token
         # the gate scan's part totals, (part, channel)
         sPart = st.sPart.get_tensor(cute.make_layout((self.scan_parts, D), stride=(D, 1)))
         sA = st.sA.get_tensor(cute.make_layout((C, self.a_stride), stride=(self.a_stride, 1)))
         sO = st.sO.get_tensor(cute.make_layout((C, self.o_stride), stride=(self.o_stride, 1)))
-        sGt3 = st.sGt.get_tensor(tile_g.outer, swizzle=tile_g.inner)
+        sGt3 = st.sGt.get_tensor(tile_g)
         sG = sGt3[None, None, 0]
         sQK = st.sQK.get_tensor(tile_qk.outer, swizzle=tile_qk.inner)
         sQ3 = sQK[None, None, 0, None]
@@ -354,14 +369,10 @@ class KDAChunkFwdSm90:
         # where the gate tile arrives: the fp32 gate tile itself, or (raw, bf16) R's buffer
         sGin3 = sGt3
         if cutlass.const_expr(self.gate_in_kernel):
-            sGin3 = st.sR.get_tensor(tile_g_in.outer, swizzle=tile_g_in.inner)
+            sGin3 = st.sR.get_tensor(tile_g_in)
         sXG = st.sXG.get_tensor(tile_xg.outer, swizzle=tile_xg.inner)
-        sKG = sXG[None, None, 0]
-        sQG = sXG[None, None, 1]
         sKD = st.sKD.get_tensor(tile_kd.outer, swizzle=tile_kd.inner)  # (D, C): element [k, j]
         sTP = st.sTP.get_tensor(tile_tp.outer, swizzle=tile_tp.inner)
-        sT = sTP[None, None, 0]
-        sP = sTP[None, None, 1]
 
         # TMA partitions: this head's (T, D) plane, shifted to the sequence start, cut in C-token tiles
         tQs, tQg = blocks.tma_chunk_tiles(tma_q, mQ[None, None, h, b], tok0, sQ3)
@@ -369,10 +380,11 @@ class KDAChunkFwdSm90:
         tVs, tVg = blocks.tma_chunk_tiles(tma_v, mV[None, None, hv, b], tok0, sV3)
         tGs, tGg = blocks.tma_chunk_tiles(tma_g, mGt[None, None, hv, b], tok0, sGin3)
         tma_qkg = (tma_q, tQg, tQs, tma_k, tKg, tKs, tma_g, tGg, tGs)
-        tWs, tWg = tQs, tQg
+        w_tiles = (tma_w, tQs, tQg)
         if cutlass.const_expr(self.intra != "none"):
             # (C, C) tiles of this (range, head)'s workspace: 2 c for chunk c's Tinv, 2 c + 1 for its P
             tWs, tWg = blocks.tma_chunk_tiles(tma_w, mW[None, None, hv, n], 0, sTP)
+            w_tiles = (tma_w, tWs, tWg)
 
         if warp == 0:
             cpasync.prefetch_descriptor(tma_q)
@@ -389,9 +401,104 @@ class KDAChunkFwdSm90:
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        if warp == 0:
+        prep_smem = (sGin3[None, None, 0], sG, sPart, sGl, sDec, sBeta, sNorm, sQK, sR, sXG, sKD)
+        if warp >= 2 * 4:
+            cute.arch.setmaxregister_decrease(self.regs_prep)
+            self.prep_role(
+                tma_qkg, bar_qkg, mBeta, mALog, mDtBias, lower_bound, prep_smem, b, tok0, hv, seqlen, n_chunks,
+                tidx - self.math_threads, warp - 2 * 4,
+            )  # fmt: skip
+        else:
+            cute.arch.setmaxregister_increase(self.regs_math)
+            math_smem = (sBeta, sDec, sNorm, sA, sO, sG, sQK, sV3, sR, sXG, sKD, sTP)
+            self.math_role(
+                mma_half, mma_rs, mma_state, tma_v, tVg, tVs, bar_v, w_tiles, bar_tp, bar_qkg, mO, mH0, mHt, scale,
+                math_smem, b, tok0, hv, n, seqlen, n_chunks, tidx, warp,
+            )  # fmt: skip
+
+    @cute.jit
+    def prep_role(
+        self, tma_qkg, bar_qkg, mBeta, mALog, mDtBias, lower_bound, sm, b, tok0, hv, seqlen, n_chunks, t, pwarp
+    ):
+        """Warpgroup 2 (``t`` in [0, 128), ``pwarp`` its warp): per chunk, once its q | k | g tiles have landed, beta
+        (column c % 2 of ``sBeta``), the gate scan (G, G_last, 2^G_last in column c % 2 of ``sDec``), with qk_l2norm
+        the token norms, then R (published on the GR_FULL barrier), then, once the math role's state products of
+        the previous chunk are done (B_EMPTY), the B tiles (B_FULL). Once the math role has built its left operands
+        and made A and P (AP_DONE), the tiles and the gates are free: it loads the next chunk's."""
+        sGin, sG, sPart, sGl, sDec, sBeta, sNorm, sQK, sR, sXG, sKD = sm
+        C, D = self.C, self.D
+        f32 = cutlass.Float32
+        lane = cute.arch.lane_idx()
+        sQ3 = sQK[None, None, 0, None]
+        sK3 = sQK[None, None, 1, None]
+        if pwarp == 0:
             if n_chunks > 0:
                 self.issue_qkg(tma_qkg, bar_qkg, cutlass.Int32(0), lane)
+        # beta of a chunk is loaded one chunk ahead (threads 0 .. C - 1, one token each), so that the global load is
+        # in flight while the prep role waits for the tiles
+        beta_next = mBeta.element_type(0.0)
+        if n_chunks > 0:
+            beta_next = self.load_beta(mBeta, b, tok0, hv, seqlen, cutlass.Int32(0), t)
+        # with gate_in_kernel, this thread's key channel's gate is lower_bound * sigmoid(a (g + dt_bias)), as
+        # 2^G units: lb log2(e) / (1 + 2^(-a log2(e) (g + dt_bias)))
+        gate = (f32(0.0), f32(0.0), f32(0.0))
+        if cutlass.const_expr(self.gate_in_kernel):
+            a = cute.math.exp2(mALog[hv] * _LOG2E, fastmath=True)
+            gate = (-a * _LOG2E, mDtBias[hv * D + t % D], lower_bound * _LOG2E)
+
+        for c in cutlass.range(n_chunks, unroll=1):
+            L = cutlass.min(seqlen - c * C, C)
+            slot = c % 2
+            cute.arch.mbarrier_wait(bar_qkg, c % 2)
+            if t < C:
+                sBeta[t, slot] = beta_next.to(f32) if c * C + t < seqlen else f32(0.0)
+            beta_next = self.load_beta(mBeta, b, tok0, hv, seqlen, c + 1, t)
+            self.scan_gates(sGin, sG, sPart, sGl, sDec, slot, L, t, gate)
+            if cutlass.const_expr(self.qk_l2norm):
+                self.token_norm(sQK, sNorm, t)
+            cute.arch.barrier(barrier_id=_PREP_BARRIER, number_of_threads=self.prep_threads)
+            if cutlass.const_expr(self.intra != "load"):
+                # R_j = k_j 2^(G_r - G_j), r the reference token of j's half; |j - r| <= 16 keeps it in range
+                self.build_r_tile(sG, sK3, sR, sNorm, t)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier_arrive(barrier_id=_GR_FULL_BARRIER, number_of_threads=self.threads)
+            if c > 0:
+                cute.arch.barrier(barrier_id=_B_EMPTY_BARRIER, number_of_threads=self.threads)
+            self.build_b_tiles(sG, sK3, sQ3, sXG[None, None, 0], sXG[None, None, 1], sKD, sGl, sNorm, L, t)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier_arrive(barrier_id=_B_FULL_BARRIER, number_of_threads=self.threads)
+            # the chunk's q | k | g are consumed (by the math role's left operands too, unless Tinv and P are loaded)
+            if cutlass.const_expr(self.intra != "load"):
+                cute.arch.barrier(barrier_id=_AP_DONE_BARRIER, number_of_threads=self.threads)
+            else:
+                cute.arch.barrier(barrier_id=_PREP_BARRIER, number_of_threads=self.prep_threads)
+            if pwarp == 0:
+                if c + 1 < n_chunks:
+                    self.issue_qkg(tma_qkg, bar_qkg, c + 1, lane)
+
+    @cute.jit
+    def math_role(
+        self, mma_half, mma_rs, mma_state, tma_v, tVg, tVs, bar_v, w_tiles, bar_tp, bar_qkg, mO, mH0, mHt, scale, sm,
+        b, tok0, hv, n, seqlen, n_chunks, tidx, warp,
+    ):  # fmt: skip
+        """Warpgroups 0 and 1 (``tidx`` in [0, 256)): per chunk the left operands, A and P, the solve, then the state
+        products on value rows [64 wg, 64 wg + 64) of S^T, and the output."""
+        sBeta, sDec, sNorm, sA, sO, sG, sQK, sV3, sR, sXG, sKD, sTP = sm
+        C, D, Hf = self.C, self.D, self.half
+        f32 = cutlass.Float32
+        bf16 = cutlass.BFloat16
+        lane = cute.arch.lane_idx()
+        wg = warp // 4  # math warpgroup: value rows [64 wg, 64 wg + 64) of S^T
+        wtid = tidx % 128
+        nt = self.math_threads
+        sKG = sXG[None, None, 0]
+        sQG = sXG[None, None, 1]
+        sT = sTP[None, None, 0]
+        sP = sTP[None, None, 1]
+        tma_w, tWs, tWg = w_tiles
+
+        if warp == 0:
+            if n_chunks > 0:
                 if cutlass.const_expr(self.tile_v_src is not None):
                     self.issue_v(tma_v, tVg, tVs, bar_v, cutlass.Int32(0), lane)
                 if cutlass.const_expr(self.intra == "load"):
@@ -429,45 +536,22 @@ class KDAChunkFwdSm90:
         else:
             acc_s.fill(0.0)
         if cutlass.const_expr(self.intra != "load"):
-            blocks.solve_clear(sT, tidx, self.threads)  # the barriers of the first chunk's steps 0-1 order it
-        # beta of a chunk is loaded one chunk ahead (threads 0 .. C - 1, one token each): a global load issued in
-        # step 0 would hold every thread at step 0's barrier for its whole latency
-        beta_next = mBeta.element_type(0.0)
-        if n_chunks > 0:
-            beta_next = self.load_beta(mBeta, b, tok0, hv, seqlen, cutlass.Int32(0), tidx)
-        # with gate_in_kernel, this thread's key channel's gate is lower_bound * sigmoid(a (g + dt_bias)), as
-        # 2^G units: lb log2(e) / (1 + 2^(-a log2(e) (g + dt_bias)))
-        gate = (f32(0.0), f32(0.0), f32(0.0))
-        if cutlass.const_expr(self.gate_in_kernel):
-            a = cute.math.exp2(mALog[hv] * _LOG2E, fastmath=True)
-            gate = (-a * _LOG2E, mDtBias[hv * D + tidx % D], lower_bound * _LOG2E)
+            blocks.solve_clear(sT, tidx, nt)  # the math barriers of the first chunk order it
 
         for c in cutlass.range(n_chunks, unroll=1):
-            L = cutlass.min(seqlen - c * C, C)
+            slot = c % 2
             # the next chunk's v into the other buffer, last read in the previous chunk (before its final barrier)
             if cutlass.const_expr(self.tile_v_src is not None):
                 if warp == 0:
                     if c + 1 < n_chunks:
                         self.issue_v(tma_v, tVg, tVs, bar_v, c + 1, lane)
-            cute.arch.mbarrier_wait(bar_qkg, c % 2)
-
-            # ---- 0. G = cumsum(g) in log2 units (tokens past the sequence end add 0), G_last, 2^G_last; beta of the
-            # chunk; with qk_l2norm the token norms
-            if tidx < C:
-                sBeta[tidx] = beta_next.to(f32) if c * C + tidx < seqlen else f32(0.0)
-            beta_next = self.load_beta(mBeta, b, tok0, hv, seqlen, c + 1, tidx)
-            self.scan_gates(sGin3[None, None, 0], sG, sPart, sGl, sDec, L, tidx, gate)
-            if cutlass.const_expr(self.qk_l2norm):
-                if tidx >= C:
-                    if tidx < 2 * C:
-                        self.token_norms(sK3, sQ3, sNorm, tidx - C)
-            cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
 
             if cutlass.const_expr(self.intra != "load"):
-                # R_j = k_j 2^(G_r - G_j), r the reference token of j's half; |j - r| <= 16 keeps it in range
-                self.build_r_tile(sG, sK3, sR, sNorm, tidx)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+                # the prep role has scanned the gates and made R; its wait for the tiles' TMA is repeated here (long
+                # complete, the next load is not issued before AP_DONE) so that their writes are ordered for
+                # these threads as well
+                cute.arch.barrier(barrier_id=_GR_FULL_BARRIER, number_of_threads=self.threads)
+                cute.arch.mbarrier_wait(bar_qkg, c % 2)
 
                 # ---- 1. WG0: A = strict-lower(beta_i sum_k K_ik K_jk 2^(G_ik - G_jk)); WG1: P = lower(scale Q ...).
                 # Left operands in registers: x_i 2^(G_i - G_r) per half (rows before the second half's block are
@@ -516,12 +600,14 @@ class KDAChunkFwdSm90:
                 # while they run: the previous chunk's O (staged in smem, a full chunk) to global memory
                 if cutlass.const_expr(self.make_o):
                     if c > 0:
-                        blocks.store_o_rows(sO, mO, b, hv, tok0 + (c - 1) * C, C, tidx, C, D, self.threads)
+                        blocks.store_o_rows(sO, mO, b, hv, tok0 + (c - 1) * C, C, tidx, C, D, nt)
                 warpgroup.wait_group(0)
+                # q, k, G and R of the chunk are no longer read here: the prep role may load the next chunk's
+                cute.arch.barrier_arrive(barrier_id=_AP_DONE_BARRIER, number_of_threads=self.threads)
                 if wg == 0:
                     for i in cutlass.range_constexpr(cute.size(acc0)):
                         ra, ja = cH[i]
-                        bi = sBeta[ra]  # 0 past the sequence end
+                        bi = sBeta[ra, slot]  # 0 past the sequence end
                         va = f32(0.0)
                         if ja < ra:
                             va = acc0[i] * bi
@@ -543,39 +629,28 @@ class KDAChunkFwdSm90:
                             vq = acc1[i] * scale
                         sP[rp, jp + Hf] = vq.to(bf16)
                 cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+                cute.arch.barrier(barrier_id=_MATH_BARRIER, number_of_threads=nt)
 
-                # ---- 2. Tinv = (I + A)^-1 by 16-blocks: warps 0-1 invert the diagonal blocks while warps 2-7 build
-                # the B tiles of the state products; then warps 0-3 join them
+                # ---- 2. Tinv = (I + A)^-1 by 16-blocks: warps 0-1 invert the diagonal blocks, warps 0-3 join them
                 if warp < 2:
                     blocks.solve_diag16(sA, sT, tidx)
-                else:
-                    self.build_b_tiles(sG, sK3, sQ3, sKG, sQG, sKD, sGl, sNorm, L, tidx - 64)
-                cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
-                blocks.solve_merge(sA, sT, tidx, 1, self.threads)
+                cute.arch.barrier(barrier_id=_MATH_BARRIER, number_of_threads=nt)
+                blocks.solve_merge(sA, sT, tidx, _MATH_BARRIER, nt)
                 cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+                cute.arch.barrier(barrier_id=_MATH_BARRIER, number_of_threads=nt)
             else:
-                # Tinv and P come from the first pass: the B tiles (warps 2-7) and the previous chunk's O alone
+                # Tinv and P come from the first pass: the previous chunk's O alone before the B tiles
                 if cutlass.const_expr(self.make_o):
                     if c > 0:
-                        blocks.store_o_rows(sO, mO, b, hv, tok0 + (c - 1) * C, C, tidx, C, D, self.threads)
-                if warp >= 2:
-                    self.build_b_tiles(sG, sK3, sQ3, sKG, sQG, sKD, sGl, sNorm, L, tidx - 64)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+                        blocks.store_o_rows(sO, mO, b, hv, tok0 + (c - 1) * C, C, tidx, C, D, nt)
             if cutlass.const_expr(self.intra == "save"):
                 # this chunk's Tinv and P to the workspace; warp 0 waits for the stores to have read them before the
                 # chunk's final barrier (the next chunk writes them again)
                 if warp == 0:
                     blocks.save_tinv_p(tma_w, tWs, tWg, c)
 
-            # q, k and g of this chunk are consumed: fetch the next chunk's
-            if warp == 0:
-                if c + 1 < n_chunks:
-                    self.issue_qkg(tma_qkg, bar_qkg, c + 1, lane)
-
-            # ---- 3. state products on this WG's 64 value rows
+            # ---- 3. state products on this WG's 64 value rows, once the prep role has made the B tiles
+            cute.arch.barrier(barrier_id=_B_FULL_BARRIER, number_of_threads=self.threads)
             if cutlass.const_expr(self.intra == "load"):
                 cute.arch.mbarrier_wait(bar_tp, c % 2)
             if cutlass.const_expr(self.tile_v_src is not None):
@@ -595,10 +670,10 @@ class KDAChunkFwdSm90:
             b_j = cute.make_rmem_tensor(cute.make_layout(16), f32)
             for kc in cutlass.range_constexpr(16):
                 _, jc = cCC[blocks.acc_col_element(kc)]
-                b_j[kc] = sBeta[jc]
+                b_j[kc] = sBeta[jc, slot]
             for i in cutlass.range_constexpr(cute.size(acc_s)):
                 rd, kd_ = cST[i]
-                acc_s[i] = acc_s[i] * sDec[kd_]
+                acc_s[i] = acc_s[i] * sDec[kd_, slot]
             warpgroup.wait_group(0)
 
             # Y^T[v, j] = beta_j (V[j, v] - (S^T (K 2^G)^T)[v, j]), zero past the sequence end
@@ -632,6 +707,9 @@ class KDAChunkFwdSm90:
             blocks.gemm(mma_state, acc_s, rVn_lo, tSTb_KD, False)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
+            # the B tiles are free for the next chunk's
+            if c + 1 < n_chunks:
+                cute.arch.barrier_arrive(barrier_id=_B_EMPTY_BARRIER, number_of_threads=self.threads)
 
             # ---- 4. O^T -> smem (token-major); stored during the next chunk (or after the loop)
             if cutlass.const_expr(self.make_o):
@@ -644,7 +722,7 @@ class KDAChunkFwdSm90:
             if cutlass.const_expr(self.intra == "save"):
                 if warp == 0:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
-            cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+            cute.arch.barrier(barrier_id=_MATH_BARRIER, number_of_threads=nt)
             if cutlass.const_expr(self.intra == "load"):
                 # Tinv and P were last read by this chunk's products: the next chunk's into the same buffers
                 if warp == 0:
@@ -655,7 +733,7 @@ class KDAChunkFwdSm90:
         if cutlass.const_expr(self.make_o):
             if n_chunks > 0:
                 blocks.store_o_rows(
-                    sO, mO, b, hv, tok0 + (n_chunks - 1) * C, seqlen - (n_chunks - 1) * C, tidx, C, D, self.threads
+                    sO, mO, b, hv, tok0 + (n_chunks - 1) * C, seqlen - (n_chunks - 1) * C, tidx, C, D, nt
                 )  # fmt: skip
 
         # ---- final state
@@ -672,88 +750,110 @@ class KDAChunkFwdSm90:
         return mBeta[b, tok0 + t, hv]
 
     @cute.jit
-    def scan_gates(self, sGin, sG, sPart, sGl, sDec, L, tidx, gate):
+    def scan_gates(self, sGin, sG, sPart, sGl, sDec, slot, L, t, gate):
         """G = inclusive cumsum of the chunk's gates over its tokens, in log2 units, into ``sG`` (C, D) fp32; G_last
-        into ``sGl`` and 2^G_last into ``sDec`` per key channel. By all threads: thread t scans channel t % D over
-        token part t // D (the tokens' gates from ``sGin``, activated first with gate_in_kernel: ``gate`` is
-        (-a log2(e), dt_bias of the channel, lower_bound log2(e))), then adds the totals of the parts before its own.
-        Tokens at or past ``L`` add 0. ``sGin`` may be ``sG`` itself (each thread reads its own cells before it
-        writes them)."""
+        into ``sGl`` and 2^G_last into column ``slot`` of ``sDec`` per key channel. By the prep role: thread t scans
+        channel t % D over token part t // D (the tokens' gates from ``sGin``, activated first with gate_in_kernel:
+        ``gate`` is (-a log2(e), dt_bias of the channel, lower_bound log2(e))), then adds the totals of the parts
+        before its own. Tokens at or past ``L`` add 0. ``sGin`` may be ``sG`` itself (each thread reads its own cells
+        before it writes them)."""
         f32 = cutlass.Float32
-        n = self.C // self.scan_parts
-        ch = tidx % self.D
-        part = tidx // self.D
-        t0 = part * n
-        gv = cute.make_rmem_tensor(cute.make_layout(n), f32)
-        for t in cutlass.range_constexpr(n):
-            gv[t] = sGin[t0 + t, ch].to(f32)
+        ch = t % self.D
+        part = t // self.D
         run = f32(0.0)
-        for t in cutlass.range_constexpr(n):
-            x = gv[t] * _LOG2E
-            if cutlass.const_expr(self.gate_in_kernel):
-                neg_a, dt, lb = gate
-                e = cute.math.exp2(neg_a * (gv[t] + dt), fastmath=True)
-                x = lb * cute.arch.rcp_approx(f32(1.0) + e)
-            if t0 + t < L:
-                run = run + x
-            gv[t] = run
-        sPart[part, ch] = run
-        cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
-        off = f32(0.0)
-        for p in cutlass.range_constexpr(self.scan_parts - 1):
-            if p < part:
-                off = off + sPart[p, ch]
-        run = run + off
-        for t in cutlass.range_constexpr(n):
-            sG[t0 + t, ch] = gv[t] + off
+        # the part is warp-uniform: one unrolled copy per part, so that every token row is a compile-time constant
+        # and the swizzled addresses fold (a runtime row costs several integer instructions per element)
+        for p in cutlass.range_constexpr(self.scan_parts):
+            if part == p:
+                run = self.scan_part(sGin, sG, p * (self.C // self.scan_parts), L, ch, gate)
+        if cutlass.const_expr(self.scan_parts > 1):
+            sPart[part, ch] = run
+            cute.arch.barrier(barrier_id=_PREP_BARRIER, number_of_threads=self.prep_threads)
+            off = f32(0.0)
+            for p in cutlass.range_constexpr(self.scan_parts - 1):
+                if p < part:
+                    off = off + sPart[p, ch]
+            for p in cutlass.range_constexpr(1, self.scan_parts):
+                if part == p:
+                    n = self.C // self.scan_parts
+                    for tt in cutlass.range_constexpr(n):
+                        sG[p * n + tt, ch] = sG[p * n + tt, ch] + off
+            run = run + off
         if part == self.scan_parts - 1:
             sGl[ch] = run
-            sDec[ch] = cute.math.exp2(run, fastmath=True)
+            sDec[ch, slot] = cute.math.exp2(run, fastmath=True)
 
     @cute.jit
-    def token_norms(self, sK3, sQ3, sNorm, t):
-        """For qk_l2norm: 1 / sqrt(||k_t||^2 + eps) and the same for q_t, token ``t`` of the chunk (one thread)."""
-        for which, tile in ((0, sK3), (1, sQ3)):
-            acc = blocks.row_sum_squares(tile[None, None, 0], t, 0, self.D // 8)
-            sNorm[t, which] = cute.math.rsqrt(acc + cutlass.Float32(L2NORM_EPS), fastmath=True)
+    def scan_part(self, sGin, sG, t0: cutlass.Constexpr, L, ch, gate):
+        """Channel ``ch``'s running sum over tokens [t0, t0 + C / parts), written to ``sG``; returns the part's total.
+        8 tokens are loaded (and activated) before their sums are written."""
+        f32 = cutlass.Float32
+        gv = cute.make_rmem_tensor(cute.make_layout(8), f32)
+        run = f32(0.0)
+        for tb in cutlass.range_constexpr(self.C // self.scan_parts // 8):
+            for tt in cutlass.range_constexpr(8):
+                gv[tt] = sGin[t0 + 8 * tb + tt, ch].to(f32)
+            for tt in cutlass.range_constexpr(8):
+                x = gv[tt] * _LOG2E
+                if cutlass.const_expr(self.gate_in_kernel):
+                    neg_a, dt, lb = gate
+                    e = cute.math.exp2(neg_a * (gv[tt] + dt), fastmath=True)
+                    x = lb * cute.arch.rcp_approx(f32(1.0) + e)
+                if t0 + 8 * tb + tt < L:
+                    run = run + x
+                sG[t0 + 8 * tb + tt, ch] = run
+        return run
+
+    @cute.jit
+    def token_norm(self, sQK, sNorm, t):
+        """For qk_l2norm, by the prep role: 1 / sqrt(||x||^2 + eps) of token ``t % C``'s k (``t < C``) or q, into
+        ``sNorm`` (column 0 k, 1 q)."""
+        which = t // self.C
+        tile = sQK[None, None, 1 - which, 0]
+        acc = blocks.row_sum_squares(tile, t % self.C, 0, self.D // 8)
+        sNorm[t % self.C, which] = cute.math.rsqrt(acc + cutlass.Float32(L2NORM_EPS), fastmath=True)
 
     @cute.jit
     def build_r_tile(self, sG, sK3, sR, sNorm, t):
         """R_j = k_j 2^(G_r - G_j) for the chunk's tokens j, r = 16 or 48 the reference token of j's 32-token half,
-        into that half of ``sR``, by all threads: thread t owns key channels 2p, 2p + 1 (p = t % (D / 2)) for its
-        group of 8-token blocks (t // (D / 2)), the token's low 3 bits compile-time (as in :meth:`build_b_tiles`)."""
+        into that half of ``sR``, by the prep role: thread t owns key channels 2p, 2p + 1 (p = t % (D / 2)) for its
+        group of 8-token blocks (t // (D / 2)), 4 tokens at a time, the token's low 3 bits compile-time (as in
+        :meth:`build_b_tiles`)."""
         f32 = cutlass.Float32
         bf16 = cutlass.BFloat16
         C, D, Hf = self.C, self.D, self.half
         pairs = D // 2
-        groups = self.threads // pairs
+        groups = self.prep_threads // pairs
         per_group = C // 8 // groups
         p = t % pairs
         grp = t // pairs
         gr = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
         r2 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
-        for bi in cutlass.range_constexpr(per_group):
+        for bi in cutlass.range(per_group, unroll=1):
             jb = grp * per_group + bi
             hf = (jb * 8) // Hf
+            sRh = sR[None, None, hf]
             cute.autovec_copy(cute.local_tile(sG, (1, 2), (Hf * hf + Hf // 2, p)), gr)
-            # the block's loads before its stores (a later load never passes an earlier store to shared memory)
-            g2, k2, nk = self.load_block(sG, sK3[None, None, 0], sNorm, 0, jb, p)
-            for jj in cutlass.range_constexpr(8):
-                j = jb * 8 + jj
-                kx = k2[jj].load().to(f32)
-                if cutlass.const_expr(self.qk_l2norm):
-                    kx = kx * nk[jj]
-                for e in cutlass.range_constexpr(2):
-                    r2[0, e] = kx[e] * cute.math.exp2(gr[0, e] - g2[jj][0, e], fastmath=True)
-                cute.local_tile(sR[None, None, hf], (1, 2), (j - Hf * hf, p)).store(r2.load().to(bf16))
+            for sub in cutlass.range_constexpr(2):
+                # the loads of 4 tokens before their stores (a later load never passes an earlier store to shared
+                # memory)
+                g2, k2, nk = self.load_tokens(sG, sK3[None, None, 0], sNorm, 0, jb * 8 + 4 * sub, p)
+                for jj in cutlass.range_constexpr(4):
+                    j = jb * 8 + 4 * sub + jj
+                    kx = k2[jj].load().to(f32)
+                    if cutlass.const_expr(self.qk_l2norm):
+                        kx = kx * nk[jj]
+                    for e in cutlass.range_constexpr(2):
+                        r2[0, e] = kx[e] * cute.math.exp2(gr[0, e] - g2[jj][0, e], fastmath=True)
+                    cute.local_tile(sRh, (1, 2), (j - Hf * hf, p)).store(r2.load().to(bf16))
 
-    def load_block(self, sG, sX, sNorm, which, jb, p):
-        """The gates (unless ``sG`` is None) and x values (channel pair p) of the 8 tokens of block ``jb`` and, with
-        qk_l2norm, their 1 / ||x|| (``which``: 0 k, 1 q), as lists of 8 register pairs (scalars). A plain helper,
-        unrolled where it is traced."""
+    def load_tokens(self, sG, sX, sNorm, which, j0, p):
+        """The gates (unless ``sG`` is None) and x values (channel pair p) of tokens j0 .. j0 + 3 and, with qk_l2norm,
+        their 1 / ||x|| (``which``: 0 k, 1 q), as lists of 4 register pairs (scalars). A plain helper, unrolled where
+        it is traced."""
         g2, x2, nx = [], [], []
-        for jj in range(8):
-            j = jb * 8 + jj
+        for jj in range(4):
+            j = j0 + jj
             if sG is not None:
                 g2.append(cute.make_rmem_tensor(cute.make_layout((1, 2)), cutlass.Float32))
                 cute.autovec_copy(cute.local_tile(sG, (1, 2), (j, p)), g2[jj])
@@ -765,16 +865,17 @@ class KDAChunkFwdSm90:
 
     @cute.jit
     def build_b_tiles(self, sG, sK3, sQ3, sKG, sQG, sKD, sGl, sNorm, L, t):
-        """The B tiles of the chunk's state products, by 192 threads (``t`` in [0, 192)): K 2^G and Q 2^G
+        """The B tiles of the chunk's state products, by the prep role (``t`` in [0, 128)): K 2^G and Q 2^G
         (K-major) and K 2^(G_last - G) (MN-major, 0 past the sequence end). Thread t owns key channels 2p, 2p + 1
-        (p = t % (D / 2), read and written as pairs) for one group of 8-token blocks (t // (D / 2)); within a block
-        the token's low 3 bits are compile-time, so the 128B-swizzled addresses cost an XOR each."""
+        (p = t % (D / 2), read and written as pairs) for one group of 8-token blocks (t // (D / 2)), 4 tokens at a
+        time; within a block the token's low 3 bits are compile-time, so the 128B-swizzled addresses cost an XOR
+        each."""
         f32 = cutlass.Float32
         bf16 = cutlass.BFloat16
         C, D = self.C, self.D
         pairs = D // 2
-        groups = 192 // pairs
-        per_group = (C // 8 + groups - 1) // groups  # 8-token blocks per group
+        groups = self.prep_threads // pairs
+        per_group = C // 8 // groups  # 8-token blocks per group
         p = t % pairs
         grp = t // pairs
         gl = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
@@ -784,12 +885,13 @@ class KDAChunkFwdSm90:
         kd2 = cute.make_rmem_tensor(cute.make_layout((2, 1)), f32)
         for bi in cutlass.range(per_group, unroll=1):
             jb = grp * per_group + bi
-            if jb < C // 8:
-                # the block's loads before its stores, as in build_r_tile
-                g2, k2, nk = self.load_block(sG, sK3[None, None, 0], sNorm, 0, jb, p)
-                _, q2, nq = self.load_block(None, sQ3[None, None, 0], sNorm, 1, jb, p)
-                for jj in cutlass.range_constexpr(8):
-                    j = jb * 8 + jj
+            for sub in cutlass.range_constexpr(2):
+                # the loads before the stores, as in build_r_tile
+                j0 = jb * 8 + 4 * sub
+                g2, k2, nk = self.load_tokens(sG, sK3[None, None, 0], sNorm, 0, j0, p)
+                _, q2, nq = self.load_tokens(None, sQ3[None, None, 0], sNorm, 1, j0, p)
+                for jj in cutlass.range_constexpr(4):
+                    j = j0 + jj
                     kx = k2[jj].load().to(f32)
                     qx = q2[jj].load().to(f32)
                     if cutlass.const_expr(self.qk_l2norm):
@@ -918,5 +1020,14 @@ sm90_entry.register_checked_variants(
             "intra": "load",
             "gate_in_kernel": True,
         },
+        # what FLA's KDA layer calls (the benchmark's setting)
+        "[gate in kernel, qk_l2norm, bf16 beta, fixed length]": {
+            "beta_fp32": False,
+            "qk_l2norm": True,
+            "gate_in_kernel": True,
+        },
     },
+    # the math role (224 registers) keeps a few sequence constants in local memory across its chunk loop (stored
+    # before it, loaded after it for the final stores); with qk_l2norm the prep role (56) reloads one value per chunk
+    sass_allowed=(14, 0),
 )

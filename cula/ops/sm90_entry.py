@@ -265,9 +265,12 @@ INTRA_VARIANTS = {
 }
 
 
-def register_checked_variants(name: str, compile_fn, extra: dict | None = None) -> None:
+def register_checked_variants(
+    name: str, compile_fn, extra: dict | None = None, sass_allowed: tuple[int, int] = (0, 0)
+) -> None:
     """Register ``name + suffix`` for every :data:`CHECKED_VARIANTS` entry (and ``extra`` ones), compiled by
-    ``compile_fn(arch, **options)`` for sm_90a, with clean machine code."""
+    ``compile_fn(arch, **options)`` for sm_90a, with clean machine code but for ``sass_allowed`` (local-memory
+    instructions, injected ``warpgroup.arrive``) in each."""
     for suffix, options in {**CHECKED_VARIANTS, **(extra or {})}.items():
         runtime.register_kernel(
             f"{name}{suffix}",
@@ -275,4 +278,5 @@ def register_checked_variants(name: str, compile_fn, extra: dict | None = None) 
             lambda arch, o=options: compile_fn(arch, **o),
             ["wgmma.mma_async", "cp.async.bulk.tensor"],
             clean_sass=True,
+            sass_allowed=sass_allowed,
         )
