@@ -2,6 +2,8 @@
 splitting) on the CPU, with the kernel launch replaced by the fp32 reference working to the launch contract; checked
 against the fp64 recurrence through the same harness as the GPU tests."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -213,6 +215,28 @@ def test_gdn_d128_unsplit_runs_the_four_role_kernel():
         assert ("rsqrt.approx" in ptx) == qk_l2norm
     old = compile_gdn_fwd_sm90("sm_90a", True, 64, False, True, True, True).artifacts.PTX
     assert ".reqntid 256" in old and "setmaxnreg" not in old
+
+
+def test_kda_runs_a_prep_warpgroup_beside_two_math_warpgroups():
+    """The KDA kernel compiles to three warpgroups in every pass (whole sequences, a split's first and later passes,
+    D = 64): 384 threads, setmaxnreg down for the prep role and up for the math role, the hand-offs as named-barrier
+    arrives (prep: GR_FULL unless Tinv and P are loaded, B_FULL; math: AP_DONE unless loaded, B_EMPTY)."""
+    from cula.kda.chunk_fwd_sm90 import KDAChunkFwdSm90, compile_kda_fwd_sm90
+
+    kernel = KDAChunkFwdSm90()
+    assert kernel.threads == 384 and 2 * kernel.regs_math + kernel.regs_prep <= 3 * 168
+    # named barriers: 3 GR_FULL, 5 B_FULL (prep arrives); 4 AP_DONE, 6 B_EMPTY (math arrives)
+    for options, arrives in (
+        ({"gate_in_kernel": True, "qk_l2norm": True}, {3, 4, 5, 6}),
+        ({"is_varlen": True, "intra": "save"}, {3, 4, 5, 6}),
+        ({"is_varlen": True, "mode": "correction", "intra": "load"}, {5, 6}),
+        ({"head_dim": 64, "is_varlen": True, "has_initial_state": True}, {3, 4, 5, 6}),
+    ):
+        ptx = compile_kda_fwd_sm90("sm_90a", True, **options).artifacts.PTX
+        assert ".reqntid 384" in ptx, options
+        assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{kernel.regs_prep};", ptx), options
+        assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{kernel.regs_math};", ptx), options
+        assert {int(i) for i in re.findall(r"\bbar\.arrive (\d+), 384;", ptx)} == arrives, options
 
 
 @pytest.mark.parametrize("script", ["ab_trees", "split_pass_times"])
