@@ -1,6 +1,7 @@
 """Time one op's SM90 entry in several source trees of cuLA, side by side on the same GPU, and compare their outputs.
 
-    python scripts/ab_trees.py [--op gdn|kda] [--shapes 2x16384x64,8x2048x32] [--split] [--l2norm] TREE [TREE ...]
+    python scripts/ab_trees.py [--op gdn|kda] [--shapes 2x16384x64,8x2048x32] [--split] [--l2norm]
+        [--gate-in-kernel] TREE [TREE ...]
 
 A tree is a folder holding a ``cula`` package: this checkout (``.``) or another revision extracted into the
 repository, for instance ``mkdir -p dev_trees/merge && git archive gdn-merge-registers cula | tar -x -C
@@ -22,7 +23,7 @@ from pathlib import Path
 WORKER = r"""
 import json, sys, torch
 from triton.testing import do_bench
-tree, op, shapes, split, l2norm, out_dir, tag = sys.argv[1:8]
+tree, op, shapes, split, l2norm, layer_gate, out_dir, tag = sys.argv[1:9]
 sys.path.insert(0, tree)
 import cula
 assert cula.__file__.startswith(tree.rstrip("/")), cula.__file__
@@ -45,6 +46,10 @@ for shape in shapes.split(","):
     gl = (torch.nn.functional.logsigmoid(rnd(*gate) + 3) / 2).clamp(min=-5).float()
     beta = torch.rand(B, T, H, device="cuda", generator=g).float()
     kw = {"qk_l2norm": True} if l2norm == "1" else {}
+    if layer_gate == "1":  # kda as FLA's layer calls it: the raw bf16 gate activated by the kernel, bf16 beta
+        gl = rnd(B, T, H, 128).bfloat16()
+        beta = beta.bfloat16()
+        kw["gate"] = (rnd(H), rnd(H * 128), -5.0)
     def run():
         return entry(q, k, v, gl, beta, output_final_state=True, split=split, **kw)
     o, ht = run()
@@ -61,6 +66,9 @@ def main() -> int:
     p.add_argument("--shapes", default="2x16384x64,8x2048x32,1x8192x64", help="comma list of BxTxH")
     p.add_argument("--split", default="auto", choices=["auto", "on", "off"], help="the entry's split argument")
     p.add_argument("--l2norm", action="store_true", help="raw q / k normalised by the kernel (qk_l2norm)")
+    p.add_argument(
+        "--gate-in-kernel", action="store_true", help="kda: a raw bf16 gate activated by the kernel, bf16 beta"
+    )
     p.add_argument("--out", default=None, help="write the table as JSON here")
     p.add_argument("trees", nargs="+")
     a = p.parse_args()
@@ -71,7 +79,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as out_dir:
         for i, tree in enumerate(order):
             root = str(Path(tree).resolve())
-            args = [root, a.op, a.shapes, a.split, "1" if a.l2norm else "0", out_dir, str(i)]
+            flags = ["1" if a.l2norm else "0", "1" if a.gate_in_kernel else "0"]
+            args = [root, a.op, a.shapes, a.split, *flags, out_dir, str(i)]
             done = subprocess.run([sys.executable, "-c", WORKER, *args], capture_output=True, text=True)
             if done.returncode != 0:
                 print(f"{tree}: failed\n{done.stderr[-3000:]}", flush=True)
