@@ -110,7 +110,8 @@ class KernelSpec:
     """A kernel the compile check builds on a CPU: ``compile_fn(arch)`` returns an executor compiled with fake
     tensors for ``arch``; ``expected_ptx`` lists instruction substrings that must appear in its PTX; ``clean_sass``:
     no local memory and no ptxas-injected ``warpgroup.arrive`` in its machine code beyond ``sass_allowed`` (local-memory
-    instructions, injected arrives: kept only where timed faster than the clean alternative)."""
+    instructions, injected arrives: kept only where measured to cost nothing per chunk or less than the clean
+    alternative)."""
 
     name: str
     archs: tuple[str, ...]

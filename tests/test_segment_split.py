@@ -124,3 +124,11 @@ def test_pass_ranges_are_copied_once_per_split():
     # one device copy, shared by all passes of both calls
     assert len({s[1].untyped_storage().data_ptr() for s in seen}) == 1
     assert [s[2:] for s in second] == [s[2:] for s in first]
+
+
+def test_split_cost_from_microseconds():
+    """Measured times in microseconds become fractions of the unsplit chunk; the first pass defaults to a whole chunk
+    and ``lone`` passes through as a fraction."""
+    cost = SplitCost.from_us(4.0, 2.0, 1.0, 0.5, cached=True, fixed=20.0, wave=8.0, lone=0.9)
+    assert cost == SplitCost(0.5, 0.25, 0.125, True, 1.0, 5.0, 2.0, 0.9)
+    assert SplitCost.from_us(4.0, 2.0, 1.0, 0.5, first=6.0).first == 1.5

@@ -67,33 +67,14 @@ TWO_WARPGROUP_L2NORM_CHUNK_US = 4.7
 # A sequence walked by few CTAs runs faster than at full load: 3.2-3.36 us per chunk at 8-32 CTAs, as a fraction of
 # a chunk at full load (measured without qk_l2norm, taken as the same with it).
 LONE_FRACTION = 3.25 / CHUNK_LATENCY_US
-SPLIT_COST = segment_split.SplitCost(
-    2.3 / CHUNK_LATENCY_US,
-    1.4 / CHUNK_LATENCY_US,
-    0.5 / CHUNK_LATENCY_US,
-    cached=True,
-    first=3.47 / CHUNK_LATENCY_US,
-    fixed=25 / CHUNK_LATENCY_US,
-    wave=7 / CHUNK_LATENCY_US,
-    lone=LONE_FRACTION,
+SPLIT_COST = segment_split.SplitCost.from_us(
+    CHUNK_LATENCY_US, 2.3, 1.4, 0.5, cached=True, first=3.47, fixed=25, wave=7, lone=LONE_FRACTION
 )
-SPLIT_COST_L2NORM = segment_split.SplitCost(
-    2.5 / CHUNK_LATENCY_L2NORM_US,
-    1.6 / CHUNK_LATENCY_L2NORM_US,
-    0.5 / CHUNK_LATENCY_L2NORM_US,
-    cached=True,
-    first=3.47 / CHUNK_LATENCY_US,  # the same fraction of a whole chunk as without qk_l2norm
-    fixed=25 / CHUNK_LATENCY_L2NORM_US,
-    wave=7 / CHUNK_LATENCY_L2NORM_US,
-    lone=LONE_FRACTION,
-)
-SPLIT_COST_L2NORM_D64 = segment_split.SplitCost(
-    6.3 / TWO_WARPGROUP_L2NORM_CHUNK_US,
-    5.7 / TWO_WARPGROUP_L2NORM_CHUNK_US,
-    0.5 / TWO_WARPGROUP_L2NORM_CHUNK_US,
-    fixed=25 / TWO_WARPGROUP_L2NORM_CHUNK_US,
-    wave=7 / TWO_WARPGROUP_L2NORM_CHUNK_US,
-    lone=LONE_FRACTION,
+SPLIT_COST_L2NORM = segment_split.SplitCost.from_us(
+    CHUNK_LATENCY_L2NORM_US, 2.5, 1.6, 0.5, cached=True, fixed=25, wave=7, lone=LONE_FRACTION
+)._replace(first=SPLIT_COST.first)  # the same fraction of a whole chunk as without qk_l2norm
+SPLIT_COST_L2NORM_D64 = segment_split.SplitCost.from_us(
+    TWO_WARPGROUP_L2NORM_CHUNK_US, 6.3, 5.7, 0.5, fixed=25, wave=7, lone=LONE_FRACTION
 )
 
 

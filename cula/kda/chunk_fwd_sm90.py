@@ -56,8 +56,7 @@ CHUNK_LATENCY_US = 8.5
 # B1 T32768 H16 and B1 T8192 H64, 128 CTAs per pass): first pass (saving Tinv and P) 8.65 us, correction 4.90-5.13,
 # transition 3.85-3.87. A link of the start chain: ~0.5 us per value head (the same chain kernel as GDN's, measured
 # there in session 17).
-SPLIT_COST = segment_split.SplitCost(5.0 / CHUNK_LATENCY_US, 3.86 / CHUNK_LATENCY_US, 0.5 / CHUNK_LATENCY_US,
-                                     cached=True, first=8.65 / CHUNK_LATENCY_US)  # fmt: skip
+SPLIT_COST = segment_split.SplitCost.from_us(CHUNK_LATENCY_US, 5.0, 3.86, 0.5, cached=True, first=8.65)
 SUPPORTED_DIMS = (64, 128)
 # the lowest gate the intra-chunk factorisation tolerates (module docstring)
 LOWER_BOUND_MIN = -5.0
@@ -170,13 +169,13 @@ class KDAChunkFwdSm90:
         self.math_threads = 256
         self.prep_threads = 128
         self.threads = self.math_threads + self.prep_threads
-        # setmaxnreg per warpgroup (2 x 232 + 40 <= 3 x 168, the launch's share)
+        # setmaxnreg per warpgroup (2 x 224 + 56 <= 3 x 168, the launch's share; 232 / 40 measured slower)
         self.regs_math, self.regs_prep = 224, 56
-        # the gate scan: prep thread t takes key channel t % D over part t // D of the chunk's tokens
         # row stride of the fp32 gate tile G: a TMA box (D) where fp32 g lands in it; else padded by 8 floats, so that
         # the math role's reads of G at its accumulator positions (8-byte pairs, 4 rows per half-warp) hit distinct
         # banks (the scan and the tile builders read whole rows, conflict-free either way)
         self.g_stride = head_dim + 8 if gate_in_kernel else head_dim
+        # the gate scan: prep thread t takes key channel t % D over part t // D of the chunk's tokens
         self.scan_parts = self.prep_threads // self.D
         self.a_stride = 68  # padded fp32 row of A^T: 16-byte aligned rows, conflict-free stores from the accumulator
         self.o_stride = self.D + 8  # padded bf16 row of the O staging tile
@@ -762,7 +761,7 @@ class KDAChunkFwdSm90:
         part = t // self.D
         run = f32(0.0)
         # the part is warp-uniform: one unrolled copy per part, so that every token row is a compile-time constant
-        # and the swizzled addresses fold (a runtime row costs several integer instructions per element)
+        # and each address a register plus an immediate (a runtime row costs integer instructions per element)
         for p in cutlass.range_constexpr(self.scan_parts):
             if part == p:
                 run = self.scan_part(sGin, sG, p * (self.C // self.scan_parts), L, ch, gate)

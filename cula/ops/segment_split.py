@@ -51,6 +51,34 @@ class SplitCost(NamedTuple):
     wave: float = 0.0
     lone: float = 1.0
 
+    @classmethod
+    def from_us(
+        cls,
+        chunk_us: float,
+        correction: float,
+        transition: float,
+        link: float,
+        *,
+        cached: bool = False,
+        first: float | None = None,
+        fixed: float = 0.0,
+        wave: float = 0.0,
+        lone: float = 1.0,
+    ) -> SplitCost:
+        """The costs from measured microseconds (per chunk, per link and value head, once, per extra wave; ``first``
+        defaults to a whole chunk), each divided by ``chunk_us``, an unsplit sequence's chunk; ``lone`` is already a
+        fraction."""
+        return cls(
+            correction / chunk_us,
+            transition / chunk_us,
+            link / chunk_us,
+            cached,
+            1.0 if first is None else first / chunk_us,
+            fixed / chunk_us,
+            wave / chunk_us,
+            lone,
+        )
+
 
 UNCACHED = SplitCost()  # every later pass makes each chunk again, at a first pass's cost
 
