@@ -1,7 +1,8 @@
 """Time each launch of a split SM90 chunk call with CUDA events: the data the split cost model is fitted to
 (``SplitCost`` in cula/gdn/chunk_fwd_sm90.py and cula/kda/chunk_fwd_sm90.py).
 
-    python scripts/split_pass_times.py [--op gdn|kda] [--l2norm] [--shapes 1x65536x8,1x8192x64] [--seg CHUNKS]
+    python scripts/split_pass_times.py [--op gdn|kda] [--l2norm] [--gate-in-kernel] [--shapes 1x65536x8,1x8192x64]
+        [--seg CHUNKS]
 
 For each B x T x H shape (D = 128, bf16) it prints the whole call (``triton.testing.do_bench``, split as the entry
 plans it, or every ``--seg`` chunks), the same call unsplit, the model's estimate, and per launch of the split call
@@ -45,7 +46,7 @@ def per_launch(entry_module, call, reps: int = 20) -> list[dict]:
     ]
 
 
-def time_shape(op: str, module, entry, shape: str, l2norm: bool, sms: int) -> None:
+def time_shape(op: str, module, entry, shape: str, l2norm: bool, sms: int, gate_in_kernel: bool = False) -> None:
     """Print the call, the unsplit call, the model and each launch for one B x T x H shape (D = 128)."""
     import functools
 
@@ -63,13 +64,17 @@ def time_shape(op: str, module, entry, shape: str, l2norm: bool, sms: int) -> No
     g = (torch.nn.functional.logsigmoid(torch.randn(*gate, device="cuda") + 3) / 2).clamp(min=-5)
     beta = torch.rand(B, T, H, device="cuda")
     kw = {"qk_l2norm": True} if l2norm else {}
+    if gate_in_kernel:  # KDA as FLA's layer calls it: the raw bf16 gate activated by the kernel, bf16 beta
+        g = torch.randn(*gate, device="cuda").bfloat16()
+        beta = beta.bfloat16()
+        kw["gate"] = (torch.randn(H, device="cuda"), torch.randn(H * D, device="cuda"), -5.0)
     call = functools.partial(entry, q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta, output_final_state=True, **kw)
 
     whole = do_bench(call, warmup=20, rep=200)
     unsplit = do_bench(lambda: call(split=False), warmup=20, rep=200)
     # (KDA's model has no qk_l2norm cost)
-    model = module.estimated_ms([T] * B, H, sms, **(kw if op == "gdn" else {}))
-    print(f"{op} {shape}{' qk_l2norm' if l2norm else ''}: call {whole:.3f} ms, unsplit {unsplit:.3f} ms, "
+    model = module.estimated_ms([T] * B, H, sms, **({"qk_l2norm": l2norm} if op == "gdn" else {}))
+    print(f"{op} {shape}{' qk_l2norm' if l2norm else ''}{' gate in kernel' if gate_in_kernel else ''}: call {whole:.3f} ms, unsplit {unsplit:.3f} ms, "
           f"model {model:.3f} ms (for the planner's own plan)")  # fmt: skip
     launches = per_launch(module, call)
     cost = module.split_cost(l2norm) if op == "gdn" else module.SPLIT_COST
@@ -88,6 +93,7 @@ def main() -> int:
     p.add_argument("--shapes", default="1x65536x8,1x8192x64", help="comma list of BxTxH")
     p.add_argument("--seg", type=int, default=None, help="cut every sequence every SEG chunks (default: the plan)")
     p.add_argument("--l2norm", action="store_true", help="raw q / k normalised by the kernel (qk_l2norm)")
+    p.add_argument("--gate-in-kernel", action="store_true", help="kda: a raw bf16 gate activated by the kernel")
     a = p.parse_args()
 
     import torch
@@ -111,7 +117,7 @@ def main() -> int:
 
         segment_split.plan_segments = every_seg
     for shape in a.shapes.split(","):
-        time_shape(a.op, module, entry, shape, a.l2norm, sms)
+        time_shape(a.op, module, entry, shape, a.l2norm, sms, a.gate_in_kernel and a.op == "kda")
     return 0
 
 

@@ -113,7 +113,8 @@ class KDAChunkFwdSm90:
          update [wgmma RS] -> B_EMPTY
       4. O staged through smem and stored during the next chunk's step 1, rows past the sequence end masked.
     Split passes (``intra``): "save" TMA-stores each chunk's Tinv and P to the workspace after step 2; "load" skips
-    the R tile, step 1 and the solve and TMA-loads Tinv and P instead.
+    the R tile, step 1 and the solve and TMA-loads Tinv and P instead; the math role then makes the B tiles itself
+    once the prep role has published the gates (GR_FULL) and releases q | k | g on AP_DONE (B_FULL / B_EMPTY unused).
 
     ``gate_in_kernel``: g arrives raw (bf16) and the kernel applies FLA's bounded KDA gate to it,
     lower_bound * sigmoid(exp(A_log) (g + dt_bias)), in the scan; the raw tile lands in R's buffer (R is made after
@@ -409,7 +410,7 @@ class KDAChunkFwdSm90:
             )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(self.regs_math)
-            math_smem = (sBeta, sDec, sNorm, sA, sO, sG, sQK, sV3, sR, sXG, sKD, sTP)
+            math_smem = (sBeta, sDec, sNorm, sA, sO, sG, sGl, sQK, sV3, sR, sXG, sKD, sTP)
             self.math_role(
                 mma_half, mma_rs, mma_state, tma_v, tVg, tVs, bar_v, w_tiles, bar_tp, bar_qkg, mO, mH0, mHt, scale,
                 math_smem, b, tok0, hv, n, seqlen, n_chunks, tidx, warp,
@@ -432,7 +433,7 @@ class KDAChunkFwdSm90:
         sK3 = sQK[None, None, 1, None]
         if pwarp == 0:
             if n_chunks > 0:
-                self.issue_qkg(tma_qkg, bar_qkg, cutlass.Int32(0), lane)
+                self.issue_qkg(tma_qkg, bar_qkg, cutlass.Int32(0), lane, n_chunks)
         # beta of a chunk is loaded one chunk ahead (threads 0 .. C - 1, one token each), so that the global load is
         # in flight while the prep role waits for the tiles
         beta_next = mBeta.element_type(0.0)
@@ -455,25 +456,28 @@ class KDAChunkFwdSm90:
             self.scan_gates(sGin, sG, sPart, sGl, sDec, slot, L, t, gate)
             if cutlass.const_expr(self.qk_l2norm):
                 self.token_norm(sQK, sNorm, t)
-            cute.arch.barrier(barrier_id=_PREP_BARRIER, number_of_threads=self.prep_threads)
             if cutlass.const_expr(self.intra != "load"):
+                cute.arch.barrier(barrier_id=_PREP_BARRIER, number_of_threads=self.prep_threads)
                 # R_j = k_j 2^(G_r - G_j), r the reference token of j's half; |j - r| <= 16 keeps it in range
                 self.build_r_tile(sG, sK3, sR, sNorm, t)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier_arrive(barrier_id=_GR_FULL_BARRIER, number_of_threads=self.threads)
-            if c > 0:
-                cute.arch.barrier(barrier_id=_B_EMPTY_BARRIER, number_of_threads=self.threads)
-            self.build_b_tiles(sG, sK3, sQ3, sXG[None, None, 0], sXG[None, None, 1], sKD, sGl, sNorm, L, t)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier_arrive(barrier_id=_B_FULL_BARRIER, number_of_threads=self.threads)
-            # the chunk's q | k | g are consumed (by the math role's left operands too, unless Tinv and P are loaded)
-            if cutlass.const_expr(self.intra != "load"):
-                cute.arch.barrier(barrier_id=_AP_DONE_BARRIER, number_of_threads=self.threads)
+                if c > 0:
+                    cute.arch.barrier(barrier_id=_B_EMPTY_BARRIER, number_of_threads=self.threads)
+                self.build_b_tiles(
+                    sG, sK3, sQ3, sXG[None, None, 0], sXG[None, None, 1], sKD, sGl, sNorm, L, t, self.prep_threads
+                )  # fmt: skip
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier_arrive(barrier_id=_B_FULL_BARRIER, number_of_threads=self.threads)
             else:
-                cute.arch.barrier(barrier_id=_PREP_BARRIER, number_of_threads=self.prep_threads)
+                # Tinv and P are loaded: the math role, otherwise idle until its B tiles exist, makes them itself
+                # (twice the threads) from the gates published here
+                cute.arch.barrier_arrive(barrier_id=_GR_FULL_BARRIER, number_of_threads=self.threads)
+            # the chunk's q | k | g are consumed (by the math role's left operands or B tiles too)
+            cute.arch.barrier(barrier_id=_AP_DONE_BARRIER, number_of_threads=self.threads)
             if pwarp == 0:
                 if c + 1 < n_chunks:
-                    self.issue_qkg(tma_qkg, bar_qkg, c + 1, lane)
+                    self.issue_qkg(tma_qkg, bar_qkg, c + 1, lane, n_chunks)
 
     @cute.jit
     def math_role(
@@ -482,7 +486,7 @@ class KDAChunkFwdSm90:
     ):  # fmt: skip
         """Warpgroups 0 and 1 (``tidx`` in [0, 256)): per chunk the left operands, A and P, the solve, then the state
         products on value rows [64 wg, 64 wg + 64) of S^T, and the output."""
-        sBeta, sDec, sNorm, sA, sO, sG, sQK, sV3, sR, sXG, sKD, sTP = sm
+        sBeta, sDec, sNorm, sA, sO, sG, sGl, sQK, sV3, sR, sXG, sKD, sTP = sm
         C, D, Hf = self.C, self.D, self.half
         f32 = cutlass.Float32
         bf16 = cutlass.BFloat16
@@ -501,7 +505,7 @@ class KDAChunkFwdSm90:
                 if cutlass.const_expr(self.tile_v_src is not None):
                     self.issue_v(tma_v, tVg, tVs, bar_v, cutlass.Int32(0), lane)
                 if cutlass.const_expr(self.intra == "load"):
-                    self.issue_tp(tma_w, tWg, tWs, bar_tp, cutlass.Int32(0), lane)
+                    self.issue_tp(tma_w, tWg, tWs, bar_tp, cutlass.Int32(0), lane, n_chunks)
 
         # ---- per-thread MMA partitions (each warpgroup works on its own 64 rows)
         thr_h = mma_half.get_slice(wtid)
@@ -638,18 +642,28 @@ class KDAChunkFwdSm90:
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=_MATH_BARRIER, number_of_threads=nt)
             else:
-                # Tinv and P come from the first pass: the previous chunk's O alone before the B tiles
+                # Tinv and P come from the first pass: the previous chunk's O, then the B tiles from the prep role's
+                # gates (the wait for the tiles' TMA repeated, as above)
                 if cutlass.const_expr(self.make_o):
                     if c > 0:
                         blocks.store_o_rows(sO, mO, b, hv, tok0 + (c - 1) * C, C, tidx, C, D, nt)
+                cute.arch.barrier(barrier_id=_GR_FULL_BARRIER, number_of_threads=self.threads)
+                cute.arch.mbarrier_wait(bar_qkg, c % 2)
+                L = cutlass.min(seqlen - c * C, C)
+                self.build_b_tiles(sG, sQK[None, None, 1, None], sQK[None, None, 0, None], sKG, sQG, sKD, sGl, sNorm,
+                                   L, tidx, nt)  # fmt: skip
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=_MATH_BARRIER, number_of_threads=nt)
+                cute.arch.barrier_arrive(barrier_id=_AP_DONE_BARRIER, number_of_threads=self.threads)
             if cutlass.const_expr(self.intra == "save"):
                 # this chunk's Tinv and P to the workspace; warp 0 waits for the stores to have read them before the
                 # chunk's final barrier (the next chunk writes them again)
                 if warp == 0:
                     blocks.save_tinv_p(tma_w, tWs, tWg, c)
 
-            # ---- 3. state products on this WG's 64 value rows, once the prep role has made the B tiles
-            cute.arch.barrier(barrier_id=_B_FULL_BARRIER, number_of_threads=self.threads)
+            # ---- 3. state products on this WG's 64 value rows, once the B tiles are made
+            if cutlass.const_expr(self.intra != "load"):
+                cute.arch.barrier(barrier_id=_B_FULL_BARRIER, number_of_threads=self.threads)
             if cutlass.const_expr(self.intra == "load"):
                 cute.arch.mbarrier_wait(bar_tp, c % 2)
             if cutlass.const_expr(self.tile_v_src is not None):
@@ -706,9 +720,10 @@ class KDAChunkFwdSm90:
             blocks.gemm(mma_state, acc_s, rVn_lo, tSTb_KD, False)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
-            # the B tiles are free for the next chunk's
-            if c + 1 < n_chunks:
-                cute.arch.barrier_arrive(barrier_id=_B_EMPTY_BARRIER, number_of_threads=self.threads)
+            # the B tiles are free for the prep role's next ones
+            if cutlass.const_expr(self.intra != "load"):
+                if c + 1 < n_chunks:
+                    cute.arch.barrier_arrive(barrier_id=_B_EMPTY_BARRIER, number_of_threads=self.threads)
 
             # ---- 4. O^T -> smem (token-major); stored during the next chunk (or after the loop)
             if cutlass.const_expr(self.make_o):
@@ -726,7 +741,7 @@ class KDAChunkFwdSm90:
                 # Tinv and P were last read by this chunk's products: the next chunk's into the same buffers
                 if warp == 0:
                     if c + 1 < n_chunks:
-                        self.issue_tp(tma_w, tWg, tWs, bar_tp, c + 1, lane)
+                        self.issue_tp(tma_w, tWg, tWs, bar_tp, c + 1, lane, n_chunks)
 
         # the last chunk's O (the loop stores each chunk's O during the next chunk's step 1)
         if cutlass.const_expr(self.make_o):
@@ -863,17 +878,17 @@ class KDAChunkFwdSm90:
         return g2, x2, nx
 
     @cute.jit
-    def build_b_tiles(self, sG, sK3, sQ3, sKG, sQG, sKD, sGl, sNorm, L, t):
-        """The B tiles of the chunk's state products, by the prep role (``t`` in [0, 128)): K 2^G and Q 2^G
-        (K-major) and K 2^(G_last - G) (MN-major, 0 past the sequence end). Thread t owns key channels 2p, 2p + 1
-        (p = t % (D / 2), read and written as pairs) for one group of 8-token blocks (t // (D / 2)), 4 tokens at a
-        time; within a block the token's low 3 bits are compile-time, so the 128B-swizzled addresses cost an XOR
-        each."""
+    def build_b_tiles(self, sG, sK3, sQ3, sKG, sQG, sKD, sGl, sNorm, L, t, threads: cutlass.Constexpr):
+        """The B tiles of the chunk's state products, by ``threads`` threads (``t`` in [0, threads): the prep role,
+        or the math role when Tinv and P are loaded): K 2^G and Q 2^G (K-major) and K 2^(G_last - G) (MN-major, 0
+        past the sequence end). Thread t owns key channels 2p, 2p + 1 (p = t % (D / 2), read and written as pairs)
+        for one group of 8-token blocks (t // (D / 2)), 4 tokens at a time; within a block the token's low 3 bits
+        are compile-time, so the 128B-swizzled addresses cost an XOR each."""
         f32 = cutlass.Float32
         bf16 = cutlass.BFloat16
         C, D = self.C, self.D
         pairs = D // 2
-        groups = self.prep_threads // pairs
+        groups = threads // pairs
         per_group = C // 8 // groups  # 8-token blocks per group
         p = t % pairs
         grp = t // pairs
@@ -888,43 +903,55 @@ class KDAChunkFwdSm90:
                 # the loads before the stores, as in build_r_tile
                 j0 = jb * 8 + 4 * sub
                 g2, k2, nk = self.load_tokens(sG, sK3[None, None, 0], sNorm, 0, j0, p)
-                _, q2, nq = self.load_tokens(None, sQ3[None, None, 0], sNorm, 1, j0, p)
+                if cutlass.const_expr(self.make_o):  # a pass without output needs no Q 2^G
+                    _, q2, nq = self.load_tokens(None, sQ3[None, None, 0], sNorm, 1, j0, p)
                 for jj in cutlass.range_constexpr(4):
                     j = j0 + jj
                     kx = k2[jj].load().to(f32)
-                    qx = q2[jj].load().to(f32)
                     if cutlass.const_expr(self.qk_l2norm):
                         kx = kx * nk[jj]
-                        qx = qx * nq[jj]
                     for e in cutlass.range_constexpr(2):
                         eg = cute.math.exp2(g2[jj][0, e], fastmath=True)
                         kg2[0, e] = kx[e] * eg
-                        qg2[0, e] = qx[e] * eg
                         kd = f32(0.0)
                         if j < L:
                             kd = kx[e] * cute.math.exp2(gl[0, e] - g2[jj][0, e], fastmath=True)
                         kd2[e, 0] = kd
                     cute.local_tile(sKG, (1, 2), (j, p)).store(kg2.load().to(bf16))
-                    cute.local_tile(sQG, (1, 2), (j, p)).store(qg2.load().to(bf16))
                     cute.local_tile(sKD, (2, 1), (p, j)).store(kd2.load().to(bf16))
+                    if cutlass.const_expr(self.make_o):
+                        qx = q2[jj].load().to(f32)
+                        if cutlass.const_expr(self.qk_l2norm):
+                            qx = qx * nq[jj]
+                        for e in cutlass.range_constexpr(2):
+                            qg2[0, e] = qx[e] * cute.math.exp2(g2[jj][0, e], fastmath=True)
+                        cute.local_tile(sQG, (1, 2), (j, p)).store(qg2.load().to(bf16))
 
     @cute.jit
-    def issue_qkg(self, tma, bar, chunk, lane):
+    def issue_qkg(self, tma, bar, chunk, lane, n_chunks):
         """One warp (the copies elect their issuing lane): the q, k and g tiles of ``chunk``, completing on
-        ``bar``."""
+        ``bar``; and the next chunk's into L2, so that its load (issued only once this chunk's tiles are consumed)
+        waits for L2, not for HBM."""
         tma_q, tQg, tQs, tma_k, tKg, tKs, tma_g, tGg, tGs = tma
         if lane == 0:
             cute.arch.mbarrier_arrive_and_expect_tx(bar, self.qkg_bytes)
         cute.copy(tma_q, tQg[None, chunk], tQs[None, 0], tma_bar_ptr=bar)
         cute.copy(tma_k, tKg[None, chunk], tKs[None, 0], tma_bar_ptr=bar)
         cute.copy(tma_g, tGg[None, chunk], tGs[None, 0], tma_bar_ptr=bar)
+        if chunk + 1 < n_chunks and lane == 0:
+            for tma_x, tXg in ((tma_q, tQg), (tma_k, tKg), (tma_g, tGg)):
+                cute.prefetch(tma_x, tXg[None, chunk + 1])
 
     @cute.jit
-    def issue_tp(self, tma_w, tWg, tWs, bar, chunk, lane):
-        """One warp: Tinv (and P when the pass makes o) of ``chunk`` from the workspace, completing on ``bar``."""
+    def issue_tp(self, tma_w, tWg, tWs, bar, chunk, lane, n_chunks):
+        """One warp: Tinv (and P when the pass makes o) of ``chunk`` from the workspace, completing on ``bar``; the
+        next chunk's into L2 (as in :meth:`issue_qkg`)."""
         if lane == 0:
             cute.arch.mbarrier_arrive_and_expect_tx(bar, self.tp_bytes)
         blocks.load_tinv_p(tma_w, tWg, tWs, chunk, 0, bar, self.make_o)
+        if chunk + 1 < n_chunks and lane == 0:
+            for i in cutlass.range_constexpr(1 + int(self.make_o)):
+                cute.prefetch(tma_w, tWg[None, 2 * chunk + 2 + i])
 
     @cute.jit
     def issue_v(self, tma_v, tVg, tVs, bar_v, chunk, lane):
