@@ -1,7 +1,7 @@
 """Time one op's SM90 entry in several source trees of cuLA, side by side on the same GPU, and compare their outputs.
 
-    python scripts/ab_trees.py [--op gdn|kda] [--shapes 2x16384x64,8x2048x32] [--split] [--l2norm]
-        [--gate-in-kernel] TREE [TREE ...]
+    python scripts/ab_trees.py [--op gdn|kda] [--shapes 2x16384x64,8x2048x32,skewed10] [--split] [--l2norm]
+        [--gate-in-kernel] [--profile] TREE [TREE ...]
 
 A tree is a folder holding a ``cula`` package: this checkout (``.``) or another revision extracted into the
 repository, for instance ``mkdir -p dev_trees/merge && git archive gdn-merge-registers cula | tar -x -C
@@ -10,7 +10,10 @@ repository, sent without its files). Each tree runs in its own subprocess, in th
 one seed, and times
 the op's public SM90 entry with ``triton.testing.do_bench``; the first tree's outputs are the reference for the
 largest absolute difference of the others' (o and final state). Trees are timed in turn, the first again at the
-end, so drift between calls shows.
+end, so drift between calls shows. A shape is B x T x H, or one of the benchmark's varlen mixes at H = 32 by kind and
+count: ``uniform10``, ``random20``, ``skewed10`` (N = 10 over T = 16384, N = 20 over T = 32768; ``random`` draws its
+lengths from ``random.Random(0)``). ``--profile`` adds each call's CUDA kernel times (``torch.profiler``, mean of 5
+calls): what a split call spends outside the chunk kernel.
 """
 
 import argparse
@@ -23,10 +26,12 @@ from pathlib import Path
 WORKER = r"""
 import json, sys, torch
 from triton.testing import do_bench
-tree, op, shapes, split, l2norm, layer_gate, out_dir, tag = sys.argv[1:9]
+tree, op, shapes, split, l2norm, layer_gate, profile, out_dir, tag = sys.argv[1:10]
 sys.path.insert(0, tree)
+import random, re
 import cula
 assert cula.__file__.startswith(tree.rstrip("/")), cula.__file__
+from benchmarks.run import varlen_lengths
 if op == "gdn":
     from cula.gdn.chunk_fwd_sm90 import chunk_gated_delta_rule_fwd_sm90 as entry
 else:
@@ -34,7 +39,15 @@ else:
 split = {"auto": None, "on": True, "off": False}[split]
 rows = []
 for shape in shapes.split(","):
-    B, T, H = (int(x) for x in shape.split("x"))
+    mix = re.fullmatch(r"(uniform|random|skewed)(\d+)", shape)
+    cu = None
+    if mix:
+        n = int(mix[2])
+        B, T, H = 1, 16384 if n <= 10 else 32768, 32
+        lengths = varlen_lengths(mix[1], n, T, random.Random(0))
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    else:
+        B, T, H = (int(x) for x in shape.split("x"))
     g = torch.Generator(device="cuda").manual_seed(B * 1000003 + T * 101 + H)
     def rnd(*s):
         return torch.randn(*s, device="cuda", generator=g)
@@ -51,11 +64,20 @@ for shape in shapes.split(","):
         beta = beta.bfloat16()
         kw["gate"] = (rnd(H), rnd(H * 128), -5.0)
     def run():
-        return entry(q, k, v, gl, beta, output_final_state=True, split=split, **kw)
+        return entry(q, k, v, gl, beta, output_final_state=True, cu_seqlens=cu, split=split, **kw)
     o, ht = run()
     torch.cuda.synchronize()
     torch.save((o.cpu(), ht.cpu()), f"{out_dir}/{shape}.{tag}.pt")
-    rows.append({"shape": shape, "ms": do_bench(run, warmup=50, rep=300), "nan": bool(o.isnan().any() or ht.isnan().any())})
+    row = {"shape": shape, "ms": do_bench(run, warmup=50, rep=300), "nan": bool(o.isnan().any() or ht.isnan().any())}
+    if profile == "1":
+        from torch.profiler import ProfilerActivity
+        with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                run()
+            torch.cuda.synchronize()
+        times = {e.key[:70]: e.device_time_total / 5e3 for e in prof.key_averages() if e.device_time_total > 0}
+        row["kernels_ms"] = dict(sorted(times.items(), key=lambda kv: -kv[1])[:6])
+    rows.append(row)
 print(json.dumps(rows))
 """
 
@@ -69,6 +91,7 @@ def main() -> int:
     p.add_argument(
         "--gate-in-kernel", action="store_true", help="kda: a raw bf16 gate activated by the kernel, bf16 beta"
     )
+    p.add_argument("--profile", action="store_true", help="add each call's CUDA kernel times (torch.profiler)")
     p.add_argument("--out", default=None, help="write the table as JSON here")
     p.add_argument("trees", nargs="+")
     a = p.parse_args()
@@ -79,9 +102,14 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as out_dir:
         for i, tree in enumerate(order):
             root = str(Path(tree).resolve())
-            flags = ["1" if a.l2norm else "0", "1" if a.gate_in_kernel else "0"]
+            flags = ["1" if x else "0" for x in (a.l2norm, a.gate_in_kernel, a.profile)]
             args = [root, a.op, a.shapes, a.split, *flags, out_dir, str(i)]
-            done = subprocess.run([sys.executable, "-c", WORKER, *args], capture_output=True, text=True)
+            done = subprocess.run(
+                [sys.executable, "-c", WORKER, *args],
+                capture_output=True,
+                text=True,
+                cwd=Path(__file__).resolve().parent.parent,
+            )
             if done.returncode != 0:
                 print(f"{tree}: failed\n{done.stderr[-3000:]}", flush=True)
                 results.append({"tree": tree, "rows": None})
