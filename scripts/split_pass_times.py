@@ -6,16 +6,20 @@
 
 For each B x T x H shape (D = 128, bf16) it prints the whole call (``triton.testing.do_bench``, split as the entry
 plans it, or every ``--seg`` chunks), the same call unsplit, the model's estimate, and per launch of the split call
-(medians over 20 calls): mode, CTAs, chunks walked by its longest CTA, ms and us per such chunk. What the launches
-do not cover (the start chain, allocations, launch gaps) is the rest of the call.
+(medians over 20 calls): mode, CTAs, chunks walked by its longest CTA, ms and us per such chunk, by CUDA events around
+the launch (which include the launch's host time when the stream is idle, as before a call's first launch) and by
+the kernel's own duration (``torch.profiler``, the figures to fit the model to). What the launches do not cover
+(the start chain, allocations, launch gaps) is the rest of the call.
 """
 
 import argparse
 import statistics
 
 
-def per_launch(entry_module, call, reps: int = 20) -> list[dict]:
-    """Median time of each launch of ``call()`` (in launch order), recorded by wrapping ``entry_module._launch``."""
+def per_launch(entry_module, call, kernel_name: str, reps: int = 20) -> list[dict]:
+    """Median time of each launch of ``call()`` (in launch order), recorded by wrapping ``entry_module._launch``
+    (``ms``), and of each launched kernel whose name holds ``kernel_name`` (``kernel_ms``; None if the profiler did
+    not see one per launch)."""
     import torch
 
     original = entry_module._launch
@@ -40,8 +44,26 @@ def per_launch(entry_module, call, reps: int = 20) -> list[dict]:
             runs.append([(m, i, n, s.elapsed_time(e)) for m, i, n, s, e in events])
     finally:
         entry_module._launch = original
+    launches = len(runs[0])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            call()
+        torch.cuda.synchronize()
+    kernels = sorted(
+        (e.time_range.start, e.time_range.elapsed_us() / 1e3)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and kernel_name in e.name
+    )
+    per_call = [[ms for _, ms in kernels[r * launches : (r + 1) * launches]] for r in range(reps)]
+    exact = len(kernels) == reps * launches
     return [
-        {"mode": m, "intra": i, "ctas": n, "ms": statistics.median(run[j][3] for run in runs)}
+        {
+            "mode": m,
+            "intra": i,
+            "ctas": n,
+            "ms": statistics.median(run[j][3] for run in runs),
+            "kernel_ms": statistics.median(k[j] for k in per_call) if exact else None,
+        }
         for j, (m, i, n, _) in enumerate(runs[0])
     ]
 
@@ -76,14 +98,19 @@ def time_shape(op: str, module, entry, shape: str, l2norm: bool, sms: int, gate_
     model = module.estimated_ms([T] * B, H, sms, **({"qk_l2norm": l2norm} if op == "gdn" else {}))
     print(f"{op} {shape}{' qk_l2norm' if l2norm else ''}{' gate in kernel' if gate_in_kernel else ''}: call {whole:.3f} ms, unsplit {unsplit:.3f} ms, "
           f"model {model:.3f} ms (for the planner's own plan)")  # fmt: skip
-    launches = per_launch(module, call)
+    launches = per_launch(module, call, f"cula{op}chunk_fwd")
     cost = module.split_cost(l2norm) if op == "gdn" else module.SPLIT_COST
     plan = segment_split.plan_segments([T] * B, H, sms, segment_split.CHUNK, cost)
     pieces = [T] if plan is None else [e - s for _, s, e in segment_split.segments([0, T], plan[:1])]
     longest = -(-max(pieces) // segment_split.CHUNK)
     for row in launches:
+        kernel = (
+            "kernel ?"
+            if row["kernel_ms"] is None
+            else (f"kernel {row['kernel_ms']:.3f} ms = {1000 * row['kernel_ms'] / longest:.2f} us per chunk")
+        )
         print(f"  {row['mode']:10s} intra={row['intra']:4s} {row['ctas']:5d} CTAs  {row['ms']:.3f} ms  "
-              f"{1000 * row['ms'] / longest:.2f} us per chunk of the longest segment ({longest})")  # fmt: skip
+              f"{1000 * row['ms'] / longest:.2f} us per chunk of the longest segment ({longest}); {kernel}")  # fmt: skip
     print(f"  rest of the call {whole - sum(r['ms'] for r in launches):.3f} ms")
 
 
