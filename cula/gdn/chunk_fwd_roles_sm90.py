@@ -415,7 +415,6 @@ class GDNChunkFwdRolesSm90:
         P = lower(scale Q K^T 2^(G_i - G_j)) and Tinv = (I + A)^-1 (bf16, to Tinv | P stage c % 2)."""
         f32 = cutlass.Float32
         C = self.C
-        sG, sBeta = gates[0], gates[1]
         qk_full, qk_empty, g_full, _, _, tp_full, tp_empty = bars[:7]
         thr_ss = mma_ss.get_slice(atid)
         cSS = thr_ss.partition_C(cute.make_identity_tensor((C, C)))
@@ -443,10 +442,7 @@ class GDNChunkFwdRolesSm90:
             warpgroup.fence()
             blocks.gemm(mma_ss, acc_x, tSSa[None, None, None, 1], tSSb, True)
             warpgroup.commit_group()
-            if cutlass.const_expr(self.qk_l2norm):
-                g_r, b_r, g_c = self.folded_gates(gates, cSS, s, False)
-            else:
-                g_r, b_r, g_c = gates_sm90.row_col_gates(sG, sBeta, None, cSS, s, False)
+            g_r, b_r, g_c = self.slot_gates(gates, cSS, s, False)
             # a row's last unmasked column: the masks then depend on the chunk, and ptxas does not hoist 64
             # per-element predicates out of the loop (they spilled); rows past the end get none of A and all the
             # columns before the end of P (harmless: their outputs are not stored, V_new is zero there)
@@ -475,10 +471,7 @@ class GDNChunkFwdRolesSm90:
             warpgroup.wait_group(0)
             cute.arch.mbarrier_wait(tp_empty + ts, (c // self.tp_stages + 1) % 2)
             # the gates read again: held across Q K^T they push loop invariants of the solve out to local memory
-            if cutlass.const_expr(self.qk_l2norm):
-                g_r, _, g_c = self.folded_gates(gates, cSS, s, True)
-            else:
-                g_r, _, g_c = gates_sm90.row_col_gates(sG, sBeta, None, cSS, s, False)
+            g_r, _, g_c = self.slot_gates(gates, cSS, s, True)
             lim_p = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Int32)
             for rr in cutlass.range_constexpr(2):
                 r, _ = cSS[2 * rr]
@@ -512,10 +505,14 @@ class GDNChunkFwdRolesSm90:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def folded_gates(self, gates, cSS, s, for_p: cutlass.Constexpr):
-        """qk_l2norm: :func:`cula.gdn.gates_sm90.row_col_gates` with the norms folded in (``publish_norm_gates``): row
-        gates G (A) or G - log2 ||q|| (P), row factors beta / ||k||, column gates G + log2 ||k||."""
-        sG, sNorm = gates[0], gates[3]
+    def slot_gates(self, gates, cSS, s, for_p: cutlass.Constexpr):
+        """The aux role's gates of slot ``s`` at its accumulator rows and columns (A's, or P's with ``for_p``):
+        :func:`cula.gdn.gates_sm90.row_col_gates`; with qk_l2norm the norms are folded in (``publish_norm_gates``):
+        row gates G (A) or G - log2 ||q|| (P), row factors beta / ||k||, column gates G + log2 ||k||."""
+        sG, sBeta = gates[0], gates[1]
+        if cutlass.const_expr(not self.qk_l2norm):
+            return gates_sm90.row_col_gates(sG, sBeta, None, cSS, s, False)
+        sNorm = gates[3]
         row_g = sNorm[None, None, 0] if for_p else sG
         return gates_sm90.gates_at(cSS, row_g, sNorm[None, None, 2], sNorm[None, None, 3], s)
 
