@@ -220,8 +220,8 @@ def test_gdn_d128_unsplit_runs_the_four_role_kernel():
 def test_kda_runs_a_prep_warpgroup_beside_two_math_warpgroups():
     """The KDA kernel compiles to three warpgroups in every pass (whole sequences, a split's first and later passes,
     D = 64): 384 threads, setmaxnreg down for the prep role and up for the math role, the hand-offs as named-barrier
-    arrives (prep: GR_FULL, and B_FULL unless Tinv and P are loaded; math: AP_DONE, and B_EMPTY unless loaded, when
-    it makes the B tiles itself), and L2 prefetches of the next chunk's tiles."""
+    arrives (prep: GR_FULL, B_FULL; math: AP_DONE, B_EMPTY; when Tinv and P are loaded, B_FULL / B_EMPTY hand over
+    only K 2^(G_last - G)), and L2 prefetches of the next chunk's tiles."""
     from cula.kda.chunk_fwd_sm90 import KDAChunkFwdSm90, compile_kda_fwd_sm90
 
     kernel = KDAChunkFwdSm90()
@@ -230,8 +230,8 @@ def test_kda_runs_a_prep_warpgroup_beside_two_math_warpgroups():
     for options, arrives in (
         ({"gate_in_kernel": True, "qk_l2norm": True}, {3, 4, 5, 6}),
         ({"is_varlen": True, "intra": "save"}, {3, 4, 5, 6}),
-        ({"is_varlen": True, "mode": "correction", "intra": "load"}, {3, 4}),
-        ({"is_varlen": True, "mode": "transition", "intra": "load", "gate_in_kernel": True}, {3, 4}),
+        ({"is_varlen": True, "mode": "correction", "intra": "load"}, {3, 4, 5, 6}),
+        ({"is_varlen": True, "mode": "transition", "intra": "load", "gate_in_kernel": True}, {3, 4, 5, 6}),
         ({"head_dim": 64, "is_varlen": True, "has_initial_state": True}, {3, 4, 5, 6}),
     ):
         ptx = compile_kda_fwd_sm90("sm_90a", True, **options).artifacts.PTX

@@ -113,8 +113,9 @@ class KDAChunkFwdSm90:
          update [wgmma RS] -> B_EMPTY
       4. O staged through smem and stored during the next chunk's step 1, rows past the sequence end masked.
     Split passes (``intra``): "save" TMA-stores each chunk's Tinv and P to the workspace after step 2; "load" skips
-    the R tile, step 1 and the solve and TMA-loads Tinv and P instead; the math role then makes the B tiles itself
-    once the prep role has published the gates (GR_FULL) and releases q | k | g on AP_DONE (B_FULL / B_EMPTY unused).
+    the R tile, step 1 and the solve and TMA-loads Tinv and P instead; the math role then makes K 2^G and Q 2^G itself
+    once the prep role has published the gates (GR_FULL) and releases q | k | g on AP_DONE, while the prep role makes
+    K 2^(G_last - G), which only the state update at the end of the chunk waits for (B_FULL; freed on B_EMPTY).
 
     ``gate_in_kernel``: g arrives raw (bf16) and the kernel applies FLA's bounded KDA gate to it,
     lower_bound * sigmoid(exp(A_log) (g + dt_bias)), in the scan; the raw tile lands in R's buffer (R is made after
@@ -467,12 +468,20 @@ class KDAChunkFwdSm90:
                 self.build_b_tiles(
                     sG, sK3, sQ3, sXG[None, None, 0], sXG[None, None, 1], sKD, sGl, sNorm, L, t, self.prep_threads
                 )  # fmt: skip
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier_arrive(barrier_id=_B_FULL_BARRIER, number_of_threads=self.threads)
             else:
-                # Tinv and P are loaded: the math role, otherwise idle until its B tiles exist, makes them itself
-                # (twice the threads) from the gates published here
+                # Tinv and P are loaded: the math role, otherwise idle until its B tiles exist, makes K 2^G and
+                # Q 2^G itself (its first products read them) from the gates published here, while this role makes
+                # K 2^(G_last - G), read only by the state update at the end of the chunk
                 cute.arch.barrier_arrive(barrier_id=_GR_FULL_BARRIER, number_of_threads=self.threads)
+                cute.arch.barrier(barrier_id=_PREP_BARRIER, number_of_threads=self.prep_threads)
+                if c > 0:
+                    cute.arch.barrier(barrier_id=_B_EMPTY_BARRIER, number_of_threads=self.threads)
+                self.build_b_tiles(
+                    sG, sK3, sQ3, sXG[None, None, 0], sXG[None, None, 1], sKD, sGl, sNorm, L, t, self.prep_threads,
+                    make_kq=False,
+                )  # fmt: skip
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier_arrive(barrier_id=_B_FULL_BARRIER, number_of_threads=self.threads)
             # the chunk's q | k | g are consumed (by the math role's left operands or B tiles too)
             cute.arch.barrier(barrier_id=_AP_DONE_BARRIER, number_of_threads=self.threads)
             if pwarp == 0:
@@ -642,8 +651,8 @@ class KDAChunkFwdSm90:
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=_MATH_BARRIER, number_of_threads=nt)
             else:
-                # Tinv and P come from the first pass: the previous chunk's O, then the B tiles from the prep role's
-                # gates (the wait for the tiles' TMA repeated, as above)
+                # Tinv and P come from the first pass: the previous chunk's O, then K 2^G and Q 2^G from the prep
+                # role's gates (the wait for the tiles' TMA repeated, as above)
                 if cutlass.const_expr(self.make_o):
                     if c > 0:
                         blocks.store_o_rows(sO, mO, b, hv, tok0 + (c - 1) * C, C, tidx, C, D, nt)
@@ -651,7 +660,7 @@ class KDAChunkFwdSm90:
                 cute.arch.mbarrier_wait(bar_qkg, c % 2)
                 L = cutlass.min(seqlen - c * C, C)
                 self.build_b_tiles(sG, sQK[None, None, 1, None], sQK[None, None, 0, None], sKG, sQG, sKD, sGl, sNorm,
-                                   L, tidx, nt)  # fmt: skip
+                                   L, tidx, nt, make_kd=False)  # fmt: skip
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=_MATH_BARRIER, number_of_threads=nt)
                 cute.arch.barrier_arrive(barrier_id=_AP_DONE_BARRIER, number_of_threads=self.threads)
@@ -712,6 +721,9 @@ class KDAChunkFwdSm90:
 
             # O^T += V_new^T P^T;  S^T += V_new^T (K 2^(G_last - G))
             rVn, rVn_lo = blocks.acc_to_operand_split(acc_vn)
+            if cutlass.const_expr(self.intra == "load"):
+                # K 2^(G_last - G) is the prep role's (made while the products above ran)
+                cute.arch.barrier(barrier_id=_B_FULL_BARRIER, number_of_threads=self.threads)
             warpgroup.fence()
             if cutlass.const_expr(self.make_o):
                 blocks.gemm(mma_rs, acc_o, rVn, tRSb_P, False)
@@ -720,10 +732,9 @@ class KDAChunkFwdSm90:
             blocks.gemm(mma_state, acc_s, rVn_lo, tSTb_KD, False)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
-            # the B tiles are free for the prep role's next ones
-            if cutlass.const_expr(self.intra != "load"):
-                if c + 1 < n_chunks:
-                    cute.arch.barrier_arrive(barrier_id=_B_EMPTY_BARRIER, number_of_threads=self.threads)
+            # the prep role's B tiles are free for its next ones
+            if c + 1 < n_chunks:
+                cute.arch.barrier_arrive(barrier_id=_B_EMPTY_BARRIER, number_of_threads=self.threads)
 
             # ---- 4. O^T -> smem (token-major); stored during the next chunk (or after the loop)
             if cutlass.const_expr(self.make_o):
@@ -878,10 +889,13 @@ class KDAChunkFwdSm90:
         return g2, x2, nx
 
     @cute.jit
-    def build_b_tiles(self, sG, sK3, sQ3, sKG, sQG, sKD, sGl, sNorm, L, t, threads: cutlass.Constexpr):
-        """The B tiles of the chunk's state products, by ``threads`` threads (``t`` in [0, threads): the prep role,
-        or the math role when Tinv and P are loaded): K 2^G and Q 2^G (K-major) and K 2^(G_last - G) (MN-major, 0
-        past the sequence end). Thread t owns key channels 2p, 2p + 1 (p = t % (D / 2), read and written as pairs)
+    def build_b_tiles(
+        self, sG, sK3, sQ3, sKG, sQG, sKD, sGl, sNorm, L, t, threads: cutlass.Constexpr,
+        make_kq: cutlass.Constexpr = True, make_kd: cutlass.Constexpr = True,
+    ):  # fmt: skip
+        """The B tiles of the chunk's state products, by ``threads`` threads (``t`` in [0, threads)): K 2^G and Q 2^G
+        (K-major; ``make_kq``) and K 2^(G_last - G) (MN-major, 0 past the sequence end; ``make_kd``). When Tinv and P
+        are loaded the math role makes the first two and the prep role the third, else the prep role all three. Thread t owns key channels 2p, 2p + 1 (p = t % (D / 2), read and written as pairs)
         for one group of 8-token blocks (t // (D / 2)), 4 tokens at a time; within a block the token's low 3 bits
         are compile-time, so the 128B-swizzled addresses cost an XOR each."""
         f32 = cutlass.Float32
@@ -903,29 +917,36 @@ class KDAChunkFwdSm90:
                 # the loads before the stores, as in build_r_tile
                 j0 = jb * 8 + 4 * sub
                 g2, k2, nk = self.load_tokens(sG, sK3[None, None, 0], sNorm, 0, j0, p)
-                if cutlass.const_expr(self.make_o):  # a pass without output needs no Q 2^G
+                with_q = make_kq and self.make_o  # a pass without output needs no Q 2^G
+                if cutlass.const_expr(with_q):
                     _, q2, nq = self.load_tokens(None, sQ3[None, None, 0], sNorm, 1, j0, p)
                 for jj in cutlass.range_constexpr(4):
                     j = j0 + jj
                     kx = k2[jj].load().to(f32)
                     if cutlass.const_expr(self.qk_l2norm):
                         kx = kx * nk[jj]
-                    for e in cutlass.range_constexpr(2):
-                        eg = cute.math.exp2(g2[jj][0, e], fastmath=True)
-                        kg2[0, e] = kx[e] * eg
-                        kd = f32(0.0)
-                        if j < L:
-                            kd = kx[e] * cute.math.exp2(gl[0, e] - g2[jj][0, e], fastmath=True)
-                        kd2[e, 0] = kd
-                    cute.local_tile(sKG, (1, 2), (j, p)).store(kg2.load().to(bf16))
-                    cute.local_tile(sKD, (2, 1), (p, j)).store(kd2.load().to(bf16))
-                    if cutlass.const_expr(self.make_o):
-                        qx = q2[jj].load().to(f32)
-                        if cutlass.const_expr(self.qk_l2norm):
-                            qx = qx * nq[jj]
+                    if cutlass.const_expr(make_kq):
+                        eg = [cute.math.exp2(g2[jj][0, e], fastmath=True) for e in range(2)]
                         for e in cutlass.range_constexpr(2):
-                            qg2[0, e] = qx[e] * cute.math.exp2(g2[jj][0, e], fastmath=True)
-                        cute.local_tile(sQG, (1, 2), (j, p)).store(qg2.load().to(bf16))
+                            kg2[0, e] = kx[e] * eg[e]
+                        cute.local_tile(sKG, (1, 2), (j, p)).store(kg2.load().to(bf16))
+                        if cutlass.const_expr(with_q):
+                            qx = q2[jj].load().to(f32)
+                            if cutlass.const_expr(self.qk_l2norm):
+                                qx = qx * nq[jj]
+                            for e in cutlass.range_constexpr(2):
+                                qg2[0, e] = qx[e] * eg[e]
+                            cute.local_tile(sQG, (1, 2), (j, p)).store(qg2.load().to(bf16))
+                    if cutlass.const_expr(make_kd):
+                        for e in cutlass.range_constexpr(2):
+                            # the operands read outside the branch (an element first extracted inside it would
+                            # be reused outside, where it does not dominate)
+                            ke, x = kx[e], gl[0, e] - g2[jj][0, e]
+                            kd = f32(0.0)
+                            if j < L:
+                                kd = ke * cute.math.exp2(x, fastmath=True)
+                            kd2[e, 0] = kd
+                        cute.local_tile(sKD, (2, 1), (p, j)).store(kd2.load().to(bf16))
 
     @cute.jit
     def issue_qkg(self, tma, bar, chunk, lane, n_chunks):
