@@ -100,11 +100,10 @@ OPS = {
         "warps": 12,
         # the prep role gets the stamps' tensor
         "replace": {
-            "tidx - self.math_threads, warp - 2 * 4,": "tidx - self.math_threads, warp - 2 * 4, mHt,",
-            "self, tma_qkg, bar_qkg, mBeta, mALog, mDtBias, lower_bound, sm, b, tok0, hv, seqlen, n_chunks, t, pwarp": (
-                "self, tma_qkg, bar_qkg, mBeta, mALog, mDtBias, lower_bound, sm, b, tok0, hv, seqlen, n_chunks, t, pwarp,"
-                " mHt"
+            "seqlen, n_chunks, tidx - self.math_threads, warp - 2 * 4,": (
+                "seqlen, n_chunks, tidx - self.math_threads, warp - 2 * 4, mHt,"
             ),
+            "n_chunks, t, pwarp,": "n_chunks, t, pwarp, mHt,",
         },
         "anchors": [
             ("prep: q/k/g landed", "cute.arch.mbarrier_wait(bar_qkg, c % 2)", 1),

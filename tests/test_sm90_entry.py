@@ -43,14 +43,14 @@ def reference_launch(q, k, v, g, beta, o, h0, ht, starts, ends, scale, state_v_f
         ht[n] = ht_n[0].transpose(-1, -2) if state_v_first else ht_n[0]
 
 
-def entry_for(launch, split_cost=UNCACHED):
+def entry_for(launch, split_cost=UNCACHED, workspaces=None):
     """An SM90-entry-shaped forward (as ``check_fwd`` calls it) around ``chunk_fwd`` with this launch."""
 
     def entry(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first, **kw):
         return sm90_entry.chunk_fwd(
             launch, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first,
             kw.get("out"), kw.get("final_state_out"), kw.get("cu_seqlens_cpu"), kw.get("split"), 64,
-            split_cost,
+            split_cost, workspaces,
         )  # fmt: skip
 
     return entry
@@ -134,26 +134,36 @@ def test_kernel_variants_compile_for_sm90_on_cpu(kernel, variant):
 def test_split_passes_with_saved_intra_chunk_matrices(per_key):
     """A kernel that takes ``intra``: the first pass gets a workspace with rows for each segment's chunks and saves
     ("save"); the later passes get the same workspace ("load"), with every segment at the same range index as in
-    the first pass (the ones a pass skips as empty ranges), so each range loads what its own segment saved."""
+    the first pass (the ones a pass skips as empty ranges), so each range loads what its own segment saved. Further
+    workspaces (KDA's B tiles) are made once per split, sized by the ranges and their chunks, and every pass gets
+    the same ones."""
     saved = {}
     seen = []
+    made = []
 
-    def launch(q, k, v, g, beta, o, h0, ht, starts, ends, scale, state_v_first, mode, intra, w):
+    def workspaces(ranges, chunks, HV, D, device):
+        made.append((ranges, chunks, HV, D))
+        return {"wx": torch.empty(ranges, chunks, HV, D, device=device)}
+
+    def launch(q, k, v, g, beta, o, h0, ht, starts, ends, scale, state_v_first, mode, intra, w, wx):
         ranges = list(zip(starts.tolist(), ends.tolist(), strict=True))
         seen.append((mode, intra))
+        assert wx.shape == (w.shape[0], w.shape[1] // (2 * 64), v.shape[2], q.shape[3])
         if intra == "save":
             assert w.dtype == torch.bfloat16 and w.shape[0] == len(ranges) and w.shape[2:] == (v.shape[2], 64)
             assert all(w.shape[1] >= 2 * 64 * -(-(e - s) // 64) for s, e in ranges)
-            saved[w.data_ptr()] = ranges
+            saved[w.data_ptr()] = (ranges, wx.data_ptr())
         else:
-            full = saved[w.data_ptr()]
+            full, wx_ptr = saved[w.data_ptr()]
+            assert wx.data_ptr() == wx_ptr
             assert len(ranges) == len(full)
             assert all(r == f or r[0] == r[1] for r, f in zip(ranges, full, strict=True))
         reference_launch(q, k, v, g, beta, o, h0, ht, starts, ends, scale, state_v_first, mode)
 
-    cached = entry_for(launch, SplitCost(0.69, 0.45, cached=True))
+    cached = entry_for(launch, SplitCost(0.69, 0.45, cached=True), workspaces)
     check_fwd(cached, accept, inputs(2, 2100, 1, 2, per_key), h0=True, split=True)
     assert seen == [("full", "save"), ("transition", "load"), ("correction", "load")]
+    assert len(made) == 1
     seen.clear()
     cu = [0, 1, 1500, 1501, 2300]  # two segments at most: no middle segment, so no transition pass
     check_fwd(cached, accept, inputs(1, 2300, 1, 2, per_key), cu, h0=True, state_v_first=True, split=True)
@@ -220,8 +230,9 @@ def test_gdn_d128_unsplit_runs_the_four_role_kernel():
 def test_kda_runs_a_prep_warpgroup_beside_two_math_warpgroups():
     """The KDA kernel compiles to three warpgroups in every pass (whole sequences, a split's first and later passes,
     D = 64): 384 threads, setmaxnreg down for the prep role and up for the math role, the hand-offs as named-barrier
-    arrives (prep: GR_FULL, and B_FULL unless Tinv and P are loaded; math: AP_DONE, and B_EMPTY unless loaded, when
-    it makes the B tiles itself), and L2 prefetches of the next chunk's tiles."""
+    arrives (prep: GR_FULL, B_FULL; math: AP_DONE, B_EMPTY; when Tinv and P are loaded only B_FULL / B_EMPTY), and
+    L2 prefetches of the next chunk's tiles. The first split pass stores its B tiles by TMA; the later passes load
+    them and make no gates at all (no exp2 in them, with the gate and the norms in the kernel too)."""
     from cula.kda.chunk_fwd_sm90 import KDAChunkFwdSm90, compile_kda_fwd_sm90
 
     kernel = KDAChunkFwdSm90()
@@ -230,8 +241,8 @@ def test_kda_runs_a_prep_warpgroup_beside_two_math_warpgroups():
     for options, arrives in (
         ({"gate_in_kernel": True, "qk_l2norm": True}, {3, 4, 5, 6}),
         ({"is_varlen": True, "intra": "save"}, {3, 4, 5, 6}),
-        ({"is_varlen": True, "mode": "correction", "intra": "load"}, {3, 4}),
-        ({"is_varlen": True, "mode": "transition", "intra": "load", "gate_in_kernel": True}, {3, 4}),
+        ({"is_varlen": True, "mode": "correction", "intra": "load"}, {5, 6}),
+        ({"is_varlen": True, "mode": "transition", "intra": "load", "gate_in_kernel": True}, {5, 6}),
         ({"head_dim": 64, "is_varlen": True, "has_initial_state": True}, {3, 4, 5, 6}),
     ):
         ptx = compile_kda_fwd_sm90("sm_90a", True, **options).artifacts.PTX
@@ -241,6 +252,11 @@ def test_kda_runs_a_prep_warpgroup_beside_two_math_warpgroups():
         assert {int(i) for i in re.findall(r"\bbar\.arrive (\d+), 384;", ptx)} == arrives, options
         # the next chunk's tiles are prefetched into L2 while this chunk's load is issued
         assert "cp.async.bulk.prefetch.tensor" in ptx, options
+        tma_stores = len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx))
+        # Tinv and P (a box each) and the three B tiles (two 64-column boxes each)
+        assert tma_stores == (8 if options.get("intra") == "save" else 0), options
+        if options.get("intra") == "load":
+            assert "ex2.approx" not in ptx, options
 
 
 @pytest.mark.parametrize("script", ["ab_trees", "split_pass_times"])

@@ -112,9 +112,10 @@ class KDAChunkFwdSm90:
       3. after B_FULL, each WG on its 64 value rows: S^T (K 2^G)^T, S^T (Q 2^G)^T, V_new^T, O^T, state decay and
          update [wgmma RS] -> B_EMPTY
       4. O staged through smem and stored during the next chunk's step 1, rows past the sequence end masked.
-    Split passes (``intra``): "save" TMA-stores each chunk's Tinv and P to the workspace after step 2; "load" skips
-    the R tile, step 1 and the solve and TMA-loads Tinv and P instead; the math role then makes the B tiles itself
-    once the prep role has published the gates (GR_FULL) and releases q | k | g on AP_DONE (B_FULL / B_EMPTY unused).
+    Split passes (``intra``): "save" TMA-stores each chunk's Tinv and P to the workspace after step 2, and its B
+    tiles and 2^G_last to the B-tile workspaces; "load" makes no gates and no tiles: warpgroup 2 is then a feed role
+    (beta, the saved 2^G_last and B tiles per chunk, once B_EMPTY frees them -> B_FULL), and the math role skips
+    step 1 and the solve, loading Tinv and P instead.
 
     ``gate_in_kernel``: g arrives raw (bf16) and the kernel applies FLA's bounded KDA gate to it,
     lower_bound * sigmoid(exp(A_log) (g + dt_bias)), in the scan; the raw tile lands in R's buffer (R is made after
@@ -183,7 +184,9 @@ class KDAChunkFwdSm90:
 
     # ---------------------------------------------------------------- host side
     @cute.jit
-    def __call__(self, q, k, v, g, beta, o, h0, ht, starts, ends, w, scale, a_log, dt_bias, lower_bound, stream):
+    def __call__(
+        self, q, k, v, g, beta, o, h0, ht, starts, ends, w, scale, a_log, dt_bias, lower_bound, wb, wd, stream
+    ):
 
         D, C, Hf = self.D, self.C, self.half
         bf16 = cutlass.BFloat16
@@ -203,7 +206,7 @@ class KDAChunkFwdSm90:
         tile_r = cute.tile_to_shape(atom_k, (Hf, D, 2), order=(0, 1, 2))
         tile_xg = cute.tile_to_shape(atom_k, (C, D, 2), order=(0, 1, 2))
         tile_kd = cute.tile_to_shape(
-            warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, bf16), (D, C), order=(1, 0)
+            warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, bf16), (D, C, 1), order=(1, 0, 2)
         )
         cc_layout = cute.tile_to_shape(atom_k, (C, C), order=(0, 1))
 
@@ -232,10 +235,23 @@ class KDAChunkFwdSm90:
         if cutlass.const_expr(self.intra != "none"):
             w_op = cpasync.CopyBulkTensorTileS2GOp() if self.intra == "save" else op
             tma_w, mW = cpasync.make_tiled_tma_atom(w_op, blocks.tma_view(w), cc_layout, (C, C))
+        # the B tiles' workspace [ranges, chunks * 3 * C, HV, D] (chunk c's K 2^G at rows 3 c C, Q 2^G and then
+        # K 2^(G_last - G) after it, each token's channels contiguous: the latter is written and read through the
+        # (D, rows) view, MN-major as its smem tile); the first pass saves them, the later passes load them
+        tma_b, mB, tma_bd, mBd = tma_q, mQ, tma_q, mQ
+        if cutlass.const_expr(self.intra != "none"):
+            b_op = cpasync.CopyBulkTensorTileS2GOp() if self.intra == "save" else op
+            tma_b, mB = cpasync.make_tiled_tma_atom(
+                b_op, blocks.tma_view(wb), cute.slice_(tile_xg, (None, None, 0)), (C, D)
+            )
+            wb_rows = blocks.tma_view(wb)
+            wb_mn = cute.make_tensor(wb_rows.iterator, cute.select(wb_rows.layout, mode=[1, 0, 2, 3]))
+            tma_bd, mBd = cpasync.make_tiled_tma_atom(b_op, wb_mn, cute.slice_(tile_kd, (None, None, 0)), (D, C))
 
         @cute.struct
         class Storage:
-            bars: cute.struct.MemRange[cutlass.Int64, 4]  # q/k/g loaded, v loaded (per v buffer), Tinv/P loaded
+            # q/k/g loaded, v loaded (per v buffer), Tinv/P loaded, B tiles loaded
+            bars: cute.struct.MemRange[cutlass.Int64, 5]
             sBeta: cute.struct.MemRange[f32, 2 * C]
             sGl: cute.struct.MemRange[f32, D]
             sDec: cute.struct.MemRange[f32, 2 * D]
@@ -255,6 +271,7 @@ class KDAChunkFwdSm90:
         self.qkg_bytes = 2 * C * D * 2 + C * D * (2 if self.gate_in_kernel else 4)
         self.v_bytes = C * D * 2
         self.tp_bytes = (1 + int(self.make_o)) * C * C * 2
+        self.b_bytes = (2 + int(self.make_o)) * C * D * 2
         HV = v.shape[2]
         N = ht.shape[0]
         self.kernel(
@@ -271,6 +288,11 @@ class KDAChunkFwdSm90:
             mGt,
             tma_w,
             mW,
+            tma_b,
+            mB,
+            tma_bd,
+            mBd,
+            wd,
             beta,
             o,
             h0,
@@ -312,6 +334,11 @@ class KDAChunkFwdSm90:
         mGt,
         tma_w,
         mW,
+        tma_b,
+        mB,
+        tma_bd,
+        mBd,
+        mWd,
         mBeta,
         mO,
         mH0,
@@ -349,6 +376,7 @@ class KDAChunkFwdSm90:
         bar_qkg = st.bars.data_ptr()
         bar_v = bar_qkg + 1  # buffer s completes on bar_v + s
         bar_tp = bar_qkg + 3  # with intra == "load": the chunk's Tinv and P
+        bar_b = bar_qkg + 4  # with intra == "load": the chunk's B tiles
         # beta and 2^G_last of chunk c in column c % 2: the prep role writes chunk c + 1's while the math role's state
         # products read chunk c's
         sBeta = st.sBeta.get_tensor(cute.make_layout((C, 2), stride=(1, C)))
@@ -371,7 +399,8 @@ class KDAChunkFwdSm90:
         if cutlass.const_expr(self.gate_in_kernel):
             sGin3 = st.sR.get_tensor(tile_g_in)
         sXG = st.sXG.get_tensor(tile_xg.outer, swizzle=tile_xg.inner)
-        sKD = st.sKD.get_tensor(tile_kd.outer, swizzle=tile_kd.inner)  # (D, C): element [k, j]
+        sKD3 = st.sKD.get_tensor(tile_kd.outer, swizzle=tile_kd.inner)
+        sKD = sKD3[None, None, 0]  # (D, C): element [k, j]
         sTP = st.sTP.get_tensor(tile_tp.outer, swizzle=tile_tp.inner)
 
         # TMA partitions: this head's (T, D) plane, shifted to the sequence start, cut in C-token tiles
@@ -385,6 +414,16 @@ class KDAChunkFwdSm90:
             # (C, C) tiles of this (range, head)'s workspace: 2 c for chunk c's Tinv, 2 c + 1 for its P
             tWs, tWg = blocks.tma_chunk_tiles(tma_w, mW[None, None, hv, n], 0, sTP)
             w_tiles = (tma_w, tWs, tWg)
+        b_tiles = (tma_b, tQs, tQg, tma_bd, tQs, tQg)
+        if cutlass.const_expr(self.intra != "none"):
+            # (C, D) tiles of the B-tile workspace: 3 c for chunk c's K 2^G, 3 c + 1 for Q 2^G (rows), 3 c + 2 for
+            # K 2^(G_last - G) (through the (D, rows) view)
+            tBs, tBg = blocks.tma_chunk_tiles(tma_b, mB[None, None, hv, n], 0, sXG)
+            gKD = cute.local_tile(mBd[None, None, hv, n], (D, C), (0, None))
+            tKDs, tKDg = cpasync.tma_partition(
+                tma_bd, 0, cute.make_layout(1), cute.group_modes(sKD3, 0, 2), cute.group_modes(gKD, 0, 2)
+            )
+            b_tiles = (tma_b, tBs, tBg, tma_bd, tKDs, tKDg)
 
         if warp == 0:
             cpasync.prefetch_descriptor(tma_q)
@@ -393,38 +432,50 @@ class KDAChunkFwdSm90:
             cpasync.prefetch_descriptor(tma_g)
             if cutlass.const_expr(self.intra != "none"):
                 cpasync.prefetch_descriptor(tma_w)
+                cpasync.prefetch_descriptor(tma_b)
+                cpasync.prefetch_descriptor(tma_bd)
         if tidx == 0:
             cute.arch.mbarrier_init(bar_qkg, 1)
             cute.arch.mbarrier_init(bar_v, 1)
             cute.arch.mbarrier_init(bar_v + 1, 1)
             cute.arch.mbarrier_init(bar_tp, 1)
+            cute.arch.mbarrier_init(bar_b, 1)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
         prep_smem = (sGin3[None, None, 0], sG, sPart, sGl, sDec, sBeta, sNorm, sQK, sR, sXG, sKD)
         if warp >= 2 * 4:
             cute.arch.setmaxregister_decrease(self.regs_prep)
-            self.prep_role(
-                tma_qkg, bar_qkg, mBeta, mALog, mDtBias, lower_bound, prep_smem, b, tok0, hv, seqlen, n_chunks,
-                tidx - self.math_threads, warp - 2 * 4,
-            )  # fmt: skip
+            if cutlass.const_expr(self.intra == "load"):
+                self.feed_role(
+                    b_tiles, bar_b, mBeta, mWd, sBeta, sDec, b, tok0, hv, n, seqlen, n_chunks,
+                    tidx - self.math_threads, warp - 2 * 4,
+                )  # fmt: skip
+            else:
+                self.prep_role(
+                    tma_qkg, bar_qkg, b_tiles, mBeta, mWd, mALog, mDtBias, lower_bound, prep_smem, b, tok0, hv, n,
+                    seqlen, n_chunks, tidx - self.math_threads, warp - 2 * 4,
+                )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(self.regs_math)
-            math_smem = (sBeta, sDec, sNorm, sA, sO, sG, sGl, sQK, sV3, sR, sXG, sKD, sTP)
+            math_smem = (sBeta, sDec, sNorm, sA, sO, sG, sQK, sV3, sR, sXG, sKD, sTP)
             self.math_role(
-                mma_half, mma_rs, mma_state, tma_v, tVg, tVs, bar_v, w_tiles, bar_tp, bar_qkg, mO, mH0, mHt, scale,
-                math_smem, b, tok0, hv, n, seqlen, n_chunks, tidx, warp,
+                mma_half, mma_rs, mma_state, tma_v, tVg, tVs, bar_v, w_tiles, bar_tp, bar_qkg, bar_b, mO, mH0, mHt,
+                scale, math_smem, b, tok0, hv, n, seqlen, n_chunks, tidx, warp,
             )  # fmt: skip
 
     @cute.jit
     def prep_role(
-        self, tma_qkg, bar_qkg, mBeta, mALog, mDtBias, lower_bound, sm, b, tok0, hv, seqlen, n_chunks, t, pwarp
-    ):
-        """Warpgroup 2 (``t`` in [0, 128), ``pwarp`` its warp): per chunk, once its q | k | g tiles have landed, beta
-        (column c % 2 of ``sBeta``), the gate scan (G, G_last, 2^G_last in column c % 2 of ``sDec``), with qk_l2norm
-        the token norms, then R (published on the GR_FULL barrier), then, once the math role's state products of
-        the previous chunk are done (B_EMPTY), the B tiles (B_FULL). Once the math role has built its left operands
-        and made A and P (AP_DONE), the tiles and the gates are free: it loads the next chunk's."""
+        self, tma_qkg, bar_qkg, b_tiles, mBeta, mWd, mALog, mDtBias, lower_bound, sm, b, tok0, hv, n, seqlen,
+        n_chunks, t, pwarp,
+    ):  # fmt: skip
+        """Warpgroup 2 (``t`` in [0, 128), ``pwarp`` its warp) when the pass makes its intra-chunk matrices: per
+        chunk, once its q | k | g tiles have landed, beta (column c % 2 of ``sBeta``), the gate scan (G, G_last,
+        2^G_last in column c % 2 of ``sDec``), with qk_l2norm the token norms, then R (published on the GR_FULL
+        barrier), then, once the math role's state products of the previous chunk are done (B_EMPTY), the B tiles
+        (B_FULL). Once the math role has built its left operands and made A and P (AP_DONE), the tiles and the
+        gates are free: it loads the next chunk's. With intra "save" it also stores each chunk's B tiles (TMA) and
+        2^G_last to the workspaces, for the later passes (:meth:`feed_role`)."""
         sGin, sG, sPart, sGl, sDec, sBeta, sNorm, sQK, sR, sXG, sKD = sm
         C, D = self.C, self.D
         f32 = cutlass.Float32
@@ -456,37 +507,74 @@ class KDAChunkFwdSm90:
             self.scan_gates(sGin, sG, sPart, sGl, sDec, slot, L, t, gate)
             if cutlass.const_expr(self.qk_l2norm):
                 self.token_norm(sQK, sNorm, t)
-            if cutlass.const_expr(self.intra != "load"):
+            if cutlass.const_expr(self.intra == "save"):
+                if pwarp == 0:
+                    # the previous chunk's B tiles have been read by their store (issued a chunk ago) before the
+                    # barrier lets any prep thread write this chunk's
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.barrier(barrier_id=_PREP_BARRIER, number_of_threads=self.prep_threads)
+            if cutlass.const_expr(self.intra == "save"):
+                if t < D:
+                    mWd[n, c, hv, t] = sDec[t, slot]
+            # R_j = k_j 2^(G_r - G_j), r the reference token of j's half; |j - r| <= 16 keeps it in range
+            self.build_r_tile(sG, sK3, sR, sNorm, t)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier_arrive(barrier_id=_GR_FULL_BARRIER, number_of_threads=self.threads)
+            if c > 0:
+                cute.arch.barrier(barrier_id=_B_EMPTY_BARRIER, number_of_threads=self.threads)
+            self.build_b_tiles(sG, sK3, sQ3, sXG[None, None, 0], sXG[None, None, 1], sKD, sGl, sNorm, L, t)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            if cutlass.const_expr(self.intra == "save"):
                 cute.arch.barrier(barrier_id=_PREP_BARRIER, number_of_threads=self.prep_threads)
-                # R_j = k_j 2^(G_r - G_j), r the reference token of j's half; |j - r| <= 16 keeps it in range
-                self.build_r_tile(sG, sK3, sR, sNorm, t)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier_arrive(barrier_id=_GR_FULL_BARRIER, number_of_threads=self.threads)
-                if c > 0:
-                    cute.arch.barrier(barrier_id=_B_EMPTY_BARRIER, number_of_threads=self.threads)
-                self.build_b_tiles(
-                    sG, sK3, sQ3, sXG[None, None, 0], sXG[None, None, 1], sKD, sGl, sNorm, L, t, self.prep_threads
-                )  # fmt: skip
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier_arrive(barrier_id=_B_FULL_BARRIER, number_of_threads=self.threads)
-            else:
-                # Tinv and P are loaded: the math role, otherwise idle until its B tiles exist, makes them itself
-                # (twice the threads) from the gates published here
-                cute.arch.barrier_arrive(barrier_id=_GR_FULL_BARRIER, number_of_threads=self.threads)
-            # the chunk's q | k | g are consumed (by the math role's left operands or B tiles too)
+                if pwarp == 0:
+                    self.save_b_tiles(b_tiles, c)
+            cute.arch.barrier_arrive(barrier_id=_B_FULL_BARRIER, number_of_threads=self.threads)
+            # the chunk's q | k | g are consumed (by the math role's left operands too)
             cute.arch.barrier(barrier_id=_AP_DONE_BARRIER, number_of_threads=self.threads)
             if pwarp == 0:
                 if c + 1 < n_chunks:
                     self.issue_qkg(tma_qkg, bar_qkg, c + 1, lane, n_chunks)
+        if cutlass.const_expr(self.intra == "save"):
+            if pwarp == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def feed_role(self, b_tiles, bar_b, mBeta, mWd, sBeta, sDec, b, tok0, hv, n, seqlen, n_chunks, t, pwarp):
+        """Warpgroup 2 when Tinv and P are loaded (the later split passes): per chunk, once the math role's state
+        products of the previous chunk are done (B_EMPTY), beta into column c % 2 of ``sBeta``, the first pass's
+        2^G_last into column c % 2 of ``sDec`` (both loaded a chunk ahead), and the first pass's B tiles by TMA
+        (completing on ``bar_b``, the next chunk's prefetched into L2) -> B_FULL. No gate scan, no tile building."""
+        C, D = self.C, self.D
+        f32 = cutlass.Float32
+        lane = cute.arch.lane_idx()
+        beta_next = mBeta.element_type(0.0)
+        dec_next = f32(0.0)
+        if n_chunks > 0:
+            beta_next = self.load_beta(mBeta, b, tok0, hv, seqlen, cutlass.Int32(0), t)
+            if t < D:
+                dec_next = mWd[n, 0, hv, t]
+        for c in cutlass.range(n_chunks, unroll=1):
+            slot = c % 2
+            if c > 0:
+                cute.arch.barrier(barrier_id=_B_EMPTY_BARRIER, number_of_threads=self.threads)
+            if pwarp == 0:
+                self.issue_b(b_tiles, bar_b, c, lane, n_chunks)
+            if t < C:
+                sBeta[t, slot] = beta_next.to(f32) if c * C + t < seqlen else f32(0.0)
+            beta_next = self.load_beta(mBeta, b, tok0, hv, seqlen, c + 1, t)
+            if t < D:
+                sDec[t, slot] = dec_next
+                dec_next = mWd[n, cutlass.min(c + 1, n_chunks - 1), hv, t]
+            cute.arch.barrier_arrive(barrier_id=_B_FULL_BARRIER, number_of_threads=self.threads)
 
     @cute.jit
     def math_role(
-        self, mma_half, mma_rs, mma_state, tma_v, tVg, tVs, bar_v, w_tiles, bar_tp, bar_qkg, mO, mH0, mHt, scale, sm,
-        b, tok0, hv, n, seqlen, n_chunks, tidx, warp,
+        self, mma_half, mma_rs, mma_state, tma_v, tVg, tVs, bar_v, w_tiles, bar_tp, bar_qkg, bar_b, mO, mH0, mHt,
+        scale, sm, b, tok0, hv, n, seqlen, n_chunks, tidx, warp,
     ):  # fmt: skip
         """Warpgroups 0 and 1 (``tidx`` in [0, 256)): per chunk the left operands, A and P, the solve, then the state
         products on value rows [64 wg, 64 wg + 64) of S^T, and the output."""
-        sBeta, sDec, sNorm, sA, sO, sG, sGl, sQK, sV3, sR, sXG, sKD, sTP = sm
+        sBeta, sDec, sNorm, sA, sO, sG, sQK, sV3, sR, sXG, sKD, sTP = sm
         C, D, Hf = self.C, self.D, self.half
         f32 = cutlass.Float32
         bf16 = cutlass.BFloat16
@@ -642,29 +730,20 @@ class KDAChunkFwdSm90:
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=_MATH_BARRIER, number_of_threads=nt)
             else:
-                # Tinv and P come from the first pass: the previous chunk's O, then the B tiles from the prep role's
-                # gates (the wait for the tiles' TMA repeated, as above)
+                # Tinv, P and the B tiles come from the first pass: the previous chunk's O alone before them
                 if cutlass.const_expr(self.make_o):
                     if c > 0:
                         blocks.store_o_rows(sO, mO, b, hv, tok0 + (c - 1) * C, C, tidx, C, D, nt)
-                cute.arch.barrier(barrier_id=_GR_FULL_BARRIER, number_of_threads=self.threads)
-                cute.arch.mbarrier_wait(bar_qkg, c % 2)
-                L = cutlass.min(seqlen - c * C, C)
-                self.build_b_tiles(sG, sQK[None, None, 1, None], sQK[None, None, 0, None], sKG, sQG, sKD, sGl, sNorm,
-                                   L, tidx, nt)  # fmt: skip
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier(barrier_id=_MATH_BARRIER, number_of_threads=nt)
-                cute.arch.barrier_arrive(barrier_id=_AP_DONE_BARRIER, number_of_threads=self.threads)
             if cutlass.const_expr(self.intra == "save"):
                 # this chunk's Tinv and P to the workspace; warp 0 waits for the stores to have read them before the
                 # chunk's final barrier (the next chunk writes them again)
                 if warp == 0:
                     blocks.save_tinv_p(tma_w, tWs, tWg, c)
 
-            # ---- 3. state products on this WG's 64 value rows, once the B tiles are made
-            if cutlass.const_expr(self.intra != "load"):
-                cute.arch.barrier(barrier_id=_B_FULL_BARRIER, number_of_threads=self.threads)
+            # ---- 3. state products on this WG's 64 value rows, once the B tiles are made (or loaded)
+            cute.arch.barrier(barrier_id=_B_FULL_BARRIER, number_of_threads=self.threads)
             if cutlass.const_expr(self.intra == "load"):
+                cute.arch.mbarrier_wait(bar_b, c % 2)
                 cute.arch.mbarrier_wait(bar_tp, c % 2)
             if cutlass.const_expr(self.tile_v_src is not None):
                 cute.arch.mbarrier_wait(bar_v + c % 2, (c // 2) % 2)
@@ -720,10 +799,9 @@ class KDAChunkFwdSm90:
             blocks.gemm(mma_state, acc_s, rVn_lo, tSTb_KD, False)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
-            # the B tiles are free for the prep role's next ones
-            if cutlass.const_expr(self.intra != "load"):
-                if c + 1 < n_chunks:
-                    cute.arch.barrier_arrive(barrier_id=_B_EMPTY_BARRIER, number_of_threads=self.threads)
+            # the B tiles are free for the next chunk's
+            if c + 1 < n_chunks:
+                cute.arch.barrier_arrive(barrier_id=_B_EMPTY_BARRIER, number_of_threads=self.threads)
 
             # ---- 4. O^T -> smem (token-major); stored during the next chunk (or after the loop)
             if cutlass.const_expr(self.make_o):
@@ -878,17 +956,17 @@ class KDAChunkFwdSm90:
         return g2, x2, nx
 
     @cute.jit
-    def build_b_tiles(self, sG, sK3, sQ3, sKG, sQG, sKD, sGl, sNorm, L, t, threads: cutlass.Constexpr):
-        """The B tiles of the chunk's state products, by ``threads`` threads (``t`` in [0, threads): the prep role,
-        or the math role when Tinv and P are loaded): K 2^G and Q 2^G (K-major) and K 2^(G_last - G) (MN-major, 0
-        past the sequence end). Thread t owns key channels 2p, 2p + 1 (p = t % (D / 2), read and written as pairs)
-        for one group of 8-token blocks (t // (D / 2)), 4 tokens at a time; within a block the token's low 3 bits
-        are compile-time, so the 128B-swizzled addresses cost an XOR each."""
+    def build_b_tiles(self, sG, sK3, sQ3, sKG, sQG, sKD, sGl, sNorm, L, t):
+        """The B tiles of the chunk's state products, by the prep role (``t`` in [0, 128)): K 2^G and Q 2^G
+        (K-major; Q 2^G only in a pass that makes o) and K 2^(G_last - G) (MN-major, 0 past the sequence end).
+        Thread t owns key channels 2p, 2p + 1 (p = t % (D / 2), read and written as pairs) for one group of 8-token
+        blocks (t // (D / 2)), 4 tokens at a time; within a block the token's low 3 bits are compile-time, so the
+        128B-swizzled addresses cost an XOR each."""
         f32 = cutlass.Float32
         bf16 = cutlass.BFloat16
         C, D = self.C, self.D
         pairs = D // 2
-        groups = threads // pairs
+        groups = self.prep_threads // pairs
         per_group = C // 8 // groups  # 8-token blocks per group
         p = t % pairs
         grp = t // pairs
@@ -910,9 +988,9 @@ class KDAChunkFwdSm90:
                     kx = k2[jj].load().to(f32)
                     if cutlass.const_expr(self.qk_l2norm):
                         kx = kx * nk[jj]
+                    eg = [cute.math.exp2(g2[jj][0, e], fastmath=True) for e in range(2)]
                     for e in cutlass.range_constexpr(2):
-                        eg = cute.math.exp2(g2[jj][0, e], fastmath=True)
-                        kg2[0, e] = kx[e] * eg
+                        kg2[0, e] = kx[e] * eg[e]
                         kd = f32(0.0)
                         if j < L:
                             kd = kx[e] * cute.math.exp2(gl[0, e] - g2[jj][0, e], fastmath=True)
@@ -924,8 +1002,35 @@ class KDAChunkFwdSm90:
                         if cutlass.const_expr(self.qk_l2norm):
                             qx = qx * nq[jj]
                         for e in cutlass.range_constexpr(2):
-                            qg2[0, e] = qx[e] * cute.math.exp2(g2[jj][0, e], fastmath=True)
+                            qg2[0, e] = qx[e] * eg[e]
                         cute.local_tile(sQG, (1, 2), (j, p)).store(qg2.load().to(bf16))
+
+    @cute.jit
+    def save_b_tiles(self, b_tiles, chunk):
+        """One warp: the chunk's B tiles to their workspace tiles by TMA, as one bulk group (waited for, read, before
+        the next chunk's are built)."""
+        tma_b, tBs, tBg, tma_bd, tKDs, tKDg = b_tiles
+        cute.copy(tma_b, tBs[None, 0], tBg[None, 3 * chunk])
+        cute.copy(tma_b, tBs[None, 1], tBg[None, 3 * chunk + 1])
+        cute.copy(tma_bd, tKDs[None, 0], tKDg[None, 3 * chunk + 2])
+        cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def issue_b(self, b_tiles, bar, chunk, lane, n_chunks):
+        """One warp: the first pass's B tiles of ``chunk`` (Q 2^G only when the pass makes o), completing on ``bar``;
+        the next chunk's into L2."""
+        tma_b, tBs, tBg, tma_bd, tKDs, tKDg = b_tiles
+        if lane == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, self.b_bytes)
+        cute.copy(tma_b, tBg[None, 3 * chunk], tBs[None, 0], tma_bar_ptr=bar)
+        if cutlass.const_expr(self.make_o):
+            cute.copy(tma_b, tBg[None, 3 * chunk + 1], tBs[None, 1], tma_bar_ptr=bar)
+        cute.copy(tma_bd, tKDg[None, 3 * chunk + 2], tKDs[None, 0], tma_bar_ptr=bar)
+        if chunk + 1 < n_chunks and lane == 0:
+            cute.prefetch(tma_b, tBg[None, 3 * chunk + 3])
+            if cutlass.const_expr(self.make_o):
+                cute.prefetch(tma_b, tBg[None, 3 * chunk + 4])
+            cute.prefetch(tma_bd, tKDg[None, 3 * chunk + 5])
 
     @cute.jit
     def issue_qkg(self, tma, bar, chunk, lane, n_chunks):
@@ -980,11 +1085,27 @@ def compile_kda_fwd_sm90(
         head_dim, beta_fp32, is_varlen, has_initial_state, state_v_first, mode, qk_l2norm, intra, gate_in_kernel
     )
     fake = sm90_entry.fake_args(kernel.D, kernel.beta_fp32, kernel.state_v_first, True, raw_gate=gate_in_kernel)
+    D, HV = kernel.D, fake[2].shape[2]
+    workspaces = (
+        runtime.fake_tensor(cutlass.BFloat16, (runtime.sym_int(), runtime.sym_int(), HV, D)),
+        runtime.fake_tensor(cutlass.Float32, (runtime.sym_int(), runtime.sym_int(), HV, D)),
+    )
+    fake = (*fake[:-1], *workspaces, fake[-1])  # after the gate's parameters, before the stream
     return runtime.compile_kernel(kernel, fake, arch, keep_artifacts)
 
 
-def _launch(*args, gate=None, **options):
-    """``gate``: (A_log or None, dt_bias or None, lower_bound) when g is raw (bf16) and the kernel activates it."""
+def split_workspaces(ranges: int, chunks: int, HV: int, D: int, device) -> dict:
+    """The B-tile workspaces of a split call (besides Tinv and P's): for each range, chunk and value head the first
+    pass's K 2^G, Q 2^G and K 2^(G_last - G) (bf16, 3 C rows of D) and 2^G_last (fp32, D)."""
+    return {
+        "wb": torch.empty(ranges, chunks * 3 * CHUNK, HV, D, dtype=torch.bfloat16, device=device),
+        "wd": torch.empty(ranges, chunks, HV, D, dtype=torch.float32, device=device),
+    }
+
+
+def _launch(*args, gate=None, wb=None, wd=None, **options):
+    """``gate``: (A_log or None, dt_bias or None, lower_bound) when g is raw (bf16) and the kernel activates it;
+    ``wb`` / ``wd``: the split passes' B-tile workspaces (:func:`split_workspaces`), or None."""
     q, v = args[0], args[2]
     HV, D = v.shape[2], q.shape[3]
     a_log, dt_bias, lower_bound = gate if gate is not None else (None, None, LOWER_BOUND_MIN)
@@ -992,7 +1113,10 @@ def _launch(*args, gate=None, **options):
     def param(x, n):  # an absent A_log / dt_bias is zeros: exp(0) = 1, + 0
         return sm90_entry.cached_zeros(q.device, (n,), torch.float32) if x is None else x.float().contiguous()
 
-    extra = (param(a_log, HV), param(dt_bias, HV * D), float(lower_bound))
+    if wb is None:
+        wb = sm90_entry.cached_zeros(q.device, (1, 3 * CHUNK, HV, D), torch.bfloat16)
+        wd = sm90_entry.cached_zeros(q.device, (1, 1, HV, D), torch.float32)
+    extra = (param(a_log, HV), param(dt_bias, HV * D), float(lower_bound), wb, wd)
     sm90_entry.launch(
         "KDAChunkFwdSm90", compile_kda_fwd_sm90, *args, extra=extra, gate_in_kernel=gate is not None, **options
     )
@@ -1029,7 +1153,7 @@ def chunk_kda_fwd_sm90(
         raise TypeError(f"g must be {want} {'(activated)' if gate is None else '(raw, with gate)'}, got {g.dtype}")
     return sm90_entry.chunk_fwd(
         _launch, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first, out,
-        final_state_out, cu_seqlens_cpu, split, CHUNK, SPLIT_COST, qk_l2norm=qk_l2norm, gate=gate,
+        final_state_out, cu_seqlens_cpu, split, CHUNK, SPLIT_COST, split_workspaces, qk_l2norm=qk_l2norm, gate=gate,
     )  # fmt: skip
 
 

@@ -113,6 +113,7 @@ def chunk_fwd(
     split,
     chunk: int,
     split_cost: segment_split.SplitCost = segment_split.UNCACHED,
+    workspaces=None,
     **options,
 ):
     """The Python side of an SM90 chunked forward (GDN, KDA): outputs, varlen ranges, and sequence splitting.
@@ -125,7 +126,9 @@ def chunk_fwd(
     (a cut per 16 chunks when forced on). Varlen offsets come from ``cu_seqlens_cpu``, else from the device once per
     ``cu_seqlens`` tensor (:func:`cula.validation.host_offsets`, the read dispatch makes anyway).
     ``split_cost``: the planner's costs of the split passes; with ``cached`` the kernel takes ``intra`` (its first split
-    pass saves each chunk's intra-chunk matrices to a workspace, the later passes load them).
+    pass saves each chunk's intra-chunk matrices to a workspace, the later passes load them); ``workspaces(ranges,
+    chunks, HV, D, device)``, if given, makes the kernel's further workspaces of a split (keyword arguments of
+    ``launch``, the same tensors for every pass).
     Returns ``(o, final_state or None)``."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -166,7 +169,9 @@ def chunk_fwd(
                 if mode == "full":
                     shape = (starts.numel(), rows, HV, chunk)
                     workspace["w"] = torch.empty(shape, dtype=torch.bfloat16, device=q.device)
-                intra = {"intra": "save" if mode == "full" else "load", "w": workspace["w"]}
+                    if workspaces is not None:
+                        workspace.update(workspaces(starts.numel(), rows // (2 * chunk), HV, K, q.device))
+                intra = {"intra": "save" if mode == "full" else "load", **workspace}
             launch(*flat[:5], flat[5], h0_, ht_, starts, ends, scale, False, mode, **intra, **options)
             return ht_
 
