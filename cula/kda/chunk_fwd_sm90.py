@@ -48,15 +48,15 @@ from cula.ops.gates import L2NORM_EPS  # FLA's l2norm_fwd: x / sqrt(sum(x^2) + e
 CHUNK = 64
 MODES = ("full", "transition", "correction")  # see KDAChunkFwdSm90 and cula.ops.segment_split
 INTRA = ("none", "save", "load")  # see KDAChunkFwdSm90.__init__
-# One CTA walks its chunks in series at about this many microseconds each (H200, the benchmark's setting: 2.167 ms
-# at B2 T16384 H64 = 256 chunks per CTA in one wave, 0.559 ms at B8 T2048 H32 = 64 chunk walks); one CTA per SM.
-CHUNK_LATENCY_US = 8.5
-# A split sequence's later passes load each chunk's Tinv and P (saved by the first pass) and make only the gate
-# cumsum, the B tiles and the state products. Per chunk (H200, scripts/split_pass_times.py --op kda at B1 T65536 H8,
-# B1 T32768 H16 and B1 T8192 H64, 128 CTAs per pass): first pass (saving Tinv and P) 8.65 us, correction 4.90-5.13,
-# transition 3.85-3.87. A link of the start chain: ~0.5 us per value head (the same chain kernel as GDN's, measured
-# there in session 17).
-SPLIT_COST = segment_split.SplitCost.from_us(CHUNK_LATENCY_US, 5.0, 3.86, 0.5, cached=True, first=8.65)
+# One CTA walks its chunks in series at about this many microseconds each (H200, the benchmark's setting: 2.094 ms
+# at B2 T16384 H64 = 256 chunks per CTA in one wave); one CTA per SM.
+CHUNK_LATENCY_US = 8.2
+# A split sequence's first pass saves each chunk's Tinv and P, its B tiles and 2^G_last; the later passes load them
+# and make only the state products. Kernel time per chunk (H200, the benchmark's setting,
+# scripts/split_pass_times.py --op kda --gate-in-kernel --l2norm at B1 T8192 H64 and B1 T65536 H8, 128 CTAs per
+# pass, session 21): first pass 9.01-9.11 us, correction 3.93-4.08, transition 2.55. A link of the start chain:
+# ~0.5 us per value head (the same chain kernel as GDN's).
+SPLIT_COST = segment_split.SplitCost.from_us(CHUNK_LATENCY_US, 4.0, 2.55, 0.5, cached=True, first=9.05)
 SUPPORTED_DIMS = (64, 128)
 # the lowest gate the intra-chunk factorisation tolerates (module docstring)
 LOWER_BOUND_MIN = -5.0
