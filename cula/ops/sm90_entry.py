@@ -158,8 +158,8 @@ def chunk_fwd(
         cached = split_cost.cached
         workspace = {}
         if cached:
-            # rows of the workspace per (segment, head): Tinv and P of each chunk, C x C each
-            rows = 2 * chunk * max(-(-(e - s) // chunk) for _, s, e in segment_split.segments(offsets, cuts))
+            # chunks of the longest segment; the workspace's rows per (segment, head): Tinv and P of each, C x C each
+            chunks = max(-(-(e - s) // chunk) for _, s, e in segment_split.segments(offsets, cuts))
 
         def run(mode, starts, ends, h0_, out_):
             Vd = K if mode == "transition" else V
@@ -167,10 +167,10 @@ def chunk_fwd(
             intra = {}
             if cached:
                 if mode == "full":
-                    shape = (starts.numel(), rows, HV, chunk)
+                    shape = (starts.numel(), 2 * chunk * chunks, HV, chunk)
                     workspace["w"] = torch.empty(shape, dtype=torch.bfloat16, device=q.device)
                     if workspaces is not None:
-                        workspace.update(workspaces(starts.numel(), rows // (2 * chunk), HV, K, q.device))
+                        workspace.update(workspaces(starts.numel(), chunks, HV, K, q.device))
                 intra = {"intra": "save" if mode == "full" else "load", **workspace}
             launch(*flat[:5], flat[5], h0_, ht_, starts, ends, scale, False, mode, **intra, **options)
             return ht_
