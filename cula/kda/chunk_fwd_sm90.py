@@ -485,8 +485,8 @@ class KDAChunkFwdSm90:
         if pwarp == 0:
             if n_chunks > 0:
                 self.issue_qkg(tma_qkg, bar_qkg, cutlass.Int32(0), lane, n_chunks)
-        # beta of a chunk is loaded one chunk ahead (threads 0 .. C - 1, one token each), so that the global load is
-        # in flight while the prep role waits for the tiles
+        # beta of a chunk is loaded one chunk ahead (:meth:`stage_beta`), so that the global load is in flight while
+        # the prep role waits for the tiles
         beta_next = mBeta.element_type(0.0)
         if n_chunks > 0:
             beta_next = self.load_beta(mBeta, b, tok0, hv, seqlen, cutlass.Int32(0), t)
@@ -501,9 +501,7 @@ class KDAChunkFwdSm90:
             L = cutlass.min(seqlen - c * C, C)
             slot = c % 2
             cute.arch.mbarrier_wait(bar_qkg, c % 2)
-            if t < C:
-                sBeta[t, slot] = beta_next.to(f32) if c * C + t < seqlen else f32(0.0)
-            beta_next = self.load_beta(mBeta, b, tok0, hv, seqlen, c + 1, t)
+            beta_next = self.stage_beta(sBeta, beta_next, mBeta, b, tok0, hv, seqlen, c, slot, t)
             self.scan_gates(sGin, sG, sPart, sGl, sDec, slot, L, t, gate)
             if cutlass.const_expr(self.qk_l2norm):
                 self.token_norm(sQK, sNorm, t)
@@ -559,9 +557,7 @@ class KDAChunkFwdSm90:
                 cute.arch.barrier(barrier_id=_B_EMPTY_BARRIER, number_of_threads=self.threads)
             if pwarp == 0:
                 self.issue_b(b_tiles, bar_b, c, lane, n_chunks)
-            if t < C:
-                sBeta[t, slot] = beta_next.to(f32) if c * C + t < seqlen else f32(0.0)
-            beta_next = self.load_beta(mBeta, b, tok0, hv, seqlen, c + 1, t)
+            beta_next = self.stage_beta(sBeta, beta_next, mBeta, b, tok0, hv, seqlen, c, slot, t)
             if t < D:
                 sDec[t, slot] = dec_next
                 dec_next = mWd[n, cutlass.min(c + 1, n_chunks - 1), hv, t]
@@ -833,6 +829,14 @@ class KDAChunkFwdSm90:
             blocks.store_state(acc_s, cST, mHt, n, hv, row0)
 
     # ---------------------------------------------------------------- helpers
+    @cute.jit
+    def stage_beta(self, sBeta, beta, mBeta, b, tok0, hv, seqlen, chunk, slot, tidx):
+        """Threads 0 .. C - 1: ``beta`` (``chunk``'s, loaded a chunk ahead) into column ``slot`` of ``sBeta`` as fp32,
+        zero past the sequence end; returns the next chunk's, its load issued now."""
+        if tidx < self.C:
+            sBeta[tidx, slot] = beta.to(cutlass.Float32) if chunk * self.C + tidx < seqlen else cutlass.Float32(0.0)
+        return self.load_beta(mBeta, b, tok0, hv, seqlen, chunk + 1, tidx)
+
     @cute.jit
     def load_beta(self, mBeta, b, tok0, hv, seqlen, chunk, tidx):
         """beta of token ``tidx % C`` of ``chunk`` as stored: converted (and zeroed past the sequence end) where it is
