@@ -542,7 +542,7 @@ class KDAChunkFwdSm90:
         products of the previous chunk are done (B_EMPTY), beta into column c % 2 of ``sBeta``, the first pass's
         2^G_last into column c % 2 of ``sDec`` (both loaded a chunk ahead), and the first pass's B tiles by TMA
         (completing on ``bar_b``, the next chunk's prefetched into L2) -> B_FULL. No gate scan, no tile building."""
-        C, D = self.C, self.D
+        D = self.D
         f32 = cutlass.Float32
         lane = cute.arch.lane_idx()
         beta_next = mBeta.element_type(0.0)
