@@ -5,7 +5,8 @@ package named ``*_sm<digits>``; importing registers them through :func:`cula.run
 each (kernel, arch) with fake tensors, checks its PTX for the expected instructions and its machine code (SASS,
 through the ``cuobjdump`` that ships with triton) for local memory and ptxas-injected ``warpgroup.arrive``, prints a
 table and exits non-zero on any compile error, missing instruction, or unclean SASS of a kernel registered with
-``clean_sass``.
+``clean_sass``. With ``--roles`` it also breaks each kernel's SASS down by warp role (:func:`sass_roles`): where the
+spills are, and how long each role's chunk loop is.
 """
 
 from __future__ import annotations
@@ -101,6 +102,56 @@ def sass_counts(sass: str, ptx: str) -> tuple[int, int]:
     return local, injected
 
 
+_SASS_LINE = re.compile(r"/\*([0-9a-f]+)\*/\s+(.+?)\s*;")
+
+
+@dataclasses.dataclass
+class RoleCounts:
+    """One warp role's part of a kernel's SASS (:func:`sass_roles`)."""
+
+    start: str  # the setmaxnreg that opens it (USETMAXREG...), or "prologue"
+    instructions: int
+    local_mem: int  # STL / LDL
+    arrives: int  # WARPGROUP.ARRIVE (the PTX's wgmma.fence and what ptxas injected)
+    ex2: int  # MUFU.EX2
+    longest_loop: int  # instructions between the target and the source of its longest backward branch
+
+
+def sass_roles(sass: str) -> list[RoleCounts]:
+    """Split a warp-specialised kernel's SASS where a ``setmaxnreg`` (USETMAXREG) starts a role's code, and count per
+    part what tells a role's cost apart: spills, arrives, exponentials and its longest loop (the chunk loop, with any
+    inner loop unrolled or not). Parts follow the code's layout: a role's code is the part its setmaxnreg opens."""
+    lines = [(int(m[1], 16), m[2]) for m in _SASS_LINE.finditer(sass)]
+    parts: list[list[tuple[int, str]]] = [[]]
+    starts = ["prologue"]
+    for addr, text in lines:
+        if "USETMAXREG" in text:
+            parts.append([])
+            starts.append(" ".join(t for t in text.split() if not t.startswith("UP")))
+            continue
+        parts[-1].append((addr, text))
+    roles = []
+    for start, part in zip(starts, parts, strict=True):
+        ops = [t.split()[1] if t.startswith("@") else t.split()[0] for _, t in part]
+        index = {a: i for i, (a, _) in enumerate(part)}
+        longest = 0
+        for i, (addr, text) in enumerate(part):
+            m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+            if m and int(m[1], 16) < addr and int(m[1], 16) in index:
+                longest = max(longest, i - index[int(m[1], 16)] + 1)
+        roles.append(
+            RoleCounts(
+                start,
+                len(part),
+                sum(o.startswith(("STL", "LDL")) for o in ops),
+                sum(o.startswith("WARPGROUP.ARRIVE") for o in ops),
+                sum(o.startswith("MUFU.EX2") for o in ops),
+                longest,
+            )
+        )
+    return [r for r in roles if r.instructions]
+
+
 @dataclasses.dataclass
 class Report:
     kernel: str
@@ -112,6 +163,7 @@ class Report:
     error: str = ""
     local_mem: int | None = None
     injected_arrives: int | None = None
+    roles: list[RoleCounts] = dataclasses.field(default_factory=list)
 
 
 def check_kernel(name: str, arch: str) -> Report:
@@ -142,13 +194,15 @@ def check_kernel(name: str, arch: str) -> Report:
                 f"SASS not clean: {local} local-memory instructions (spills), {injected} warpgroup.arrive injected"
                 f" (allowed: {spec.sass_allowed[0]}, {spec.sass_allowed[1]})"
             )
-    return Report(name, arch, not error, seconds, counts, max(regs) if regs else None, error, local, injected)
+    roles = sass_roles(sass) if sass else []
+    return Report(name, arch, not error, seconds, counts, max(regs) if regs else None, error, local, injected, roles)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernel", action="append", help="only these kernels (repeatable)")
     parser.add_argument("--arch", action="append", help="only these archs (repeatable)")
+    parser.add_argument("--roles", action="store_true", help="each kernel's SASS by warp role (sass_roles)")
     args = parser.parse_args(argv)
 
     failed_imports = import_kernel_modules()
@@ -171,6 +225,11 @@ def main(argv: list[str] | None = None) -> int:
         regs, lmem, arrive = ("-" if x is None else str(x) for x in (r.registers, r.local_mem, r.injected_arrives))
         row = f"{r.kernel:<32} {r.arch:<8} {'ok' if r.ok else 'FAIL':<6} {r.seconds:>9.1f} {regs:>5} {lmem:>5} {arrive:>7}"
         print(f"{row}  {counts}")
+        for role in r.roles if args.roles else []:
+            print(
+                f"    {role.start:<40} instructions {role.instructions:>6}  longest loop {role.longest_loop:>5}  "
+                f"local {role.local_mem:>4}  arrives {role.arrives:>3}  ex2 {role.ex2:>4}"
+            )
     for r in reports:
         if not r.ok:
             print(f"\n{r.kernel} [{r.arch}]: {r.error}", file=sys.stderr)

@@ -86,6 +86,35 @@ def test_counts_spills_and_injected_arrives():
     assert compile_check.sass_counts("HGMMA.64x64x16 ;", "") == (0, 0)
 
 
+def test_sass_roles_split_at_setmaxnreg_and_count_each_part():
+    sass = "\n".join(
+        f"        /*{a:04x}*/                   {t} ;"
+        for a, t in [
+            (0x00, "MOV R1, c[0x0][0x28]"),
+            (0x10, "USETMAXREG.DEALLOC.CTAPOOL 0x18"),
+            (0x20, "MUFU.EX2 R2, R2"),
+            (0x30, "STL [R1], R2"),
+            (0x40, "@!P0 BRA 0x20"),  # a loop of 3 instructions
+            (0x50, "EXIT"),
+            (0x60, "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xc0"),
+            (0x70, "WARPGROUP.ARRIVE"),
+            (0x80, "LDL.LU R4, [R1+0x4]"),
+            (0x90, "BRA 0x40"),  # into another part: not a loop of this one
+        ]
+    )
+    roles = compile_check.sass_roles(sass)
+    assert [r.start for r in roles] == [
+        "prologue",
+        "USETMAXREG.DEALLOC.CTAPOOL 0x18",
+        "USETMAXREG.TRY_ALLOC.CTAPOOL 0xc0",
+    ]
+    assert [(r.instructions, r.local_mem, r.arrives, r.ex2, r.longest_loop) for r in roles] == [
+        (1, 0, 0, 0, 0),
+        (4, 1, 0, 1, 3),
+        (3, 1, 1, 0, 0),
+    ]
+
+
 def test_fails_on_local_memory_in_a_clean_kernel(registered):
     registered("add_one", compile_add_one, ["st.global"], clean_sass=True)
     registered("shuffle", compile_shuffle, ["st.global"], clean_sass=True)
