@@ -120,7 +120,8 @@ class RoleCounts:
 def sass_roles(sass: str) -> list[RoleCounts]:
     """Split a warp-specialised kernel's SASS where a ``setmaxnreg`` (USETMAXREG) starts a role's code, and count per
     part what tells a role's cost apart: spills, arrives, exponentials and its longest loop (the chunk loop, with any
-    inner loop unrolled or not). Parts follow the code's layout: a role's code is the part its setmaxnreg opens."""
+    inner loop unrolled or not). Parts follow the code's layout: a role's code is the part its setmaxnreg opens, up to
+    its unconditional EXIT."""
     lines = [(int(m[1], 16), m[2]) for m in _SASS_LINE.finditer(sass)]
     parts: list[list[tuple[int, str]]] = [[]]
     starts = ["prologue"]
@@ -132,6 +133,8 @@ def sass_roles(sass: str) -> list[RoleCounts]:
         parts[-1].append((addr, text))
     roles = []
     for start, part in zip(starts, parts, strict=True):
+        # a role's code ends at its EXIT: after the last one sit the out-of-line retry loops of mbarrier waits
+        part = part[: next((i + 1 for i, (_, t) in enumerate(part) if t == "EXIT"), len(part))]
         ops = [t.split()[1] if t.startswith("@") else t.split()[0] for _, t in part]
         index = {a: i for i, (a, _) in enumerate(part)}
         longest = 0
