@@ -28,10 +28,15 @@ import json, sys, torch
 from triton.testing import do_bench
 tree, op, shapes, split, l2norm, layer_gate, profile, out_dir, tag = sys.argv[1:10]
 sys.path.insert(0, tree)
-import random, re
+import importlib.util, random, re
 import cula
 assert cula.__file__.startswith(tree.rstrip("/")), cula.__file__
 from benchmarks.run import varlen_lengths
+# the inputs' helper from this checkout (the working directory), whatever the tree holds
+spec = importlib.util.spec_from_file_location("chunk_inputs", "scripts/chunk_inputs.py")
+chunk_inputs_module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(chunk_inputs_module)
+chunk_inputs = chunk_inputs_module.chunk_inputs
 if op == "gdn":
     from cula.gdn.chunk_fwd_sm90 import chunk_gated_delta_rule_fwd_sm90 as entry
 else:
@@ -49,20 +54,10 @@ for shape in shapes.split(","):
     else:
         B, T, H = (int(x) for x in shape.split("x"))
     g = torch.Generator(device="cuda").manual_seed(B * 1000003 + T * 101 + H)
-    def rnd(*s):
-        return torch.randn(*s, device="cuda", generator=g)
-    q, k = rnd(B, T, H, 128), rnd(B, T, H, 128)
-    if l2norm == "0":
-        q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
-    q, k, v = q.bfloat16(), k.bfloat16(), rnd(B, T, H, 128).bfloat16()
-    gate = (B, T, H, 128) if op == "kda" else (B, T, H)
-    gl = (torch.nn.functional.logsigmoid(rnd(*gate) + 3) / 2).clamp(min=-5).float()
-    beta = torch.rand(B, T, H, device="cuda", generator=g).float()
-    kw = {"qk_l2norm": True} if l2norm == "1" else {}
-    if layer_gate == "1":  # kda as FLA's layer calls it: the raw bf16 gate activated by the kernel, bf16 beta
-        gl = rnd(B, T, H, 128).bfloat16()
-        beta = beta.bfloat16()
-        kw["gate"] = (rnd(H), rnd(H * 128), -5.0)
+    q, k, v, gl, beta, kw = chunk_inputs(
+        op, B, T, H, l2norm == "1", layer_gate == "1",
+        lambda *s: torch.randn(*s, device="cuda", generator=g), lambda *s: torch.rand(*s, device="cuda", generator=g),
+    )
     def run():
         return entry(q, k, v, gl, beta, output_final_state=True, cu_seqlens=cu, split=split, **kw)
     o, ht = run()

@@ -73,24 +73,17 @@ def time_shape(op: str, module, entry, shape: str, l2norm: bool, sms: int, gate_
     import functools
 
     import torch
+    from chunk_inputs import chunk_inputs  # (this script's folder is first on sys.path)
     from triton.testing import do_bench
 
     from cula.ops import segment_split
 
     B, T, H = (int(x) for x in shape.split("x"))
-    D = 128
-    q, k, v = (torch.randn(B, T, H, D, device="cuda") for _ in range(3))
-    if not l2norm:
-        q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
-    gate = (B, T, H, D) if op == "kda" else (B, T, H)
-    g = (torch.nn.functional.logsigmoid(torch.randn(*gate, device="cuda") + 3) / 2).clamp(min=-5)
-    beta = torch.rand(B, T, H, device="cuda")
-    kw = {"qk_l2norm": True} if l2norm else {}
-    if gate_in_kernel:  # KDA as FLA's layer calls it: the raw bf16 gate activated by the kernel, bf16 beta
-        g = torch.randn(*gate, device="cuda").bfloat16()
-        beta = beta.bfloat16()
-        kw["gate"] = (torch.randn(H, device="cuda"), torch.randn(H * D, device="cuda"), -5.0)
-    call = functools.partial(entry, q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta, output_final_state=True, **kw)
+    q, k, v, g, beta, kw = chunk_inputs(
+        op, B, T, H, l2norm, gate_in_kernel,
+        lambda *s: torch.randn(*s, device="cuda"), lambda *s: torch.rand(*s, device="cuda"),
+    )  # fmt: skip
+    call = functools.partial(entry, q, k, v, g, beta, output_final_state=True, **kw)
 
     whole = do_bench(call, warmup=20, rep=200)
     unsplit = do_bench(lambda: call(split=False), warmup=20, rep=200)
