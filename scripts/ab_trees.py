@@ -1,7 +1,7 @@
 """Time one op's SM90 entry in several source trees of cuLA, side by side on the same GPU, and compare their outputs.
 
     python scripts/ab_trees.py [--op gdn|kda] [--shapes 2x16384x64,8x2048x32,skewed10] [--split] [--l2norm]
-        [--gate-in-kernel] [--profile] TREE [TREE ...]
+        [--gate-in-kernel] [--profile] [--seg auto,24,32] TREE [TREE ...]
 
 A tree is a folder holding a ``cula`` package: this checkout (``.``) or another revision extracted into the
 repository, for instance ``mkdir -p dev_trees/merge && git archive gdn-merge-registers cula | tar -x -C
@@ -13,7 +13,9 @@ largest absolute difference of the others' (o and final state). Trees are timed 
 end, so drift between calls shows. A shape is B x T x H, or one of the benchmark's varlen mixes at H = 32 by kind and
 count: ``uniform10``, ``random20``, ``skewed10`` (N = 10 over T = 16384, N = 20 over T = 32768; ``random`` draws its
 lengths from ``random.Random(0)``). ``--profile`` adds each call's CUDA kernel times (``torch.profiler``, mean of 5
-calls): what a split call spends outside the chunk kernel.
+calls): what a split call spends outside the chunk kernel. ``--seg`` times each shape once per entry: ``auto`` as the
+planner cuts, a number N cuts every sequence longer than N chunks every N chunks (the planner's choice against its
+neighbours: a skewed mix's long sequence of 128 chunks is in 4 pieces at 32).
 """
 
 import argparse
@@ -26,7 +28,7 @@ from pathlib import Path
 WORKER = r"""
 import json, sys, torch
 from triton.testing import do_bench
-tree, op, shapes, split, l2norm, layer_gate, profile, out_dir, tag = sys.argv[1:10]
+tree, op, shapes, split, l2norm, layer_gate, profile, out_dir, tag, segs = sys.argv[1:11]
 sys.path.insert(0, tree)
 import importlib.util, random, re
 import cula
@@ -42,8 +44,14 @@ if op == "gdn":
 else:
     from cula.kda.chunk_fwd_sm90 import chunk_kda_fwd_sm90 as entry
 split = {"auto": None, "on": True, "off": False}[split]
+from cula.ops import segment_split
+planner = segment_split.plan_segments
 rows = []
-for shape in shapes.split(","):
+for shape, seg in ((s, c) for s in shapes.split(",") for c in segs.split(",")):
+    segment_split.plan_segments = planner if seg == "auto" else (
+        lambda lengths, *_a, n=int(seg) * segment_split.CHUNK, **_k: [list(range(n, m, n)) for m in lengths]
+    )
+    name = shape if seg == "auto" else f"{shape}/seg{seg}"
     mix = re.fullmatch(r"(uniform|random|skewed)(\d+)", shape)
     cu = None
     if mix:
@@ -62,8 +70,8 @@ for shape in shapes.split(","):
         return entry(q, k, v, gl, beta, output_final_state=True, cu_seqlens=cu, split=split, **kw)
     o, ht = run()
     torch.cuda.synchronize()
-    torch.save((o.cpu(), ht.cpu()), f"{out_dir}/{shape}.{tag}.pt")
-    row = {"shape": shape, "ms": do_bench(run, warmup=50, rep=300), "nan": bool(o.isnan().any() or ht.isnan().any())}
+    torch.save((o.cpu(), ht.cpu()), f"{out_dir}/{name.replace('/', '_')}.{tag}.pt")
+    row = {"shape": name, "ms": do_bench(run, warmup=50, rep=300), "nan": bool(o.isnan().any() or ht.isnan().any())}
     if profile == "1":
         from torch.profiler import ProfilerActivity
         with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -87,6 +95,7 @@ def main() -> int:
         "--gate-in-kernel", action="store_true", help="kda: a raw bf16 gate activated by the kernel, bf16 beta"
     )
     p.add_argument("--profile", action="store_true", help="add each call's CUDA kernel times (torch.profiler)")
+    p.add_argument("--seg", default="auto", help="comma list: auto (the planner's cuts) or a cut length in chunks")
     p.add_argument("--out", default=None, help="write the table as JSON here")
     p.add_argument("trees", nargs="+")
     a = p.parse_args()
@@ -98,7 +107,7 @@ def main() -> int:
         for i, tree in enumerate(order):
             root = str(Path(tree).resolve())
             flags = ["1" if x else "0" for x in (a.l2norm, a.gate_in_kernel, a.profile)]
-            args = [root, a.op, a.shapes, a.split, *flags, out_dir, str(i)]
+            args = [root, a.op, a.shapes, a.split, *flags, out_dir, str(i), a.seg]
             done = subprocess.run(
                 [sys.executable, "-c", WORKER, *args],
                 capture_output=True,
@@ -112,8 +121,9 @@ def main() -> int:
             rows = json.loads(done.stdout.strip().splitlines()[-1])
             for row in rows:
                 if i > 0 and results[0]["rows"] is not None:
-                    o0, h0 = torch.load(f"{out_dir}/{row['shape']}.0.pt")
-                    o1, h1 = torch.load(f"{out_dir}/{row['shape']}.{i}.pt")
+                    saved = f"{out_dir}/{row['shape'].replace('/', '_')}"
+                    o0, h0 = torch.load(f"{saved}.0.pt")
+                    o1, h1 = torch.load(f"{saved}.{i}.pt")
                     row["max_diff_o"] = (o1.float() - o0.float()).abs().max().item()
                     row["max_diff_state"] = (h1 - h0).abs().max().item()
                 print(f"{tree:40s} {row['shape']:14s} {row['ms']:.4f} ms  " + json.dumps(row), flush=True)
