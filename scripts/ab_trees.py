@@ -30,15 +30,12 @@ import json, sys, torch
 from triton.testing import do_bench
 tree, op, shapes, split, l2norm, layer_gate, profile, out_dir, tag, segs = sys.argv[1:11]
 sys.path.insert(0, tree)
-import importlib.util, random, re
+import random, re
 import cula
 assert cula.__file__.startswith(tree.rstrip("/")), cula.__file__
 from benchmarks.run import varlen_lengths
-# the inputs' helper from this checkout (the working directory), whatever the tree holds
-spec = importlib.util.spec_from_file_location("chunk_inputs", "scripts/chunk_inputs.py")
-chunk_inputs_module = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(chunk_inputs_module)
-chunk_inputs = chunk_inputs_module.chunk_inputs
+sys.path.append("scripts")  # the inputs' helper from this checkout (the working directory), whatever the tree holds
+from chunk_inputs import chunk_inputs
 if op == "gdn":
     from cula.gdn.chunk_fwd_sm90 import chunk_gated_delta_rule_fwd_sm90 as entry
 else:
