@@ -4,14 +4,15 @@
 
 On a GPU each row times cuLA's public entry point (whatever backend its dispatch picks, named in the row) and
 FLA 0.6.0's op with `triton.testing.do_bench` (median, FLA warmed first since its first call autotunes), checks
-that the two outputs agree (relative RMSE), and prints achieved TFLOP/s and GB/s against the floor counted for
-the op. On a machine without a GPU it runs cuLA's PyTorch reference backend at a small size against FLA's
+that the two outputs agree (relative RMSE) and how far each is from cuLA's fp32 PyTorch reference on the first
+heads, and prints achieved TFLOP/s and GB/s against the floor counted for the op. On a machine without a GPU it runs cuLA's PyTorch reference backend at a small size against FLA's
 naive recurrence and says so.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -29,6 +30,9 @@ import torch.nn.functional as F
 PEAK_TFLOPS = 687.0
 PEAK_GBPS = 4300.0
 CHUNK = 64
+# Heads the fp32 reference covers on a GPU row: every head is its own recurrence, and the reference materialises
+# a [64, 64, K] decay per chunk for KDA, too much at the big shapes for all of them.
+REF_HEADS = 2
 
 
 @dataclass
@@ -61,6 +65,9 @@ class Row:
     fla_ms: float | None = None
     speedup: float | None = None
     rel_rmse: float | None = None
+    # each side against the fp32 reference on the first REF_HEADS heads (the larger of output and final state)
+    ref_rmse_cula: float | None = None
+    ref_rmse_fla: float | None = None
     floor_ms: float | None = None
     cula_tflops: float | None = None
     cula_gbps: float | None = None
@@ -212,6 +219,14 @@ def run_gpu_case(case: Case, mode: str, with_fla: bool = True) -> Row:
         row.kernel_ms = time_forced_kernel(cula_fn, step(cula_fn), args, row)
     if o_fla is not None:
         row.rel_rmse = max(rel_rmse(o_cula.detach(), o_fla.detach()), rel_rmse(s_cula.detach(), s_fla.detach()))
+    if mode == "fwd":
+        try:
+            reference = reference_outputs(case.op, args)
+            row.ref_rmse_cula = ref_rmse(o_cula, s_cula, reference, REF_HEADS)
+            if o_fla is not None:
+                row.ref_rmse_fla = ref_rmse(o_fla, s_fla, reference, REF_HEADS)
+        except Exception as error:  # recorded in the row, the timings kept
+            row.notes.append(f"reference failed: {type(error).__name__}: {str(error)[:200]}")
     if row.fla_ms and row.cula_ms:
         row.speedup = row.fla_ms / row.cula_ms
     flops, bytes_ = floor(case)
@@ -223,21 +238,80 @@ def run_gpu_case(case: Case, mode: str, with_fla: bool = True) -> Row:
     return row
 
 
-def time_forced_kernel(cula_fn, call, args, row: Row) -> float | None:
-    """The CuTe DSL kernel's time where dispatch preferred another backend (kept for the dispatch time model)."""
+@contextlib.contextmanager
+def forced_backend(name: str):
+    """``CULA_BACKEND=name`` for the calls inside, the previous setting restored after."""
     previous = os.environ.get("CULA_BACKEND")
-    os.environ["CULA_BACKEND"] = "cute"
+    os.environ["CULA_BACKEND"] = name
     try:
-        cula_fn(**args)
-        return bench(call)
-    except Exception as error:  # no kernel serves these arguments
-        row.notes.append(f"kernel not timed: {type(error).__name__}: {str(error)[:120]}")
-        return None
+        yield
     finally:
         if previous is None:
             del os.environ["CULA_BACKEND"]
         else:
             os.environ["CULA_BACKEND"] = previous
+
+
+def time_forced_kernel(cula_fn, call, args, row: Row) -> float | None:
+    """The CuTe DSL kernel's time where dispatch preferred another backend (kept for the dispatch time model)."""
+    with forced_backend("cute"):
+        try:
+            cula_fn(**args)
+            return bench(call)
+        except Exception as error:  # no kernel serves these arguments
+            row.notes.append(f"kernel not timed: {type(error).__name__}: {str(error)[:120]}")
+            return None
+
+
+# Arguments indexed by head: token tensors [B, T, H, ...] on dim 2, per-head vectors on dim 0, states on dim 1.
+_TOKEN_ARGS = ("q", "k", "v", "g", "beta")
+
+
+def head_slice(args: dict, heads: int) -> dict:
+    """The call's arguments for its first ``heads`` heads (no GVA: q's heads are v's), floating tensors in fp32."""
+    H = args["v"].shape[2]
+    out = dict(args)
+    for name in _TOKEN_ARGS:
+        if name in out:
+            out[name] = out[name][:, :, :heads]
+    for name in ("A_log", "g_gamma"):
+        if name in out:
+            out[name] = out[name][:heads]
+    if "dt_bias" in out:  # [H * K], head-major
+        out["dt_bias"] = out["dt_bias"].view(H, -1)[:heads].reshape(-1)
+    if out.get("initial_state") is not None:
+        out["initial_state"] = out["initial_state"][:, :heads]
+    for name, x in out.items():
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            out[name] = x.detach().float()
+    return out
+
+
+def reference_outputs(op: str, args: dict, heads: int = REF_HEADS) -> tuple[torch.Tensor, torch.Tensor]:
+    """cuLA's PyTorch reference backend in fp32 on the first ``heads`` heads: (o [B, T, heads, V], final states
+    [N, heads, K, V]). Variable-length calls run one sequence at a time, so no sequence is padded to the longest."""
+    cula_fn, _ = entry_points(op)
+    sliced = head_slice(args, heads)
+    cu = sliced.pop("cu_seqlens", None)
+    with forced_backend("torch"), torch.no_grad():
+        if cu is None:
+            return cula_fn(**sliced)
+        bounds = cu.tolist()
+        os_, states = [], []
+        for n, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+            one = {name: (x[:, bos:eos] if name in _TOKEN_ARGS else x) for name, x in sliced.items()}
+            if one.get("initial_state") is not None:
+                one["initial_state"] = one["initial_state"][n : n + 1]
+            o, s = cula_fn(**one)
+            os_.append(o)
+            states.append(s)
+        return torch.cat(os_, 1), torch.cat(states, 0)
+
+
+def ref_rmse(o: torch.Tensor, s: torch.Tensor, reference: tuple[torch.Tensor, torch.Tensor], heads: int) -> float:
+    """The larger of output and final state's relative RMSE against the reference on the first ``heads`` heads."""
+    o_ref, s_ref = reference
+    return max(rel_rmse(o.detach()[:, :, :heads], o_ref), rel_rmse(s.detach()[:, :heads], s_ref))
 
 
 def host_overhead_us(op: str, device: str, calls: int = 200) -> dict[str, float]:
@@ -396,17 +470,20 @@ def markdown(env: dict, rows: list[Row], overhead: dict) -> str:
     lines += [
         "",
         "ms: median of `triton.testing.do_bench` (FLA warmed first). speedup = FLA ms / cuLA ms. rel RMSE: cuLA vs FLA,",
-        "the larger of output and final state. floor: max(FLOPs / 687 TFLOP/s, bytes / 4.3 TB/s) for a fused kernel.",
+        "the larger of output and final state. vs ref: cuLA's and FLA's rel RMSE against cuLA's fp32 PyTorch reference",
+        f"on the first {REF_HEADS} heads (the larger of output and final state).",
+        "floor: max(FLOPs / 687 TFLOP/s, bytes / 4.3 TB/s) for a fused kernel.",
         "kernel ms: cuLA's CuTe DSL kernel forced (`CULA_BACKEND=cute`) on rows where dispatch picked another backend.",
         "",
-        "| op | shape | mode | cuLA backend | cuLA ms | FLA ms | speedup | kernel ms | rel RMSE | floor ms | "
-        "floor/cuLA | TFLOP/s | GB/s | notes |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| op | shape | mode | cuLA backend | cuLA ms | FLA ms | speedup | kernel ms | rel RMSE | vs ref cuLA / FLA | "
+        "floor ms | floor/cuLA | TFLOP/s | GB/s | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r.op} | {r.shape} | {r.mode} | {r.cula_backend} | {fmt(r.cula_ms)} | {fmt(r.fla_ms)} | "
-            f"{fmt(r.speedup, 2)} | {fmt(r.kernel_ms)} | {fmt(r.rel_rmse, 4)} | {fmt(r.floor_ms)} | {fmt(r.floor_fraction, 2)} | "
+            f"{fmt(r.speedup, 2)} | {fmt(r.kernel_ms)} | {fmt(r.rel_rmse, 4)} | "
+            f"{fmt(r.ref_rmse_cula, 4)} / {fmt(r.ref_rmse_fla, 4)} | {fmt(r.floor_ms)} | {fmt(r.floor_fraction, 2)} | "
             f"{fmt(r.cula_tflops, 1)} | {fmt(r.cula_gbps, 0)} | {'; '.join(r.notes)} |"
         )
     if overhead:

@@ -86,3 +86,20 @@ def test_dispatch_model_matches_the_h200_measurements(op):
         assert abs(ours / kernel_ms - 1) < 0.3, (row["shape"], ours, kernel_ms)
         if abs(kernel_ms / row["fla_ms"] - 1) > 0.05:  # on a near-tie either side is right
             assert (ours <= fla) == (kernel_ms <= row["fla_ms"]), (row["shape"], ours, fla)
+
+
+@pytest.mark.parametrize("op", ["gdn", "kda"])
+@pytest.mark.parametrize("lengths", [None, [5, 70, 1]])
+def test_reference_on_the_first_heads_is_the_whole_calls_slice(op, lengths):
+    B, H, D = (1, 3, 32) if lengths else (2, 3, 32)
+    case = bench.Case(op, B, sum(lengths) if lengths else 70, H, D, lengths, "t")
+    args = bench.make_inputs(case, "cpu", bench.torch.bfloat16, requires_grad=False)
+    args["initial_state"] = bench.torch.randn(len(lengths) if lengths else B, H, D, D) * 0.1
+    cula_fn, _ = bench.entry_points(op)
+    with bench.forced_backend("torch"):
+        o, s = cula_fn(**bench.head_slice(args, H))  # every head, fp32
+    reference = bench.reference_outputs(op, args, heads=2)
+    assert reference[0].shape == (*o.shape[:2], 2, D) and reference[1].shape == (s.shape[0], 2, D, D)
+    assert bench.ref_rmse(o, s, reference, 2) < 1e-5
+    # the measure sees a head out of place
+    assert bench.ref_rmse(o[:, :, 1:], s[:, 1:], reference, 2) > 0.1
