@@ -62,6 +62,7 @@ class Row:
     cula_backend: str = ""
     cula_ms: float | None = None
     kernel_ms: float | None = None  # cuLA's CuTe DSL kernel forced (CULA_BACKEND=cute) where dispatch chose FLA
+    cula_host_ms: float | None = None  # host time to issue one cuLA call (GPU work queued, not waited for)
     fla_ms: float | None = None
     speedup: float | None = None
     rel_rmse: float | None = None
@@ -178,6 +179,18 @@ def bench(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
     return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
+def host_issue_ms(call, calls: int = 20) -> float:
+    """Host time per call to issue ``calls`` calls back to back without waiting for the GPU: a call whose host time
+    reaches its GPU time is timed at its host time by ``bench`` (its events then wait for the host)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    issued = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return issued * 1e3 / calls
+
+
 def run_gpu_case(case: Case, mode: str, with_fla: bool = True) -> Row:
     import cula
 
@@ -212,6 +225,9 @@ def run_gpu_case(case: Case, mode: str, with_fla: bool = True) -> Row:
         o_cula, s_cula = cula_fn(**args)
         row.cula_backend = cula.last_decision(cula_fn).backend
         row.cula_ms = bench(step(cula_fn))
+        row.cula_host_ms = host_issue_ms(step(cula_fn))
+        if row.cula_host_ms > 0.8 * row.cula_ms:
+            row.notes.append(f"near host-bound: {row.cula_host_ms:.3f} ms of host time per call")
     except Exception as error:
         row.notes.append(f"cuLA failed: {type(error).__name__}: {str(error)[:200]}")
         return row
@@ -474,6 +490,7 @@ def markdown(env: dict, rows: list[Row], overhead: dict) -> str:
         f"on the first {REF_HEADS} heads (the larger of output and final state).",
         "floor: max(FLOPs / 687 TFLOP/s, bytes / 4.3 TB/s) for a fused kernel.",
         "kernel ms: cuLA's CuTe DSL kernel forced (`CULA_BACKEND=cute`) on rows where dispatch picked another backend.",
+        "notes say 'near host-bound' where issuing a cuLA call takes the host over 80 % of its timed ms (JSON: cula_host_ms).",
         "",
         "| op | shape | mode | cuLA backend | cuLA ms | FLA ms | speedup | kernel ms | rel RMSE | vs ref cuLA / FLA | "
         "floor ms | floor/cuLA | TFLOP/s | GB/s | notes |",
