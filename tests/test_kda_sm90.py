@@ -98,6 +98,15 @@ def test_public_api_with_in_kernel_options(monkeypatch):
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("split", [False, True])
+def test_varlen_empty_sequences(split):
+    """Zero-length sequences first, between and last (FLA accepts them): each one's final state is its initial state;
+    with the split forced, the long one is cut and the others run in the sequences-left-whole launch."""
+    run_case(1, 1 + 1500 + 1, 2, 2, cu=[0, 0, 1, 1, 1501, 1502, 1502], h0=True, split=split)
+
+
+@pytest.mark.gpu
+@needs_sm90
 def test_split_sequences():
     """Long sequences cut every 1024 tokens (cula.ops.segment_split): three kernel passes, starts chained."""
     run_case(2, 2100, 1, 2, split=True, stress=True)

@@ -47,9 +47,13 @@ def make(T, H, HV, K, per_key):
 @pytest.mark.parametrize("aligned", [False, True])
 @pytest.mark.parametrize("per_key", [False, True])
 @pytest.mark.parametrize("with_h0", [False, True])
-def test_split_matches_unsplit(per_key, with_h0, aligned):
+@pytest.mark.parametrize("empty", [False, True])
+def test_split_matches_unsplit(per_key, with_h0, aligned, empty):
     lengths = [1, 300, 64, 450]  # cut: 300 at 64/128, 450 at 192; 1 and 64 stay whole
     cuts = [[], [64, 128], [], [192]]
+    if empty:  # zero-length sequences first, between and last: their final state is their initial state
+        lengths = [0, 1, 300, 0, 64, 450, 0]
+        cuts = [[], [], [64, 128], [], [], [192], []]
     offsets = [0] + torch.cumsum(torch.tensor(lengths), 0).tolist()
     H, HV, K = 1, 2, 16
     q, k, v, g, beta = make(offsets[-1], H, HV, K, per_key)
