@@ -268,6 +268,17 @@ def forced_backend(name: str):
             os.environ["CULA_BACKEND"] = previous
 
 
+@contextlib.contextmanager
+def full_fp32_products():
+    """fp32 matrix products without TF32 for the calls inside, whatever the process set."""
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+
+
 def time_forced_kernel(cula_fn, call, args, row: Row) -> float | None:
     """The CuTe DSL kernel's time where dispatch preferred another backend (kept for the dispatch time model)."""
     with forced_backend("cute"):
@@ -309,7 +320,7 @@ def reference_outputs(op: str, args: dict, heads: int = REF_HEADS) -> tuple[torc
     cula_fn, _ = entry_points(op)
     sliced = head_slice(args, heads)
     cu = sliced.pop("cu_seqlens", None)
-    with forced_backend("torch"), torch.no_grad():
+    with forced_backend("torch"), full_fp32_products(), torch.no_grad():
         if cu is None:
             return cula_fn(**sliced)
         bounds = cu.tolist()
