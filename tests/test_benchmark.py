@@ -88,7 +88,7 @@ def test_dispatch_model_matches_the_h200_measurements(op):
             assert (ours <= fla) == (kernel_ms <= row["fla_ms"]), (row["shape"], ours, fla)
 
 
-@pytest.mark.parametrize("op", ["gdn", "kda"])
+@pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("lengths", [None, [5, 70, 1]])
 def test_reference_on_the_first_heads_is_the_whole_calls_slice(op, lengths):
     B, H, D = (1, 3, 32) if lengths else (2, 3, 32)
