@@ -100,6 +100,6 @@ def test_reference_on_the_first_heads_is_the_whole_calls_slice(op, lengths):
         o, s = cula_fn(**bench.head_slice(args, H))  # every head, fp32
     reference = bench.reference_outputs(op, args, heads=2)
     assert reference[0].shape == (*o.shape[:2], 2, D) and reference[1].shape == (s.shape[0], 2, D, D)
-    assert bench.ref_rmse(o, s, reference, 2) < 1e-5
-    # the measure sees a head out of place
-    assert bench.ref_rmse(o[:, :, 1:], s[:, 1:], reference, 2) > 0.1
+    assert max(bench.ref_rmse(o, s, reference, 2)) < 1e-5
+    # the measure sees a head out of place, in the output and in the state
+    assert min(bench.ref_rmse(o[:, :, 1:], s[:, 1:], reference, 2)) > 0.1
