@@ -41,16 +41,9 @@ def test_gva_initial_state_bf16_beta():
 @needs_sm90
 @pytest.mark.parametrize("state_v_first", [False, True])
 def test_varlen(state_v_first):
-    run_case(1, 1 + 1 + 70 + 64 + 129 + 1, 2, 4, cu=[0, 1, 2, 72, 136, 265, 266], h0=True, state_v_first=state_v_first)
-
-
-@pytest.mark.gpu
-@needs_sm90
-@pytest.mark.parametrize("split", [False, True])
-def test_varlen_empty_sequences(split):
-    """Zero-length sequences first, between and last (FLA accepts them): each one's final state is its initial state;
-    with the split forced, the long one is cut and the others run in the sequences-left-whole launch."""
-    run_case(1, 1 + 1500 + 1, 2, 2, cu=[0, 0, 1, 1, 1501, 1502, 1502], h0=True, split=split)
+    # zero-length sequences first, between and last (FLA accepts them): their final state is their initial state
+    cu = [0, 0, 1, 2, 72, 72, 136, 265, 266, 266]
+    run_case(1, 1 + 1 + 70 + 64 + 129 + 1, 2, 4, cu=cu, h0=True, state_v_first=state_v_first)
 
 
 @pytest.mark.gpu
@@ -64,7 +57,8 @@ def test_split_sequences():
 @needs_sm90
 @pytest.mark.parametrize("state_v_first", [False, True])
 def test_split_varlen_initial_state(state_v_first):
-    run_case(1, 3700, 2, 2, cu=[0, 1, 1500, 1501, 3700], h0=True, state_v_first=state_v_first, split=True)
+    cu = [0, 0, 1, 1500, 1500, 1501, 3700, 3700]  # with zero-length sequences, in the whole sequences' launch
+    run_case(1, 3700, 2, 2, cu=cu, h0=True, state_v_first=state_v_first, split=True)
 
 
 @pytest.mark.gpu

@@ -61,7 +61,8 @@ def test_gva_initial_state_bf16_beta():
 @needs_sm90
 @pytest.mark.parametrize("state_v_first", [False, True])
 def test_varlen(state_v_first):
-    run_case(1, 700, 1, 2, cu=[0, 1, 65, 300, 700], h0=True, state_v_first=state_v_first)
+    # zero-length sequences first, between and last (FLA accepts them): their final state is their initial state
+    run_case(1, 700, 1, 2, cu=[0, 0, 1, 65, 65, 300, 700, 700], h0=True, state_v_first=state_v_first)
 
 
 @pytest.mark.gpu
@@ -98,15 +99,6 @@ def test_public_api_with_in_kernel_options(monkeypatch):
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("split", [False, True])
-def test_varlen_empty_sequences(split):
-    """Zero-length sequences first, between and last (FLA accepts them): each one's final state is its initial state;
-    with the split forced, the long one is cut and the others run in the sequences-left-whole launch."""
-    run_case(1, 1 + 1500 + 1, 2, 2, cu=[0, 0, 1, 1, 1501, 1502, 1502], h0=True, split=split)
-
-
-@pytest.mark.gpu
-@needs_sm90
 def test_split_sequences():
     """Long sequences cut every 1024 tokens (cula.ops.segment_split): three kernel passes, starts chained."""
     run_case(2, 2100, 1, 2, split=True, stress=True)
@@ -116,7 +108,8 @@ def test_split_sequences():
 @needs_sm90
 @pytest.mark.parametrize("state_v_first", [False, True])
 def test_split_varlen_initial_state(state_v_first):
-    run_case(1, 3700, 2, 2, cu=[0, 1, 1500, 1501, 3700], h0=True, state_v_first=state_v_first, split=True)
+    cu = [0, 0, 1, 1500, 1500, 1501, 3700, 3700]  # with zero-length sequences, in the whole sequences' launch
+    run_case(1, 3700, 2, 2, cu=cu, h0=True, state_v_first=state_v_first, split=True)
 
 
 @pytest.mark.gpu

@@ -75,7 +75,8 @@ def inputs(B, T, H, HV, per_key, D=32):
 @pytest.mark.parametrize("per_key", [False, True])
 def test_one_launch(per_key):
     check_fwd(entry, accept, inputs(2, 100, 1, 2, per_key), h0=True, split=False)
-    check_fwd(entry, accept, inputs(1, 150, 2, 2, per_key), cu=[0, 1, 80, 150], state_v_first=True, split=False)
+    cu = [0, 0, 1, 80, 80, 150, 150]  # zero-length sequences too: their final state is their initial state (zero)
+    check_fwd(entry, accept, inputs(1, 150, 2, 2, per_key), cu, state_v_first=True, split=False)
 
 
 @pytest.mark.parametrize("per_key", [False, True])
@@ -83,7 +84,7 @@ def test_one_launch(per_key):
 def test_split_passes(per_key, state_v_first):
     """Forced cuts every 1024 tokens: full, transition and correction passes with the chained starts."""
     check_fwd(entry, accept, inputs(2, 2100, 1, 2, per_key), h0=True, state_v_first=state_v_first, split=True)
-    cu = [0, 1, 1500, 1501, 2300]
+    cu = [0, 0, 1, 1500, 1500, 1501, 2300, 2300]  # zero-length sequences too
     check_fwd(entry, accept, inputs(1, 2300, 1, 2, per_key), cu, h0=True, state_v_first=state_v_first, split=True)
 
 
