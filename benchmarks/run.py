@@ -5,8 +5,8 @@
 On a GPU each row times cuLA's public entry point (whatever backend its dispatch picks, named in the row) and
 FLA 0.6.0's op with `triton.testing.do_bench` (median, FLA warmed first since its first call autotunes), checks
 that the two outputs agree (relative RMSE) and how far each is from cuLA's fp32 PyTorch reference on the first
-heads, and prints achieved TFLOP/s and GB/s against the floor counted for the op. On a machine without a GPU it runs cuLA's PyTorch reference backend at a small size against FLA's
-naive recurrence and says so.
+heads, and prints achieved TFLOP/s and GB/s against the floor counted for the op. On a machine without a GPU it runs
+cuLA's PyTorch reference backend at a small size against FLA's naive recurrence and says so.
 """
 
 from __future__ import annotations
@@ -329,15 +329,15 @@ def reference_outputs(op: str, args: dict, heads: int = REF_HEADS) -> tuple[torc
         if cu is None:
             return cula_fn(**sliced)
         bounds = cu.tolist()
-        os_, states = [], []
+        outs, states = [], []
         for n, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
             one = {name: (x[:, bos:eos] if name in _TOKEN_ARGS else x) for name, x in sliced.items()}
             if one.get("initial_state") is not None:
                 one["initial_state"] = one["initial_state"][n : n + 1]
             o, s = cula_fn(**one)
-            os_.append(o)
+            outs.append(o)
             states.append(s)
-        return torch.cat(os_, 1), torch.cat(states, 0)
+        return torch.cat(outs, 1), torch.cat(states, 0)
 
 
 def ref_rmse(o: torch.Tensor, s: torch.Tensor, reference: tuple[torch.Tensor, torch.Tensor], heads: int) -> list:
@@ -506,7 +506,7 @@ def markdown(env: dict, rows: list[Row], overhead: dict) -> str:
         f"on the first {REF_HEADS} heads (the larger of output and final state; each part in the JSON's `errors`).",
         "floor: max(FLOPs / 687 TFLOP/s, bytes / 4.3 TB/s) for a fused kernel.",
         "kernel ms: cuLA's CuTe DSL kernel forced (`CULA_BACKEND=cute`) on rows where dispatch picked another backend.",
-        "notes say 'near host-bound' where issuing a cuLA call takes the host over 80 % of its timed ms (JSON: cula_host_ms).",
+        "notes: 'near host-bound' where issuing a cuLA call takes over 80 % of its timed ms (JSON: cula_host_ms).",
         "",
         "| op | shape | mode | cuLA backend | cuLA ms | FLA ms | speedup | kernel ms | rel RMSE | vs ref cuLA / FLA | "
         "floor ms | floor/cuLA | TFLOP/s | GB/s | notes |",
