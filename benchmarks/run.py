@@ -347,7 +347,7 @@ def ref_rmse(o: torch.Tensor, s: torch.Tensor, reference: tuple[torch.Tensor, to
 
 
 def host_overhead_us(op: str, device: str, calls: int = 200) -> dict[str, float]:
-    """Wall time per call on tiny inputs (B=1, T=64, H=32, D=128): the host cost of dispatch and launch.
+    """Host time per call on tiny inputs (B=1, T=64, H=32, D=128): the host cost of dispatch and launch.
 
     H=32 shares FLA's autotuning with the grid's H=32 shapes, so FLA does not autotune again here."""
     from cula.dispatch import fla_function
@@ -358,12 +358,7 @@ def host_overhead_us(op: str, device: str, calls: int = 200) -> dict[str, float]
     for name, fn in (("cula", cula_fn), ("fla", fla_function(fla_target))):
         try:
             fn(**args)
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn(**args)
-            torch.cuda.synchronize()
-            result[name] = (time.perf_counter() - start) / calls * 1e6
+            result[name] = host_issue_ms(lambda fn=fn: fn(**args), calls) * 1e3
         except Exception as error:
             result[name] = f"failed: {type(error).__name__}"
     return result
@@ -520,7 +515,7 @@ def markdown(env: dict, rows: list[Row], overhead: dict) -> str:
             f"{fmt(r.cula_tflops, 1)} | {fmt(r.cula_gbps, 0)} | {'; '.join(r.notes)} |"
         )
     if overhead:
-        lines += ["", "Wall time per call on tiny inputs (B=1, T=64, H=32, D=128), microseconds:", ""]
+        lines += ["", "Host time per call on tiny inputs (B=1, T=64, H=32, D=128), microseconds:", ""]
         lines += [f"- {op}: " + ", ".join(f"{k} {fmt(v, 1)}" for k, v in o.items()) for op, o in overhead.items()]
     return "\n".join(lines) + "\n"
 
