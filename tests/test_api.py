@@ -308,6 +308,8 @@ def test_gdn_sm90_kernel_is_chosen_for_what_it_supports(monkeypatch):
         ({"chunk_size": 32}, "chunk_size=32"),
         ({"q": args["q"][..., :64], "k": args["k"][..., :64]}, "head dims K=64"),
         ({"q": args["q"].detach().requires_grad_(True)}, "require grad"),
+        # one grid row per sequence: at most 65535 of them
+        ({"cu_seqlens": torch.tensor([0] * 65536 + [70])}, "65536 sequences"),
     ]:
         decision = cula.explain(CHUNK_GDN, **{**args, **change})
         assert decision.backend != "cute" and why in dict(decision.rejected)["cute"], decision

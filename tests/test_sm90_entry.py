@@ -171,6 +171,31 @@ def test_split_passes_with_saved_intra_chunk_matrices(per_key):
     assert seen == [("full", "save"), ("correction", "load")]
 
 
+def test_a_split_with_nothing_to_cut_or_too_many_segments_runs_whole(monkeypatch):
+    """A forced split of sequences no longer than its 1024-token pieces cuts nothing: one unsplit launch (a split
+    would size its workspaces for later segments it does not have). Nor is a call split into more segments than a
+    launch grid has rows (``MAX_SEQUENCES``)."""
+    modes = []
+
+    def launch(*args, **kw):
+        assert not kw, "an unsplit launch takes no workspaces"
+        modes.append(args[-1])
+        reference_launch(*args)
+
+    cached = entry_for(launch, SplitCost(0.69, 0.45, cached=True))
+    check_fwd(cached, accept, inputs(2, 1000, 1, 2, True), h0=True, split=True)
+    assert modes == ["full"]
+    modes.clear()
+    cu = [0, 1, 1500, 1501, 2300]  # cut at 1024: five segments of four sequences
+    monkeypatch.setattr(sm90_entry, "MAX_SEQUENCES", 4)
+    check_fwd(entry_for(launch), accept, inputs(1, 2300, 1, 2, False), cu, h0=True, split=True)
+    assert modes == ["full"]
+    modes.clear()
+    monkeypatch.setattr(sm90_entry, "MAX_SEQUENCES", 5)
+    check_fwd(entry_for(launch), accept, inputs(1, 2300, 1, 2, False), cu, h0=True, split=True)
+    assert modes == ["full", "correction"]
+
+
 def test_varlen_offsets_only_on_the_device_still_split():
     """Without ``cu_seqlens_cpu`` the entry reads the offsets from ``cu_seqlens`` (once per tensor) and splits."""
     modes = []

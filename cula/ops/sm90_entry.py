@@ -12,6 +12,10 @@ from cula.ops.gates import kernel_beta
 _DUMMY: dict = {}
 
 
+# CUDA's limit on a launch grid's y (and z) size: the chunk kernels run sequence n as grid row n
+MAX_SEQUENCES = 65535
+
+
 def supports_qkv(q, k, v, beta, initial_state, cu_seqlens, dims) -> tuple[bool, str]:
     """The checks of both kernels' ``supports`` except the gate's: device, dtypes, shapes, head dims in ``dims``
     (K = V), GVA, contiguity, beta, varlen batch, fp32 initial state."""
@@ -34,6 +38,9 @@ def supports_qkv(q, k, v, beta, initial_state, cu_seqlens, dims) -> tuple[bool, 
         return False, "beta must be float32 or bfloat16 [B, T, HV]"
     if cu_seqlens is not None and q.shape[0] != 1:
         return False, "varlen (cu_seqlens) needs B == 1"
+    sequences = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    if sequences > MAX_SEQUENCES:
+        return False, f"{sequences} sequences: the launch grid takes at most {MAX_SEQUENCES} (one CTA row each)"
     if initial_state is not None and initial_state.dtype != torch.float32:
         return False, "initial_state must be float32"
     return True, ""
@@ -149,6 +156,8 @@ def chunk_fwd(
         else:
             sms = torch.cuda.get_device_properties(q.device).multi_processor_count
             cuts = segment_split.plan_segments(lengths, HV, sms, chunk, split_cost)
+        if cuts is not None and (not any(cuts) or sum(map(len, cuts)) + N > MAX_SEQUENCES):
+            cuts = None  # nothing to cut, or more segments than a launch grid has rows: walk each sequence whole
     if cuts is not None:
         flat = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta, o)]
         h0 = initial_state
