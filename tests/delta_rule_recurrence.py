@@ -69,3 +69,33 @@ def check_fwd(fwd, supports, inputs, cu=None, h0=False, state_v_first=False, spl
         ht = ht.transpose(-1, -2)
     assert rel_rmse(o, o_ref) <= 5e-3, rel_rmse(o, o_ref)
     assert rel_rmse(ht, ht_ref) <= 5e-3, rel_rmse(ht, ht_ref)
+
+
+def check_fwd_on_busy_stream(fwd, inputs, cu, g_ref=None):
+    """``fwd`` (as :func:`check_fwd` calls it, split forced) inside ``torch.cuda.stream(s)`` while ``s`` is still
+    writing its inputs (behind a ~25 ms sleep, NaN before), without ``out`` / ``final_state_out``, its outputs read
+    on ``s`` before any synchronize: whatever streams the entry uses must wait for ``s``'s writes, and ``s`` for
+    theirs. ``cu``: varlen offsets with a sequence long enough to be cut beside others left whole; ``g_ref``: the
+    gate the recurrence takes, where ``fwd`` takes another form of it (raw, activated in the kernel)."""
+    q, k, v, g, beta = inputs
+    HV, D = v.shape[2], v.shape[3]
+    init = torch.randn(len(cu) - 1, HV, D, D, device=v.device) * 0.1
+    scale = D**-0.5
+    o_ref, ht_ref = recurrence(q, k, v, g if g_ref is None else g_ref, beta, scale, init, cu)
+    cu_cpu = torch.tensor(cu)
+    # compiled (seconds on the host, which would outlast the sleep below) and planned before the stream's late writes
+    fwd(q, k, v, g, beta, scale, init, True, cu_cpu.to(v.device, torch.int32), False, split=True, cu_seqlens_cpu=cu_cpu)
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        srcs = (q, k, v, g, beta, init)
+        late = [torch.full_like(x, float("nan")) for x in srcs]
+        torch.cuda._sleep(50_000_000)  # clock cycles
+        for dst, src in zip(late, srcs, strict=True):
+            dst.copy_(src)
+        cu_t = torch.tensor(cu, dtype=torch.int32, device=v.device)
+        o, ht = fwd(*late[:5], scale, late[5], True, cu_t, False, split=True, cu_seqlens_cpu=cu_cpu)
+        o, ht = o.double(), ht.double()
+    torch.cuda.synchronize()
+    assert rel_rmse(o, o_ref) <= 5e-3, rel_rmse(o, o_ref)
+    assert rel_rmse(ht, ht_ref) <= 5e-3, rel_rmse(ht, ht_ref)

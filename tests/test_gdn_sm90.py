@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from delta_rule_recurrence import check_fwd, needs_sm90
+from delta_rule_recurrence import check_fwd, check_fwd_on_busy_stream, needs_sm90
 
 cutlass = pytest.importorskip("cutlass")
 
@@ -59,6 +59,15 @@ def test_split_sequences():
 def test_split_varlen_initial_state(state_v_first):
     cu = [0, 0, 1, 1500, 1500, 1501, 3700, 3700]  # with zero-length sequences, in the whole sequences' launch
     run_case(1, 3700, 2, 2, cu=cu, h0=True, state_v_first=state_v_first, split=True)
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_split_on_the_callers_busy_stream():
+    from cula.gdn.chunk_fwd_sm90 import chunk_gated_delta_rule_fwd_sm90
+
+    cu = [0, 0, 100, 2300, 2300, 2400]
+    check_fwd_on_busy_stream(chunk_gated_delta_rule_fwd_sm90, make_inputs(1, 2400, 2, 2), cu)
 
 
 @pytest.mark.gpu

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from delta_rule_recurrence import check_fwd, needs_sm90, rel_rmse
+from delta_rule_recurrence import check_fwd, check_fwd_on_busy_stream, needs_sm90, rel_rmse
 
 import cula
 
@@ -110,6 +110,24 @@ def test_split_sequences():
 def test_split_varlen_initial_state(state_v_first):
     cu = [0, 0, 1, 1500, 1500, 1501, 3700, 3700]  # with zero-length sequences, in the whole sequences' launch
     run_case(1, 3700, 2, 2, cu=cu, h0=True, state_v_first=state_v_first, split=True)
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_split_on_the_callers_busy_stream():
+    """With the gate in the kernel and no A_log / dt_bias: the kernel reads zero tensors cached across calls."""
+    from cula.kda.chunk_fwd_sm90 import chunk_kda_fwd_sm90
+    from cula.ops.gates import kda_gate
+
+    q, k, v, _, beta = make_inputs(1, 2400, 2, 2)
+    raw = (torch.randn(1, 2400, 2, 128, device="cuda") * 2).bfloat16()
+    gate = (None, None, LOWER_BOUND)
+
+    def fwd(*args, **kw):
+        return chunk_kda_fwd_sm90(*args, gate=gate, **kw)
+
+    g = kda_gate(raw, *gate).float()
+    check_fwd_on_busy_stream(fwd, (q, k, v, raw, beta), [0, 0, 100, 2300, 2300, 2400], g_ref=g)
 
 
 @pytest.mark.gpu

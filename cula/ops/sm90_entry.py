@@ -98,7 +98,12 @@ def cached_zeros(device, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
     key = (device, tuple(shape), dtype)
     t = _DUMMY.get(key)
     if t is None:
-        t = _DUMMY[key] = torch.zeros(shape, dtype=dtype, device=device)
+        t = torch.zeros(shape, dtype=dtype, device=device)
+        if t.is_cuda and not torch.cuda.is_current_stream_capturing():
+            # zeroed on the current stream; later calls read it from any stream (the split passes' own, another
+            # caller's), which nothing orders after that fill
+            torch.cuda.current_stream(t.device).synchronize()
+        _DUMMY[key] = t
     return t
 
 
