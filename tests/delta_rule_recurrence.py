@@ -99,3 +99,36 @@ def check_fwd_on_busy_stream(fwd, inputs, cu, g_ref=None):
     torch.cuda.synchronize()
     assert rel_rmse(o, o_ref) <= 5e-3, rel_rmse(o, o_ref)
     assert rel_rmse(ht, ht_ref) <= 5e-3, rel_rmse(ht, ht_ref)
+
+
+def check_fwd_in_cuda_graph(fwd, inputs, fresh, cu, split, g_ref=None):
+    """``fwd`` (as :func:`check_fwd` calls it) captured into a CUDA graph after one eager call (compiled, planned),
+    then replayed on ``fresh`` inputs (and a fresh initial state) copied into the captured ones: o and the final
+    state against :func:`recurrence` on those. ``g_ref``: the gate the recurrence takes for ``fresh`` where ``fwd``
+    takes another form of it."""
+    q, k, v, g, beta = fresh
+    HV, D = v.shape[2], v.shape[3]
+    static = [x.clone() for x in inputs]
+    h0 = torch.randn(len(cu) - 1, HV, D, D, device=v.device) * 0.1
+    scale = D**-0.5
+    cu_cpu = torch.tensor(cu)
+    cu_t = cu_cpu.to(v.device, torch.int32)
+
+    def call():
+        return fwd(*static, scale, h0, True, cu_t, False, split=split, cu_seqlens_cpu=cu_cpu)
+
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, ht = call()
+    h0_new = torch.randn_like(h0)
+    for dst, src in zip([*static, h0], [*fresh, h0_new], strict=True):
+        dst.copy_(src)
+    o.fill_(float("nan"))
+    ht.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    o_ref, ht_ref = recurrence(q, k, v, g if g_ref is None else g_ref, beta, scale, h0_new, cu)
+    assert rel_rmse(o, o_ref) <= 5e-3, rel_rmse(o, o_ref)
+    assert rel_rmse(ht, ht_ref) <= 5e-3, rel_rmse(ht, ht_ref)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from delta_rule_recurrence import check_fwd, check_fwd_on_busy_stream, needs_sm90
+from delta_rule_recurrence import check_fwd, check_fwd_in_cuda_graph, check_fwd_on_busy_stream, needs_sm90
 
 cutlass = pytest.importorskip("cutlass")
 
@@ -68,6 +68,17 @@ def test_split_on_the_callers_busy_stream():
 
     cu = [0, 0, 100, 2300, 2300, 2400]
     check_fwd_on_busy_stream(chunk_gated_delta_rule_fwd_sm90, make_inputs(1, 2400, 2, 2), cu)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("split", [False, True])
+def test_captured_in_a_cuda_graph(split):
+    from cula.gdn.chunk_fwd_sm90 import chunk_gated_delta_rule_fwd_sm90
+
+    cu = [0, 0, 100, 2300, 2300, 2400]
+    inputs, fresh = make_inputs(1, 2400, 2, 2), make_inputs(1, 2400, 2, 2)
+    check_fwd_in_cuda_graph(chunk_gated_delta_rule_fwd_sm90, inputs, fresh, cu, split)
 
 
 @pytest.mark.gpu

@@ -5,7 +5,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from delta_rule_recurrence import check_fwd, check_fwd_on_busy_stream, needs_sm90, rel_rmse
+from delta_rule_recurrence import (
+    check_fwd,
+    check_fwd_in_cuda_graph,
+    check_fwd_on_busy_stream,
+    needs_sm90,
+    rel_rmse,
+)
 
 import cula
 
@@ -128,6 +134,30 @@ def test_split_on_the_callers_busy_stream():
 
     g = kda_gate(raw, *gate).float()
     check_fwd_on_busy_stream(fwd, (q, k, v, raw, beta), [0, 0, 100, 2300, 2300, 2400], g_ref=g)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("split", [False, True])
+def test_captured_in_a_cuda_graph(split):
+    """With the gate in the kernel (FLA's KDA layer)."""
+    from cula.kda.chunk_fwd_sm90 import chunk_kda_fwd_sm90
+    from cula.ops.gates import kda_gate
+
+    HV, D = 2, 128
+    A_log = torch.empty(HV, device="cuda").uniform_(1, 16).log()
+    gate = (A_log, torch.randn(HV * D, device="cuda") * 0.5, LOWER_BOUND)
+
+    def fwd(*args, **kw):
+        return chunk_kda_fwd_sm90(*args, gate=gate, **kw)
+
+    def raw_inputs():
+        q, k, v, _, beta = make_inputs(1, 2400, 2, HV, D=D)
+        return q, k, v, (torch.randn(1, 2400, HV, D, device="cuda") * 2).bfloat16(), beta
+
+    inputs, fresh = raw_inputs(), raw_inputs()
+    g_ref = kda_gate(fresh[3], *gate).float()
+    check_fwd_in_cuda_graph(fwd, inputs, fresh, [0, 0, 100, 2300, 2300, 2400], split, g_ref=g_ref)
 
 
 @pytest.mark.gpu
