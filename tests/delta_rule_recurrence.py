@@ -41,6 +41,12 @@ def rel_rmse(x, ref):
     return ((x.double() - ref).norm() / ref.norm()).item()
 
 
+def assert_matches(o, ht, o_ref, ht_ref):
+    """o and the final state within rel-RMSE 0.005 of the recurrence's."""
+    assert rel_rmse(o, o_ref) <= 5e-3, rel_rmse(o, o_ref)
+    assert rel_rmse(ht, ht_ref) <= 5e-3, rel_rmse(ht, ht_ref)
+
+
 def check_fwd(fwd, supports, inputs, cu=None, h0=False, state_v_first=False, split=None):
     """Run an SM90 forward entry ``fwd(q, k, v, g, beta, scale, initial_state, True, cu_seqlens, state_v_first,
     out=, final_state_out=[, cu_seqlens_cpu=, split=])`` on ``inputs`` (q, k, v, g, beta) with NaN-poisoned outputs,
@@ -67,8 +73,7 @@ def check_fwd(fwd, supports, inputs, cu=None, h0=False, state_v_first=False, spl
         torch.cuda.synchronize()
     if state_v_first:
         ht = ht.transpose(-1, -2)
-    assert rel_rmse(o, o_ref) <= 5e-3, rel_rmse(o, o_ref)
-    assert rel_rmse(ht, ht_ref) <= 5e-3, rel_rmse(ht, ht_ref)
+    assert_matches(o, ht, o_ref, ht_ref)
 
 
 def check_fwd_on_busy_stream(fwd, inputs, cu, g_ref=None):
@@ -97,8 +102,7 @@ def check_fwd_on_busy_stream(fwd, inputs, cu, g_ref=None):
         o, ht = fwd(*late[:5], scale, late[5], True, cu_t, False, split=True, cu_seqlens_cpu=cu_cpu)
         o, ht = o.double(), ht.double()
     torch.cuda.synchronize()
-    assert rel_rmse(o, o_ref) <= 5e-3, rel_rmse(o, o_ref)
-    assert rel_rmse(ht, ht_ref) <= 5e-3, rel_rmse(ht, ht_ref)
+    assert_matches(o, ht, o_ref, ht_ref)
 
 
 def check_fwd_in_cuda_graph(fwd, inputs, fresh, cu, split, g_ref=None):
@@ -130,5 +134,4 @@ def check_fwd_in_cuda_graph(fwd, inputs, fresh, cu, split, g_ref=None):
     graph.replay()
     torch.cuda.synchronize()
     o_ref, ht_ref = recurrence(q, k, v, g if g_ref is None else g_ref, beta, scale, h0_new, cu)
-    assert rel_rmse(o, o_ref) <= 5e-3, rel_rmse(o, o_ref)
-    assert rel_rmse(ht, ht_ref) <= 5e-3, rel_rmse(ht, ht_ref)
+    assert_matches(o, ht, o_ref, ht_ref)

@@ -34,6 +34,11 @@ def make_inputs(B, T, H, HV, D=128, beta_dtype=torch.float32, stress=False, devi
     return q, k, v, g.float().contiguous(), beta
 
 
+def raw_gate(T, HV, D=128):
+    """A raw bf16 gate input [1, T, HV, D] for the kernel to activate (``gate``)."""
+    return (torch.randn(1, T, HV, D, device="cuda") * 2).bfloat16()
+
+
 def run_case(
     B, T, H, HV, cu=None, h0=False, state_v_first=False, beta_dtype=torch.float32, stress=False, split=False, D=128
 ):
@@ -126,7 +131,7 @@ def test_split_on_the_callers_busy_stream():
     from cula.ops.gates import kda_gate
 
     q, k, v, _, beta = make_inputs(1, 2400, 2, 2)
-    raw = (torch.randn(1, 2400, 2, 128, device="cuda") * 2).bfloat16()
+    raw = raw_gate(2400, 2)
     gate = (None, None, LOWER_BOUND)
 
     def fwd(*args, **kw):
@@ -153,7 +158,7 @@ def test_captured_in_a_cuda_graph(split):
 
     def raw_inputs():
         q, k, v, _, beta = make_inputs(1, 2400, 2, HV, D=D)
-        return q, k, v, (torch.randn(1, 2400, HV, D, device="cuda") * 2).bfloat16(), beta
+        return q, k, v, raw_gate(2400, HV, D), beta
 
     inputs, fresh = raw_inputs(), raw_inputs()
     g_ref = kda_gate(fresh[3], *gate).float()
@@ -200,7 +205,7 @@ def test_gate_in_kernel(D):
 
     HV = 4
     q, k, v, _, beta = make_inputs(1, 2300, 2, HV, D=D)
-    raw = (torch.randn(1, 2300, HV, D, device="cuda") * 2).bfloat16()
+    raw = raw_gate(2300, HV, D)
     A_log = torch.empty(HV, device="cuda").uniform_(1, 16).log()
     dt_bias = torch.randn(HV * D, device="cuda") * 0.5
     for gate in ((A_log, dt_bias, LOWER_BOUND), (None, None, -2.0)):
