@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks.peers import FLASHINFER_ROUTES, FlashInferGDN
+
 # Ceilings measured on the project's H200 (shared/device/README.md): bf16 matmul and device copy.
 PEAK_TFLOPS = 687.0
 PEAK_GBPS = 4300.0
@@ -65,11 +67,16 @@ class Row:
     cula_host_ms: float | None = None  # host time to issue one cuLA call (GPU work queued, not waited for)
     fla_ms: float | None = None
     speedup: float | None = None
+    # FlashInfer's GDN prefill (benchmarks/peers.py): each route's ms, the faster route, cuLA's speedup over it
+    flashinfer_routes_ms: dict = field(default_factory=dict)
+    flashinfer_ms: float | None = None
+    flashinfer_route: str = ""
+    speedup_vs_flashinfer: float | None = None
     rel_rmse: float | None = None
     # each side against the fp32 reference on the first REF_HEADS heads (the larger of output and final state)
     ref_rmse_cula: float | None = None
     ref_rmse_fla: float | None = None
-    # the parts of those maxima: "vs_fla", "cula_vs_ref", "fla_vs_ref" -> [output, final state]
+    # the parts of those maxima: "vs_fla", "cula_vs_ref", "fla_vs_ref", "flashinfer_vs_ref" -> [output, final state]
     errors: dict = field(default_factory=dict)
     floor_ms: float | None = None
     cula_tflops: float | None = None
@@ -193,7 +200,29 @@ def host_issue_ms(call, calls: int = 20) -> float:
     return issued * 1e3 / calls
 
 
-def run_gpu_case(case: Case, mode: str, with_fla: bool = True) -> Row:
+def time_flashinfer(peer: FlashInferGDN, args: dict, row: Row) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """FlashInfer's routes timed on the call's inputs (converted once, outside the timing); returns the faster
+    route's outputs in FLA's conventions, or None where it declines or fails (the reason in the row's notes)."""
+    why = peer.declines(args)
+    if why:
+        row.notes.append(f"FlashInfer not timed: {why}")
+        return None
+    converted = peer.convert(args)
+    outputs = {}
+    for route in FLASHINFER_ROUTES:
+        try:
+            outputs[route] = peer.call(converted, route)  # the first call compiles
+            row.flashinfer_routes_ms[route] = bench(lambda route=route: peer.call(converted, route))
+        except Exception as error:
+            row.notes.append(f"FlashInfer {route} failed: {type(error).__name__}: {str(error)[:160]}")
+    if not row.flashinfer_routes_ms:
+        return None
+    row.flashinfer_route = min(row.flashinfer_routes_ms, key=row.flashinfer_routes_ms.get)
+    row.flashinfer_ms = row.flashinfer_routes_ms[row.flashinfer_route]
+    return peer.back(args, *outputs[row.flashinfer_route])
+
+
+def run_gpu_case(case: Case, mode: str, with_fla: bool = True, peer: FlashInferGDN | None = None) -> Row:
     import cula
 
     row = Row(case.op, case.name, mode)
@@ -235,6 +264,9 @@ def run_gpu_case(case: Case, mode: str, with_fla: bool = True) -> Row:
         return row
     if mode == "fwd" and row.cula_backend != "cute":
         row.kernel_ms = time_forced_kernel(cula_fn, step(cula_fn), args, row)
+    peer_out = time_flashinfer(peer, args, row) if peer is not None and mode == "fwd" else None
+    if row.flashinfer_ms and row.cula_ms:
+        row.speedup_vs_flashinfer = row.flashinfer_ms / row.cula_ms
     if o_fla is not None:
         row.errors["vs_fla"] = [rel_rmse(o_cula.detach(), o_fla.detach()), rel_rmse(s_cula.detach(), s_fla.detach())]
         row.rel_rmse = max(row.errors["vs_fla"])
@@ -246,6 +278,8 @@ def run_gpu_case(case: Case, mode: str, with_fla: bool = True) -> Row:
             if o_fla is not None:
                 row.errors["fla_vs_ref"] = ref_rmse(o_fla, s_fla, reference, REF_HEADS)
                 row.ref_rmse_fla = max(row.errors["fla_vs_ref"])
+            if peer_out is not None:
+                row.errors["flashinfer_vs_ref"] = ref_rmse(*peer_out, reference, REF_HEADS)
         except Exception as error:  # recorded in the row, the timings kept
             row.notes.append(f"reference failed: {type(error).__name__}: {str(error)[:200]}")
     if row.fla_ms and row.cula_ms:
@@ -501,17 +535,22 @@ def markdown(env: dict, rows: list[Row], overhead: dict) -> str:
         f"on the first {REF_HEADS} heads (the larger of output and final state; each part in the JSON's `errors`).",
         "floor: max(FLOPs / 687 TFLOP/s, bytes / 4.3 TB/s) for a fused kernel.",
         "kernel ms: cuLA's CuTe DSL kernel forced (`CULA_BACKEND=cute`) on rows where dispatch picked another backend.",
+        "FlashInfer ms: its GDN prefill on the same inputs (converted outside the timing), the faster of its default",
+        "route and its fused kernel (which one in brackets); vs FI = FlashInfer ms / cuLA ms.",
         "notes: 'near host-bound' where issuing a cuLA call takes over 80 % of its timed ms (JSON: cula_host_ms).",
         "",
-        "| op | shape | mode | cuLA backend | cuLA ms | FLA ms | speedup | kernel ms | rel RMSE | vs ref cuLA / FLA | "
-        "floor ms | floor/cuLA | TFLOP/s | GB/s | notes |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| op | shape | mode | cuLA backend | cuLA ms | FLA ms | speedup | FlashInfer ms | vs FI | kernel ms | rel RMSE | "
+        "vs ref cuLA / FLA / FI | floor ms | floor/cuLA | TFLOP/s | GB/s | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        fi = f"{fmt(r.flashinfer_ms)} ({r.flashinfer_route})" if r.flashinfer_ms else "-"
+        fi_ref = max(r.errors["flashinfer_vs_ref"]) if "flashinfer_vs_ref" in r.errors else None
         lines.append(
             f"| {r.op} | {r.shape} | {r.mode} | {r.cula_backend} | {fmt(r.cula_ms)} | {fmt(r.fla_ms)} | "
-            f"{fmt(r.speedup, 2)} | {fmt(r.kernel_ms)} | {fmt(r.rel_rmse, 4)} | "
-            f"{fmt(r.ref_rmse_cula, 4)} / {fmt(r.ref_rmse_fla, 4)} | {fmt(r.floor_ms)} | {fmt(r.floor_fraction, 2)} | "
+            f"{fmt(r.speedup, 2)} | {fi} | {fmt(r.speedup_vs_flashinfer, 2)} | {fmt(r.kernel_ms)} | "
+            f"{fmt(r.rel_rmse, 4)} | {fmt(r.ref_rmse_cula, 4)} / {fmt(r.ref_rmse_fla, 4)} / {fmt(fi_ref, 4)} | "
+            f"{fmt(r.floor_ms)} | {fmt(r.floor_fraction, 2)} | "
             f"{fmt(r.cula_tflops, 1)} | {fmt(r.cula_gbps, 0)} | {'; '.join(r.notes)} |"
         )
     if overhead:
@@ -530,6 +569,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--modes", default="fwd", help="comma list of fwd, fwdbwd")
     parser.add_argument("--no-fla", action="store_true", help="time cuLA alone (no FLA autotuning): for kernel work")
+    parser.add_argument("--no-peers", action="store_true", help="leave out FlashInfer's column even where importable")
     parser.add_argument("--out", default="results", help="folder for benchmark.json and the markdown table")
     parser.add_argument("--markdown-name", default=None, help="default BENCHMARK_H200.md on an H200, else BENCHMARK.md")
     args = parser.parse_args(argv)
@@ -553,9 +593,12 @@ def main(argv: list[str] | None = None) -> int:
         save()
 
     if torch.cuda.is_available():
+        flashinfer = None if args.no_peers else FlashInferGDN.load()
+        env["flashinfer"] = "timed on GDN rows" if flashinfer is not None else "not importable or not asked for"
         for case in gpu_grid(ops, args.grid.split(",")):
+            peer = flashinfer if case.op == "gdn" else None
             for mode in args.modes.split(","):
-                add(run_gpu_case(case, mode, with_fla=not args.no_fla))
+                add(run_gpu_case(case, mode, with_fla=not args.no_fla, peer=peer))
         if not args.no_fla:  # the host-time comparison calls FLA too
             for op in ops:
                 overhead[op] = host_overhead_us(op, "cuda")

@@ -103,3 +103,40 @@ def test_reference_on_the_first_heads_is_the_whole_calls_slice(op, lengths):
     assert max(bench.ref_rmse(o, s, reference, 2)) < 1e-5
     # the measure sees a head out of place, in the output and in the state
     assert min(bench.ref_rmse(o[:, :, 1:], s[:, 1:], reference, 2)) > 0.1
+
+
+def _flashinfer_stand_in(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_cp):
+    """FlashInfer's GDN prefill contract (packed ``[total_T, H, D]``, linear decay, activated beta, states
+    ``[N, HV, V, K]``) served by cuLA's reference, for checking the adapter's conversions on a CPU."""
+    assert q.dim() == 3 and g.dtype == beta.dtype == bench.torch.float32 and output_final_state
+    assert use_cp in ("auto", False) and bool((g > 0).all() and (g <= 1).all())  # linear-space decay
+    h0 = None if initial_state is None else initial_state.transpose(-1, -2)
+    o, s = cula.gdn.chunk_gated_delta_rule(
+        q[None], k[None], v[None], g.log()[None], beta[None], scale=scale, initial_state=h0,
+        output_final_state=True, cu_seqlens=cu_seqlens,
+    )  # fmt: skip
+    return o[0], s.transpose(-1, -2)
+
+
+@pytest.mark.parametrize("lengths", [None, [5, 70, 1]])
+def test_flashinfer_adapter_round_trip(lengths):
+    """The FlashInfer column's conversions (packing, log to linear gate, the transposed states) give FLA's answer
+    back on the same inputs: through a stand-in with FlashInfer's contract, cuLA's reference on the CPU."""
+    from benchmarks.peers import FLASHINFER_ROUTES, FlashInferGDN
+
+    B, H, D = (1, 2, 128) if lengths else (2, 2, 128)
+    case = bench.Case("gdn", B, sum(lengths) if lengths else 70, H, D, lengths, "t")
+    args = bench.make_inputs(case, "cpu", bench.torch.float32, requires_grad=False)
+    n = len(lengths) if lengths else B
+    args["initial_state"] = bench.torch.randn(n, H, D, D) * 0.1
+    args["initial_state"][..., 0, 1] = 1.0  # not symmetric: a missed transpose shows
+    expected = cula.gdn.chunk_gated_delta_rule(**args)
+    peer = FlashInferGDN(_flashinfer_stand_in)
+    assert peer.declines(args) == ""
+    converted = peer.convert(args)
+    for route in FLASHINFER_ROUTES:
+        o, s = peer.back(args, *peer.call(converted, route))
+        assert o.shape == expected[0].shape and s.shape == expected[1].shape
+        assert bench.rel_rmse(o, expected[0]) < 1e-5 and bench.rel_rmse(s, expected[1]) < 1e-5
+    assert "D = 128" in FlashInferGDN.declines({**args, "q": args["q"][..., :64]})
+    assert "L2 norm" in peer.declines({**args, "use_qk_l2norm_in_kernel": True})
