@@ -1,4 +1,4 @@
-"""The chunk kernels' triangular inverse (cula.ops.sm90_blocks: solve_clear, solve_diag16, solve_merge, and the
+"""The chunk kernels' triangular inverse (cula.sm90.solve: solve_clear, solve_diag16, solve_merge, and the
 one-warpgroup solve_diag16_per_warp, solve_merge_to_bf16) alone: a test kernel inverts a batch of 64 x 64
 unit-lower-triangular matrices the way the SM90 kernels do (on 256 threads, the diagonal blocks on warps 0-1; or on the
 128 threads of the GDN four-role kernel's aux warpgroup), compiled on the CPU (its merge must use the warp MMA in tf32)
@@ -12,7 +12,7 @@ cutlass = pytest.importorskip("cutlass")
 cute = pytest.importorskip("cutlass.cute")
 
 from cula import runtime  # noqa: E402
-from cula.ops import sm90_blocks as blocks  # noqa: E402
+from cula.sm90 import solve  # noqa: E402
 
 C = 64
 A_STRIDE = 68  # as the kernels pad A^T's rows
@@ -53,17 +53,17 @@ class SolveTest:
                 i, j = idx // C, idx % C
                 sT[i, j] = cutlass.BFloat16(0.0) if i < 32 and j >= 32 else cutlass.BFloat16(float("nan"))
         else:
-            blocks.solve_clear(sT, tidx, self.threads)
+            solve.solve_clear(sT, tidx, self.threads)
         cute.arch.sync_threads()
         if cutlass.const_expr(self.one_warpgroup):
-            blocks.solve_diag16_per_warp(sA, tidx)
+            solve.solve_diag16_per_warp(sA, tidx)
             cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
-            blocks.solve_merge_to_bf16(sA, sT, tidx, 1)
+            solve.solve_merge_to_bf16(sA, sT, tidx, 1)
         else:
             if warp < 2:
-                blocks.solve_diag16(sA, sT, tidx)
+                solve.solve_diag16(sA, sT, tidx)
             cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
-            blocks.solve_merge(sA, sT, tidx, 1, self.threads)
+            solve.solve_merge(sA, sT, tidx, 1, self.threads)
         cute.arch.sync_threads()
         for it in cutlass.range_constexpr(C * C // self.threads):
             idx = tidx + it * self.threads

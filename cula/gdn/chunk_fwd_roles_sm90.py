@@ -9,7 +9,7 @@ only the state chain (S^T K^T / S^T Q^T, V_new, O, the state update):
   each chunk's gates into the gate slot of its q | k stage; with qk_l2norm, warps 2 and 3 first take the norms of the
   landed q and k rows, which the gate warp folds into the slot's gates and factors (the tiles stay as loaded).
 - WG1, aux (104): K K^T and Q K^T (wgmma SS), the masks (A^T fp32 to ``sA``, P bf16 to the Tinv | P stage), Tinv by
-  :func:`cula.ops.sm90_blocks.solve_diag16_per_warp` / ``solve_merge_to_bf16``.
+  :func:`cula.sm90.solve.solve_diag16_per_warp` / ``solve_merge_to_bf16``.
 - WG2, WG3, state (192 each): value rows 0-63 / 64-127 of S^T as wgmma accumulators; V read and O staged with
   ``ldmatrix`` / ``stmatrix`` (transposed), O leaving by TMA (two staging buffers).
 
@@ -31,9 +31,9 @@ from cutlass.cute.nvgpu import warp as warp_ops
 
 from cula import runtime
 from cula.gdn import gates_sm90
-from cula.ops import sm90_blocks as blocks
 from cula.ops import sm90_entry
 from cula.ops.gates import L2NORM_EPS  # FLA's l2norm_fwd: x / sqrt(sum(x^2) + eps)
+from cula.sm90 import epilogue, mma, sequence, solve, state, tiles, workspace
 
 CHUNK = 64
 
@@ -111,19 +111,17 @@ class GDNChunkFwdRolesSm90:
 
         one_tile = cute.slice_(tile_v, (None, None, 0))
         op = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q, mQ = cpasync.make_tiled_tma_atom(op, blocks.tma_view(q), one_tile, (C, D))
-        tma_k, mK = cpasync.make_tiled_tma_atom(op, blocks.tma_view(k), one_tile, (C, D))
-        tma_v, mV = cpasync.make_tiled_tma_atom(op, blocks.tma_view(o if self.v_src == "o" else v), one_tile, (C, D))
-        tma_o, mOt = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), blocks.tma_view(o), one_tile, (C, D)
-        )
+        tma_q, mQ = cpasync.make_tiled_tma_atom(op, tiles.tma_view(q), one_tile, (C, D))
+        tma_k, mK = cpasync.make_tiled_tma_atom(op, tiles.tma_view(k), one_tile, (C, D))
+        tma_v, mV = cpasync.make_tiled_tma_atom(op, tiles.tma_view(o if self.v_src == "o" else v), one_tile, (C, D))
+        tma_o, mOt = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), tiles.tma_view(o), one_tile, (C, D))
         # the Tinv / P workspace [ranges, chunks * 2 * C, HV, C] (chunk c's Tinv at rows 2 c C, its P after them);
         # unused without intra save / load (q's atom stands in for it)
         tma_w, mW = tma_q, mQ
         if cutlass.const_expr(self.intra_save or self.intra_load):
             w_op = cpasync.CopyBulkTensorTileS2GOp() if self.intra_save else op
             tma_w, mW = cpasync.make_tiled_tma_atom(
-                w_op, blocks.tma_view(w), cute.slice_(tile_tp, (None, None, 0, 0)), (C, C)
+                w_op, tiles.tma_view(w), cute.slice_(tile_tp, (None, None, 0, 0)), (C, C)
             )
 
         qk_stages, v_stages, tp_stages = self.qk_stages, self.v_stages, self.tp_stages
@@ -226,7 +224,7 @@ class GDNChunkFwdRolesSm90:
         HV = mG.shape[2]
         h = hv // (HV // H)
 
-        b, tok0, seqlen, n_chunks = blocks.sequence_bounds(n, T, mStart, mEnd, self.is_varlen, C)
+        b, tok0, seqlen, n_chunks = sequence.sequence_bounds(n, T, mStart, mEnd, self.is_varlen, C)
 
         smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(self.storage)
@@ -293,7 +291,7 @@ class GDNChunkFwdRolesSm90:
         # warp loads them)
         w_tiles = None
         if cutlass.const_expr(self.intra_save or self.intra_load):
-            tWs, tWg = blocks.tma_chunk_tiles(tma_w, mW[None, None, hv, n], 0, cute.group_modes(sTP, 2, 4))
+            tWs, tWg = tiles.tma_chunk_tiles(tma_w, mW[None, None, hv, n], 0, cute.group_modes(sTP, 2, 4))
             w_tiles = (tma_w, tWs, tWg)
 
         wg = warp // 4
@@ -322,9 +320,9 @@ class GDNChunkFwdRolesSm90:
         tile into stage c % 2 once chunk c - 2's is; with intra load also its saved Tinv (and P) into Tinv | P stage
         c % 2 (``w_tiles``: the workspace's TMA atom and tiles)."""
         qk_full, qk_empty, _, v_full, v_empty, tp_full, tp_empty = bars[:7]
-        tQs, tQg = blocks.tma_chunk_tiles(tma_q, mQ[None, None, h, b], tok0, sQK[None, None, 0, None])
-        tKs, tKg = blocks.tma_chunk_tiles(tma_k, mK[None, None, h, b], tok0, sQK[None, None, 1, None])
-        tVs, tVg = blocks.tma_chunk_tiles(tma_v, mV[None, None, hv, b], tok0, sV)
+        tQs, tQg = tiles.tma_chunk_tiles(tma_q, mQ[None, None, h, b], tok0, sQK[None, None, 0, None])
+        tKs, tKg = tiles.tma_chunk_tiles(tma_k, mK[None, None, h, b], tok0, sQK[None, None, 1, None])
+        tVs, tVg = tiles.tma_chunk_tiles(tma_v, mV[None, None, hv, b], tok0, sV)
         lane = cute.arch.lane_idx()
         C, D = self.C, self.D
         for c in cutlass.range(n_chunks, unroll=1):
@@ -346,7 +344,7 @@ class GDNChunkFwdRolesSm90:
                 cute.arch.mbarrier_wait(tp_empty + ts, (c // self.tp_stages + 1) % 2)
                 if lane == 0:
                     cute.arch.mbarrier_arrive_and_expect_tx(tp_full + ts, (2 if self.make_o else 1) * C * C * 2)
-                blocks.load_tinv_p(tma_w, tWg, tWs, c, ts, tp_full + ts, self.make_o)
+                workspace.load_tinv_p(tma_w, tWg, tWs, c, ts, tp_full + ts, self.make_o)
 
     @cute.jit
     def gate_role(self, mG, mBeta, gates, bars, b, hv, tok0, seqlen, n_chunks, lane):
@@ -386,7 +384,7 @@ class GDNChunkFwdRolesSm90:
                 tile = sQK[None, None, x, s]
                 n2 = f32(0.0)
                 for blk in cutlass.range(self.D // 32, unroll=1):
-                    n2 = n2 + blocks.row_sum_squares(tile, row, 4 * blk, 4)
+                    n2 = n2 + tiles.row_sum_squares(tile, row, 4 * blk, 4)
                 sNorm[row, s, x] = cute.math.rsqrt(n2 + f32(L2NORM_EPS), fastmath=True)
             cute.arch.mbarrier_arrive(norm_full + s)
 
@@ -425,7 +423,7 @@ class GDNChunkFwdRolesSm90:
         thr_stp = st_p.get_slice(atid)
         # Tinv's blocks above the diagonal stay zero (ordered for the state role by the first fence.proxy.async)
         for ts in cutlass.range_constexpr(self.tp_stages):
-            blocks.solve_clear(sTP[None, None, 0, ts], atid, 128)
+            solve.solve_clear(sTP[None, None, 0, ts], atid, 128)
         for c in cutlass.range(n_chunks, unroll=1):
             s = c % self.qk_stages
             ts = c % self.tp_stages
@@ -440,7 +438,7 @@ class GDNChunkFwdRolesSm90:
             cute.arch.mbarrier_wait(qk_full + s, (c // self.qk_stages) % 2)
             cute.arch.mbarrier_wait(g_full + s, (c // self.qk_stages) % 2)
             warpgroup.fence()
-            blocks.gemm(mma_ss, acc_x, tSSa[None, None, None, 1], tSSb, True)
+            mma.gemm(mma_ss, acc_x, tSSa[None, None, None, 1], tSSb, True)
             warpgroup.commit_group()
             g_r, b_r, g_c = self.slot_gates(gates, cSS, s, False)
             # a row's last unmasked column: the masks then depend on the chunk, and ptxas does not hoist 64
@@ -460,13 +458,13 @@ class GDNChunkFwdRolesSm90:
             cute.arch.barrier(barrier_id=_AUX_BARRIER, number_of_threads=128)
             for i in cutlass.range_constexpr(cute.size(acc_x)):
                 ra, ja = cSS[i]
-                rr, kc = blocks.acc_row_slot(i), blocks.acc_col_slot(i)
+                rr, kc = mma.acc_row_slot(i), mma.acc_col_slot(i)
                 va = f32(0.0)
                 if ja < lim_a[rr]:
                     va = acc_x[i] * b_r[rr] * cute.math.exp2(g_r[rr] - g_c[kc], fastmath=True)
                 sA[ja, ra] = va  # transposed: the solver walks A column by column
             warpgroup.fence()
-            blocks.gemm(mma_ss, acc_x, tSSa[None, None, None, 0], tSSb, True)
+            mma.gemm(mma_ss, acc_x, tSSa[None, None, None, 0], tSSb, True)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
             cute.arch.mbarrier_wait(tp_empty + ts, (c // self.tp_stages + 1) % 2)
@@ -479,7 +477,7 @@ class GDNChunkFwdRolesSm90:
             p_frag = cute.make_rmem_tensor(acc_x.layout, cutlass.BFloat16)
             for i in cutlass.range_constexpr(cute.size(acc_x)):
                 _, jp = cSS[i]
-                rr, kc = blocks.acc_row_slot(i), blocks.acc_col_slot(i)
+                rr, kc = mma.acc_row_slot(i), mma.acc_col_slot(i)
                 vp = f32(0.0)
                 if jp <= lim_p[rr]:
                     vp = acc_x[i] * scale * cute.math.exp2(g_r[rr] - g_c[kc], fastmath=True)
@@ -488,9 +486,9 @@ class GDNChunkFwdRolesSm90:
             # q | k tiles and the gate slot read
             cute.arch.mbarrier_arrive(qk_empty + s)
             cute.arch.barrier(barrier_id=_AUX_BARRIER, number_of_threads=128)
-            blocks.solve_diag16_per_warp(sA, atid)
+            solve.solve_diag16_per_warp(sA, atid)
             cute.arch.barrier(barrier_id=_AUX_BARRIER, number_of_threads=128)
-            blocks.solve_merge_to_bf16(sA, sT, atid, _AUX_BARRIER)
+            solve.solve_merge_to_bf16(sA, sT, atid, _AUX_BARRIER)
             # P and Tinv are read by the state role's wgmma (async proxy)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.mbarrier_arrive(tp_full + ts)
@@ -499,7 +497,7 @@ class GDNChunkFwdRolesSm90:
                     # every aux thread has fenced its part (the stage's full barrier), then one TMA store group
                     tma_w, tWs, tWg = w_tiles
                     cute.arch.mbarrier_wait(tp_full + ts, (c // self.tp_stages) % 2)
-                    blocks.save_tinv_p(tma_w, tWs, tWg, c, ts)
+                    workspace.save_tinv_p(tma_w, tWs, tWg, c, ts)
         if cutlass.const_expr(self.intra_save):
             if awarp == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -549,11 +547,11 @@ class GDNChunkFwdRolesSm90:
         )
         thr_ld = ld_v.get_slice(wtid)
         thr_sto = st_o.get_slice(wtid)
-        tOs, tOg = blocks.tma_chunk_tiles(tma_o, mOt[None, None, hv, b], tok0, sO)
+        tOs, tOg = tiles.tma_chunk_tiles(tma_o, mOt[None, None, hv, b], tok0, sO)
 
         acc_s = thr_st.make_fragment_C(thr_st.partition_shape_C((C, D)))
         if cutlass.const_expr(self.has_h0):
-            blocks.load_state(acc_s, cST, mH0, n, hv, row0)
+            state.load_state(acc_s, cST, mH0, n, hv, row0)
         elif cutlass.const_expr(self.mode == "transition"):
             for i in cutlass.range_constexpr(cute.size(acc_s)):
                 rh, kh = cST[i]
@@ -576,15 +574,15 @@ class GDNChunkFwdRolesSm90:
             if cutlass.const_expr(self.v_src is not None):
                 cute.arch.mbarrier_wait(v_full + vs, (c // self.v_stages) % 2)
             decay = cute.math.exp2(sG[L - 1, s], fastmath=True)
-            rS = blocks.acc_to_operand(acc_s)
+            rS = mma.acc_to_operand(acc_s)
             for i in cutlass.range_constexpr(cute.size(acc_s)):
                 acc_s[i] = acc_s[i] * decay
             acc_k = thr_rs.make_fragment_C(acc_cc_shape)
             acc_o = thr_rs.make_fragment_C(acc_cc_shape)
             warpgroup.fence()
-            blocks.gemm(mma_rs, acc_k, rS, tRSb_K, True)
+            mma.gemm(mma_rs, acc_k, rS, tRSb_K, True)
             if cutlass.const_expr(self.make_o):
-                blocks.gemm(mma_rs, acc_o, rS, tRSb_Q, True)
+                mma.gemm(mma_rs, acc_o, rS, tRSb_Q, True)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
 
@@ -602,13 +600,13 @@ class GDNChunkFwdRolesSm90:
                 for i in cutlass.range_constexpr(cute.size(acc_k)):
                     _, j = cCC[i]
                     acc_k[i] = -(sBeta[j, s] * sFac[j, s, fac_y]) * acc_k[i]
-            rY = blocks.acc_to_operand(acc_k)
+            rY = mma.acc_to_operand(acc_k)
             tRSb_T = thr_rs.make_fragment_B(thr_rs.partition_B(sTP[None, None, 0, ts]))
             tRSb_P = thr_rs.make_fragment_B(thr_rs.partition_B(sTP[None, None, 1, ts]))
             acc_vn = thr_rs.make_fragment_C(acc_cc_shape)
             cute.arch.mbarrier_wait(tp_full + ts, (c // self.tp_stages) % 2)
             warpgroup.fence()
-            blocks.gemm(mma_rs, acc_vn, rY, tRSb_T, True)
+            mma.gemm(mma_rs, acc_vn, rY, tRSb_T, True)
             warpgroup.commit_group()
             if cutlass.const_expr(self.make_o):
                 for i in cutlass.range_constexpr(cute.size(acc_o)):
@@ -617,16 +615,16 @@ class GDNChunkFwdRolesSm90:
             warpgroup.wait_group(0)
 
             # O^T += V_new^T P^T;  S^T += (V_new^T 2^(G_last - G_j)) K
-            rVn = blocks.acc_to_operand(acc_vn)
+            rVn = mma.acc_to_operand(acc_vn)
             for i in cutlass.range_constexpr(cute.size(acc_vn)):
                 _, j = cCC[i]
                 acc_vn[i] = acc_vn[i] * sFac[j, s, 1]
-            rVd = blocks.acc_to_operand(acc_vn)
+            rVd = mma.acc_to_operand(acc_vn)
             tSTb_K = thr_st.make_fragment_B(thr_st.partition_B(sK_mn[None, None, s]))
             warpgroup.fence()
             if cutlass.const_expr(self.make_o):
-                blocks.gemm(mma_rs, acc_o, rVn, tRSb_P, False)
-            blocks.gemm(mma_state, acc_s, rVd, tSTb_K, False)
+                mma.gemm(mma_rs, acc_o, rVn, tRSb_P, False)
+            mma.gemm(mma_state, acc_s, rVd, tSTb_K, False)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
             cute.arch.mbarrier_arrive(tp_empty + ts)
@@ -661,12 +659,12 @@ class GDNChunkFwdRolesSm90:
         if cutlass.const_expr(self.make_o):
             if n_chunks > 0:
                 last = n_chunks - 1
-                blocks.store_o_rows(
+                epilogue.store_o_rows(
                     sO[None, None, last % self.o_bufs], mO, b, hv, tok0 + last * C, seqlen - last * C, stid, C, D, 256
                 )
             if warp == 8:
                 cute.arch.cp_async_bulk_wait_group(0)
-        blocks.store_state(acc_s, cST, mHt, n, hv, row0)
+        state.store_state(acc_s, cST, mHt, n, hv, row0)
 
 
 def compile_gdn_fwd_roles_sm90(

@@ -36,8 +36,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cula import runtime
 from cula.gdn import chunk_fwd_roles_sm90, gates_sm90
 from cula.ops import segment_split, sm90_entry
-from cula.ops import sm90_blocks as blocks
 from cula.ops.gates import L2NORM_EPS  # FLA's l2norm_fwd: x / sqrt(sum(x^2) + eps)
+from cula.sm90 import epilogue, mma, sequence, solve, state, tiles, workspace
 
 CHUNK = 64
 MODES = ("full", "transition", "correction")  # see GDNChunkFwdSm90 and cula.ops.segment_split
@@ -223,19 +223,17 @@ class GDNChunkFwdSm90:
 
         one_tile = cute.slice_(tile_k_major, (None, None, 0))
         op = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q, mQ = cpasync.make_tiled_tma_atom(op, blocks.tma_view(q), one_tile, (C, D))
-        tma_k, mK = cpasync.make_tiled_tma_atom(op, blocks.tma_view(k), one_tile, (C, D))
+        tma_q, mQ = cpasync.make_tiled_tma_atom(op, tiles.tma_view(q), one_tile, (C, D))
+        tma_k, mK = cpasync.make_tiled_tma_atom(op, tiles.tma_view(k), one_tile, (C, D))
         v_src = o if cutlass.const_expr(self.tile_v_src == "o") else v
-        tma_v, mV = cpasync.make_tiled_tma_atom(op, blocks.tma_view(v_src), one_tile, (C, D))
-        tma_o, mOt = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), blocks.tma_view(o), one_tile, (C, D)
-        )
+        tma_v, mV = cpasync.make_tiled_tma_atom(op, tiles.tma_view(v_src), one_tile, (C, D))
+        tma_o, mOt = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), tiles.tma_view(o), one_tile, (C, D))
         # the Tinv / P workspace [ranges, chunks * 2 * C, HV, C] (chunk c's Tinv at rows 2 c C, its P after them);
         # unused without intra (q's atom stands in for it)
         tma_w, mW = tma_q, mQ
         if cutlass.const_expr(self.intra != "none"):
             w_op = cpasync.CopyBulkTensorTileS2GOp() if self.intra == "save" else op
-            tma_w, mW = cpasync.make_tiled_tma_atom(w_op, blocks.tma_view(w), cc_layout, (C, C))
+            tma_w, mW = cpasync.make_tiled_tma_atom(w_op, tiles.tma_view(w), cc_layout, (C, C))
 
         stages = self.stages
 
@@ -334,7 +332,7 @@ class GDNChunkFwdSm90:
         HV = mG.shape[2]
         h = hv // (HV // H)
 
-        b, tok0, seqlen, n_chunks = blocks.sequence_bounds(n, T, mStart, mEnd, self.is_varlen, C)
+        b, tok0, seqlen, n_chunks = sequence.sequence_bounds(n, T, mStart, mEnd, self.is_varlen, C)
 
         smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(self.storage)
@@ -360,16 +358,16 @@ class GDNChunkFwdSm90:
         sP = sTP[None, None, 1, 0]
 
         # TMA partitions: this head's (T, D) plane, shifted to the sequence start, cut in C-token tiles
-        tQs, tQg = blocks.tma_chunk_tiles(tma_q, mQ[None, None, h, b], tok0, sQ)
-        tKs, tKg = blocks.tma_chunk_tiles(tma_k, mK[None, None, h, b], tok0, sK)
-        tVs, tVg = blocks.tma_chunk_tiles(tma_v, mV[None, None, hv, b], tok0, sV)
+        tQs, tQg = tiles.tma_chunk_tiles(tma_q, mQ[None, None, h, b], tok0, sQ)
+        tKs, tKg = tiles.tma_chunk_tiles(tma_k, mK[None, None, h, b], tok0, sK)
+        tVs, tVg = tiles.tma_chunk_tiles(tma_v, mV[None, None, hv, b], tok0, sV)
         tWs, tWg = tQs, tQg
         if cutlass.const_expr(self.intra != "none"):
             # (C, C) tiles of this (range, head)'s workspace: 2 c for chunk c's Tinv, 2 c + 1 for its P; smem
             # buffers 2 s (Tinv) and 2 s + 1 (P) of t_stage s
-            tWs, tWg = blocks.tma_chunk_tiles(tma_w, mW[None, None, hv, n], 0, cute.group_modes(sTP, 2, 4))
+            tWs, tWg = tiles.tma_chunk_tiles(tma_w, mW[None, None, hv, n], 0, cute.group_modes(sTP, 2, 4))
         tma = (tma_q, tQg, tQs, tma_k, tKg, tKs, tma_v, tVg, tVs, tma_w, tWg, tWs)
-        tOs, tOg = blocks.tma_chunk_tiles(tma_o, mOt[None, None, hv, b], tok0, sO3)
+        tOs, tOg = tiles.tma_chunk_tiles(tma_o, mOt[None, None, hv, b], tok0, sO3)
 
         if warp == 0:
             cpasync.prefetch_descriptor(tma_q)
@@ -420,7 +418,7 @@ class GDNChunkFwdSm90:
         writes_state = True if self.state_wgs == 2 else wg == 0  # this WG's rows are its own (not a repeat)
 
         if cutlass.const_expr(self.has_h0):
-            blocks.load_state(acc_s, cST, mH0, n, hv, row0)
+            state.load_state(acc_s, cST, mH0, n, hv, row0)
         elif cutlass.const_expr(self.mode == "transition"):
             for i in cutlass.range_constexpr(cute.size(acc_s)):
                 rh, kh = cST[i]
@@ -430,7 +428,7 @@ class GDNChunkFwdSm90:
         else:
             acc_s.fill(0.0)
         if cutlass.const_expr(self.intra != "load"):
-            blocks.solve_clear(sT, tidx, self.threads)
+            solve.solve_clear(sT, tidx, self.threads)
 
         cute.arch.sync_threads()
 
@@ -452,7 +450,7 @@ class GDNChunkFwdSm90:
                 acc_x = thr_ss.make_fragment_C(thr_ss.partition_shape_C((C, C)))
                 if wg == 0 or cutlass.const_expr(self.make_o):
                     warpgroup.fence()
-                    blocks.gemm(
+                    mma.gemm(
                         mma_ss, acc_x, tSSa[None, None, None, 1 - wg, stage], tSSb_K[None, None, None, stage], True
                     )
                     warpgroup.commit_group()
@@ -465,7 +463,7 @@ class GDNChunkFwdSm90:
                 if wg == 0:
                     for i in cutlass.range_constexpr(cute.size(acc_x)):
                         ra, ja = cSS[i]
-                        rr, kc = blocks.acc_row_slot(i), blocks.acc_col_slot(i)
+                        rr, kc = mma.acc_row_slot(i), mma.acc_col_slot(i)
                         va = f32(0.0)
                         if ja < ra:
                             if ra < L:
@@ -477,7 +475,7 @@ class GDNChunkFwdSm90:
                     pair = cute.make_rmem_tensor(cute.make_layout((1, 2)), cutlass.BFloat16)
                     for i in cutlass.range_constexpr(cute.size(acc_x)):
                         rp, jp = cSS[i]
-                        rr, kc = blocks.acc_row_slot(i), blocks.acc_col_slot(i)
+                        rr, kc = mma.acc_row_slot(i), mma.acc_col_slot(i)
                         vp = f32(0.0)
                         if jp <= rp:
                             vp = acc_x[i] * scale * cute.math.exp2(g_r[rr] - g_c[kc], fastmath=True)
@@ -496,39 +494,39 @@ class GDNChunkFwdSm90:
 
             # ---- 2. S^T K^T and S^T Q^T (they do not need Tinv) are issued before Tinv = (I + A)^-1 is solved by
             # 16-blocks
-            rS = blocks.acc_to_operand(acc_s)
+            rS = mma.acc_to_operand(acc_s)
             acc_k = thr_rs.make_fragment_C(acc_cc_shape)
             acc_o = thr_rs.make_fragment_C(acc_cc_shape)
             warpgroup.fence()
-            blocks.gemm(mma_rs, acc_k, rS, tRSb_K[None, None, None, stage], True)
+            mma.gemm(mma_rs, acc_k, rS, tRSb_K[None, None, None, stage], True)
             if cutlass.const_expr(self.make_o):
-                blocks.gemm(mma_rs, acc_o, rS, tRSb_Q[None, None, None, stage], True)
+                mma.gemm(mma_rs, acc_o, rS, tRSb_Q[None, None, None, stage], True)
             warpgroup.commit_group()
             if cutlass.const_expr(self.intra != "load"):
                 if warp < 2:
-                    blocks.solve_diag16(sA, sT, tidx)
+                    solve.solve_diag16(sA, sT, tidx)
                 elif warp == 2:
                     # the next chunk's gates into the other slot (this chunk reads only its own; the other's last
                     # readers were done at the previous chunk's final barrier)
                     gates_sm90.publish_gates(sG, sBeta, sFac, 1 - slot, nxt, c + 1, seqlen, lane, self.C)
                 cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
-                blocks.solve_merge(sA, sT, tidx, 1, self.threads)
+                solve.solve_merge(sA, sT, tidx, 1, self.threads)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
             if cutlass.const_expr(self.intra == "save"):
                 # Tinv and P of this chunk to the workspace; their buffers are next written in the next chunk, after
                 # this chunk's final barrier, before which warp 0 waits for the stores to have read them
                 if warp == 0:
-                    blocks.save_tinv_p(tma_w, tWs, tWg, c)
+                    workspace.save_tinv_p(tma_w, tWs, tWg, c)
 
             # ---- 3. the other state products on this WG's 64 value rows. First, while S^T K^T may still run: the
-            # factors of this thread's 16 accumulator columns (blocks.acc_col_slot), zero past the sequence end, and
+            # factors of this thread's 16 accumulator columns (mma.acc_col_slot), zero past the sequence end, and
             # the state's chunk decay
             e_g = cute.make_rmem_tensor(cute.make_layout(16), f32)  # exp(G_j)
             e_d = cute.make_rmem_tensor(cute.make_layout(16), f32)  # exp(G_last - G_j)
             b_j = cute.make_rmem_tensor(cute.make_layout(16), f32)  # beta_j
             for kc in cutlass.range_constexpr(16):
-                _, jc = cCC[blocks.acc_col_element(kc)]
+                _, jc = cCC[mma.acc_col_element(kc)]
                 e_g[kc] = sFac[jc, slot, 0]
                 e_d[kc] = sFac[jc, slot, 1]
                 b_j[kc] = sBeta[jc, slot]
@@ -543,15 +541,15 @@ class GDNChunkFwdSm90:
             # Y^T[v, j] = beta_j (V[j, v] - exp(G_j) (S^T K^T)[v, j]), zero past the sequence end
             for i in cutlass.range_constexpr(cute.size(acc_k)):
                 r, j = cCC[i]
-                kc = blocks.acc_col_slot(i)
+                kc = mma.acc_col_slot(i)
                 vv = f32(0.0)
                 if cutlass.const_expr(self.tile_v_src == "v"):
                     vv = sV[j, row0 + r, stage].to(f32)
                 acc_k[i] = b_j[kc] * (vv - e_g[kc] * acc_k[i])
-            rY = blocks.acc_to_operand(acc_k)
+            rY = mma.acc_to_operand(acc_k)
             acc_vn = thr_rs.make_fragment_C(acc_cc_shape)
             warpgroup.fence()
-            blocks.gemm(mma_rs, acc_vn, rY, tRSb_T[None, None, None, tstage], True)
+            mma.gemm(mma_rs, acc_vn, rY, tRSb_T[None, None, None, tstage], True)
             warpgroup.commit_group()
             # O^T inter-chunk part scaled while V_new^T is computed
             if cutlass.const_expr(self.make_o):
@@ -560,18 +558,18 @@ class GDNChunkFwdSm90:
                         _, jo = cCC[i]
                         acc_o[i] = acc_o[i] * scale * sFac[jo, slot, 0] * sNorm[jo, 2]
                     else:
-                        acc_o[i] = acc_o[i] * scale * e_g[blocks.acc_col_slot(i)]
+                        acc_o[i] = acc_o[i] * scale * e_g[mma.acc_col_slot(i)]
             warpgroup.wait_group(0)
 
             # O^T += V_new^T P^T;  S^T += (V_new^T exp(G_last - G_j)) K
-            rVn = blocks.acc_to_operand(acc_vn)
+            rVn = mma.acc_to_operand(acc_vn)
             for i in cutlass.range_constexpr(cute.size(acc_vn)):
-                acc_vn[i] = acc_vn[i] * e_d[blocks.acc_col_slot(i)]
-            rVd = blocks.acc_to_operand(acc_vn)
+                acc_vn[i] = acc_vn[i] * e_d[mma.acc_col_slot(i)]
+            rVd = mma.acc_to_operand(acc_vn)
             warpgroup.fence()
             if cutlass.const_expr(self.make_o):
-                blocks.gemm(mma_rs, acc_o, rVn, tRSb_P[None, None, None, tstage], False)
-            blocks.gemm(mma_state, acc_s, rVd, tSTb_K[None, None, None, stage], False)
+                mma.gemm(mma_rs, acc_o, rVn, tRSb_P[None, None, None, tstage], False)
+            mma.gemm(mma_state, acc_s, rVd, tSTb_K[None, None, None, stage], False)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
 
@@ -606,7 +604,7 @@ class GDNChunkFwdSm90:
         # the last chunk's O, by plain stores with rows past the sequence end masked
         if cutlass.const_expr(self.make_o):
             if n_chunks > 0:
-                blocks.store_o_rows(
+                epilogue.store_o_rows(
                     sO,
                     mO,
                     b,
@@ -623,7 +621,7 @@ class GDNChunkFwdSm90:
 
         # ---- final state
         if writes_state:
-            blocks.store_state(acc_s, cST, mHt, n, hv, row0)
+            state.store_state(acc_s, cST, mHt, n, hv, row0)
 
     # ---------------------------------------------------------------- helpers
     @cute.jit
@@ -640,7 +638,7 @@ class GDNChunkFwdSm90:
         if cutlass.const_expr(self.tile_v_src is not None):
             cute.copy(tma_v, tVg[None, chunk], tVs[None, s], tma_bar_ptr=full + s)
         if cutlass.const_expr(self.intra == "load"):
-            blocks.load_tinv_p(tma_w, tWg, tWs, chunk, s, full + s, self.make_o)
+            workspace.load_tinv_p(tma_w, tWg, tWs, chunk, s, full + s, self.make_o)
 
     @cute.jit
     def token_norms(self, acc_kk, cSS, sQ, sNorm, wg, wtid):
@@ -657,7 +655,7 @@ class GDNChunkFwdSm90:
                     sNorm[r, 1] = f32(0.5) * cute.math.log2(n2, fastmath=True)
         elif cutlass.const_expr(self.make_o):
             row, half = wtid // 2, wtid % 2
-            acc = blocks.row_sum_squares(sQ, row, half * (self.D // 16), self.D // 16)
+            acc = tiles.row_sum_squares(sQ, row, half * (self.D // 16), self.D // 16)
             acc = acc + cute.arch.shuffle_sync_bfly(acc, 1)
             if half == 0:
                 sNorm[row, 2] = cute.math.rsqrt(acc + eps, fastmath=True)

@@ -7,14 +7,14 @@ import math
 import cutlass
 import cutlass.cute as cute
 
-from cula.ops import sm90_blocks as blocks
+from cula.sm90 import mma
 
 _LOG2E = math.log2(math.e)
 
 
 @cute.jit
 def gates_at(cCC, row_g, row_b, col_g, slot):
-    """Per-token values at this thread's 2 accumulator rows and 16 columns of a (C x C) tile (blocks.acc_row_slot /
+    """Per-token values at this thread's 2 accumulator rows and 16 columns of a (C x C) tile (mma.acc_row_slot /
     acc_col_slot): ``row_g`` and ``row_b`` at its rows, ``col_g`` at its columns (each (C, slots), read in ``slot``)."""
     f32 = cutlass.Float32
     g_r = cute.make_rmem_tensor(cute.make_layout(2), f32)
@@ -25,7 +25,7 @@ def gates_at(cCC, row_g, row_b, col_g, slot):
         g_r[rr] = row_g[r, slot]
         b_r[rr] = row_b[r, slot]
     for kc in cutlass.range_constexpr(16):
-        _, j = cCC[blocks.acc_col_element(kc)]
+        _, j = cCC[mma.acc_col_element(kc)]
         g_c[kc] = col_g[j, slot]
     return g_r, b_r, g_c
 
@@ -40,7 +40,7 @@ def row_col_gates(sG, sBeta, sNorm, cCC, slot, qk_l2norm: cutlass.Constexpr):
             r, _ = cCC[2 * rr]
             b_r[rr] = b_r[rr] * sNorm[r, 0]
         for kc in cutlass.range_constexpr(16):
-            _, j = cCC[blocks.acc_col_element(kc)]
+            _, j = cCC[mma.acc_col_element(kc)]
             g_c[kc] = g_c[kc] + sNorm[j, 1]
     return g_r, b_r, g_c
 

@@ -42,8 +42,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cula import runtime
 from cula.ops import segment_split, sm90_entry
-from cula.ops import sm90_blocks as blocks
 from cula.ops.gates import L2NORM_EPS  # FLA's l2norm_fwd: x / sqrt(sum(x^2) + eps)
+from cula.sm90 import epilogue, mma, sequence, solve, state, tiles, workspace
 
 CHUNK = 64
 MODES = ("full", "transition", "correction")  # see KDAChunkFwdSm90 and cula.ops.segment_split
@@ -217,24 +217,22 @@ class KDAChunkFwdSm90:
 
         one_tile = cute.slice_(tile_v, (None, None, 0))
         op = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q, mQ = cpasync.make_tiled_tma_atom(op, blocks.tma_view(q), one_tile, (C, D))
-        tma_k, mK = cpasync.make_tiled_tma_atom(op, blocks.tma_view(k), one_tile, (C, D))
+        tma_q, mQ = cpasync.make_tiled_tma_atom(op, tiles.tma_view(q), one_tile, (C, D))
+        tma_k, mK = cpasync.make_tiled_tma_atom(op, tiles.tma_view(k), one_tile, (C, D))
         v_src = o if cutlass.const_expr(self.tile_v_src == "o") else v
-        tma_v, mV = cpasync.make_tiled_tma_atom(op, blocks.tma_view(v_src), one_tile, (C, D))
+        tma_v, mV = cpasync.make_tiled_tma_atom(op, tiles.tma_view(v_src), one_tile, (C, D))
         # the gate tile as it arrives: fp32 into the gate tile, or raw bf16 into R's buffer (read as a (C, D) tile)
         tile_g_in = tile_g
         if cutlass.const_expr(self.gate_in_kernel):
             tile_g_in = cute.make_layout((C, D, 1), stride=(D, 1, C * D))
-        tma_g, mGt = cpasync.make_tiled_tma_atom(
-            op, blocks.tma_view(g), cute.slice_(tile_g_in, (None, None, 0)), (C, D)
-        )
+        tma_g, mGt = cpasync.make_tiled_tma_atom(op, tiles.tma_view(g), cute.slice_(tile_g_in, (None, None, 0)), (C, D))
         # Tinv and P side by side (C, C, T|P); the workspace [ranges, chunks * 2 * C, HV, C] of the split passes
         # (chunk c's Tinv at rows 2 c C, its P after them); unused without intra (q's atom stands in for it)
         tile_tp = cute.tile_to_shape(atom_k, (C, C, 2), order=(0, 1, 2))
         tma_w, mW = tma_q, mQ
         if cutlass.const_expr(self.intra != "none"):
             w_op = cpasync.CopyBulkTensorTileS2GOp() if self.intra == "save" else op
-            tma_w, mW = cpasync.make_tiled_tma_atom(w_op, blocks.tma_view(w), cc_layout, (C, C))
+            tma_w, mW = cpasync.make_tiled_tma_atom(w_op, tiles.tma_view(w), cc_layout, (C, C))
         # the B tiles' workspace [ranges, chunks * 3 * C, HV, D] (chunk c's K 2^G at rows 3 c C, Q 2^G and then
         # K 2^(G_last - G) after it, each token's channels contiguous: the latter is written and read through the
         # (D, rows) view, MN-major as its smem tile); the first pass saves them, the later passes load them
@@ -242,9 +240,9 @@ class KDAChunkFwdSm90:
         if cutlass.const_expr(self.intra != "none"):
             b_op = cpasync.CopyBulkTensorTileS2GOp() if self.intra == "save" else op
             tma_b, mB = cpasync.make_tiled_tma_atom(
-                b_op, blocks.tma_view(wb), cute.slice_(tile_xg, (None, None, 0)), (C, D)
+                b_op, tiles.tma_view(wb), cute.slice_(tile_xg, (None, None, 0)), (C, D)
             )
-            wb_rows = blocks.tma_view(wb)
+            wb_rows = tiles.tma_view(wb)
             wb_mn = cute.make_tensor(wb_rows.iterator, cute.select(wb_rows.layout, mode=[1, 0, 2, 3]))
             tma_bd, mBd = cpasync.make_tiled_tma_atom(b_op, wb_mn, cute.slice_(tile_kd, (None, None, 0)), (D, C))
 
@@ -369,7 +367,7 @@ class KDAChunkFwdSm90:
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         h = hv // (HV // H)
 
-        b, tok0, seqlen, n_chunks = blocks.sequence_bounds(n, T, mStart, mEnd, self.is_varlen, C)
+        b, tok0, seqlen, n_chunks = sequence.sequence_bounds(n, T, mStart, mEnd, self.is_varlen, C)
 
         smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(self.storage)
@@ -404,21 +402,21 @@ class KDAChunkFwdSm90:
         sTP = st.sTP.get_tensor(tile_tp.outer, swizzle=tile_tp.inner)
 
         # TMA partitions: this head's (T, D) plane, shifted to the sequence start, cut in C-token tiles
-        tQs, tQg = blocks.tma_chunk_tiles(tma_q, mQ[None, None, h, b], tok0, sQ3)
-        tKs, tKg = blocks.tma_chunk_tiles(tma_k, mK[None, None, h, b], tok0, sK3)
-        tVs, tVg = blocks.tma_chunk_tiles(tma_v, mV[None, None, hv, b], tok0, sV3)
-        tGs, tGg = blocks.tma_chunk_tiles(tma_g, mGt[None, None, hv, b], tok0, sGin3)
+        tQs, tQg = tiles.tma_chunk_tiles(tma_q, mQ[None, None, h, b], tok0, sQ3)
+        tKs, tKg = tiles.tma_chunk_tiles(tma_k, mK[None, None, h, b], tok0, sK3)
+        tVs, tVg = tiles.tma_chunk_tiles(tma_v, mV[None, None, hv, b], tok0, sV3)
+        tGs, tGg = tiles.tma_chunk_tiles(tma_g, mGt[None, None, hv, b], tok0, sGin3)
         tma_qkg = (tma_q, tQg, tQs, tma_k, tKg, tKs, tma_g, tGg, tGs)
         w_tiles = (tma_w, tQs, tQg)
         if cutlass.const_expr(self.intra != "none"):
             # (C, C) tiles of this (range, head)'s workspace: 2 c for chunk c's Tinv, 2 c + 1 for its P
-            tWs, tWg = blocks.tma_chunk_tiles(tma_w, mW[None, None, hv, n], 0, sTP)
+            tWs, tWg = tiles.tma_chunk_tiles(tma_w, mW[None, None, hv, n], 0, sTP)
             w_tiles = (tma_w, tWs, tWg)
         b_tiles = (tma_b, tQs, tQg, tma_bd, tQs, tQg)
         if cutlass.const_expr(self.intra != "none"):
             # (C, D) tiles of the B-tile workspace: 3 c for chunk c's K 2^G, 3 c + 1 for Q 2^G (rows), 3 c + 2 for
             # K 2^(G_last - G) (through the (D, rows) view)
-            tBs, tBg = blocks.tma_chunk_tiles(tma_b, mB[None, None, hv, n], 0, sXG)
+            tBs, tBg = tiles.tma_chunk_tiles(tma_b, mB[None, None, hv, n], 0, sXG)
             gKD = cute.local_tile(mBd[None, None, hv, n], (D, C), (0, None))
             tKDs, tKDg = cpasync.tma_partition(
                 tma_bd, 0, cute.make_layout(1), cute.group_modes(sKD3, 0, 2), cute.group_modes(gKD, 0, 2)
@@ -613,7 +611,7 @@ class KDAChunkFwdSm90:
         writes_state = True if self.state_wgs == 2 else wg == 0  # this WG's rows are its own (not a repeat)
 
         if cutlass.const_expr(self.has_h0):
-            blocks.load_state(acc_s, cST, mH0, n, hv, row0)
+            state.load_state(acc_s, cST, mH0, n, hv, row0)
         elif cutlass.const_expr(self.mode == "transition"):
             for i in cutlass.range_constexpr(cute.size(acc_s)):
                 rh, kh = cST[i]
@@ -623,7 +621,7 @@ class KDAChunkFwdSm90:
         else:
             acc_s.fill(0.0)
         if cutlass.const_expr(self.intra != "load"):
-            blocks.solve_clear(sT, tidx, nt)  # the math barriers of the first chunk order it
+            solve.solve_clear(sT, tidx, nt)  # the math barriers of the first chunk order it
 
         for c in cutlass.range(n_chunks, unroll=1):
             slot = c % 2
@@ -645,8 +643,8 @@ class KDAChunkFwdSm90:
                 # zero: their factor against r = 48 would overflow and their entries are above the diagonal)
                 # built in pairs and converted two at a time (bf16x2), so every operand register is final before the
                 # wgmma fence (a register packed after it makes ptxas fence each k-block: C7519)
-                l0 = blocks.empty_operand(cute.size(cST))
-                l1 = blocks.empty_operand(cute.size(cST))
+                l0 = mma.empty_operand(cute.size(cST))
+                l1 = mma.empty_operand(cute.size(cST))
                 l0_flat = cute.make_tensor(l0.iterator, cute.make_layout(cute.size(cST)))
                 l1_flat = cute.make_tensor(l1.iterator, cute.make_layout(cute.size(cST)))
                 p0 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
@@ -681,13 +679,13 @@ class KDAChunkFwdSm90:
                 acc0 = thr_h.make_fragment_C(acc_h_shape)
                 acc1 = thr_h.make_fragment_C(acc_h_shape)
                 warpgroup.fence()
-                blocks.gemm(mma_half, acc0, l0, tHb_R[None, None, None, 0], True)
-                blocks.gemm(mma_half, acc1, l1, tHb_R[None, None, None, 1], True)
+                mma.gemm(mma_half, acc0, l0, tHb_R[None, None, None, 0], True)
+                mma.gemm(mma_half, acc1, l1, tHb_R[None, None, None, 1], True)
                 warpgroup.commit_group()
                 # while they run: the previous chunk's O (staged in smem, a full chunk) to global memory
                 if cutlass.const_expr(self.make_o):
                     if c > 0:
-                        blocks.store_o_rows(sO, mO, b, hv, tok0 + (c - 1) * C, C, tidx, C, D, nt)
+                        epilogue.store_o_rows(sO, mO, b, hv, tok0 + (c - 1) * C, C, tidx, C, D, nt)
                 warpgroup.wait_group(0)
                 # q, k, G and R of the chunk are no longer read here: the prep role may load the next chunk's
                 cute.arch.barrier_arrive(barrier_id=_AP_DONE_BARRIER, number_of_threads=self.threads)
@@ -720,21 +718,21 @@ class KDAChunkFwdSm90:
 
                 # ---- 2. Tinv = (I + A)^-1 by 16-blocks: warps 0-1 invert the diagonal blocks, warps 0-3 join them
                 if warp < 2:
-                    blocks.solve_diag16(sA, sT, tidx)
+                    solve.solve_diag16(sA, sT, tidx)
                 cute.arch.barrier(barrier_id=_MATH_BARRIER, number_of_threads=nt)
-                blocks.solve_merge(sA, sT, tidx, _MATH_BARRIER, nt)
+                solve.solve_merge(sA, sT, tidx, _MATH_BARRIER, nt)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=_MATH_BARRIER, number_of_threads=nt)
             else:
                 # Tinv, P and the B tiles come from the first pass: the previous chunk's O alone before them
                 if cutlass.const_expr(self.make_o):
                     if c > 0:
-                        blocks.store_o_rows(sO, mO, b, hv, tok0 + (c - 1) * C, C, tidx, C, D, nt)
+                        epilogue.store_o_rows(sO, mO, b, hv, tok0 + (c - 1) * C, C, tidx, C, D, nt)
             if cutlass.const_expr(self.intra == "save"):
                 # this chunk's Tinv and P to the workspace; warp 0 waits for the stores to have read them before the
                 # chunk's final barrier (the next chunk writes them again)
                 if warp == 0:
-                    blocks.save_tinv_p(tma_w, tWs, tWg, c)
+                    workspace.save_tinv_p(tma_w, tWs, tWg, c)
 
             # ---- 3. state products on this WG's 64 value rows, once the B tiles are made (or loaded)
             cute.arch.barrier(barrier_id=_B_FULL_BARRIER, number_of_threads=self.threads)
@@ -744,20 +742,20 @@ class KDAChunkFwdSm90:
             if cutlass.const_expr(self.tile_v_src is not None):
                 cute.arch.mbarrier_wait(bar_v + c % 2, (c // 2) % 2)
             sV = sV3[None, None, c % 2]
-            rS = blocks.acc_to_operand(acc_s)
+            rS = mma.acc_to_operand(acc_s)
             acc_k = thr_rs.make_fragment_C(acc_cc_shape)
             acc_o = thr_rs.make_fragment_C(acc_cc_shape)
             warpgroup.fence()
-            blocks.gemm(mma_rs, acc_k, rS, tRSb_KG, True)
+            mma.gemm(mma_rs, acc_k, rS, tRSb_KG, True)
             if cutlass.const_expr(self.make_o):
-                blocks.gemm(mma_rs, acc_o, rS, tRSb_QG, True)
+                mma.gemm(mma_rs, acc_o, rS, tRSb_QG, True)
             warpgroup.commit_group()
 
-            # while those run: beta of this thread's 16 accumulator columns (blocks.acc_col_slot), and the state's
+            # while those run: beta of this thread's 16 accumulator columns (mma.acc_col_slot), and the state's
             # chunk decay per key channel (column of S^T)
             b_j = cute.make_rmem_tensor(cute.make_layout(16), f32)
             for kc in cutlass.range_constexpr(16):
-                _, jc = cCC[blocks.acc_col_element(kc)]
+                _, jc = cCC[mma.acc_col_element(kc)]
                 b_j[kc] = sBeta[jc, slot]
             for i in cutlass.range_constexpr(cute.size(acc_s)):
                 rd, kd_ = cST[i]
@@ -770,14 +768,14 @@ class KDAChunkFwdSm90:
                 vv = f32(0.0)
                 if cutlass.const_expr(self.tile_v_src == "v"):
                     vv = sV[j, row0 + r].to(f32)
-                acc_k[i] = b_j[blocks.acc_col_slot(i)] * (vv - acc_k[i])
+                acc_k[i] = b_j[mma.acc_col_slot(i)] * (vv - acc_k[i])
             # Y and V_new enter their products as bf16 hi + lo pairs: the state and O then keep ~16 bits of them
             # (a single bf16 rounding here costs about 2e-3 relative error in the state)
-            rY, rY_lo = blocks.acc_to_operand_split(acc_k)
+            rY, rY_lo = mma.acc_to_operand_split(acc_k)
             acc_vn = thr_rs.make_fragment_C(acc_cc_shape)
             warpgroup.fence()
-            blocks.gemm(mma_rs, acc_vn, rY, tRSb_T, True)
-            blocks.gemm(mma_rs, acc_vn, rY_lo, tRSb_T, False)
+            mma.gemm(mma_rs, acc_vn, rY, tRSb_T, True)
+            mma.gemm(mma_rs, acc_vn, rY_lo, tRSb_T, False)
             warpgroup.commit_group()
             # O^T inter-chunk part scaled while V_new^T is computed
             if cutlass.const_expr(self.make_o):
@@ -786,13 +784,13 @@ class KDAChunkFwdSm90:
             warpgroup.wait_group(0)
 
             # O^T += V_new^T P^T;  S^T += V_new^T (K 2^(G_last - G))
-            rVn, rVn_lo = blocks.acc_to_operand_split(acc_vn)
+            rVn, rVn_lo = mma.acc_to_operand_split(acc_vn)
             warpgroup.fence()
             if cutlass.const_expr(self.make_o):
-                blocks.gemm(mma_rs, acc_o, rVn, tRSb_P, False)
-                blocks.gemm(mma_rs, acc_o, rVn_lo, tRSb_P, False)
-            blocks.gemm(mma_state, acc_s, rVn, tSTb_KD, False)
-            blocks.gemm(mma_state, acc_s, rVn_lo, tSTb_KD, False)
+                mma.gemm(mma_rs, acc_o, rVn, tRSb_P, False)
+                mma.gemm(mma_rs, acc_o, rVn_lo, tRSb_P, False)
+            mma.gemm(mma_state, acc_s, rVn, tSTb_KD, False)
+            mma.gemm(mma_state, acc_s, rVn_lo, tSTb_KD, False)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
             # the B tiles are free for the next chunk's
@@ -820,13 +818,13 @@ class KDAChunkFwdSm90:
         # the last chunk's O (the loop stores each chunk's O during the next chunk's step 1)
         if cutlass.const_expr(self.make_o):
             if n_chunks > 0:
-                blocks.store_o_rows(
+                epilogue.store_o_rows(
                     sO, mO, b, hv, tok0 + (n_chunks - 1) * C, seqlen - (n_chunks - 1) * C, tidx, C, D, nt
                 )  # fmt: skip
 
         # ---- final state
         if writes_state:
-            blocks.store_state(acc_s, cST, mHt, n, hv, row0)
+            state.store_state(acc_s, cST, mHt, n, hv, row0)
 
     # ---------------------------------------------------------------- helpers
     @cute.jit
@@ -906,7 +904,7 @@ class KDAChunkFwdSm90:
         ``sNorm`` (column 0 k, 1 q)."""
         which = t // self.C
         tile = sQK[None, None, 1 - which, 0]
-        acc = blocks.row_sum_squares(tile, t % self.C, 0, self.D // 8)
+        acc = tiles.row_sum_squares(tile, t % self.C, 0, self.D // 8)
         sNorm[t % self.C, which] = cute.math.rsqrt(acc + cutlass.Float32(L2NORM_EPS), fastmath=True)
 
     @cute.jit
@@ -1057,7 +1055,7 @@ class KDAChunkFwdSm90:
         next chunk's into L2 (as in :meth:`issue_qkg`)."""
         if lane == 0:
             cute.arch.mbarrier_arrive_and_expect_tx(bar, self.tp_bytes)
-        blocks.load_tinv_p(tma_w, tWg, tWs, chunk, 0, bar, self.make_o)
+        workspace.load_tinv_p(tma_w, tWg, tWs, chunk, 0, bar, self.make_o)
         if chunk + 1 < n_chunks and lane == 0:
             for i in cutlass.range_constexpr(1 + int(self.make_o)):
                 cute.prefetch(tma_w, tWg[None, 2 * chunk + 2 + i])

@@ -1,0 +1,18 @@
+"""Where a CTA's sequence lies: fixed-length batch rows or varlen token ranges."""
+
+import cutlass
+import cutlass.cute as cute
+
+
+@cute.jit
+def sequence_bounds(n, T, mStart, mEnd, is_varlen: cutlass.Constexpr, C: cutlass.Constexpr):
+    """CTA row ``n``'s sequence: ``(batch row, first token, length, chunks of C)``. Varlen packs all sequences in
+    batch row 0 between ``mStart[n]`` and ``mEnd[n]``; otherwise sequence n is batch row n, ``T`` tokens."""
+    b = n
+    tok0 = cutlass.Int32(0)
+    seqlen = T
+    if cutlass.const_expr(is_varlen):
+        b = cutlass.Int32(0)
+        tok0 = cutlass.Int32(mStart[n])
+        seqlen = cutlass.Int32(mEnd[n]) - tok0
+    return b, tok0, seqlen, (seqlen + C - 1) // C
