@@ -16,6 +16,8 @@ from delta_rule_recurrence import (
 import cula
 
 cutlass = pytest.importorskip("cutlass")
+# every test of this file on the earlier SM90 kernels and on the family's
+pytestmark = pytest.mark.usefixtures("sm90_kernels")
 
 LOWER_BOUND = -5.0
 
@@ -226,15 +228,15 @@ def test_raw_bf16_gate_goes_to_the_kernel_unactivated(monkeypatch):
     monkeypatch.setattr(
         torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(multi_processor_count=132)
     )
-    from cula.kda import chunk_fwd_sm90
+    from cula.sm90 import entry
 
     seen = {}
 
-    def fake_entry(q, k, v, g, beta, *args, gate=None, **kw):
-        seen.update(g=g, gate=gate)
-        return torch.zeros_like(v), None
+    def fake_entry(kernel, call):
+        seen.update(kernel=kernel.name, g=call.g, gate=call.gate)
+        return torch.zeros_like(call.v), None
 
-    monkeypatch.setattr(chunk_fwd_sm90, "chunk_kda_fwd_sm90", fake_entry)
+    monkeypatch.setattr(entry, "chunk_fwd", fake_entry)
     B, T, H, HV, D = 1, 70, 2, 4, 128
     g = torch.randn(B, T, HV, D).bfloat16()
     A_log, dt_bias = torch.rand(HV), torch.randn(HV * D)
@@ -251,7 +253,7 @@ def test_raw_bf16_gate_goes_to_the_kernel_unactivated(monkeypatch):
         dt_bias=dt_bias,
     )
     assert cula.last_decision(cula.kda.chunk_kda).backend == "cute"
-    assert seen["g"].dtype == torch.bfloat16 and torch.equal(seen["g"], g)
+    assert seen["kernel"] == "kda" and seen["g"].dtype == torch.bfloat16 and torch.equal(seen["g"], g)
     assert seen["gate"][0] is A_log and seen["gate"][1] is dt_bias and seen["gate"][2] == -3.0
 
 

@@ -139,12 +139,12 @@ def _sm90_faster_than_fla(args: dict[str, Any]) -> tuple[bool, str]:
 
 
 def _sm90_run(args: dict[str, Any]):
-    from cula.gdn.chunk_fwd_sm90 import chunk_gated_delta_rule_fwd_sm90
-    from cula.ops.sm90_entry import run_bound
+    from cula.gdn.chunk_fwd_sm90 import GDN_SM90
+    from cula.sm90.entry import run_bound
 
     g = args["g"]
     g = kernel_gdn_gate(g, args.get("A_log"), args.get("dt_bias")) if args.get("use_gate_in_kernel") else g.float()
-    return run_bound(chunk_gated_delta_rule_fwd_sm90, args, g)
+    return run_bound(GDN_SM90, args, g)
 
 
 CHUNK.register_kernel(CuteKernel("gdn.chunk_fwd_sm90", 9, _sm90_supports, _sm90_run, _sm90_faster_than_fla))

@@ -1,71 +1,62 @@
-"""Gated DeltaNet chunked-prefill forward for SM90 (sm_90a), CuTe DSL: the entry, and the two-warpgroup kernel.
+"""Gated DeltaNet chunked-prefill forward for SM90: the family skeleton (:mod:`cula.sm90.chunk_fwd`) with GDN's
+scalar per-token gate, and GDN's place in the SM90 host path.
 
-The entry compiles the four-role kernel (:mod:`cula.gdn.chunk_fwd_roles_sm90`) for D = 128 (:func:`uses_roles`) and
-the kernel below for D = 64.
+Math per chunk (FLA convention; state S is K x V; G the cumulative log gate inside the chunk, in log2 units):
 
-One CTA per (sequence, value head) walks the sequence in chunks of C = 64 tokens and keeps the fp32 state on chip
-across all chunks. Math per chunk (FLA convention; state S is K x V; G = cumulative log gate inside the chunk):
+    A     = tril(diag(beta) (K K^T * 2^(G_i - G_j)), -1)          Tinv = (I + A)^-1
+    Y     = diag(beta) (V - (K * 2^G) S)                          V_new = Tinv Y
+    O     = scale (Q * 2^G) S + tril(scale Q K^T * 2^(G_i - G_j)) V_new
+    S    <- 2^G_last S + (K * 2^(G_last - G))^T V_new
 
-    A     = tril(diag(beta) (K K^T * exp(G_i - G_j)), -1)          Tinv = (I + A)^-1
-    Y     = diag(beta) (V - (K * exp(G)) S)                         V_new = Tinv Y        (= U - W S)
-    O     = scale (Q * exp(G)) S + tril(scale Q K^T * exp(G_i - G_j)) V_new
-    S    <- exp(G_last) S + (K * exp(G_last - G))^T V_new
+The gate is one value per token, so its factors multiply the accumulators' token columns and the state as a
+whole: the B tiles are the raw q and k tiles. Roles (512 threads at D = 128, 384 at D = 64):
 
-The kernel works on S^T (V x K): each of the two math warpgroups holds 64 value rows x K key columns of S^T as
-a wgmma fp32 accumulator (64 registers per thread at K = 128), so every product with S uses S^T (converted to
-bf16) as the register A operand and the token tiles in shared memory as the B operand. At K = V = 64 warpgroup 0
-holds all of S^T and warpgroup 1 repeats its state products without writing them:
+- PRODUCER (24 registers): warp 0 issues the q | k tiles (3 stages), the v tiles (2) and, in the later split passes,
+  the saved Tinv | P (2); warp 1 scans each chunk's gates into a gate slot (G, beta, 2^G, 2^(G_last - G)); with
+  qk_l2norm warps 2 and 3 first take the norms of the landed q and k rows, which the gate warp folds into the slot
+  (the tiles stay as loaded).
+- INTRA (104): K K^T and Q K^T (wgmma SS), the masks (A^T fp32 to ``sA``, P bf16 by stmatrix), Tinv on one
+  warpgroup (:func:`cula.sm90.solve.solve_diag16_per_warp`, ``solve_merge_to_bf16``); idle in the later split passes.
+- STATE (the rest): one warpgroup per 64 value rows of S^T.
 
-    S^T K^T, S^T Q^T   (A = S^T regs, B = K/Q tile, K-major)
-    V_new^T = Y^T Tinv^T                 (A = Y^T regs, B = Tinv in smem)
-    O^T    += V_new^T P^T                (A = V_new^T regs, B = P in smem)
-    S^T    += (V_new^T * decay) K        (A = regs, B = the same K tile read MN-major)
-
-Shapes (torch order): q, k [B, T, H, K] bf16; v [B, T, HV, V] bf16; g [B, T, HV] fp32 (natural-log gate, already
-activated); beta [B, T, HV] bf16/fp32; o [B, T, HV, V] bf16; state [N, HV, K, V] fp32 ([N, HV, V, K] when
-state_v_first). Varlen: B == 1 and cu_seqlens [N + 1]. GVA: value head hv reads q/k head hv // (HV / H).
-K = V = 64 or 128.
+Shapes as :mod:`cula.sm90.chunk_fwd`; g [B, T, HV] fp32 (activated natural-log gate).
 """
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_utils
 import torch
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import warp as warp_ops
+from cutlass.cute.nvgpu import warpgroup
 
 from cula import runtime
-from cula.gdn import chunk_fwd_roles_sm90, gates_sm90
-from cula.ops import segment_split, sm90_entry
+from cula.gdn import gates_sm90, legacy_sm90
+from cula.ops import segment_split
 from cula.ops.gates import L2NORM_EPS  # FLA's l2norm_fwd: x / sqrt(sum(x^2) + eps)
-from cula.sm90 import epilogue, mma, sequence, solve, state, tiles, workspace
+from cula.sm90 import entry, mma, pipeline, solve, tiles, workspace
+from cula.sm90.chunk_fwd import ChainInputs, ChunkFwdConfig, ChunkFwdSm90, ChunkTensors
+from cula.sm90.roles import Barrier, RoleLayout, WarpGroupRole
+from cula.sm90.state_chain import ChainGates
 
-CHUNK = 64
-MODES = ("full", "transition", "correction")  # see GDNChunkFwdSm90 and cula.ops.segment_split
-INTRA = ("none", "save", "load")  # see GDNChunkFwdSm90.__init__
 SUPPORTED_DIMS = (64, 128)
-# One CTA walks its chunks in series at about this many microseconds each (H200: the four-role kernel, ~0.94 ms at
-# B2 T16384 H64 = 256 chunks per CTA in one wave through the public entry, 2026-12-04 session 16); one CTA per SM.
+# One CTA walks its chunks in series at about this many microseconds each (H200, B2 T16384 H64: 256 chunks per CTA in
+# one wave, ~0.94 ms through the public entry); one CTA per SM. With qk_l2norm (the norms folded into the gates):
+# 0.968 ms against 0.912 without, same process.
 CHUNK_LATENCY_US = 3.7
-# with qk_l2norm (the four-role kernel, the norms folded into its gates: 0.968 ms at B2 T16384 H64 against 0.912
-# without, same process, 2026-12-04 session 18)
 CHUNK_LATENCY_L2NORM_US = 3.9
-# A split sequence's passes run the four-role kernel too: its first pass saves each chunk's Tinv and P, the later
-# passes load them and run the state chain alone. Per chunk (H200, B1 T65536 H8 cut every 64 chunks, 128 CTAs, events
-# around each launch, 2026-12-04 session 17): first pass 3.47 us, correction 2.61 (2.34 at B1 T32768 H16), transition
-# 1.40; at 64 CTAs (cut every 128) 3.32 / 2.06 / 1.14 (correction taken as 2.3). Between the launches a split call
-# spent 48-102 us more: ~25 us once and ~0.5 us per link of the start chain and value head (4.25 per link at H8, ~15
-# at H32). On the skewed varlen mixes (H32; their later passes launch a CTA for every segment, 448-768) each CTA wave
-# beyond a pass's first cost ~7 us. These fit the ten split / unsplit timings of that session within ~10 % (B1 T8192
-# H64 split in two: 0.392 ms, model 0.426). Below in units of the whole-sequence chunk. With qk_l2norm (D = 128) the
-# passes are the same kernel's with its norm warps; not timed per pass: the later passes taken as 0.2 us per chunk
-# slower (measured, session 18: B1 T65536 H8 0.635 ms, B1 T32768 H16 0.615, B1 T8192 H64 split in two 0.432, unsplit
-# 0.453; model 0.581 / 0.577 / 0.451; at 0.6 us slower the first two fit and the last is not split, which lost). At
-# D = 64 with qk_l2norm the later passes make everything again (two-warpgroup kernel): correction ~6.3 us per chunk,
-# transition ~5.7, against a whole chunk of ~4.7 (session 15's measurements of that kernel at D = 128, the D = 64
-# kernel taken as the same fractions).
-TWO_WARPGROUP_L2NORM_CHUNK_US = 4.7
-# A sequence walked by few CTAs runs faster than at full load: 3.2-3.36 us per chunk at 8-32 CTAs, as a fraction of
-# a chunk at full load (measured without qk_l2norm, taken as the same with it).
+# A split sequence's first pass saves each chunk's Tinv and P, the later passes load them and run the state chain
+# alone. Per chunk (H200, B1 T65536 H8 cut every 64 chunks, 128 CTAs, events around each launch): first pass 3.47 us,
+# correction 2.61 (2.34 at B1 T32768 H16), transition 1.40; at 64 CTAs 3.32 / 2.06 / 1.14 (correction taken as
+# 2.3). A split call spends ~25 us more once and ~0.5 us per link of the start chain and value head; on the skewed
+# varlen mixes (H32) each CTA wave beyond a pass's first costs ~7 us. These fit ten split and unsplit timings within
+# ~10 %. With qk_l2norm the later passes are taken as 0.2 us per chunk slower (fits the measured B1 T65536 H8, B1
+# T32768 H16 and B1 T8192 H64 calls). A sequence walked by few CTAs runs faster than at full load: 3.2-3.36 us per
+# chunk at 8-32 CTAs (``lone``). The earlier kernels at D = 64 with qk_l2norm make everything again in the later
+# passes (correction ~6.3 us per chunk, transition ~5.7, a whole chunk ~4.7).
 LONE_FRACTION = 3.25 / CHUNK_LATENCY_US
 SPLIT_COST = segment_split.SplitCost.from_us(
     CHUNK_LATENCY_US, 2.3, 1.4, 0.5, cached=True, first=3.47, fixed=25, wave=7, lone=LONE_FRACTION
@@ -73,14 +64,417 @@ SPLIT_COST = segment_split.SplitCost.from_us(
 SPLIT_COST_L2NORM = segment_split.SplitCost.from_us(
     CHUNK_LATENCY_L2NORM_US, 2.5, 1.6, 0.5, cached=True, fixed=25, wave=7, lone=LONE_FRACTION
 )._replace(first=SPLIT_COST.first)  # the same fraction of a whole chunk as without qk_l2norm
-SPLIT_COST_L2NORM_D64 = segment_split.SplitCost.from_us(
-    TWO_WARPGROUP_L2NORM_CHUNK_US, 6.3, 5.7, 0.5, fixed=25, wave=7, lone=LONE_FRACTION
+SPLIT_COST_L2NORM_D64_EARLIER = segment_split.SplitCost.from_us(
+    4.7, 6.3, 5.7, 0.5, fixed=25, wave=7, lone=LONE_FRACTION
 )
 
 
+class GateParams(NamedTuple):
+    g: cute.Tensor  # [B, T, HV] fp32
+
+
+class GateSmem(NamedTuple):
+    """Per gate slot (one per q | k stage): G (log2 units), beta, the per-token factors (``FAC_*`` columns) and,
+    with qk_l2norm, the norm columns (:meth:`GDNChunkFwdSm90.publish_norm_gates`)."""
+
+    sG: cute.Tensor  # (C, slots)
+    sBeta: cute.Tensor  # (C, slots)
+    sFac: cute.Tensor  # (C, slots, factor columns)
+    sNorm: cute.Tensor  # (C, slots, 4) with qk_l2norm (else sFac again: never read)
+
+
+class Rings(NamedTuple):
+    qk: object  # q | k tiles, TMA: the intra role (unless it idles) and the state warpgroups read them
+    gate: object  # the gate slot of each q | k stage, by the gate warp
+    norm: object  # 1 / ||q||, 1 / ||k|| per slot, by the norm warps, for the gate warp (qk_l2norm; else None)
+    v: object  # v (or a correction pass's first o), TMA
+    tp: object  # Tinv | P: by the intra role, or TMA in the later split passes
+
+
+class StateRings(NamedTuple):
+    qk: object
+    gate: object
+
+
+@dataclass(frozen=True)
+class ScalarChainGates(ChainGates):
+    """GDN's gate in the state chain, from gate slot ``s``: the state decays by 2^G_last as a whole; Y, O and the
+    update take per-token factors on their token columns (``fac_y``: 2^G, or 2^G / ||k|| with qk_l2norm; column 0
+    2^G (/ ||q||) for O; column 1 2^(G_last - G) (/ ||k||) for the update)."""
+
+    gs: GateSmem
+    s: object
+    scale: object
+    fac_y: int
+
+    @cute.jit
+    def decay(self, acc_s, cST):
+        C = cute.size(self.gs.sG, mode=[0])
+        decay = cute.math.exp2(self.gs.sG[C - 1, self.s], fastmath=True)  # G is flat past the sequence end
+        for i in cutlass.range_constexpr(cute.size(acc_s)):
+            acc_s[i] = acc_s[i] * decay
+
+    @cute.jit
+    def y(self, acc_k, v_frag, cCC):
+        # Y^T[v, j] = beta_j (V[j, v] - 2^G_j (S^T K^T)[v, j]) (beta and V zero past the sequence end); the per-token
+        # factors are read where used (held in registers they cost 16 each)
+        sBeta, sFac, s = self.gs.sBeta, self.gs.sFac, self.s
+        for i in cutlass.range_constexpr(cute.size(acc_k)):
+            _, j = cCC[i]
+            if cutlass.const_expr(v_frag is None):
+                acc_k[i] = -(sBeta[j, s] * sFac[j, s, self.fac_y]) * acc_k[i]
+            else:
+                acc_k[i] = sBeta[j, s] * (v_frag[i].to(cutlass.Float32) - sFac[j, s, self.fac_y] * acc_k[i])
+
+    @cute.jit
+    def o(self, acc_o, cCC):
+        for i in cutlass.range_constexpr(cute.size(acc_o)):
+            _, j = cCC[i]
+            acc_o[i] = acc_o[i] * self.scale * self.gs.sFac[j, self.s, 0]
+
+    @cute.jit
+    def update(self, acc_vn, cCC):
+        rVn = mma.acc_to_operand(acc_vn)
+        for i in cutlass.range_constexpr(cute.size(acc_vn)):
+            _, j = cCC[i]
+            acc_vn[i] = acc_vn[i] * self.gs.sFac[j, self.s, 1]
+        return rVn, None, mma.acc_to_operand(acc_vn)
+
+
+class GDNChunkFwdSm90(ChunkFwdSm90):
+    """GDN on the family skeleton (module docstring)."""
+
+    qk_stages = 3  # the intra role reads up to two chunks ahead of the state warpgroups
+    tp_stages = 2
+    o_stages = 2
+
+    def __init__(self, config):
+        super().__init__(config)
+        # per-token factors of a gate slot: 2^G and 2^(G_last - G); with qk_l2norm 2^G / ||q||, 2^(G_last - G) / ||k||
+        # and 2^G / ||k||, then the norm columns
+        self.fac_cols = 3 if config.qk_l2norm else 2
+        self.norm_cols = 4 if config.qk_l2norm else 0
+        self.intra_idle = config.intra == "load"
+
+    def role_layout(self) -> RoleLayout:
+        R = WarpGroupRole
+        roles = (R.PRODUCER, R.INTRA) + (R.STATE,) * (self.D // 64)
+        # the state warpgroups peak at ~189 registers at D = 128
+        return RoleLayout.make(roles, {R.PRODUCER: 24, R.INTRA: 104})
+
+    # ---------------------------------------------------------------- host side
+    @cute.jit
+    def __call__(self, q, k, v, g, beta, o, h0, ht, starts, ends, w, scale, stream):
+        self.launch(ChunkTensors(q, k, v, g, beta, o, h0, ht, starts, ends, w), scale, (), stream)
+
+    def gate_host(self, t: ChunkTensors, gate_args: tuple, tile_qk, tile_v):
+        C, slots = self.C, self.qk_stages
+        f32 = cutlass.Float32
+        rings = {"qk": self.qk_stages, "gate": slots, "norm": slots, "v": self.v_stages, "tp": self.tp_stages}
+        fields = {f"ring_{name}": pipeline.ring_storage(stages) for name, stages in rings.items()}
+        fields.update(
+            sG=cute.struct.MemRange[f32, slots * C],
+            sBeta=cute.struct.MemRange[f32, slots * C],
+            sFac=cute.struct.MemRange[f32, slots * (self.fac_cols + self.norm_cols) * C],
+        )
+        return GateParams(t.g), fields
+
+    # ---------------------------------------------------------------- device side
+    def gate_smem(self, st, p):
+        C, slots = self.C, self.qk_stages
+        sFac = st.sFac.get_tensor(cute.make_layout((C, slots, self.fac_cols)))
+        sNorm = sFac
+        if cutlass.const_expr(self.cfg.qk_l2norm):
+            sNorm = cute.make_tensor(sFac.iterator + C * slots * self.fac_cols, cute.make_layout((C, slots, 4)))
+        return GateSmem(
+            st.sG.get_tensor(cute.make_layout((C, slots))),
+            st.sBeta.get_tensor(cute.make_layout((C, slots))),
+            sFac,
+            sNorm,
+        )
+
+    def make_rings(self, st, c):
+        C, D = self.C, self.D
+        cfg = self.cfg
+        state_threads = self.layout.threads_of(WarpGroupRole.STATE)
+        state_warps = state_threads // 32
+        intra_threads = 0 if self.intra_idle else 128
+        qk = pipeline.tma_ring(st.ring_qk, self.qk_stages, 2 * C * D * 2, intra_threads // 32 + state_warps)
+        gate = pipeline.thread_ring(st.ring_gate, self.qk_stages, 32, intra_threads + state_threads)
+        norm = None
+        if cutlass.const_expr(cfg.qk_l2norm):
+            norm = pipeline.thread_ring(st.ring_norm, self.qk_stages, 64, 32)
+        v = pipeline.tma_ring(st.ring_v, self.v_stages, C * D * 2, state_warps)
+        if cutlass.const_expr(self.intra_idle):
+            tp_bytes = (1 + int(cfg.make_o)) * C * C * 2
+            tp = pipeline.tma_ring(st.ring_tp, self.tp_stages, tp_bytes, state_warps)
+        else:
+            tp = pipeline.thread_ring(st.ring_tp, self.tp_stages, 128, state_threads)
+        return Rings(qk, gate, norm, v, tp)
+
+    def prefetch_descriptors(self, p):
+        super().prefetch_descriptors(p)
+        if cutlass.const_expr(self.cfg.intra != "none"):
+            cute.nvgpu.cpasync.prefetch_descriptor(p.common.w.atom)
+
+    @cute.jit
+    def producer_role(self, p, smem, gsmem, rings, seq, tid, warp):
+        if warp == 0:
+            self.load_warp(p, smem, rings, seq)
+        elif warp == 1:
+            self.gate_warp(p, gsmem, rings, seq)
+        elif cutlass.const_expr(self.cfg.qk_l2norm):
+            self.norm_warps(smem, gsmem, rings, seq, warp - 2)
+
+    @cute.jit
+    def load_warp(self, p, smem, rings, seq):
+        """Chunk c's q | k tiles once its stage is free, its v (or first-pass o) tile likewise; in the later split
+        passes also its saved Tinv (and P)."""
+        c = p.common
+        cfg = self.cfg
+        tQs, tQg = tiles.tma_chunk_tiles(
+            c.q.atom, c.q.tensor[None, None, seq.h, seq.b], seq.tok0, smem.sQK[None, None, 0, None]
+        )
+        tKs, tKg = tiles.tma_chunk_tiles(
+            c.k.atom, c.k.tensor[None, None, seq.h, seq.b], seq.tok0, smem.sQK[None, None, 1, None]
+        )
+        tVs, tVg = tiles.tma_chunk_tiles(c.v.atom, c.v.tensor[None, None, seq.hv, seq.b], seq.tok0, smem.sV)
+        tWs, tWg = tiles.tma_chunk_tiles(
+            c.w.atom, c.w.tensor[None, None, seq.hv, seq.n], 0, cute.group_modes(smem.sTP, 2, 4)
+        )
+        qk_p = pipeline.producer_start(self.qk_stages)
+        v_p = pipeline.producer_start(self.v_stages)
+        tp_p = pipeline.producer_start(self.tp_stages)
+        for chunk in cutlass.range(seq.n_chunks, unroll=1):
+            rings.qk.producer_acquire(qk_p)
+            bar = rings.qk.producer_get_barrier(qk_p)
+            cute.copy(c.q.atom, tQg[None, chunk], tQs[None, qk_p.index], tma_bar_ptr=bar)
+            cute.copy(c.k.atom, tKg[None, chunk], tKs[None, qk_p.index], tma_bar_ptr=bar)
+            qk_p.advance()
+            if cutlass.const_expr(cfg.v_from is not None):
+                rings.v.producer_acquire(v_p)
+                cute.copy(
+                    c.v.atom, tVg[None, chunk], tVs[None, v_p.index], tma_bar_ptr=rings.v.producer_get_barrier(v_p)
+                )
+                v_p.advance()
+            if cutlass.const_expr(self.intra_idle):
+                rings.tp.producer_acquire(tp_p)
+                bar = rings.tp.producer_get_barrier(tp_p)
+                workspace.load_tinv_p(c.w.atom, tWg, tWs, chunk, tp_p.index, bar, cfg.make_o)
+                tp_p.advance()
+
+    @cute.jit
+    def gate_warp(self, p, gs, rings, seq):
+        """Chunk c's gates scanned into gate slot c % 3 once that slot is free (the loads are issued before the wait);
+        with qk_l2norm the norms folded in once the norm warps have them."""
+        lane = cute.arch.lane_idx()
+        mG, mBeta = p.gate.g, p.common.beta
+        gG, gBeta = mG[seq.b, None, seq.hv], mBeta[seq.b, None, seq.hv]
+        g_p = pipeline.producer_start(self.qk_stages)
+        norm_c = pipeline.consumer_start(self.qk_stages)
+        for chunk in cutlass.range(seq.n_chunks, unroll=1):
+            raw = gates_sm90.load_gates(gG, gBeta, seq.tok0, seq.seqlen, chunk, lane, self.C)
+            rings.gate.producer_acquire(g_p)
+            gates_sm90.publish_gates(gs.sG, gs.sBeta, gs.sFac, g_p.index, raw, chunk, seq.seqlen, lane, self.C)
+            if cutlass.const_expr(self.cfg.qk_l2norm):
+                rings.norm.consumer_wait(norm_c)
+                self.publish_norm_gates(gs, g_p.index, lane)
+                rings.norm.consumer_release(norm_c)
+                norm_c.advance()
+            rings.gate.producer_commit(g_p)
+            g_p.advance()
+
+    @cute.jit
+    def norm_warps(self, smem, gs, rings, seq, which):
+        """qk_l2norm, warps 2 and 3, a lane per row (rows 32 ``which`` + lane of q and of k): once chunk c's q | k
+        stage has landed, each row's sum of squares (fp32, eps under the root as FLA's l2norm_fwd) gives 1 / ||q||
+        and 1 / ||k|| in norm columns 0 and 1 of slot c % 3 (the tiles are not rewritten: normalising them in place
+        bounded the chunk)."""
+        f32 = cutlass.Float32
+        lane = cute.arch.lane_idx()
+        row = 32 * which + lane
+        n_p = pipeline.producer_start(self.qk_stages)
+        qk_seen = pipeline.consumer_start(self.qk_stages)
+        for _chunk in cutlass.range(seq.n_chunks, unroll=1):
+            rings.norm.producer_acquire(n_p)
+            rings.qk.consumer_wait(qk_seen)
+            for x in cutlass.range_constexpr(2):
+                # four 16-byte pieces per step of a loop: fully unrolled, the swizzled addresses of 16 pieces took
+                # more than this warpgroup's 24 registers
+                tile = smem.sQK[None, None, x, qk_seen.index]
+                n2 = f32(0.0)
+                for blk in cutlass.range(self.D // 32, unroll=1):
+                    n2 = n2 + tiles.row_sum_squares(tile, row, 4 * blk, 4)
+                gs.sNorm[row, n_p.index, x] = cute.math.rsqrt(n2 + f32(L2NORM_EPS), fastmath=True)
+            rings.norm.producer_commit(n_p)
+            n_p.advance()
+            qk_seen.advance()
+
+    @cute.jit
+    def publish_norm_gates(self, gs, s, lane):
+        """qk_l2norm, the gate warp: 1 / ||q|| and 1 / ||k|| folded into gate slot s for its two tokens per lane. Norm
+        column 0 becomes G - log2 ||q|| (P's rows), 2 beta / ||k|| (A's rows), 3 G + log2 ||k|| (A's and P's
+        columns; column 1 keeps 1 / ||k||); the state's factors become 2^G / ||q|| (O), 2^(G_last - G) / ||k|| (the
+        update) and 2^G / ||k|| (Y). Rows past the sequence end (zeros) get 1 / sqrt(eps): finite, and their beta
+        and last factor are zero."""
+        sG, sBeta, sFac, sNorm = gs
+        for half in cutlass.range_constexpr(2):
+            t = lane + 32 * half
+            inv_q, inv_k = sNorm[t, s, 0], sNorm[t, s, 1]
+            G, two_g = sG[t, s], sFac[t, s, 0]
+            sNorm[t, s, 0] = G + cute.math.log2(inv_q, fastmath=True)
+            sNorm[t, s, 2] = sBeta[t, s] * inv_k
+            sNorm[t, s, 3] = G - cute.math.log2(inv_k, fastmath=True)
+            sFac[t, s, 0] = two_g * inv_q
+            sFac[t, s, 1] = sFac[t, s, 1] * inv_k
+            sFac[t, s, 2] = two_g * inv_k
+
+    @cute.jit
+    def intra_role(self, p, smem, gs, rings, seq, atid, awarp):
+        """Per chunk: A = strict-lower(beta_i K K^T 2^(G_i - G_j)) (fp32, transposed, to ``sA``), P = lower(scale
+        Q K^T 2^(G_i - G_j)) and Tinv = (I + A)^-1 (bf16, to Tinv | P stage c % 2); in the first split pass also both
+        to the workspace."""
+        if cutlass.const_expr(not self.intra_idle):
+            self.make_intra(p, smem, gs, rings, seq, atid, awarp)
+
+    @cute.jit
+    def make_intra(self, p, smem, gs, rings, seq, atid, awarp):
+        f32 = cutlass.Float32
+        C = self.C
+        c = p.common
+        save = self.cfg.intra == "save"
+        thr_ss = c.mma_ss.get_slice(atid)
+        cSS = thr_ss.partition_C(cute.make_identity_tensor((C, C)))
+        # P leaves the accumulator by stmatrix (row addresses per 8 x 8 matrix, not one swizzled address each)
+        st_p = cute.make_tiled_copy_C(
+            cute.make_copy_atom(warp_ops.StMatrix8x8x16bOp(transpose=False, num_matrices=4), cutlass.BFloat16), c.mma_ss
+        )
+        thr_stp = st_p.get_slice(atid)
+        tWs, tWg = tiles.tma_chunk_tiles(
+            c.w.atom, c.w.tensor[None, None, seq.hv, seq.n], 0, cute.group_modes(smem.sTP, 2, 4)
+        )
+        # Tinv's blocks above the diagonal stay zero (ordered for the state role by the first fence.proxy.async)
+        for ts in cutlass.range_constexpr(self.tp_stages):
+            solve.solve_clear(smem.sTP[None, None, 0, ts], atid, 128)
+        qk_c = pipeline.consumer_start(self.qk_stages)
+        gate_c = pipeline.consumer_start(self.qk_stages)
+        tp_p = pipeline.producer_start(self.tp_stages)
+        tp_seen = pipeline.consumer_start(self.tp_stages)
+        for chunk in cutlass.range(seq.n_chunks, unroll=1):
+            s = qk_c.index
+            ts = tp_p.index
+            L = cutlass.min(seq.seqlen - chunk * C, C)
+            sT = smem.sTP[None, None, 0, ts]
+            sP = smem.sTP[None, None, 1, ts]
+            tSSa = thr_ss.make_fragment_A(thr_ss.partition_A(smem.sQK[None, None, None, s]))
+            tSSb = thr_ss.make_fragment_B(thr_ss.partition_B(smem.sQK[None, None, 1, s]))
+            acc_x = thr_ss.make_fragment_C(thr_ss.partition_shape_C((C, C)))
+            # (no mbarrier wait between a wgmma's issue and its wait: ptxas then waits for it at the branch)
+            rings.qk.consumer_wait(qk_c)
+            rings.gate.consumer_wait(gate_c)
+            warpgroup.fence()
+            mma.gemm(c.mma_ss, acc_x, tSSa[None, None, None, 1], tSSb, True)
+            warpgroup.commit_group()
+            g_r, b_r, g_c = self.slot_gates(gs, cSS, s, False)
+            # a row's last unmasked column: the masks then depend on the chunk, and ptxas does not hoist 64
+            # per-element predicates out of the loop (they spilled); rows past the end get none of A and all the
+            # columns before the end of P (harmless: their outputs are not stored, V_new is zero there)
+            lim_a = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Int32)
+            for rr in cutlass.range_constexpr(2):
+                r, _ = cSS[2 * rr]
+                lim_a[rr] = r if r < L else 0
+            warpgroup.wait_group(0)
+            if cutlass.const_expr(save):
+                if awarp == 0:
+                    # this Tinv | P stage's last save (chunk c - 2) has read it before the barrier below
+                    cute.arch.cp_async_bulk_wait_group(1, read=True)
+            # the previous chunk's merge has read sA
+            cute.arch.barrier(barrier_id=Barrier.INTRA, number_of_threads=128)
+            for i in cutlass.range_constexpr(cute.size(acc_x)):
+                ra, ja = cSS[i]
+                rr, kc = mma.acc_row_slot(i), mma.acc_col_slot(i)
+                va = f32(0.0)
+                if ja < lim_a[rr]:
+                    va = acc_x[i] * b_r[rr] * cute.math.exp2(g_r[rr] - g_c[kc], fastmath=True)
+                smem.sA[ja, ra] = va  # transposed: the solver walks A column by column
+            warpgroup.fence()
+            mma.gemm(c.mma_ss, acc_x, tSSa[None, None, None, 0], tSSb, True)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            rings.tp.producer_acquire(tp_p)
+            # the gates read again: held across Q K^T they push loop invariants of the solve out to local memory
+            g_r, _, g_c = self.slot_gates(gs, cSS, s, True)
+            lim_p = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Int32)
+            for rr in cutlass.range_constexpr(2):
+                r, _ = cSS[2 * rr]
+                lim_p[rr] = cutlass.min(r, L - 1)
+            p_frag = cute.make_rmem_tensor(acc_x.layout, cutlass.BFloat16)
+            for i in cutlass.range_constexpr(cute.size(acc_x)):
+                _, jp = cSS[i]
+                rr, kc = mma.acc_row_slot(i), mma.acc_col_slot(i)
+                vp = f32(0.0)
+                if jp <= lim_p[rr]:
+                    vp = acc_x[i] * c.scale * cute.math.exp2(g_r[rr] - g_c[kc], fastmath=True)
+                p_frag[i] = vp.to(cutlass.BFloat16)
+            cute.copy(st_p, thr_stp.retile(p_frag), thr_stp.partition_D(sP))
+            # q | k tiles and the gate slot read
+            rings.qk.consumer_release(qk_c)
+            rings.gate.consumer_release(gate_c)
+            qk_c.advance()
+            gate_c.advance()
+            cute.arch.barrier(barrier_id=Barrier.INTRA, number_of_threads=128)
+            solve.solve_diag16_per_warp(smem.sA, atid)
+            cute.arch.barrier(barrier_id=Barrier.INTRA, number_of_threads=128)
+            solve.solve_merge_to_bf16(smem.sA, sT, atid, Barrier.INTRA)
+            # P and Tinv are read by the state warpgroups' wgmma (async proxy)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            rings.tp.producer_commit(tp_p)
+            tp_p.advance()
+            if cutlass.const_expr(save):
+                if awarp == 0:
+                    # every intra thread has fenced its part (the stage is full), then one TMA store group
+                    rings.tp.consumer_wait(tp_seen)
+                    workspace.save_tinv_p(c.w.atom, tWs, tWg, chunk, ts)
+            tp_seen.advance()
+        if cutlass.const_expr(save):
+            if awarp == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def slot_gates(self, gs, cSS, s, for_p: cutlass.Constexpr):
+        """The intra role's gates of slot ``s`` at its accumulator rows and columns (A's, or P's with ``for_p``):
+        :func:`cula.gdn.gates_sm90.row_col_gates`; with qk_l2norm the norms are folded in (``publish_norm_gates``):
+        row gates G (A) or G - log2 ||q|| (P), row factors beta / ||k||, column gates G + log2 ||k||."""
+        if cutlass.const_expr(not self.cfg.qk_l2norm):
+            return gates_sm90.row_col_gates(gs.sG, gs.sBeta, None, cSS, s, False)
+        row_g = gs.sNorm[None, None, 0] if for_p else gs.sG
+        return gates_sm90.gates_at(cSS, row_g, gs.sNorm[None, None, 2], gs.sNorm[None, None, 3], s)
+
+    def state_ring_states(self):
+        return StateRings(pipeline.consumer_start(self.qk_stages), pipeline.consumer_start(self.qk_stages))
+
+    @cute.jit
+    def chain_inputs(self, p, smem, gs, rings, states, seq, chunk):
+        # every wait before the wgmmas are issued (a wait's branch between a wgmma's issue and its wait makes ptxas
+        # wait for the wgmma there)
+        rings.qk.consumer_wait(states.qk)
+        rings.gate.consumer_wait(states.gate)
+        s = states.qk.index
+        gates = ScalarChainGates(gs, s, p.common.scale, 2 if self.cfg.qk_l2norm else 0)
+        return ChainInputs(smem.sQK[None, None, 1, s], smem.sQK[None, None, 0, s], smem.sK_mn[None, None, s], gates)
+
+    @cute.jit
+    def chain_release(self, rings, states):
+        rings.qk.consumer_release(states.qk)
+        rings.gate.consumer_release(states.gate)
+        states.qk.advance()
+        states.gate.advance()
+
+
+# -------------------------------------------------------------------- host side: GDN's place in the SM90 path
 def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, **_) -> tuple[bool, str]:
     """Whether :func:`chunk_gated_delta_rule_fwd_sm90` can serve these inputs, and why not."""
-    ok, why = sm90_entry.supports_qkv(q, k, v, beta, initial_state, cu_seqlens, SUPPORTED_DIMS)
+    ok, why = entry.supports_qkv(q, k, v, beta, initial_state, cu_seqlens, SUPPORTED_DIMS)
     if not ok:
         return ok, why
     if g is not None and (g.dtype != torch.float32 or g.shape != v.shape[:3]):
@@ -89,602 +483,44 @@ def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, **
 
 
 def split_cost(qk_l2norm: bool, head_dim: int = 128) -> segment_split.SplitCost:
-    """The split passes' costs: the later passes load Tinv and P (``cached``) but at D = 64 with qk_l2norm (the
-    two-warpgroup kernel would need the norms there as well, so it makes everything again)."""
+    """The split passes' costs: the later passes load Tinv and P (``cached``), but for the earlier kernels at D = 64
+    with qk_l2norm (they make everything again there)."""
     if qk_l2norm:
-        return SPLIT_COST_L2NORM if head_dim == 128 else SPLIT_COST_L2NORM_D64
+        if head_dim == 64 and not entry.family_enabled():
+            return SPLIT_COST_L2NORM_D64_EARLIER
+        return SPLIT_COST_L2NORM
     return SPLIT_COST
 
 
 def estimated_ms(lengths: list[int], HV: int, num_sms: int, qk_l2norm: bool = False, head_dim: int = 128) -> float:
-    """The kernel's time for sequences of these lengths, split where the entry splits them (matches the H200
-    timings of BENCHMARK_H200.md within about 30 %)."""
+    """The kernel's time for sequences of these lengths, split where the entry splits them (matches the H200 timings
+    of the benchmark within about 30 %)."""
     latency = CHUNK_LATENCY_L2NORM_US if qk_l2norm else CHUNK_LATENCY_US
     return segment_split.chunk_walk_ms(lengths, HV, num_sms, latency, True, split_cost(qk_l2norm, head_dim))
 
 
-def uses_roles(head_dim: int, mode: str, intra: str) -> bool:
-    """Whether a launch runs the four-role kernel (:mod:`cula.gdn.chunk_fwd_roles_sm90`, faster: its intra-chunk
-    matrices are made a chunk ahead of the state chain) instead of :class:`GDNChunkFwdSm90`: D = 128, whole
-    sequences and every split pass that saves or loads Tinv and P (with or without qk_l2norm); D = 64 is not written
-    for it."""
-    split_pass = (mode == "full" and intra in ("none", "save")) or (mode != "full" and intra == "load")
-    return head_dim == 128 and split_pass
-
-
-class GDNChunkFwdSm90:
-    """Fused GDN forward: TMA loads of q/k/v chunks through a 2-stage mbarrier ring, wgmma for every product,
-    the chunk's triangular inverse solved in-kernel in fp32, the state in registers across chunks.
-
-    Threads: 256 = two warpgroups. WG w owns value rows [64 w, 64 w + 64) of S^T. Per chunk:
-      1. WG0: K K^T -> A (fp32, smem, transposed);  WG1: Q K^T -> P (bf16, smem)          [wgmma SS]
-      2. each WG issues S^T K^T and S^T Q^T on its rows [wgmma RS, async]; meanwhile Tinv = (I + A)^-1 by
-         16-blocks: warps 0-1 invert the diagonal blocks (fp32), then warps 0-3 join them (warp MMA, tf32) -> smem
-         bf16; while warps 0-1 solve, warp 2 scans the next chunk's gates (loaded at the chunk's start) into the
-         other gate slot
-      3. each WG on its 64 value rows: V_new^T, O^T, state update                         [wgmma RS]
-      4. O staged through smem; a full chunk's leaves by one TMA store, the last chunk's by plain stores with rows
-         past the sequence end masked; warp 0 refills the TMA stage.
-    Split passes (``intra``): "save" TMA-stores each chunk's Tinv and P to the workspace after step 2; "load" skips
-    steps 1 and 2's solve and takes Tinv and P from the workspace with the chunk's q/k tiles (a pair per stage).
-    """
-
-    def __init__(
-        self,
-        head_dim: int = 128,
-        beta_fp32: bool = True,
-        is_varlen: bool = False,
-        has_initial_state: bool = False,
-        state_v_first: bool = False,
-        mode: str = "full",
-        qk_l2norm: bool = False,
-        intra: str = "none",
-    ):
-        assert head_dim in SUPPORTED_DIMS
-        assert mode in MODES and (mode == "full" or is_varlen)
-        # a split sequence's later passes need only the state path of each chunk: the "full" pass saves every
-        # chunk's Tinv and P to a workspace ("save") and the "transition"/"correction" passes load them ("load")
-        # instead of making them again (no q/k norms there: not with qk_l2norm)
-        assert intra in INTRA and (intra != "save" or mode == "full") and (intra != "load" or mode != "full")
-        assert not (intra == "load" and qk_l2norm)
-        self.intra = intra
-        self.D = head_dim
-        # q and k L2-normalised by the kernel: their per-token 1 / ||x|| ride on the factors it already applies
-        # per row and column (||k_t||^2 is the diagonal of K K^T; ||q_t||^2 a row sum over the Q tile)
-        self.qk_l2norm = qk_l2norm
-        self.C = CHUNK
-        # warpgroups holding state rows: at D = 64 WG0 holds all of S^T and WG1 repeats its products without
-        # writing them (it still makes P for the chunk)
-        self.state_wgs = head_dim // 64
-        self.beta_fp32 = beta_fp32
-        self.is_varlen = is_varlen
-        self.has_h0 = has_initial_state
-        self.state_v_first = state_v_first
-        # sequence splitting (cula.ops.segment_split): "transition" runs v = 0 from S = I without output,
-        # "correction" runs v = 0 from the given states and adds its output to o
-        self.mode = mode
-        # the tile that arrives with q and k in each stage: v; in "correction", the first pass's o of the chunk
-        # (that pass adds its output to it while staging, instead of reading o back from global memory per store)
-        self.tile_v_src = {"full": "v", "correction": "o"}.get(mode)
-        self.make_o = mode != "transition"
-        if mode == "correction":
-            self.has_h0 = True
-        self.stages = 2
-        # Tinv | P buffers: one pair, or one per TMA stage when they arrive with the chunk's q/k tiles
-        self.t_stages = self.stages if intra == "load" else 1
-        self.threads = 256
-        self.a_stride = 68  # padded fp32 row of A^T: 16-byte aligned rows, conflict-free stores from the accumulator
-
-    # ---------------------------------------------------------------- host side
-    @cute.jit
-    def __call__(self, q, k, v, g, beta, o, h0, ht, starts, ends, w, scale, stream):
-
-        D, C = self.D, self.C
-        bf16 = cutlass.BFloat16
-        OM = cute.nvgpu.OperandMajorMode
-        RMEM = warpgroup.OperandSource.RMEM
-
-        # token tiles (C x D), D contiguous, 128B swizzle; the K tile is also read MN-major (D x C) for S^T += X K:
-        # both views address the same bytes (8-token x 64-dim swizzle atoms, token blocks fastest)
-        tile_k_major = cute.tile_to_shape(
-            warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, bf16),
-            (C, D, self.stages),
-            order=(0, 1, 2),
-        )
-        # q and k tiles side by side, (C, D, q|k, stage): the two SS products then differ only by an index
-        tile_qk = cute.tile_to_shape(
-            warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, bf16),
-            (C, D, 2, self.stages),
-            order=(0, 1, 2, 3),
-        )
-        tile_mn_major = cute.tile_to_shape(
-            warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, bf16),
-            (D, C, 2, self.stages),
-            order=(1, 0, 2, 3),
-        )
-        # the O staging tile, (C, D, 1): the layout of the q/k/v tiles, so a full chunk's O leaves by one TMA store
-        tile_o = cute.tile_to_shape(
-            warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, bf16), (C, D, 1), order=(0, 1, 2)
-        )
-        cc_layout = cute.tile_to_shape(
-            warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, bf16), (C, C), order=(0, 1)
-        )
-        # Tinv and P side by side, (C, C, T|P, t_stage)
-        tile_tp = cute.tile_to_shape(
-            warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, bf16),
-            (C, C, 2, self.t_stages),
-            order=(0, 1, 2, 3),
-        )
-
-        # (rows, cols) = (M, N) of each product; K extent comes from the operands
-        mma_ss = sm90_utils.make_trivial_tiled_mma(bf16, bf16, OM.K, OM.K, cutlass.Float32, (1, 1, 1), (C, C))
-        mma_rs = sm90_utils.make_trivial_tiled_mma(bf16, bf16, OM.K, OM.K, cutlass.Float32, (1, 1, 1), (C, C), RMEM)
-        mma_state = sm90_utils.make_trivial_tiled_mma(bf16, bf16, OM.K, OM.MN, cutlass.Float32, (1, 1, 1), (C, D), RMEM)
-
-        one_tile = cute.slice_(tile_k_major, (None, None, 0))
-        op = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q, mQ = cpasync.make_tiled_tma_atom(op, tiles.tma_view(q), one_tile, (C, D))
-        tma_k, mK = cpasync.make_tiled_tma_atom(op, tiles.tma_view(k), one_tile, (C, D))
-        v_src = o if cutlass.const_expr(self.tile_v_src == "o") else v
-        tma_v, mV = cpasync.make_tiled_tma_atom(op, tiles.tma_view(v_src), one_tile, (C, D))
-        tma_o, mOt = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), tiles.tma_view(o), one_tile, (C, D))
-        # the Tinv / P workspace [ranges, chunks * 2 * C, HV, C] (chunk c's Tinv at rows 2 c C, its P after them);
-        # unused without intra (q's atom stands in for it)
-        tma_w, mW = tma_q, mQ
-        if cutlass.const_expr(self.intra != "none"):
-            w_op = cpasync.CopyBulkTensorTileS2GOp() if self.intra == "save" else op
-            tma_w, mW = cpasync.make_tiled_tma_atom(w_op, tiles.tma_view(w), cc_layout, (C, C))
-
-        stages = self.stages
-
-        @cute.struct
-        class Storage:
-            full: cute.struct.MemRange[cutlass.Int64, stages]
-            sG: cute.struct.MemRange[cutlass.Float32, 2 * C]
-            sBeta: cute.struct.MemRange[cutlass.Float32, 2 * C]
-            sFac: cute.struct.MemRange[cutlass.Float32, 4 * C]
-            sNorm: cute.struct.MemRange[cutlass.Float32, 3 * C]
-            sA: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, C * self.a_stride], 128]
-            sO: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_o)], 1024]
-            sQK: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_qk)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_k_major)], 1024]
-            sTP: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_tp)], 1024]
-
-        self.storage = Storage
-        self.tma_bytes = (1 + int(self.make_o) + int(self.tile_v_src is not None)) * C * D * 2
-        if cutlass.const_expr(self.intra == "load"):
-            self.tma_bytes += (1 + int(self.make_o)) * C * C * 2
-        HV = v.shape[2]
-        N = starts.shape[0] if self.is_varlen else q.shape[0]
-        self.kernel(
-            mma_ss,
-            mma_rs,
-            mma_state,
-            tma_q,
-            mQ,
-            tma_k,
-            mK,
-            tma_v,
-            mV,
-            tma_w,
-            mW,
-            tma_o,
-            mOt,
-            g,
-            beta,
-            o,
-            h0,
-            ht,
-            starts,
-            ends,
-            q.shape[2],
-            q.shape[1],
-            scale,
-            tile_qk,
-            tile_k_major,
-            tile_mn_major,
-            tile_tp,
-            tile_o,
-        ).launch(grid=(HV, N, 1), block=(self.threads, 1, 1), smem=Storage.size_in_bytes(), stream=stream)
-
-    # ---------------------------------------------------------------- device side
-    @cute.kernel
-    def kernel(
-        self,
-        mma_ss,
-        mma_rs,
-        mma_state,
-        tma_q,
-        mQ,
-        tma_k,
-        mK,
-        tma_v,
-        mV,
-        tma_w,
-        mW,
-        tma_o,
-        mOt,
-        mG,
-        mBeta,
-        mO,
-        mH0,
-        mHt,
-        mStart,
-        mEnd,
-        H,
-        T,
-        scale,
-        tile_qk,
-        tile_k_major,
-        tile_mn_major,
-        tile_tp,
-        tile_o,
-    ):
-
-        C, D = self.C, self.D
-        f32 = cutlass.Float32
-        tidx, _, _ = cute.arch.thread_idx()
-        hv, n, _ = cute.arch.block_idx()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        lane = cute.arch.lane_idx()
-        wg = warp // 4  # math warpgroup: value rows [64 wg, 64 wg + 64) of S^T
-        wtid = tidx % 128
-        HV = mG.shape[2]
-        h = hv // (HV // H)
-
-        b, tok0, seqlen, n_chunks = sequence.sequence_bounds(n, T, mStart, mEnd, self.is_varlen, C)
-
-        smem = cutlass.memory.SmemAllocator()
-        st = smem.allocate(self.storage)
-        full = st.full.data_ptr()
-        sG = st.sG.get_tensor(cute.make_layout((C, 2)))  # log2-domain cumulative gate, 2 slots
-        sBeta = st.sBeta.get_tensor(cute.make_layout((C, 2)))
-        # per token, made once by the warp that publishes the gates: 2^G_t and 2^(G_last - G_t) (0 past the end)
-        sFac = st.sFac.get_tensor(cute.make_layout((C, 2, 2)))
-        # with qk_l2norm, per token of the current chunk: 1 / ||k_t||, log2 ||k_t||, 1 / ||q_t|| (eps under the root)
-        sNorm = st.sNorm.get_tensor(cute.make_layout((C, 3)))
-        sA = st.sA.get_tensor(cute.make_layout((C, self.a_stride), stride=(self.a_stride, 1)))
-        sO3 = st.sO.get_tensor(tile_o.outer, swizzle=tile_o.inner)
-        sO = sO3[None, None, 0]
-        sQK = st.sQK.get_tensor(tile_qk.outer, swizzle=tile_qk.inner)
-        sQ = sQK[None, None, 0, None]
-        sK = sQK[None, None, 1, None]
-        sV = st.sV.get_tensor(tile_k_major.outer, swizzle=tile_k_major.inner)
-        # the k tiles read MN-major (D, C): same bytes as sK
-        sK_mn = cute.make_tensor(cute.recast_ptr(sQK.iterator, tile_mn_major.inner), tile_mn_major.outer)
-        sK_mn = sK_mn[None, None, 1, None]
-        sTP = st.sTP.get_tensor(tile_tp.outer, swizzle=tile_tp.inner)
-        sT = sTP[None, None, 0, 0]  # where the chunk's Tinv and P are made (without intra == "load")
-        sP = sTP[None, None, 1, 0]
-
-        # TMA partitions: this head's (T, D) plane, shifted to the sequence start, cut in C-token tiles
-        tQs, tQg = tiles.tma_chunk_tiles(tma_q, mQ[None, None, h, b], tok0, sQ)
-        tKs, tKg = tiles.tma_chunk_tiles(tma_k, mK[None, None, h, b], tok0, sK)
-        tVs, tVg = tiles.tma_chunk_tiles(tma_v, mV[None, None, hv, b], tok0, sV)
-        tWs, tWg = tQs, tQg
-        if cutlass.const_expr(self.intra != "none"):
-            # (C, C) tiles of this (range, head)'s workspace: 2 c for chunk c's Tinv, 2 c + 1 for its P; smem
-            # buffers 2 s (Tinv) and 2 s + 1 (P) of t_stage s
-            tWs, tWg = tiles.tma_chunk_tiles(tma_w, mW[None, None, hv, n], 0, cute.group_modes(sTP, 2, 4))
-        tma = (tma_q, tQg, tQs, tma_k, tKg, tKs, tma_v, tVg, tVs, tma_w, tWg, tWs)
-        tOs, tOg = tiles.tma_chunk_tiles(tma_o, mOt[None, None, hv, b], tok0, sO3)
-
-        if warp == 0:
-            cpasync.prefetch_descriptor(tma_q)
-            cpasync.prefetch_descriptor(tma_k)
-            cpasync.prefetch_descriptor(tma_v)
-            if cutlass.const_expr(self.intra != "none"):
-                cpasync.prefetch_descriptor(tma_w)
-            if cutlass.const_expr(self.make_o):
-                cpasync.prefetch_descriptor(tma_o)
-        if tidx == 0:
-            for s in cutlass.range_constexpr(self.stages):
-                cute.arch.mbarrier_init(full + s, 1)
-            cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
-
-        if warp == 0:
-            for s in cutlass.range_constexpr(self.stages):
-                if s < n_chunks:
-                    self.issue_tma(tma, full, cutlass.Int32(s), lane)
-
-        gG, gBeta = mG[b, None, hv], mBeta[b, None, hv]
-        if warp == 0:
-            if n_chunks > 0:
-                g0 = gates_sm90.load_gates(gG, gBeta, tok0, seqlen, cutlass.Int32(0), lane, self.C)
-                gates_sm90.publish_gates(sG, sBeta, sFac, 0, g0, cutlass.Int32(0), seqlen, lane, self.C)
-
-        # ---- per-thread MMA partitions (each warpgroup works on its own 64 rows)
-        thr_ss = mma_ss.get_slice(wtid)
-        thr_rs = mma_rs.get_slice(wtid)
-        thr_st = mma_state.get_slice(wtid)
-        # SS operands (A = K or Q rows, B = K rows)
-        tSSa = thr_ss.make_fragment_A(thr_ss.partition_A(sQK))
-        tSSb_K = thr_ss.make_fragment_B(thr_ss.partition_B(sK))
-        # RS operands
-        tRSb_K = thr_rs.make_fragment_B(thr_rs.partition_B(sK))
-        tRSb_Q = thr_rs.make_fragment_B(thr_rs.partition_B(sQ))
-        tRSb_T = thr_rs.make_fragment_B(thr_rs.partition_B(sTP[None, None, 0, None]))
-        tRSb_P = thr_rs.make_fragment_B(thr_rs.partition_B(sTP[None, None, 1, None]))
-        tSTb_K = thr_st.make_fragment_B(thr_st.partition_B(sK_mn))
-        # coordinates of accumulator elements
-        cCC = thr_rs.partition_C(cute.make_identity_tensor((C, C)))
-        cST = thr_st.partition_C(cute.make_identity_tensor((C, D)))
-        cSS = thr_ss.partition_C(cute.make_identity_tensor((C, C)))
-
-        acc_cc_shape = thr_rs.partition_shape_C((C, C))
-        acc_s = thr_st.make_fragment_C(thr_st.partition_shape_C((C, D)))  # S^T rows of this WG, fp32
-        row0 = wg * C if self.state_wgs == 2 else 0
-        writes_state = True if self.state_wgs == 2 else wg == 0  # this WG's rows are its own (not a repeat)
-
-        if cutlass.const_expr(self.has_h0):
-            state.load_state(acc_s, cST, mH0, n, hv, row0)
-        elif cutlass.const_expr(self.mode == "transition"):
-            for i in cutlass.range_constexpr(cute.size(acc_s)):
-                rh, kh = cST[i]
-                acc_s[i] = f32(0.0)
-                if kh == row0 + rh:
-                    acc_s[i] = f32(1.0)
-        else:
-            acc_s.fill(0.0)
-        if cutlass.const_expr(self.intra != "load"):
-            solve.solve_clear(sT, tidx, self.threads)
-
-        cute.arch.sync_threads()
-
-        for c in cutlass.range(n_chunks, unroll=1):
-            stage = c % self.stages
-            tstage = stage if self.intra == "load" else 0  # Tinv / P buffer pair
-            slot = c % 2
-            L = cutlass.min(seqlen - c * C, C)
-            g_last = sG[L - 1, slot]
-
-            # the next chunk's gates: loaded here by every warp (no branch, so nothing waits for them), published
-            # by warp 2 into the other slot later in the chunk
-            nxt = gates_sm90.load_gates(gG, gBeta, tok0, seqlen, c + 1, lane, self.C)
-            cute.arch.mbarrier_wait(full + stage, (c // self.stages) % 2)
-
-            # ---- 1. WG0: A = strict-lower(beta_i K K^T exp(G_i - G_j)); WG1: P = lower(scale Q K^T exp(G_i - G_j))
-            # (loaded with the chunk's tiles instead when intra == "load")
-            if cutlass.const_expr(self.intra != "load"):
-                acc_x = thr_ss.make_fragment_C(thr_ss.partition_shape_C((C, C)))
-                if wg == 0 or cutlass.const_expr(self.make_o):
-                    warpgroup.fence()
-                    mma.gemm(
-                        mma_ss, acc_x, tSSa[None, None, None, 1 - wg, stage], tSSb_K[None, None, None, stage], True
-                    )
-                    warpgroup.commit_group()
-                warpgroup.wait_group(0)
-                if cutlass.const_expr(self.qk_l2norm):
-                    self.token_norms(acc_x, cSS, sQ[None, None, stage], sNorm, wg, wtid)
-                    cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
-                # this thread's accumulator elements lie on 2 rows and 16 columns: their gates are read once
-                g_r, b_r, g_c = gates_sm90.row_col_gates(sG, sBeta, sNorm, cSS, slot, self.qk_l2norm)
-                if wg == 0:
-                    for i in cutlass.range_constexpr(cute.size(acc_x)):
-                        ra, ja = cSS[i]
-                        rr, kc = mma.acc_row_slot(i), mma.acc_col_slot(i)
-                        va = f32(0.0)
-                        if ja < ra:
-                            if ra < L:
-                                va = acc_x[i] * b_r[rr] * cute.math.exp2(g_r[rr] - g_c[kc], fastmath=True)
-                        # stored transposed: the solver walks A column by column
-                        sA[ja, ra] = va
-                elif cutlass.const_expr(self.make_o):
-                    # elements i, i + 1 (i even) are columns j, j + 1 of one row: stored as one 4-byte pair
-                    pair = cute.make_rmem_tensor(cute.make_layout((1, 2)), cutlass.BFloat16)
-                    for i in cutlass.range_constexpr(cute.size(acc_x)):
-                        rp, jp = cSS[i]
-                        rr, kc = mma.acc_row_slot(i), mma.acc_col_slot(i)
-                        vp = f32(0.0)
-                        if jp <= rp:
-                            vp = acc_x[i] * scale * cute.math.exp2(g_r[rr] - g_c[kc], fastmath=True)
-                            if cutlass.const_expr(self.qk_l2norm):
-                                vp = vp * sNorm[rp, 2]
-                        pair[0, i % 2] = vp.to(cutlass.BFloat16)
-                        if cutlass.const_expr(i % 2 == 1):
-                            cute.autovec_copy(pair, cute.local_tile(sP, (1, 2), (rp, jp // 2)))
-            # sP is read by wgmma (async proxy) after ordinary stores
-            cute.arch.fence_proxy("async.shared", space="cta")
-            if cutlass.const_expr(self.make_o):
-                # the previous chunk's O store has read the staging tile before anyone writes it again (step 4)
-                if warp == 0:
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-            cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
-
-            # ---- 2. S^T K^T and S^T Q^T (they do not need Tinv) are issued before Tinv = (I + A)^-1 is solved by
-            # 16-blocks
-            rS = mma.acc_to_operand(acc_s)
-            acc_k = thr_rs.make_fragment_C(acc_cc_shape)
-            acc_o = thr_rs.make_fragment_C(acc_cc_shape)
-            warpgroup.fence()
-            mma.gemm(mma_rs, acc_k, rS, tRSb_K[None, None, None, stage], True)
-            if cutlass.const_expr(self.make_o):
-                mma.gemm(mma_rs, acc_o, rS, tRSb_Q[None, None, None, stage], True)
-            warpgroup.commit_group()
-            if cutlass.const_expr(self.intra != "load"):
-                if warp < 2:
-                    solve.solve_diag16(sA, sT, tidx)
-                elif warp == 2:
-                    # the next chunk's gates into the other slot (this chunk reads only its own; the other's last
-                    # readers were done at the previous chunk's final barrier)
-                    gates_sm90.publish_gates(sG, sBeta, sFac, 1 - slot, nxt, c + 1, seqlen, lane, self.C)
-                cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
-                solve.solve_merge(sA, sT, tidx, 1, self.threads)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
-            if cutlass.const_expr(self.intra == "save"):
-                # Tinv and P of this chunk to the workspace; their buffers are next written in the next chunk, after
-                # this chunk's final barrier, before which warp 0 waits for the stores to have read them
-                if warp == 0:
-                    workspace.save_tinv_p(tma_w, tWs, tWg, c)
-
-            # ---- 3. the other state products on this WG's 64 value rows. First, while S^T K^T may still run: the
-            # factors of this thread's 16 accumulator columns (mma.acc_col_slot), zero past the sequence end, and
-            # the state's chunk decay
-            e_g = cute.make_rmem_tensor(cute.make_layout(16), f32)  # exp(G_j)
-            e_d = cute.make_rmem_tensor(cute.make_layout(16), f32)  # exp(G_last - G_j)
-            b_j = cute.make_rmem_tensor(cute.make_layout(16), f32)  # beta_j
-            for kc in cutlass.range_constexpr(16):
-                _, jc = cCC[mma.acc_col_element(kc)]
-                e_g[kc] = sFac[jc, slot, 0]
-                e_d[kc] = sFac[jc, slot, 1]
-                b_j[kc] = sBeta[jc, slot]
-                if cutlass.const_expr(self.qk_l2norm):
-                    e_g[kc] = e_g[kc] * sNorm[jc, 0]
-                    e_d[kc] = e_d[kc] * sNorm[jc, 0]
-            decay = cute.math.exp2(g_last, fastmath=True)
-            for i in cutlass.range_constexpr(cute.size(acc_s)):
-                acc_s[i] = acc_s[i] * decay
-            warpgroup.wait_group(0)
-
-            # Y^T[v, j] = beta_j (V[j, v] - exp(G_j) (S^T K^T)[v, j]), zero past the sequence end
-            for i in cutlass.range_constexpr(cute.size(acc_k)):
-                r, j = cCC[i]
-                kc = mma.acc_col_slot(i)
-                vv = f32(0.0)
-                if cutlass.const_expr(self.tile_v_src == "v"):
-                    vv = sV[j, row0 + r, stage].to(f32)
-                acc_k[i] = b_j[kc] * (vv - e_g[kc] * acc_k[i])
-            rY = mma.acc_to_operand(acc_k)
-            acc_vn = thr_rs.make_fragment_C(acc_cc_shape)
-            warpgroup.fence()
-            mma.gemm(mma_rs, acc_vn, rY, tRSb_T[None, None, None, tstage], True)
-            warpgroup.commit_group()
-            # O^T inter-chunk part scaled while V_new^T is computed
-            if cutlass.const_expr(self.make_o):
-                for i in cutlass.range_constexpr(cute.size(acc_o)):
-                    if cutlass.const_expr(self.qk_l2norm):
-                        _, jo = cCC[i]
-                        acc_o[i] = acc_o[i] * scale * sFac[jo, slot, 0] * sNorm[jo, 2]
-                    else:
-                        acc_o[i] = acc_o[i] * scale * e_g[mma.acc_col_slot(i)]
-            warpgroup.wait_group(0)
-
-            # O^T += V_new^T P^T;  S^T += (V_new^T exp(G_last - G_j)) K
-            rVn = mma.acc_to_operand(acc_vn)
-            for i in cutlass.range_constexpr(cute.size(acc_vn)):
-                acc_vn[i] = acc_vn[i] * e_d[mma.acc_col_slot(i)]
-            rVd = mma.acc_to_operand(acc_vn)
-            warpgroup.fence()
-            if cutlass.const_expr(self.make_o):
-                mma.gemm(mma_rs, acc_o, rVn, tRSb_P[None, None, None, tstage], False)
-            mma.gemm(mma_state, acc_s, rVd, tSTb_K[None, None, None, stage], False)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-
-            # ---- 4. O^T -> smem (token-major); a full chunk leaves by a TMA store after the barrier, the last one (maybe
-            # partial: rows past the sequence end belong to the next) by plain stores after the loop
-            if cutlass.const_expr(self.make_o):
-                if writes_state:
-                    for i in cutlass.range_constexpr(cute.size(acc_o)):
-                        r, j = cCC[i]
-                        if cutlass.const_expr(self.tile_v_src == "o"):
-                            acc_o[i] = acc_o[i] + sV[j, row0 + r, stage].to(f32)
-                        sO[j, row0 + r] = acc_o[i].to(cutlass.BFloat16)
-                # the TMA store (async proxy) reads what these ordinary stores wrote
-                cute.arch.fence_proxy("async.shared", space="cta")
-            if cutlass.const_expr(self.intra == "load"):
-                # (with the solve, the gates are published while warps 0-1 solve the diagonal blocks)
-                if warp == 2:
-                    gates_sm90.publish_gates(sG, sBeta, sFac, 1 - slot, nxt, c + 1, seqlen, lane, self.C)
-            if cutlass.const_expr(self.intra == "save"):
-                if warp == 0:
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-            cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
-
-            if warp == 0:
-                if c + self.stages < n_chunks:
-                    self.issue_tma(tma, full, c + self.stages, lane)
-                if cutlass.const_expr(self.make_o):
-                    if c + 1 < n_chunks:
-                        cute.copy(tma_o, tOs[None, 0], tOg[None, c])
-                        cute.arch.cp_async_bulk_commit_group()
-
-        # the last chunk's O, by plain stores with rows past the sequence end masked
-        if cutlass.const_expr(self.make_o):
-            if n_chunks > 0:
-                epilogue.store_o_rows(
-                    sO,
-                    mO,
-                    b,
-                    hv,
-                    tok0 + (n_chunks - 1) * C,
-                    seqlen - (n_chunks - 1) * C,
-                    tidx,
-                    C,
-                    D,
-                    self.threads,
-                )
-            if warp == 0:
-                cute.arch.cp_async_bulk_wait_group(0)
-
-        # ---- final state
-        if writes_state:
-            state.store_state(acc_s, cST, mHt, n, hv, row0)
-
-    # ---------------------------------------------------------------- helpers
-    @cute.jit
-    def issue_tma(self, tma, full, chunk, lane):
-        """One warp (the copies elect their issuing lane): the q, k, v tiles of ``chunk`` into its stage, completing
-        on the stage's barrier."""
-        tma_q, tQg, tQs, tma_k, tKg, tKs, tma_v, tVg, tVs, tma_w, tWg, tWs = tma
-        s = chunk % self.stages
-        if lane == 0:
-            cute.arch.mbarrier_arrive_and_expect_tx(full + s, self.tma_bytes)
-        if cutlass.const_expr(self.make_o):
-            cute.copy(tma_q, tQg[None, chunk], tQs[None, s], tma_bar_ptr=full + s)
-        cute.copy(tma_k, tKg[None, chunk], tKs[None, s], tma_bar_ptr=full + s)
-        if cutlass.const_expr(self.tile_v_src is not None):
-            cute.copy(tma_v, tVg[None, chunk], tVs[None, s], tma_bar_ptr=full + s)
-        if cutlass.const_expr(self.intra == "load"):
-            workspace.load_tinv_p(tma_w, tWg, tWs, chunk, s, full + s, self.make_o)
-
-    @cute.jit
-    def token_norms(self, acc_kk, cSS, sQ, sNorm, wg, wtid):
-        """Per-token norms of the chunk for qk_l2norm: WG0 takes ||k_t||^2 from the diagonal of its K K^T
-        accumulator; WG1 sums the squares of a Q tile row (two threads per row, 64 columns each)."""
-        f32 = cutlass.Float32
-        eps = f32(L2NORM_EPS)
-        if wg == 0:
-            for i in cutlass.range_constexpr(cute.size(acc_kk)):
-                r, j = cSS[i]
-                if r == j:
-                    n2 = acc_kk[i] + eps
-                    sNorm[r, 0] = cute.math.rsqrt(n2, fastmath=True)
-                    sNorm[r, 1] = f32(0.5) * cute.math.log2(n2, fastmath=True)
-        elif cutlass.const_expr(self.make_o):
-            row, half = wtid // 2, wtid % 2
-            acc = tiles.row_sum_squares(sQ, row, half * (self.D // 16), self.D // 16)
-            acc = acc + cute.arch.shuffle_sync_bfly(acc, 1)
-            if half == 0:
-                sNorm[row, 2] = cute.math.rsqrt(acc + eps, fastmath=True)
-
-
-# -------------------------------------------------------------------- compile + Python entry
 def compile_gdn_fwd_sm90(
-    arch="sm_90a",
-    keep_artifacts=False,
-    head_dim=128,
-    beta_fp32=True,
-    is_varlen=False,
-    has_initial_state=False,
-    state_v_first=False,
-    mode="full",
-    qk_l2norm=False,
-    intra="none",
+    arch="sm_90a", *, family=True, beta_fp32=True, state_v_first=False, keep_artifacts=False, **config
 ):
-    if uses_roles(head_dim, mode, intra):
-        return chunk_fwd_roles_sm90.compile_gdn_fwd_roles_sm90(
-            arch, keep_artifacts, beta_fp32, is_varlen, has_initial_state, state_v_first, mode, intra, qk_l2norm
-        )
-    kernel = GDNChunkFwdSm90(head_dim, beta_fp32, is_varlen, has_initial_state, state_v_first, mode, qk_l2norm, intra)
-    fake = sm90_entry.fake_args(kernel.D, kernel.beta_fp32, kernel.state_v_first, per_key_gate=False)
-    return runtime.compile_kernel(kernel, fake, arch, keep_artifacts)
+    """The GDN chunk kernel for ``config`` (:class:`cula.sm90.chunk_fwd.ChunkFwdConfig` fields), compiled on any
+    machine for ``arch``: the family's (``family``), or the earlier one (:mod:`cula.gdn.legacy_sm90`)."""
+    cfg = ChunkFwdConfig(**config)
+    if not family:
+        return legacy_sm90.compile_gdn_fwd_sm90(
+            arch, keep_artifacts, cfg.head_dim, beta_fp32, cfg.is_varlen, cfg.has_initial_state, state_v_first,
+            cfg.mode, cfg.qk_l2norm, cfg.intra,
+        )  # fmt: skip
+    fake = entry.fake_args(cfg.head_dim, beta_fp32, state_v_first, per_key_gate=False)
+    return runtime.compile_kernel(GDNChunkFwdSm90(cfg), fake, arch, keep_artifacts)
 
 
-def _launch(*args, **options):
-    sm90_entry.launch("GDNChunkFwdSm90", compile_gdn_fwd_sm90, *args, **options)
+GDN_SM90 = entry.ChunkKernel(
+    "gdn",
+    lambda arch, config, beta_fp32, state_v_first, family: compile_gdn_fwd_sm90(
+        arch, family=family, beta_fp32=beta_fp32, state_v_first=state_v_first, **config.__dict__
+    ),
+    split_cost=lambda call: split_cost(call.qk_l2norm, call.q.shape[-1]),
+)
 
 
 def chunk_gated_delta_rule_fwd_sm90(
@@ -704,38 +540,27 @@ def chunk_gated_delta_rule_fwd_sm90(
     split=None,
     qk_l2norm=False,
 ):
-    """GDN chunked forward on SM90. Returns ``(o, final_state or None)``; see the module docstring for shapes.
-
-    ``out`` / ``final_state_out`` may be given to write into preallocated tensors. Long sequences with few heads
-    are split across CTAs when that is expected to be faster (:func:`cula.ops.sm90_entry.chunk_fwd`); ``split``
-    True/False forces it on/off. ``qk_l2norm``: L2-normalise q and k in the kernel (FLA's
-    ``use_qk_l2norm_in_kernel``, eps 1e-6 under the root)."""
-    return sm90_entry.chunk_fwd(
-        _launch, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first, out,
-        final_state_out, cu_seqlens_cpu, split, CHUNK,
-        split_cost(qk_l2norm, q.shape[-1]), qk_l2norm=qk_l2norm,
+    """GDN chunked forward on SM90: :class:`cula.sm90.entry.ChunkCall`'s arguments, positionally as FLA orders
+    them. Returns ``(o, final_state or None)``."""
+    call = entry.ChunkCall(
+        q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first, out, final_state_out,
+        cu_seqlens_cpu, split, qk_l2norm,
     )  # fmt: skip
+    return entry.chunk_fwd(GDN_SM90, call)
 
 
-# the four-role kernel's fixed-length form too: its register allocation differs from the varlen one's (it spilled alone)
-# (and the two-warpgroup kernel's qk_l2norm path, which D = 64's split passes take)
-sm90_entry.register_checked_variants(
+entry.register_checked(
     "gdn_chunk_fwd_sm90",
     compile_gdn_fwd_sm90,
     {
-        **sm90_entry.INTRA_VARIANTS,
-        "[fixed length]": {},
-        # the two-warpgroup kernel's split passes with saved matrices (D = 64; at D = 128 the "[intra ...]" variants
-        # are the four-role kernel's)
-        "[D=64, intra save]": {"head_dim": 64, "is_varlen": True, "has_initial_state": True, "intra": "save"},
-        "[D=64, intra load, correction]": {"head_dim": 64, "is_varlen": True, "mode": "correction", "intra": "load"},
-        "[qk_l2norm, intra save]": {"is_varlen": True, "intra": "save", "qk_l2norm": True},
-        "[qk_l2norm, intra load, correction]": {
+        **entry.CHECKED_CONFIGS,
+        "[D=64, qk_l2norm, intra load, correction]": {
+            "head_dim": 64,
             "is_varlen": True,
             "mode": "correction",
             "intra": "load",
             "qk_l2norm": True,
         },
-        "[D=64, qk_l2norm, correction]": {"head_dim": 64, "is_varlen": True, "mode": "correction", "qk_l2norm": True},
-    },
+    },  # fmt: skip
+    sass_allowed={"[intra load, correction]": (2, 0)},
 )

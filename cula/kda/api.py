@@ -130,8 +130,8 @@ def _sm90_supports(args: dict[str, Any]) -> tuple[bool, str]:
 
 
 def _sm90_run(args: dict[str, Any]):
-    from cula.kda.chunk_fwd_sm90 import chunk_kda_fwd_sm90
-    from cula.ops.sm90_entry import run_bound
+    from cula.kda.chunk_fwd_sm90 import KDA_SM90
+    from cula.sm90.entry import run_bound
 
     g = args["g"]
     lower_bound = args.get("lower_bound")
@@ -139,9 +139,9 @@ def _sm90_run(args: dict[str, Any]):
         if g.dtype == torch.bfloat16 and lower_bound is not None:
             # the kernel activates the raw gate as it loads it: no pass over g before it
             gate = (args.get("A_log"), args.get("dt_bias"), lower_bound)
-            return run_bound(chunk_kda_fwd_sm90, args, g, gate=gate)
+            return run_bound(KDA_SM90, args, g, gate=gate)
         g = kernel_kda_gate(g, args.get("A_log"), args.get("dt_bias"), lower_bound)
-    return run_bound(chunk_kda_fwd_sm90, args, g.float())
+    return run_bound(KDA_SM90, args, g.float())
 
 
 # FLA 0.6.0's chunk_kda forward on the H200 at D = 128 (safe_gate, lower_bound=-5): about 3.2 ns per token-head

@@ -1,881 +1,574 @@
-"""Kimi Delta Attention (KDA) chunked-prefill forward for SM90 (sm_90a), CuTe DSL.
+"""Kimi Delta Attention chunked-prefill forward for SM90: the family skeleton (:mod:`cula.sm90.chunk_fwd`) with
+KDA's per-key gate, and KDA's place in the SM90 host path.
 
-One CTA per (sequence, value head) walks the sequence in chunks of C = 64 tokens and keeps the fp32 state on chip
-across all chunks. KDA is GDN with a per-key gate: g_t in R^K (natural log, <= 0). Per token (FLA convention, state
-S is K x V):  S' = diag(exp(g_t)) S;  u_t = beta_t (v_t - S'^T k_t);  S = S' + k_t u_t^T;  o_t = S^T (scale q_t).
-Per chunk, with G the inclusive cumulative sum of g over the chunk's tokens (C x K, per key channel):
+KDA is GDN with a per-key gate g_t in R^K (natural log, <= 0). Per chunk, with G the inclusive cumulative sum of g over
+the chunk's tokens (C x K, per key channel, in log2 units):
 
-    A     = strict_tril(diag(beta) sum_k K_ik K_jk exp(G_ik - G_jk))         Tinv = (I + A)^-1
-    Y     = diag(beta) (V - (K * exp(G)) S)                                   V_new = Tinv Y
-    O     = scale (Q * exp(G)) S + tril(scale sum_k Q_ik K_jk exp(G_ik - G_jk)) V_new
-    S    <- diag(exp(G_last)) S + (K * exp(G_last - G))^T V_new
+    A     = strict_tril(diag(beta) sum_k K_ik K_jk 2^(G_ik - G_jk))         Tinv = (I + A)^-1
+    Y     = diag(beta) (V - (K * 2^G) S)                                   V_new = Tinv Y
+    O     = scale (Q * 2^G) S + tril(scale sum_k Q_ik K_jk 2^(G_ik - G_jk)) V_new
+    S    <- diag(2^G_last) S + (K * 2^(G_last - G))^T V_new
 
-As in the GDN kernel (cula/gdn/chunk_fwd_sm90.py) the state is held as S^T (V x K): each of the two math
-warpgroups keeps 64 value rows x 128 key columns as a wgmma fp32 accumulator, every product with S takes S^T (bf16)
-as the register A operand, and the per-channel gate factors ride in bf16 B tiles built in shared memory each chunk:
-K * 2^G and Q * 2^G (K-major) for S^T K^T and S^T Q^T, K * 2^(G_last - G) (read MN-major) for the state update; the
-chunk decay multiplies the state's columns (key channels) by 2^G_last. G is kept in log2 units.
+The gate's factors ride in bf16 B tiles built in shared memory each chunk: K 2^G and Q 2^G (K-major) for the state's
+projections, K 2^(G_last - G) (read MN-major) for the update; the chunk decay multiplies the state's key columns.
 
-Intra-chunk factors (A and P): exp(G_ik - G_jk) has a per-channel factor inside the sum over k, so A and P are
+Intra-chunk factors (A and P): 2^(G_ik - G_jk) has a per-channel factor inside the sum over k, so A and P are
 products of scaled operands, L_i . R_j with L_ik = x_ik 2^(G_ik - G_rk), R_jk = k_jk 2^(G_rk - G_jk) for a reference
-token r. One reference cannot serve all 64 tokens (factors reach 2^(+-64 * 5 / ln 2)); the kernel splits the
-columns j into two 32-token halves with references r = 16 and r = 48. Within a half |j - r| <= 16, so with every
-g_t >= lower_bound >= -5 (FLA's safe_gate promise) R stays in [2^-116, 2^116]; the left factor is at most 2^116
-too (rows of the half's own block; rows before the block are masked to zero). Rows after the block (i >= 32
-against r = 16) have left factors <= 1 that may underflow to zero: only when their true products with R are below
-e^(-87 + 75) ~ 5e-6, far under bf16 resolution. Everything else is exact up to bf16 rounding of the operands.
+token r. One reference cannot serve all 64 tokens (factors reach 2^(+-64 * 5 / ln 2)); the columns j are split into
+two 32-token halves with references r = 16 and r = 48. Within a half |j - r| <= 16, so with every g_t >= lower_bound
+>= -5 (FLA's safe_gate promise) R stays in [2^-116, 2^116]; the left factor is at most 2^116 too (rows of the half's
+own block; rows before the block are masked to zero). Rows after the block (i >= 32 against r = 16) have left factors
+<= 1 that may underflow to zero: only when their true products with R are below e^(-87 + 75) ~ 5e-6, far under bf16
+resolution. Everything else is exact up to bf16 rounding of the operands.
 
-Shapes (torch order): q, k [B, T, H, K] bf16; v [B, T, HV, V] bf16; g [B, T, HV, K] fp32 (natural-log gate,
-already activated, >= -5); beta [B, T, HV] bf16/fp32; o [B, T, HV, V] bf16; state [N, HV, K, V] fp32
-([N, HV, V, K] when state_v_first). Varlen: B == 1 and cu_seqlens [N + 1] int32. GVA: value head hv reads q/k head
-hv // (HV / H). K = V = 64 or 128 (at 64, warpgroup 0 holds all of S^T and warpgroup 1 repeats its state
-products without writing them).
+Roles (384 threads): PRODUCER (56 registers; the prep warpgroup) loads the q | k | g and v tiles and, per chunk,
+stages beta, scans the gates (G, G_last, 2^G_last), takes the token norms (qk_l2norm), builds R, then the B tiles;
+in the later split passes it only feeds the saved B tiles, 2^G_last, Tinv and P. STATE (224 each, two warpgroups):
+no intra warpgroup, so each chunk they first build the left operands and make A (warpgroup 0) and P (warpgroup 1)
+against R, solve Tinv together (:meth:`KDAChunkFwdSm90.intra_step`), then run the chain. At D = 64 warpgroup 1
+repeats warpgroup 0's state rows without writing them (it still makes P).
+
+``gate_in_kernel``: g arrives raw (bf16) and the prep role applies FLA's bounded KDA gate to it,
+lower_bound * sigmoid(exp(A_log) (g + dt_bias)), in the scan; the raw tile lands in R's buffer (R is made after the
+scan has read it), the fp32 gate tile then only holds G.
+
+Shapes as :mod:`cula.sm90.chunk_fwd`; g [B, T, HV, K] fp32 (activated, >= -5), or bf16 raw with
+``gate_in_kernel``; A_log [HV], dt_bias [HV * K] fp32; the split passes' B-tile workspaces wb [ranges, chunks * 3 C,
+HV, K] bf16 and wd [ranges, chunks, HV, K] fp32.
 """
 
+from __future__ import annotations
+
 import math
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_utils
 import torch
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import warp as warp_ops
 
 from cula import runtime
-from cula.ops import segment_split, sm90_entry
+from cula.kda import legacy_sm90
+from cula.ops import segment_split
 from cula.ops.gates import L2NORM_EPS  # FLA's l2norm_fwd: x / sqrt(sum(x^2) + eps)
-from cula.sm90 import epilogue, mma, sequence, solve, state, tiles, workspace
+from cula.sm90 import entry, mma, pipeline, solve, tiles, workspace
+from cula.sm90.chunk_fwd import CHUNK, ChainInputs, ChunkFwdConfig, ChunkFwdSm90, ChunkTensors, Tma
+from cula.sm90.roles import Barrier, RoleLayout, WarpGroupRole
+from cula.sm90.state_chain import ChainGates
 
-CHUNK = 64
-MODES = ("full", "transition", "correction")  # see KDAChunkFwdSm90 and cula.ops.segment_split
-INTRA = ("none", "save", "load")  # see KDAChunkFwdSm90.__init__
+SUPPORTED_DIMS = (64, 128)
+# the lowest gate the intra-chunk factorisation tolerates (module docstring)
+LOWER_BOUND_MIN = -5.0
 # One CTA walks its chunks in series at about this many microseconds each (H200, the benchmark's setting: 2.094 ms
 # at B2 T16384 H64 = 256 chunks per CTA in one wave); one CTA per SM.
 CHUNK_LATENCY_US = 8.2
 # A split sequence's first pass saves each chunk's Tinv and P, its B tiles and 2^G_last; the later passes load them
-# and make only the state products. Kernel time per chunk (H200, the benchmark's setting,
-# scripts/split_pass_times.py --op kda --gate-in-kernel --l2norm at B1 T8192 H64 and B1 T65536 H8, 128 CTAs per
-# pass, session 21): first pass 9.01-9.11 us, correction 3.93-4.08, transition 2.55. A link of the start chain:
-# ~0.5 us per value head (the same chain kernel as GDN's).
+# and make only the state products. Kernel time per chunk (H200, the benchmark's setting, at B1 T8192 H64 and B1
+# T65536 H8, 128 CTAs per pass): first pass 9.01-9.11 us, correction 3.93-4.08, transition 2.55. A link of the
+# start chain: ~0.5 us per value head.
 SPLIT_COST = segment_split.SplitCost.from_us(CHUNK_LATENCY_US, 4.0, 2.55, 0.5, cached=True, first=9.05)
-SUPPORTED_DIMS = (64, 128)
-# the lowest gate the intra-chunk factorisation tolerates (module docstring)
-LOWER_BOUND_MIN = -5.0
 _LOG2E = math.log2(math.e)
-# named barriers: within the math role, within the prep role, and the hand-offs between them (prep arrives on
-# GR_FULL and B_FULL, the math role on AP_DONE and B_EMPTY; the other side waits)
-_MATH_BARRIER = 1
-_PREP_BARRIER = 2
-_GR_FULL_BARRIER = 3
-_AP_DONE_BARRIER = 4
-_B_FULL_BARRIER = 5
-_B_EMPTY_BARRIER = 6
 
 
-def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, **_) -> tuple[bool, str]:
-    """Whether :func:`chunk_kda_fwd_sm90` can serve these inputs, and why not. The gate bound (g >= -5) is the
-    caller's promise (FLA's ``safe_gate``) and is not checked here. g: fp32 (activated), or bf16 (raw, activated by
-    the kernel: the entry's ``gate``)."""
-    ok, why = sm90_entry.supports_qkv(q, k, v, beta, initial_state, cu_seqlens, SUPPORTED_DIMS)
-    if not ok:
-        return ok, why
-    if g is not None and (
-        g.dtype not in (torch.float32, torch.bfloat16)
-        or tuple(g.shape) != (*v.shape[:3], q.shape[-1])
-        or not g.is_contiguous()
-    ):
-        return False, "g must be contiguous float32 or bfloat16 [B, T, HV, K]"
-    return True, ""
+class GateParams(NamedTuple):
+    g: Tma  # the gate tile's TMA (fp32 activated, or bf16 raw into R's buffer)
+    a_log: cute.Tensor
+    dt_bias: cute.Tensor
+    lower_bound: cutlass.Float32
+    wb: Tma  # the B-tile workspace, rows (q's atom when unused)
+    wkd: Tma  # the same workspace's K 2^(G_last - G) tiles through its (D, rows) view
+    wd: cute.Tensor  # 2^G_last per (range, chunk, value head, key channel)
+    mma_half: object  # (C x C/2), A in registers: the left operands against one half of R
+    tile_g: object  # the gate tile (C, D, 1) fp32, rows padded (g_stride)
+    tile_g_in: object  # where the gate tile lands: itself, or (raw, bf16) R's buffer
+    tile_r: object  # R in two 32-token halves (C/2, D, 2)
+    tile_xg: object  # K 2^G | Q 2^G (C, D, 2)
+    tile_kd: object  # K 2^(G_last - G) (D, C, 1), MN-major
 
 
-def estimated_ms(lengths: list[int], HV: int, num_sms: int) -> float:
-    """The kernel's time for sequences of these lengths, split where the entry splits them."""
-    return segment_split.chunk_walk_ms(lengths, HV, num_sms, CHUNK_LATENCY_US, True, SPLIT_COST)
+class GateSmem(NamedTuple):
+    sGin3: cute.Tensor  # where the gate tile lands (C, D, 1)
+    sGin: cute.Tensor  # the same (C, D)
+    sG: cute.Tensor  # G (C, D) fp32, log2 units
+    sPart: cute.Tensor  # the scan's part totals (part, channel)
+    sGl: cute.Tensor  # G_last per key channel
+    sDec: cute.Tensor  # 2^G_last per key channel, column chunk % 2
+    sBeta: cute.Tensor  # beta per token, column chunk % 2
+    sNorm: cute.Tensor  # qk_l2norm: 1 / ||k_t||, 1 / ||q_t||
+    sR: cute.Tensor  # (C/2, D, 2)
+    sXG: cute.Tensor  # (C, D, 2): K 2^G, Q 2^G
+    sKD: cute.Tensor  # (D, C): K 2^(G_last - G)
+    sKD3: cute.Tensor  # (D, C, 1), for the workspace's TMA
 
 
-class KDAChunkFwdSm90:
-    """Fused KDA forward: TMA loads of the q/k/g and v chunk tiles (one q/k/g buffer, refilled as soon as the chunk's
-    last reader is done; two v buffers), wgmma for every product, the chunk's triangular inverse solved in-kernel in
-    fp32, the state in registers across chunks.
+class Rings(NamedTuple):
+    qkg: object  # q | k | g tiles, TMA (one stage): released by the prep role (B tiles made) and the state
+    # warpgroups (A and P made)
+    v: object  # v (or a correction pass's first o), TMA
+    r: object  # R, by the prep role, for the intra step
+    b: object  # the B tiles (or, in the later split passes, beta and 2^G_last alone), by the prep role
+    b_load: object  # the later split passes: the saved B tiles, TMA (else the b ring again: never used)
+    tp: object  # the later split passes: the saved Tinv | P, TMA (else the b ring again: never used)
 
-    Threads: 384 = three warpgroups in two roles, handing over through named barriers (prep arrives on GR_FULL and
-    B_FULL, math on AP_DONE and B_EMPTY; the other side waits):
-    - prep (warpgroup 2, 56 registers): per chunk, once its tiles have landed: beta; G = cumsum(g) * log2(e) (g
-      activated first with ``gate_in_kernel``), G_last, 2^G_last; with qk_l2norm the token norms; R_j =
-      k_j 2^(G_r - G_j) (r = 16 | 48 per 32-token half) -> GR_FULL; after B_EMPTY (the previous chunk's state
-      products are done) the B tiles K 2^G, Q 2^G and K 2^(G_last - G) (zero past the sequence end) -> B_FULL; after
-      AP_DONE it loads the next chunk's q/k/g, and its gate scan and R run while the math role solves and makes the
-      state products of this chunk. beta and 2^G_last alternate between two columns by chunk parity.
-    - math (warpgroups 0-1, 224 registers; WG w owns value rows [64 w, 64 w + 64) of S^T), per chunk:
-      1. WG0: A = K-left . R (fp32, smem, transposed); WG1: P = Q-left . R (bf16, smem); the left operands
-         x_i 2^(G_i - G_r) are built in registers [wgmma RS, N = 32 x 2] -> AP_DONE
-      2. Tinv = (I + A)^-1 by 16-blocks: warps 0-1 invert the diagonal blocks, warps 0-3 join them
-      3. after B_FULL, each WG on its 64 value rows: S^T (K 2^G)^T, S^T (Q 2^G)^T, V_new^T, O^T, state decay and
-         update [wgmma RS] -> B_EMPTY
-      4. O staged through smem and stored during the next chunk's step 1, rows past the sequence end masked.
-    Split passes (``intra``): "save" TMA-stores each chunk's Tinv and P to the workspace after step 2, and its B
-    tiles and 2^G_last to the B-tile workspaces; "load" makes no gates and no tiles: warpgroup 2 is then a feed role
-    (beta, the saved 2^G_last and B tiles per chunk, once B_EMPTY frees them -> B_FULL), and the math role skips
-    step 1 and the solve, loading Tinv and P instead.
 
-    ``gate_in_kernel``: g arrives raw (bf16) and the kernel applies FLA's bounded KDA gate to it,
-    lower_bound * sigmoid(exp(A_log) (g + dt_bias)), in the scan; the raw tile lands in R's buffer (R is made after
-    the scan has read it), the fp32 gate tile then only holds G.
+class StateRings(NamedTuple):
+    """The state warpgroups' position in the one-stage rings qkg, r, b and b_load: they all move once per chunk,
+    at its end (:meth:`KDAChunkFwdSm90.chain_release`)."""
 
-    Shared memory: q|k 32 KB, v 2 x 16 KB, g/G 32 KB (fp32; 34 KB padded with ``gate_in_kernel``), R, K 2^G, Q 2^G,
-    K 2^(G_last - G) 16 KB each, A^T 17 KB (fp32, padded rows), O staging 17 KB, P and Tinv 8 KB each: about 214 KB.
-    """
+    chunk: object
 
-    def __init__(
-        self,
-        head_dim: int = 128,
-        beta_fp32: bool = True,
-        is_varlen: bool = False,
-        has_initial_state: bool = False,
-        state_v_first: bool = False,
-        mode: str = "full",
-        qk_l2norm: bool = False,
-        intra: str = "none",
-        gate_in_kernel: bool = False,
-    ):
-        assert head_dim in SUPPORTED_DIMS
-        assert mode in MODES and (mode == "full" or is_varlen)
-        # a split sequence's later passes need only the B tiles and the state path of each chunk: the "full" pass
-        # saves every chunk's Tinv and P to a workspace ("save"), the "transition"/"correction" passes load them
-        # ("load") instead of making R, the left operands, A, P and the solve again
-        assert intra in INTRA and (intra != "save" or mode == "full") and (intra != "load" or mode != "full")
-        self.intra = intra
-        self.D = head_dim
-        # q and k L2-normalised by the kernel: per-token 1 / ||x|| (row sums in step 0) scale the token rows of the
-        # operands it builds anyway (R, the left operands, the B tiles)
-        self.qk_l2norm = qk_l2norm
+
+@dataclass(frozen=True)
+class KeyChainGates(ChainGates):
+    """KDA's gate in the state chain: the B tiles carry the factors, so Y and O take none but beta and scale; the
+    state's key columns decay by 2^G_last (``sDec`` column ``slot``); V_new enters the update unscaled, as a bf16 hi +
+    lo pair."""
+
+    sBeta: cute.Tensor
+    sDec: cute.Tensor
+    slot: object
+    scale: object
+
+    @cute.jit
+    def decay(self, acc_s, cST):
+        for i in cutlass.range_constexpr(cute.size(acc_s)):
+            _, kd = cST[i]
+            acc_s[i] = acc_s[i] * self.sDec[kd, self.slot]
+
+    @cute.jit
+    def y(self, acc_k, v_frag, cCC):
+        # Y^T[v, j] = beta_j (V[j, v] - (S^T (K 2^G)^T)[v, j]), zero past the sequence end
+        for i in cutlass.range_constexpr(cute.size(acc_k)):
+            _, j = cCC[i]
+            vv = cutlass.Float32(0.0)
+            if cutlass.const_expr(v_frag is not None):
+                vv = v_frag[i].to(cutlass.Float32)
+            acc_k[i] = self.sBeta[j, self.slot] * (vv - acc_k[i])
+
+    @cute.jit
+    def o(self, acc_o, cCC):
+        for i in cutlass.range_constexpr(cute.size(acc_o)):
+            acc_o[i] = acc_o[i] * self.scale
+
+    @cute.jit
+    def update(self, acc_vn, cCC):
+        rVn, rVn_lo = mma.acc_to_operand_split(acc_vn)
+        return rVn, rVn_lo, rVn
+
+
+class KDAChunkFwdSm90(ChunkFwdSm90):
+    """KDA on the family skeleton (module docstring)."""
+
+    qk_stages = 1  # q | k | g refilled as soon as its last reader is done
+    tp_stages = 1
+    o_stages = 1
+    # Y and V_new enter their products as bf16 hi + lo pairs: the state and O then keep ~16 bits of them (a single
+    # bf16 rounding there costs about 2e-3 relative error in the state)
+    split_values = True
+
+    def __init__(self, config, gate_in_kernel: bool = False):
         self.gate_in_kernel = gate_in_kernel
-        # warpgroups holding state rows: at D = 64 WG0 holds all of S^T and WG1 repeats its products without
-        # writing them (it still makes P for the chunk)
-        self.state_wgs = head_dim // 64
-        self.C = CHUNK
-        self.half = CHUNK // 2  # intra-chunk column halves, reference tokens half // 2 and half + half // 2
-        self.beta_fp32 = beta_fp32
-        self.is_varlen = is_varlen
-        self.has_h0 = has_initial_state
-        self.state_v_first = state_v_first
-        # sequence splitting (cula.ops.segment_split): "transition" runs v = 0 from S = I without output,
-        # "correction" runs v = 0 from the given states and adds its output to o
-        self.mode = mode
-        # the double-buffered tile next to q, k and g: v; in "correction", the first pass's o of the chunk (that
-        # pass adds its output to it while staging, instead of reading o back from global memory per store)
-        self.tile_v_src = {"full": "v", "correction": "o"}.get(mode)
-        self.make_o = mode != "transition"
-        if mode == "correction":
-            self.has_h0 = True
-        # warpgroups 0-1: the math role; warpgroup 2: the prep role (gates, R and B tiles, the q | k | g loads)
-        self.math_threads = 256
+        super().__init__(config)
+        self.half = self.C // 2  # intra-chunk column halves, reference tokens half // 2 and half + half // 2
+        # row stride of the fp32 gate tile G: a TMA box (D) where fp32 g lands in it; else padded by 8 floats, so
+        # that the intra step's reads of G at its accumulator positions (8-byte pairs, 4 rows per half-warp) hit
+        # distinct banks (the scan and the tile builders read whole rows, conflict-free either way)
+        self.g_stride = self.D + 8 if gate_in_kernel else self.D
         self.prep_threads = 128
-        self.threads = self.math_threads + self.prep_threads
-        # setmaxnreg per warpgroup (2 x 224 + 56 <= 3 x 168, the launch's share; 232 / 40 measured slower)
-        self.regs_math, self.regs_prep = 224, 56
-        # row stride of the fp32 gate tile G: a TMA box (D) where fp32 g lands in it; else padded by 8 floats, so that
-        # the math role's reads of G at its accumulator positions (8-byte pairs, 4 rows per half-warp) hit distinct
-        # banks (the scan and the tile builders read whole rows, conflict-free either way)
-        self.g_stride = head_dim + 8 if gate_in_kernel else head_dim
         # the gate scan: prep thread t takes key channel t % D over part t // D of the chunk's tokens
         self.scan_parts = self.prep_threads // self.D
-        self.a_stride = 68  # padded fp32 row of A^T: 16-byte aligned rows, conflict-free stores from the accumulator
-        self.o_stride = self.D + 8  # padded bf16 row of the O staging tile
+        self.feeds = config.intra == "load"  # the later split passes: the prep role feeds saved tiles
+
+    def role_layout(self) -> RoleLayout:
+        R = WarpGroupRole
+        # 2 x 224 + 56 <= 3 x 168, the launch's share (232 / 40 measured slower)
+        return RoleLayout.make((R.PRODUCER, R.STATE, R.STATE), {R.PRODUCER: 56})
 
     # ---------------------------------------------------------------- host side
     @cute.jit
     def __call__(
         self, q, k, v, g, beta, o, h0, ht, starts, ends, w, scale, a_log, dt_bias, lower_bound, wb, wd, stream
     ):
+        self.launch(
+            ChunkTensors(q, k, v, g, beta, o, h0, ht, starts, ends, w), scale, (a_log, dt_bias, lower_bound, wb, wd),
+            stream,
+        )  # fmt: skip
 
-        D, C, Hf = self.D, self.C, self.half
-        bf16 = cutlass.BFloat16
-        f32 = cutlass.Float32
-        OM = cute.nvgpu.OperandMajorMode
-        RMEM = warpgroup.OperandSource.RMEM
-        atom_k = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, bf16)
-
-        # q and k tiles side by side (C, D, q|k, 1); v (C, D, 1); the gate tile (C, D, 1) fp32 row-major, not
-        # swizzled: the scan's token rows are compile-time, so its addresses are immediates (see self.g_stride)
-        tile_qk = cute.tile_to_shape(atom_k, (C, D, 2, 1), order=(0, 1, 2, 3))
-        # v in two buffers: chunk c + 1's v lands during chunk c
-        tile_v = cute.tile_to_shape(atom_k, (C, D, 2), order=(0, 1, 2))
+    def gate_host(self, t: ChunkTensors, gate_args: tuple, tile_qk, tile_v):
+        a_log, dt_bias, lower_bound, wb, wd = gate_args
+        C, D, Hf = self.C, self.D, self.half
+        bf16, f32 = cutlass.BFloat16, cutlass.Float32
+        cfg = self.cfg
+        # the gate tile (C, D, 1) fp32 row-major, not swizzled: the scan's token rows are compile-time, so its
+        # addresses are immediates (see g_stride)
         tile_g = cute.make_layout((C, D, 1), stride=(self.g_stride, 1, C * self.g_stride))
-        # derived B tiles: R in two 32-token halves (Hf, D, 2); K 2^G | Q 2^G (C, D, 2); K 2^(G_last - G) read
-        # MN-major (D, C) and written through that view
-        tile_r = cute.tile_to_shape(atom_k, (Hf, D, 2), order=(0, 1, 2))
-        tile_xg = cute.tile_to_shape(atom_k, (C, D, 2), order=(0, 1, 2))
-        tile_kd = cute.tile_to_shape(
-            warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, bf16), (D, C, 1), order=(1, 0, 2)
-        )
-        cc_layout = cute.tile_to_shape(atom_k, (C, C), order=(0, 1))
-
-        # (rows, cols) = (M, N) of each product; K extent comes from the operands
-        mma_half = sm90_utils.make_trivial_tiled_mma(bf16, bf16, OM.K, OM.K, f32, (1, 1, 1), (C, Hf), RMEM)
-        mma_rs = sm90_utils.make_trivial_tiled_mma(bf16, bf16, OM.K, OM.K, f32, (1, 1, 1), (C, C), RMEM)
-        mma_state = sm90_utils.make_trivial_tiled_mma(bf16, bf16, OM.K, OM.MN, f32, (1, 1, 1), (C, D), RMEM)
-
-        one_tile = cute.slice_(tile_v, (None, None, 0))
-        op = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q, mQ = cpasync.make_tiled_tma_atom(op, tiles.tma_view(q), one_tile, (C, D))
-        tma_k, mK = cpasync.make_tiled_tma_atom(op, tiles.tma_view(k), one_tile, (C, D))
-        v_src = o if cutlass.const_expr(self.tile_v_src == "o") else v
-        tma_v, mV = cpasync.make_tiled_tma_atom(op, tiles.tma_view(v_src), one_tile, (C, D))
-        # the gate tile as it arrives: fp32 into the gate tile, or raw bf16 into R's buffer (read as a (C, D) tile)
+        tile_r, _ = tiles.token_tiles(Hf, D, 2)
+        tile_xg, _ = tiles.token_tiles(C, D, 2)
+        _, tile_kd = tiles.token_tiles(C, D, 1)
         tile_g_in = tile_g
         if cutlass.const_expr(self.gate_in_kernel):
             tile_g_in = cute.make_layout((C, D, 1), stride=(D, 1, C * D))
-        tma_g, mGt = cpasync.make_tiled_tma_atom(op, tiles.tma_view(g), cute.slice_(tile_g_in, (None, None, 0)), (C, D))
-        # Tinv and P side by side (C, C, T|P); the workspace [ranges, chunks * 2 * C, HV, C] of the split passes
-        # (chunk c's Tinv at rows 2 c C, its P after them); unused without intra (q's atom stands in for it)
-        tile_tp = cute.tile_to_shape(atom_k, (C, C, 2), order=(0, 1, 2))
-        tma_w, mW = tma_q, mQ
-        if cutlass.const_expr(self.intra != "none"):
-            w_op = cpasync.CopyBulkTensorTileS2GOp() if self.intra == "save" else op
-            tma_w, mW = cpasync.make_tiled_tma_atom(w_op, tiles.tma_view(w), cc_layout, (C, C))
+        load = cpasync.CopyBulkTensorTileG2SOp()
+        tma_g = Tma(
+            *cpasync.make_tiled_tma_atom(load, tiles.tma_view(t.g), cute.slice_(tile_g_in, (None, None, 0)), (C, D))
+        )
         # the B tiles' workspace [ranges, chunks * 3 * C, HV, D] (chunk c's K 2^G at rows 3 c C, Q 2^G and then
         # K 2^(G_last - G) after it, each token's channels contiguous: the latter is written and read through the
         # (D, rows) view, MN-major as its smem tile); the first pass saves them, the later passes load them
-        tma_b, mB, tma_bd, mBd = tma_q, mQ, tma_q, mQ
-        if cutlass.const_expr(self.intra != "none"):
-            b_op = cpasync.CopyBulkTensorTileS2GOp() if self.intra == "save" else op
-            tma_b, mB = cpasync.make_tiled_tma_atom(
-                b_op, tiles.tma_view(wb), cute.slice_(tile_xg, (None, None, 0)), (C, D)
+        tma_b = tma_bd = Tma(
+            *cpasync.make_tiled_tma_atom(load, tiles.tma_view(t.q), cute.slice_(tile_xg, (None, None, 0)), (C, D))
+        )
+        if cutlass.const_expr(cfg.intra != "none"):
+            op = cpasync.CopyBulkTensorTileS2GOp() if cfg.intra == "save" else load
+            tma_b = Tma(
+                *cpasync.make_tiled_tma_atom(op, tiles.tma_view(wb), cute.slice_(tile_xg, (None, None, 0)), (C, D))
             )
             wb_rows = tiles.tma_view(wb)
             wb_mn = cute.make_tensor(wb_rows.iterator, cute.select(wb_rows.layout, mode=[1, 0, 2, 3]))
-            tma_bd, mBd = cpasync.make_tiled_tma_atom(b_op, wb_mn, cute.slice_(tile_kd, (None, None, 0)), (D, C))
-
-        @cute.struct
-        class Storage:
-            # q/k/g loaded, v loaded (per v buffer), Tinv/P loaded, B tiles loaded
-            bars: cute.struct.MemRange[cutlass.Int64, 5]
-            sBeta: cute.struct.MemRange[f32, 2 * C]
-            sGl: cute.struct.MemRange[f32, D]
-            sDec: cute.struct.MemRange[f32, 2 * D]
-            sNorm: cute.struct.MemRange[f32, 2 * C]
-            sPart: cute.struct.MemRange[f32, self.prep_threads]
-            sA: cute.struct.Align[cute.struct.MemRange[f32, C * self.a_stride], 128]
-            sO: cute.struct.Align[cute.struct.MemRange[bf16, C * self.o_stride], 128]
-            sGt: cute.struct.Align[cute.struct.MemRange[f32, cute.cosize(tile_g)], 1024]
-            sQK: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_qk)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_v)], 1024]
-            sR: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_r)], 1024]
-            sXG: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_xg)], 1024]
-            sKD: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_kd)], 1024]
-            sTP: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_tp)], 1024]
-
-        self.storage = Storage
+            tma_bd = Tma(*cpasync.make_tiled_tma_atom(op, wb_mn, cute.slice_(tile_kd, (None, None, 0)), (D, C)))
+        params = GateParams(
+            tma_g, a_log, dt_bias, lower_bound, tma_b, tma_bd, wd, mma.tiled_mma(C, Hf),
+            tile_g, tile_g_in, tile_r, tile_xg, tile_kd,
+        )  # fmt: skip
         self.qkg_bytes = 2 * C * D * 2 + C * D * (2 if self.gate_in_kernel else 4)
-        self.v_bytes = C * D * 2
-        self.tp_bytes = (1 + int(self.make_o)) * C * C * 2
-        self.b_bytes = (2 + int(self.make_o)) * C * D * 2
-        HV = v.shape[2]
-        N = ht.shape[0]
-        self.kernel(
-            mma_half,
-            mma_rs,
-            mma_state,
-            tma_q,
-            mQ,
-            tma_k,
-            mK,
-            tma_v,
-            mV,
-            tma_g,
-            mGt,
-            tma_w,
-            mW,
-            tma_b,
-            mB,
-            tma_bd,
-            mBd,
-            wd,
-            beta,
-            o,
-            h0,
-            ht,
-            starts,
-            ends,
-            a_log,
-            dt_bias,
-            q.shape[2],
-            q.shape[1],
-            HV,
-            scale,
-            lower_bound,
-            tile_qk,
-            tile_v,
-            tile_g,
-            tile_g_in,
-            tile_r,
-            tile_xg,
-            tile_kd,
-            cc_layout,
-            tile_tp,
-        ).launch(grid=(HV, N, 1), block=(self.threads, 1, 1), smem=Storage.size_in_bytes(), stream=stream)
+        self.b_bytes = (2 + int(cfg.make_o)) * C * D * 2
+        rings = {"qkg": 1, "v": self.v_stages, "r": 1, "b": 1, "b_load": 1, "tp": 1}
+        fields = {f"ring_{name}": pipeline.ring_storage(stages) for name, stages in rings.items()}
+        fields.update(
+            sBeta=cute.struct.MemRange[f32, 2 * C],
+            sGl=cute.struct.MemRange[f32, D],
+            sDec=cute.struct.MemRange[f32, 2 * D],
+            sNorm=cute.struct.MemRange[f32, 2 * C],
+            sPart=cute.struct.MemRange[f32, self.prep_threads],
+            sGt=cute.struct.Align[cute.struct.MemRange[f32, cute.cosize(tile_g)], 1024],
+            sR=cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_r)], 1024],
+            sXG=cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_xg)], 1024],
+            sKD=cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_kd)], 1024],
+        )
+        return params, fields
 
     # ---------------------------------------------------------------- device side
-    @cute.kernel
-    def kernel(
-        self,
-        mma_half,
-        mma_rs,
-        mma_state,
-        tma_q,
-        mQ,
-        tma_k,
-        mK,
-        tma_v,
-        mV,
-        tma_g,
-        mGt,
-        tma_w,
-        mW,
-        tma_b,
-        mB,
-        tma_bd,
-        mBd,
-        mWd,
-        mBeta,
-        mO,
-        mH0,
-        mHt,
-        mStart,
-        mEnd,
-        mALog,
-        mDtBias,
-        H,
-        T,
-        HV,
-        scale,
-        lower_bound,
-        tile_qk,
-        tile_v,
-        tile_g,
-        tile_g_in,
-        tile_r,
-        tile_xg,
-        tile_kd,
-        cc_layout,
-        tile_tp,
-    ):
-
+    def gate_smem(self, st, p):
         C, D = self.C, self.D
-        tidx, _, _ = cute.arch.thread_idx()
-        hv, n, _ = cute.arch.block_idx()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        h = hv // (HV // H)
-
-        b, tok0, seqlen, n_chunks = sequence.sequence_bounds(n, T, mStart, mEnd, self.is_varlen, C)
-
-        smem = cutlass.memory.SmemAllocator()
-        st = smem.allocate(self.storage)
-        bar_qkg = st.bars.data_ptr()
-        bar_v = bar_qkg + 1  # buffer s completes on bar_v + s
-        bar_tp = bar_qkg + 3  # with intra == "load": the chunk's Tinv and P
-        bar_b = bar_qkg + 4  # with intra == "load": the chunk's B tiles
-        # beta and 2^G_last of chunk c in column c % 2: the prep role writes chunk c + 1's while the math role's state
-        # products read chunk c's
-        sBeta = st.sBeta.get_tensor(cute.make_layout((C, 2), stride=(1, C)))
-        sDec = st.sDec.get_tensor(cute.make_layout((D, 2), stride=(1, D)))
-        sGl = st.sGl.get_tensor(cute.make_layout(D))  # G_last (log2 units) per key channel
-        sNorm = st.sNorm.get_tensor(cute.make_layout((C, 2)))  # with qk_l2norm: 1 / ||k_t||, 1 / ||q_t|| per token
-        # the gate scan's part totals, (part, channel)
-        sPart = st.sPart.get_tensor(cute.make_layout((self.scan_parts, D), stride=(D, 1)))
-        sA = st.sA.get_tensor(cute.make_layout((C, self.a_stride), stride=(self.a_stride, 1)))
-        sO = st.sO.get_tensor(cute.make_layout((C, self.o_stride), stride=(self.o_stride, 1)))
-        sGt3 = st.sGt.get_tensor(tile_g)
-        sG = sGt3[None, None, 0]
-        sQK = st.sQK.get_tensor(tile_qk.outer, swizzle=tile_qk.inner)
-        sQ3 = sQK[None, None, 0, None]
-        sK3 = sQK[None, None, 1, None]
-        sV3 = st.sV.get_tensor(tile_v.outer, swizzle=tile_v.inner)
-        sR = st.sR.get_tensor(tile_r.outer, swizzle=tile_r.inner)
-        # where the gate tile arrives: the fp32 gate tile itself, or (raw, bf16) R's buffer
+        gp = p.gate
+        sGt3 = st.sGt.get_tensor(gp.tile_g)
         sGin3 = sGt3
         if cutlass.const_expr(self.gate_in_kernel):
-            sGin3 = st.sR.get_tensor(tile_g_in)
-        sXG = st.sXG.get_tensor(tile_xg.outer, swizzle=tile_xg.inner)
-        sKD3 = st.sKD.get_tensor(tile_kd.outer, swizzle=tile_kd.inner)
-        sKD = sKD3[None, None, 0]  # (D, C): element [k, j]
-        sTP = st.sTP.get_tensor(tile_tp.outer, swizzle=tile_tp.inner)
+            sGin3 = st.sR.get_tensor(gp.tile_g_in)
+        sKD3 = st.sKD.get_tensor(gp.tile_kd.outer, swizzle=gp.tile_kd.inner)
+        return GateSmem(
+            sGin3,
+            sGin3[None, None, 0],
+            sGt3[None, None, 0],
+            st.sPart.get_tensor(cute.make_layout((self.scan_parts, D), stride=(D, 1))),
+            st.sGl.get_tensor(cute.make_layout(D)),
+            st.sDec.get_tensor(cute.make_layout((D, 2), stride=(1, D))),
+            st.sBeta.get_tensor(cute.make_layout((C, 2), stride=(1, C))),
+            st.sNorm.get_tensor(cute.make_layout((C, 2))),
+            st.sR.get_tensor(gp.tile_r.outer, swizzle=gp.tile_r.inner),
+            st.sXG.get_tensor(gp.tile_xg.outer, swizzle=gp.tile_xg.inner),
+            sKD3[None, None, 0],
+            sKD3,
+        )
 
-        # TMA partitions: this head's (T, D) plane, shifted to the sequence start, cut in C-token tiles
-        tQs, tQg = tiles.tma_chunk_tiles(tma_q, mQ[None, None, h, b], tok0, sQ3)
-        tKs, tKg = tiles.tma_chunk_tiles(tma_k, mK[None, None, h, b], tok0, sK3)
-        tVs, tVg = tiles.tma_chunk_tiles(tma_v, mV[None, None, hv, b], tok0, sV3)
-        tGs, tGg = tiles.tma_chunk_tiles(tma_g, mGt[None, None, hv, b], tok0, sGin3)
-        tma_qkg = (tma_q, tQg, tQs, tma_k, tKg, tKs, tma_g, tGg, tGs)
-        w_tiles = (tma_w, tQs, tQg)
-        if cutlass.const_expr(self.intra != "none"):
-            # (C, C) tiles of this (range, head)'s workspace: 2 c for chunk c's Tinv, 2 c + 1 for its P
-            tWs, tWg = tiles.tma_chunk_tiles(tma_w, mW[None, None, hv, n], 0, sTP)
-            w_tiles = (tma_w, tWs, tWg)
-        b_tiles = (tma_b, tQs, tQg, tma_bd, tQs, tQg)
-        if cutlass.const_expr(self.intra != "none"):
-            # (C, D) tiles of the B-tile workspace: 3 c for chunk c's K 2^G, 3 c + 1 for Q 2^G (rows), 3 c + 2 for
-            # K 2^(G_last - G) (through the (D, rows) view)
-            tBs, tBg = tiles.tma_chunk_tiles(tma_b, mB[None, None, hv, n], 0, sXG)
-            gKD = cute.local_tile(mBd[None, None, hv, n], (D, C), (0, None))
-            tKDs, tKDg = cpasync.tma_partition(
-                tma_bd, 0, cute.make_layout(1), cute.group_modes(sKD3, 0, 2), cute.group_modes(gKD, 0, 2)
-            )
-            b_tiles = (tma_b, tBs, tBg, tma_bd, tKDs, tKDg)
+    def make_rings(self, st, c):
+        C, D = self.C, self.D
+        cfg = self.cfg
+        math_threads = self.layout.threads_of(WarpGroupRole.STATE)
+        math_warps = math_threads // 32
+        prep = self.prep_threads
+        # q | k | g: read by the prep role (scan, R, B tiles) unless it feeds, and by the intra step
+        qkg = pipeline.tma_ring(st.ring_qkg, 1, self.qkg_bytes, prep // 32 + math_warps)
+        v = pipeline.tma_ring(st.ring_v, self.v_stages, C * D * 2, math_warps)
+        r = pipeline.thread_ring(st.ring_r, 1, prep, math_threads)
+        b = pipeline.thread_ring(st.ring_b, 1, prep, math_threads)
+        b_load = tp = b
+        if cutlass.const_expr(self.feeds):
+            b_load = pipeline.tma_ring(st.ring_b_load, 1, self.b_bytes, math_warps)
+            tp = pipeline.tma_ring(st.ring_tp, 1, (1 + int(cfg.make_o)) * C * C * 2, math_warps)
+        return Rings(qkg, v, r, b, b_load, tp)
 
-        if warp == 0:
-            cpasync.prefetch_descriptor(tma_q)
-            cpasync.prefetch_descriptor(tma_k)
-            cpasync.prefetch_descriptor(tma_v)
-            cpasync.prefetch_descriptor(tma_g)
-            if cutlass.const_expr(self.intra != "none"):
-                cpasync.prefetch_descriptor(tma_w)
-                cpasync.prefetch_descriptor(tma_b)
-                cpasync.prefetch_descriptor(tma_bd)
-        if tidx == 0:
-            cute.arch.mbarrier_init(bar_qkg, 1)
-            cute.arch.mbarrier_init(bar_v, 1)
-            cute.arch.mbarrier_init(bar_v + 1, 1)
-            cute.arch.mbarrier_init(bar_tp, 1)
-            cute.arch.mbarrier_init(bar_b, 1)
-            cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+    def prefetch_descriptors(self, p):
+        super().prefetch_descriptors(p)
+        cpasync.prefetch_descriptor(p.gate.g.atom)
+        if cutlass.const_expr(self.cfg.intra != "none"):
+            for tma in (p.common.w, p.gate.wb, p.gate.wkd):
+                cpasync.prefetch_descriptor(tma.atom)
 
-        prep_smem = (sGin3[None, None, 0], sG, sPart, sGl, sDec, sBeta, sNorm, sQK, sR, sXG, sKD)
-        if warp >= 2 * 4:
-            cute.arch.setmaxregister_decrease(self.regs_prep)
-            if cutlass.const_expr(self.intra == "load"):
-                self.feed_role(
-                    b_tiles, bar_b, mBeta, mWd, sBeta, sDec, b, tok0, hv, n, seqlen, n_chunks,
-                    tidx - self.math_threads, warp - 2 * 4,
-                )  # fmt: skip
-            else:
-                self.prep_role(
-                    tma_qkg, bar_qkg, b_tiles, mBeta, mWd, mALog, mDtBias, lower_bound, prep_smem, b, tok0, hv, n,
-                    seqlen, n_chunks, tidx - self.math_threads, warp - 2 * 4,
-                )  # fmt: skip
+    # ---------------------------------------------------------------- prep role (producer)
+    @cute.jit
+    def producer_role(self, p, smem, gs, rings, seq, t, pwarp):
+        if cutlass.const_expr(self.feeds):
+            self.feed_role(p, smem, gs, rings, seq, t, pwarp)
         else:
-            cute.arch.setmaxregister_increase(self.regs_math)
-            math_smem = (sBeta, sDec, sNorm, sA, sO, sG, sQK, sV3, sR, sXG, sKD, sTP)
-            self.math_role(
-                mma_half, mma_rs, mma_state, tma_v, tVg, tVs, bar_v, w_tiles, bar_tp, bar_qkg, bar_b, mO, mH0, mHt,
-                scale, math_smem, b, tok0, hv, n, seqlen, n_chunks, tidx, warp,
-            )  # fmt: skip
+            self.prep_role(p, smem, gs, rings, seq, t, pwarp)
 
     @cute.jit
-    def prep_role(
-        self, tma_qkg, bar_qkg, b_tiles, mBeta, mWd, mALog, mDtBias, lower_bound, sm, b, tok0, hv, n, seqlen,
-        n_chunks, t, pwarp,
-    ):  # fmt: skip
-        """Warpgroup 2 (``t`` in [0, 128), ``pwarp`` its warp) when the pass makes its intra-chunk matrices: per
-        chunk, once its q | k | g tiles have landed, beta (column c % 2 of ``sBeta``), the gate scan (G, G_last,
-        2^G_last in column c % 2 of ``sDec``), with qk_l2norm the token norms, then R (published on the GR_FULL
-        barrier), then, once the math role's state products of the previous chunk are done (B_EMPTY), the B tiles
-        (B_FULL). Once the math role has built its left operands and made A and P (AP_DONE), the tiles and the
-        gates are free: it loads the next chunk's. With intra "save" it also stores each chunk's B tiles (TMA) and
-        2^G_last to the workspaces, for the later passes (:meth:`feed_role`)."""
-        sGin, sG, sPart, sGl, sDec, sBeta, sNorm, sQK, sR, sXG, sKD = sm
+    def b_tiles(self, p, gs, seq):
+        """``(tBs, tBg, tKDs, tKDg)``: the B tiles and their workspace tiles (3 c for chunk c's K 2^G, 3 c + 1 for
+        Q 2^G (rows), 3 c + 2 for K 2^(G_last - G) through the (D, rows) view) of this (range, head)."""
+        D, C = self.D, self.C
+        gp = p.gate
+        tBs, tBg = tiles.tma_chunk_tiles(gp.wb.atom, gp.wb.tensor[None, None, seq.hv, seq.n], 0, gs.sXG)
+        gKD = cute.local_tile(gp.wkd.tensor[None, None, seq.hv, seq.n], (D, C), (0, None))
+        tKDs, tKDg = cpasync.tma_partition(
+            gp.wkd.atom, 0, cute.make_layout(1), cute.group_modes(gs.sKD3, 0, 2), cute.group_modes(gKD, 0, 2)
+        )
+        return tBs, tBg, tKDs, tKDg
+
+    @cute.jit
+    def prep_role(self, p, smem, gs, rings, seq, t, pwarp):
+        """Per chunk, once its q | k | g tiles have landed: beta (column c % 2 of ``sBeta``), the gate scan (G, G_last,
+        2^G_last in column c % 2 of ``sDec``), with qk_l2norm the token norms, then R (ring ``r``), then, once the
+        state warpgroups' products of the previous chunk are done, the B tiles (ring ``b``). Once the tiles are
+        released by the intra step too, warp 0 loads the next chunk's (and its v two chunks ahead of their use).
+        With intra "save" it also stores each chunk's B tiles (TMA) and 2^G_last to the workspaces."""
         C, D = self.C, self.D
         f32 = cutlass.Float32
-        lane = cute.arch.lane_idx()
-        sQ3 = sQK[None, None, 0, None]
-        sK3 = sQK[None, None, 1, None]
+        c = p.common
+        gp = p.gate
+        cfg = self.cfg
+        save = cfg.intra == "save"
+        sQ3 = smem.sQK[None, None, 0, None]
+        sK3 = smem.sQK[None, None, 1, None]
+        loads = self.load_partitions(p, smem, gs, seq)
+        qkg_p = pipeline.producer_start(1)
+        v_p = pipeline.producer_start(self.v_stages)
+        qkg_c = pipeline.consumer_start(1)
+        r_p = pipeline.producer_start(1)
+        b_p = pipeline.producer_start(1)
+        # (ring positions advance on every thread, outside the branches: a branch cannot carry an object's update)
         if pwarp == 0:
-            if n_chunks > 0:
-                self.issue_qkg(tma_qkg, bar_qkg, cutlass.Int32(0), lane, n_chunks)
-        # beta of a chunk is loaded one chunk ahead (:meth:`stage_beta`), so that the global load is in flight while
-        # the prep role waits for the tiles
-        beta_next = mBeta.element_type(0.0)
-        if n_chunks > 0:
-            beta_next = self.load_beta(mBeta, b, tok0, hv, seqlen, cutlass.Int32(0), t)
+            if seq.n_chunks > 0:
+                self.issue_qkg(p, rings, qkg_p, loads, cutlass.Int32(0), seq.n_chunks)
+                self.issue_v(c, rings, v_p, loads, cutlass.Int32(0))
+        qkg_p.advance()
+        v_p.advance()
+        # beta of a chunk is loaded one chunk ahead (stage_beta), so that the global load is in flight while the
+        # prep role waits for the tiles
+        beta_next = c.beta.element_type(0.0)
+        if seq.n_chunks > 0:
+            beta_next = self.load_beta(c.beta, seq, cutlass.Int32(0), t)
         # with gate_in_kernel, this thread's key channel's gate is lower_bound * sigmoid(a (g + dt_bias)), as
         # 2^G units: lb log2(e) / (1 + 2^(-a log2(e) (g + dt_bias)))
         gate = (f32(0.0), f32(0.0), f32(0.0))
         if cutlass.const_expr(self.gate_in_kernel):
-            a = cute.math.exp2(mALog[hv] * _LOG2E, fastmath=True)
-            gate = (-a * _LOG2E, mDtBias[hv * D + t % D], lower_bound * _LOG2E)
-
-        for c in cutlass.range(n_chunks, unroll=1):
-            L = cutlass.min(seqlen - c * C, C)
-            slot = c % 2
-            cute.arch.mbarrier_wait(bar_qkg, c % 2)
-            beta_next = self.stage_beta(sBeta, beta_next, mBeta, b, tok0, hv, seqlen, c, slot, t)
-            self.scan_gates(sGin, sG, sPart, sGl, sDec, slot, L, t, gate)
-            if cutlass.const_expr(self.qk_l2norm):
-                self.token_norm(sQK, sNorm, t)
-            if cutlass.const_expr(self.intra == "save"):
+            a = cute.math.exp2(gp.a_log[seq.hv] * _LOG2E, fastmath=True)
+            gate = (-a * _LOG2E, gp.dt_bias[seq.hv * D + t % D], gp.lower_bound * _LOG2E)
+        b_tiles = self.b_tiles(p, gs, seq) if cutlass.const_expr(save) else None
+        for chunk in cutlass.range(seq.n_chunks, unroll=1):
+            L = cutlass.min(seq.seqlen - chunk * C, C)
+            slot = chunk % 2
+            rings.qkg.consumer_wait(qkg_c)
+            beta_next = self.stage_beta(gs.sBeta, beta_next, c.beta, seq, chunk, slot, t)
+            self.scan_gates(gs, slot, L, t, gate)
+            if cutlass.const_expr(cfg.qk_l2norm):
+                self.token_norm(smem.sQK, gs.sNorm, t)
+            if cutlass.const_expr(save):
                 if pwarp == 0:
-                    # the previous chunk's B tiles have been read by their store (issued a chunk ago) before the
-                    # barrier lets any prep thread write this chunk's
+                    # the previous chunk's B tiles have been read by their store before any prep thread writes them
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
-            cute.arch.barrier(barrier_id=_PREP_BARRIER, number_of_threads=self.prep_threads)
-            if cutlass.const_expr(self.intra == "save"):
+            cute.arch.barrier(barrier_id=Barrier.PRODUCER, number_of_threads=self.prep_threads)
+            if cutlass.const_expr(save):
                 if t < D:
-                    mWd[n, c, hv, t] = sDec[t, slot]
+                    gp.wd[seq.n, chunk, seq.hv, t] = gs.sDec[t, slot]
             # R_j = k_j 2^(G_r - G_j), r the reference token of j's half; |j - r| <= 16 keeps it in range
-            self.build_r_tile(sG, sK3, sR, sNorm, t)
+            rings.r.producer_acquire(r_p)
+            self.build_r_tile(gs, sK3, t)
             cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier_arrive(barrier_id=_GR_FULL_BARRIER, number_of_threads=self.threads)
-            if c > 0:
-                cute.arch.barrier(barrier_id=_B_EMPTY_BARRIER, number_of_threads=self.threads)
-            self.build_b_tiles(sG, sK3, sQ3, sXG[None, None, 0], sXG[None, None, 1], sKD, sGl, sNorm, L, t)
+            rings.r.producer_commit(r_p)
+            r_p.advance()
+            rings.b.producer_acquire(b_p)
+            self.build_b_tiles(gs, sK3, sQ3, L, t)
             cute.arch.fence_proxy("async.shared", space="cta")
-            if cutlass.const_expr(self.intra == "save"):
-                cute.arch.barrier(barrier_id=_PREP_BARRIER, number_of_threads=self.prep_threads)
+            if cutlass.const_expr(save):
+                cute.arch.barrier(barrier_id=Barrier.PRODUCER, number_of_threads=self.prep_threads)
                 if pwarp == 0:
-                    self.save_b_tiles(b_tiles, c)
-            cute.arch.barrier_arrive(barrier_id=_B_FULL_BARRIER, number_of_threads=self.threads)
-            # the chunk's q | k | g are consumed (by the math role's left operands too)
-            cute.arch.barrier(barrier_id=_AP_DONE_BARRIER, number_of_threads=self.threads)
+                    self.save_b_tiles(p, b_tiles, chunk)
+            rings.b.producer_commit(b_p)
+            b_p.advance()
+            # this role's reads of q | k | g are done; the state warpgroups' once they made A and P
+            rings.qkg.consumer_release(qkg_c)
+            qkg_c.advance()
             if pwarp == 0:
-                if c + 1 < n_chunks:
-                    self.issue_qkg(tma_qkg, bar_qkg, c + 1, lane, n_chunks)
-        if cutlass.const_expr(self.intra == "save"):
+                if chunk + 1 < seq.n_chunks:
+                    self.issue_qkg(p, rings, qkg_p, loads, chunk + 1, seq.n_chunks)
+                    self.issue_v(c, rings, v_p, loads, chunk + 1)
+            qkg_p.advance()
+            v_p.advance()
+        if cutlass.const_expr(save):
             if pwarp == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def feed_role(self, b_tiles, bar_b, mBeta, mWd, sBeta, sDec, b, tok0, hv, n, seqlen, n_chunks, t, pwarp):
-        """Warpgroup 2 when Tinv and P are loaded (the later split passes): per chunk, once the math role's state
-        products of the previous chunk are done (B_EMPTY), beta into column c % 2 of ``sBeta``, the first pass's
-        2^G_last into column c % 2 of ``sDec`` (both loaded a chunk ahead), and the first pass's B tiles by TMA
-        (completing on ``bar_b``, the next chunk's prefetched into L2) -> B_FULL. No gate scan, no tile building."""
+    def feed_role(self, p, smem, gs, rings, seq, t, pwarp):
+        """The later split passes: per chunk, beta into column c % 2 of ``sBeta`` and the first pass's 2^G_last into
+        column c % 2 of ``sDec`` (both loaded a chunk ahead; ring ``b``), and by warp 0 the first pass's B tiles
+        (ring ``b_load``, the next chunk's prefetched into L2), Tinv and P (ring ``tp``) and v. No gate scan, no tile
+        building."""
         D = self.D
         f32 = cutlass.Float32
+        c = p.common
         lane = cute.arch.lane_idx()
-        beta_next = mBeta.element_type(0.0)
+        loads = self.load_partitions(p, smem, gs, seq)
+        b_tiles = self.b_tiles(p, gs, seq)
+        tWs, tWg = tiles.tma_chunk_tiles(
+            c.w.atom, c.w.tensor[None, None, seq.hv, seq.n], 0, cute.group_modes(smem.sTP, 2, 4)
+        )
+        b_p = pipeline.producer_start(1)
+        bl_p = pipeline.producer_start(1)
+        tp_p = pipeline.producer_start(1)
+        v_p = pipeline.producer_start(self.v_stages)
+        beta_next = c.beta.element_type(0.0)
         dec_next = f32(0.0)
-        if n_chunks > 0:
-            beta_next = self.load_beta(mBeta, b, tok0, hv, seqlen, cutlass.Int32(0), t)
+        if seq.n_chunks > 0:
+            beta_next = self.load_beta(c.beta, seq, cutlass.Int32(0), t)
             if t < D:
-                dec_next = mWd[n, 0, hv, t]
-        for c in cutlass.range(n_chunks, unroll=1):
-            slot = c % 2
-            if c > 0:
-                cute.arch.barrier(barrier_id=_B_EMPTY_BARRIER, number_of_threads=self.threads)
+                dec_next = p.gate.wd[seq.n, 0, seq.hv, t]
+        for chunk in cutlass.range(seq.n_chunks, unroll=1):
+            slot = chunk % 2
             if pwarp == 0:
-                self.issue_b(b_tiles, bar_b, c, lane, n_chunks)
-            beta_next = self.stage_beta(sBeta, beta_next, mBeta, b, tok0, hv, seqlen, c, slot, t)
+                self.issue_b(p, rings, bl_p, b_tiles, chunk, seq.n_chunks)
+                rings.tp.producer_acquire(tp_p)
+                workspace.load_tinv_p(
+                    c.w.atom, tWg, tWs, chunk, 0, rings.tp.producer_get_barrier(tp_p), self.cfg.make_o
+                )
+                if lane == 0 and chunk + 1 < seq.n_chunks:
+                    for i in cutlass.range_constexpr(1 + int(self.cfg.make_o)):
+                        cute.prefetch(c.w.atom, tWg[None, 2 * chunk + 2 + i])
+                self.issue_v(c, rings, v_p, loads, chunk)
+            bl_p.advance()
+            tp_p.advance()
+            v_p.advance()
+            rings.b.producer_acquire(b_p)
+            beta_next = self.stage_beta(gs.sBeta, beta_next, c.beta, seq, chunk, slot, t)
             if t < D:
-                sDec[t, slot] = dec_next
-                dec_next = mWd[n, cutlass.min(c + 1, n_chunks - 1), hv, t]
-            cute.arch.barrier_arrive(barrier_id=_B_FULL_BARRIER, number_of_threads=self.threads)
+                gs.sDec[t, slot] = dec_next
+                dec_next = p.gate.wd[seq.n, cutlass.min(chunk + 1, seq.n_chunks - 1), seq.hv, t]
+            rings.b.producer_commit(b_p)
+            b_p.advance()
 
     @cute.jit
-    def math_role(
-        self, mma_half, mma_rs, mma_state, tma_v, tVg, tVs, bar_v, w_tiles, bar_tp, bar_qkg, bar_b, mO, mH0, mHt,
-        scale, sm, b, tok0, hv, n, seqlen, n_chunks, tidx, warp,
-    ):  # fmt: skip
-        """Warpgroups 0 and 1 (``tidx`` in [0, 256)): per chunk the left operands, A and P, the solve, then the state
-        products on value rows [64 wg, 64 wg + 64) of S^T, and the output."""
-        sBeta, sDec, sNorm, sA, sO, sG, sQK, sV3, sR, sXG, sKD, sTP = sm
-        C, D, Hf = self.C, self.D, self.half
-        f32 = cutlass.Float32
-        bf16 = cutlass.BFloat16
-        lane = cute.arch.lane_idx()
-        wg = warp // 4  # math warpgroup: value rows [64 wg, 64 wg + 64) of S^T
-        wtid = tidx % 128
-        nt = self.math_threads
-        sKG = sXG[None, None, 0]
-        sQG = sXG[None, None, 1]
-        sT = sTP[None, None, 0]
-        sP = sTP[None, None, 1]
-        tma_w, tWs, tWg = w_tiles
+    def load_partitions(self, p, smem, gs, seq):
+        """The TMA partitions of this head's q, k, g and v planes, shifted to the sequence start, cut in C-token
+        tiles: ``(tQs, tQg, tKs, tKg, tGs, tGg, tVs, tVg)``."""
+        c, gp = p.common, p.gate
+        tQs, tQg = tiles.tma_chunk_tiles(
+            c.q.atom, c.q.tensor[None, None, seq.h, seq.b], seq.tok0, smem.sQK[None, None, 0, None]
+        )
+        tKs, tKg = tiles.tma_chunk_tiles(
+            c.k.atom, c.k.tensor[None, None, seq.h, seq.b], seq.tok0, smem.sQK[None, None, 1, None]
+        )
+        tGs, tGg = tiles.tma_chunk_tiles(gp.g.atom, gp.g.tensor[None, None, seq.hv, seq.b], seq.tok0, gs.sGin3)
+        tVs, tVg = tiles.tma_chunk_tiles(c.v.atom, c.v.tensor[None, None, seq.hv, seq.b], seq.tok0, smem.sV)
+        return tQs, tQg, tKs, tKg, tGs, tGg, tVs, tVg
 
-        if warp == 0:
-            if n_chunks > 0:
-                if cutlass.const_expr(self.tile_v_src is not None):
-                    self.issue_v(tma_v, tVg, tVs, bar_v, cutlass.Int32(0), lane)
-                if cutlass.const_expr(self.intra == "load"):
-                    self.issue_tp(tma_w, tWg, tWs, bar_tp, cutlass.Int32(0), lane, n_chunks)
-
-        # ---- per-thread MMA partitions (each warpgroup works on its own 64 rows)
-        thr_h = mma_half.get_slice(wtid)
-        thr_rs = mma_rs.get_slice(wtid)
-        thr_st = mma_state.get_slice(wtid)
-        tHb_R = thr_h.make_fragment_B(thr_h.partition_B(sR))
-        tRSb_KG = thr_rs.make_fragment_B(thr_rs.partition_B(sKG))
-        tRSb_QG = thr_rs.make_fragment_B(thr_rs.partition_B(sQG))
-        tRSb_T = thr_rs.make_fragment_B(thr_rs.partition_B(sT))
-        tRSb_P = thr_rs.make_fragment_B(thr_rs.partition_B(sP))
-        tSTb_KD = thr_st.make_fragment_B(thr_st.partition_B(sKD))
-        # coordinates of accumulator elements
-        cH = thr_h.partition_C(cute.make_identity_tensor((C, Hf)))
-        cCC = thr_rs.partition_C(cute.make_identity_tensor((C, C)))
-        cST = thr_st.partition_C(cute.make_identity_tensor((C, D)))
-
-        acc_cc_shape = thr_rs.partition_shape_C((C, C))
-        acc_h_shape = thr_h.partition_shape_C((C, Hf))
-        acc_s = thr_st.make_fragment_C(thr_st.partition_shape_C((C, D)))  # S^T rows of this WG, fp32
-        row0 = wg * C if self.state_wgs == 2 else 0
-        writes_state = True if self.state_wgs == 2 else wg == 0  # this WG's rows are its own (not a repeat)
-
-        if cutlass.const_expr(self.has_h0):
-            state.load_state(acc_s, cST, mH0, n, hv, row0)
-        elif cutlass.const_expr(self.mode == "transition"):
-            for i in cutlass.range_constexpr(cute.size(acc_s)):
-                rh, kh = cST[i]
-                acc_s[i] = f32(0.0)
-                if kh == row0 + rh:
-                    acc_s[i] = f32(1.0)
-        else:
-            acc_s.fill(0.0)
-        if cutlass.const_expr(self.intra != "load"):
-            solve.solve_clear(sT, tidx, nt)  # the math barriers of the first chunk order it
-
-        for c in cutlass.range(n_chunks, unroll=1):
-            slot = c % 2
-            # the next chunk's v into the other buffer, last read in the previous chunk (before its final barrier)
-            if cutlass.const_expr(self.tile_v_src is not None):
-                if warp == 0:
-                    if c + 1 < n_chunks:
-                        self.issue_v(tma_v, tVg, tVs, bar_v, c + 1, lane)
-
-            if cutlass.const_expr(self.intra != "load"):
-                # the prep role has scanned the gates and made R; its wait for the tiles' TMA is repeated here (long
-                # complete, the next load is not issued before AP_DONE) so that their writes are ordered for
-                # these threads as well
-                cute.arch.barrier(barrier_id=_GR_FULL_BARRIER, number_of_threads=self.threads)
-                cute.arch.mbarrier_wait(bar_qkg, c % 2)
-
-                # ---- 1. WG0: A = strict-lower(beta_i sum_k K_ik K_jk 2^(G_ik - G_jk)); WG1: P = lower(scale Q ...).
-                # Left operands in registers: x_i 2^(G_i - G_r) per half (rows before the second half's block are
-                # zero: their factor against r = 48 would overflow and their entries are above the diagonal)
-                # built in pairs and converted two at a time (bf16x2), so every operand register is final before the
-                # wgmma fence (a register packed after it makes ptxas fence each k-block: C7519)
-                l0 = mma.empty_operand(cute.size(cST))
-                l1 = mma.empty_operand(cute.size(cST))
-                l0_flat = cute.make_tensor(l0.iterator, cute.make_layout(cute.size(cST)))
-                l1_flat = cute.make_tensor(l1.iterator, cute.make_layout(cute.size(cST)))
-                p0 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
-                p1 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
-                x2 = cute.make_rmem_tensor(cute.make_layout((1, 2)), bf16)
-                g2 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
-                r0 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
-                r1 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
-                sX = sQK[None, None, 1 - wg, 0]  # WG0's rows are k, WG1's q
-                # per 8-column block i // 4 the thread holds 2 adjacent columns on 2 rows: the references' gates are
-                # loaded once for both rows, and x and G as pairs
-                for blk in cutlass.range_constexpr(cute.size(cST) // 4):
-                    _, kb = cST[4 * blk]
-                    cute.autovec_copy(cute.local_tile(sG, (1, 2), (Hf // 2, kb // 2)), r0)
-                    cute.autovec_copy(cute.local_tile(sG, (1, 2), (Hf + Hf // 2, kb // 2)), r1)
-                    for rr in cutlass.range_constexpr(2):
-                        i = 4 * blk + 2 * rr
-                        ri, ki = cST[i]
-                        cute.autovec_copy(cute.local_tile(sX, (1, 2), (ri, ki // 2)), x2)
-                        cute.autovec_copy(cute.local_tile(sG, (1, 2), (ri, ki // 2)), g2)
-                        x = x2.load().to(f32)
-                        if cutlass.const_expr(self.qk_l2norm):
-                            x = x * sNorm[ri, wg]
-                        for e in cutlass.range_constexpr(2):
-                            p0[0, e] = x[e] * cute.math.exp2(g2[0, e] - r0[0, e], fastmath=True)
-                            x1 = f32(0.0)
-                            if ri >= Hf:
-                                x1 = x[e] * cute.math.exp2(g2[0, e] - r1[0, e], fastmath=True)
-                            p1[0, e] = x1
-                        cute.local_tile(l0_flat, (2,), (i // 2,)).store(p0.load().to(bf16))
-                        cute.local_tile(l1_flat, (2,), (i // 2,)).store(p1.load().to(bf16))
-                acc0 = thr_h.make_fragment_C(acc_h_shape)
-                acc1 = thr_h.make_fragment_C(acc_h_shape)
-                warpgroup.fence()
-                mma.gemm(mma_half, acc0, l0, tHb_R[None, None, None, 0], True)
-                mma.gemm(mma_half, acc1, l1, tHb_R[None, None, None, 1], True)
-                warpgroup.commit_group()
-                # while they run: the previous chunk's O (staged in smem, a full chunk) to global memory
-                if cutlass.const_expr(self.make_o):
-                    if c > 0:
-                        epilogue.store_o_rows(sO, mO, b, hv, tok0 + (c - 1) * C, C, tidx, C, D, nt)
-                warpgroup.wait_group(0)
-                # q, k, G and R of the chunk are no longer read here: the prep role may load the next chunk's
-                cute.arch.barrier_arrive(barrier_id=_AP_DONE_BARRIER, number_of_threads=self.threads)
-                if wg == 0:
-                    for i in cutlass.range_constexpr(cute.size(acc0)):
-                        ra, ja = cH[i]
-                        bi = sBeta[ra, slot]  # 0 past the sequence end
-                        va = f32(0.0)
-                        if ja < ra:
-                            va = acc0[i] * bi
-                        # stored transposed: the solver walks A column by column
-                        sA[ja, ra] = va
-                        vb = f32(0.0)
-                        if ja + Hf < ra:
-                            vb = acc1[i] * bi
-                        sA[ja + Hf, ra] = vb
-                else:
-                    for i in cutlass.range_constexpr(cute.size(acc0)):
-                        rp, jp = cH[i]
-                        vp = f32(0.0)
-                        if jp <= rp:
-                            vp = acc0[i] * scale
-                        sP[rp, jp] = vp.to(bf16)
-                        vq = f32(0.0)
-                        if jp + Hf <= rp:
-                            vq = acc1[i] * scale
-                        sP[rp, jp + Hf] = vq.to(bf16)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier(barrier_id=_MATH_BARRIER, number_of_threads=nt)
-
-                # ---- 2. Tinv = (I + A)^-1 by 16-blocks: warps 0-1 invert the diagonal blocks, warps 0-3 join them
-                if warp < 2:
-                    solve.solve_diag16(sA, sT, tidx)
-                cute.arch.barrier(barrier_id=_MATH_BARRIER, number_of_threads=nt)
-                solve.solve_merge(sA, sT, tidx, _MATH_BARRIER, nt)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier(barrier_id=_MATH_BARRIER, number_of_threads=nt)
-            else:
-                # Tinv, P and the B tiles come from the first pass: the previous chunk's O alone before them
-                if cutlass.const_expr(self.make_o):
-                    if c > 0:
-                        epilogue.store_o_rows(sO, mO, b, hv, tok0 + (c - 1) * C, C, tidx, C, D, nt)
-            if cutlass.const_expr(self.intra == "save"):
-                # this chunk's Tinv and P to the workspace; warp 0 waits for the stores to have read them before the
-                # chunk's final barrier (the next chunk writes them again)
-                if warp == 0:
-                    workspace.save_tinv_p(tma_w, tWs, tWg, c)
-
-            # ---- 3. state products on this WG's 64 value rows, once the B tiles are made (or loaded)
-            cute.arch.barrier(barrier_id=_B_FULL_BARRIER, number_of_threads=self.threads)
-            if cutlass.const_expr(self.intra == "load"):
-                cute.arch.mbarrier_wait(bar_b, c % 2)
-                cute.arch.mbarrier_wait(bar_tp, c % 2)
-            if cutlass.const_expr(self.tile_v_src is not None):
-                cute.arch.mbarrier_wait(bar_v + c % 2, (c // 2) % 2)
-            sV = sV3[None, None, c % 2]
-            rS = mma.acc_to_operand(acc_s)
-            acc_k = thr_rs.make_fragment_C(acc_cc_shape)
-            acc_o = thr_rs.make_fragment_C(acc_cc_shape)
-            warpgroup.fence()
-            mma.gemm(mma_rs, acc_k, rS, tRSb_KG, True)
-            if cutlass.const_expr(self.make_o):
-                mma.gemm(mma_rs, acc_o, rS, tRSb_QG, True)
-            warpgroup.commit_group()
-
-            # while those run: beta of this thread's 16 accumulator columns (mma.acc_col_slot), and the state's
-            # chunk decay per key channel (column of S^T)
-            b_j = cute.make_rmem_tensor(cute.make_layout(16), f32)
-            for kc in cutlass.range_constexpr(16):
-                _, jc = cCC[mma.acc_col_element(kc)]
-                b_j[kc] = sBeta[jc, slot]
-            for i in cutlass.range_constexpr(cute.size(acc_s)):
-                rd, kd_ = cST[i]
-                acc_s[i] = acc_s[i] * sDec[kd_, slot]
-            warpgroup.wait_group(0)
-
-            # Y^T[v, j] = beta_j (V[j, v] - (S^T (K 2^G)^T)[v, j]), zero past the sequence end
-            for i in cutlass.range_constexpr(cute.size(acc_k)):
-                r, j = cCC[i]
-                vv = f32(0.0)
-                if cutlass.const_expr(self.tile_v_src == "v"):
-                    vv = sV[j, row0 + r].to(f32)
-                acc_k[i] = b_j[mma.acc_col_slot(i)] * (vv - acc_k[i])
-            # Y and V_new enter their products as bf16 hi + lo pairs: the state and O then keep ~16 bits of them
-            # (a single bf16 rounding here costs about 2e-3 relative error in the state)
-            rY, rY_lo = mma.acc_to_operand_split(acc_k)
-            acc_vn = thr_rs.make_fragment_C(acc_cc_shape)
-            warpgroup.fence()
-            mma.gemm(mma_rs, acc_vn, rY, tRSb_T, True)
-            mma.gemm(mma_rs, acc_vn, rY_lo, tRSb_T, False)
-            warpgroup.commit_group()
-            # O^T inter-chunk part scaled while V_new^T is computed
-            if cutlass.const_expr(self.make_o):
-                for i in cutlass.range_constexpr(cute.size(acc_o)):
-                    acc_o[i] = acc_o[i] * scale
-            warpgroup.wait_group(0)
-
-            # O^T += V_new^T P^T;  S^T += V_new^T (K 2^(G_last - G))
-            rVn, rVn_lo = mma.acc_to_operand_split(acc_vn)
-            warpgroup.fence()
-            if cutlass.const_expr(self.make_o):
-                mma.gemm(mma_rs, acc_o, rVn, tRSb_P, False)
-                mma.gemm(mma_rs, acc_o, rVn_lo, tRSb_P, False)
-            mma.gemm(mma_state, acc_s, rVn, tSTb_KD, False)
-            mma.gemm(mma_state, acc_s, rVn_lo, tSTb_KD, False)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            # the B tiles are free for the next chunk's
-            if c + 1 < n_chunks:
-                cute.arch.barrier_arrive(barrier_id=_B_EMPTY_BARRIER, number_of_threads=self.threads)
-
-            # ---- 4. O^T -> smem (token-major); stored during the next chunk (or after the loop)
-            if cutlass.const_expr(self.make_o):
-                if writes_state:
-                    for i in cutlass.range_constexpr(cute.size(acc_o)):
-                        r, j = cCC[i]
-                        if cutlass.const_expr(self.tile_v_src == "o"):
-                            acc_o[i] = acc_o[i] + sV[j, row0 + r].to(f32)
-                        sO[j, row0 + r] = acc_o[i].to(bf16)
-            if cutlass.const_expr(self.intra == "save"):
-                if warp == 0:
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-            cute.arch.barrier(barrier_id=_MATH_BARRIER, number_of_threads=nt)
-            if cutlass.const_expr(self.intra == "load"):
-                # Tinv and P were last read by this chunk's products: the next chunk's into the same buffers
-                if warp == 0:
-                    if c + 1 < n_chunks:
-                        self.issue_tp(tma_w, tWg, tWs, bar_tp, c + 1, lane, n_chunks)
-
-        # the last chunk's O (the loop stores each chunk's O during the next chunk's step 1)
-        if cutlass.const_expr(self.make_o):
-            if n_chunks > 0:
-                epilogue.store_o_rows(
-                    sO, mO, b, hv, tok0 + (n_chunks - 1) * C, seqlen - (n_chunks - 1) * C, tidx, C, D, nt
-                )  # fmt: skip
-
-        # ---- final state
-        if writes_state:
-            state.store_state(acc_s, cST, mHt, n, hv, row0)
-
-    # ---------------------------------------------------------------- helpers
     @cute.jit
-    def stage_beta(self, sBeta, beta, mBeta, b, tok0, hv, seqlen, chunk, slot, tidx):
+    def issue_qkg(self, p, rings, state, loads, chunk, n_chunks):
+        """One warp (the copies elect their issuing lane): the q, k and g tiles of ``chunk`` once the stage is
+        free (``state``; the caller advances it); and the next chunk's into L2, so that its load (issued only once this chunk's tiles are consumed)
+        waits for L2, not for HBM."""
+        tQs, tQg, tKs, tKg, tGs, tGg, _, _ = loads
+        rings.qkg.producer_acquire(state)
+        bar = rings.qkg.producer_get_barrier(state)
+        atoms = (p.common.q.atom, p.common.k.atom, p.gate.g.atom)
+        cute.copy(atoms[0], tQg[None, chunk], tQs[None, 0], tma_bar_ptr=bar)
+        cute.copy(atoms[1], tKg[None, chunk], tKs[None, 0], tma_bar_ptr=bar)
+        cute.copy(atoms[2], tGg[None, chunk], tGs[None, 0], tma_bar_ptr=bar)
+        if chunk + 1 < n_chunks and cute.arch.lane_idx() == 0:
+            for atom, tXg in zip(atoms, (tQg, tKg, tGg), strict=True):
+                cute.prefetch(atom, tXg[None, chunk + 1])
+
+    @cute.jit
+    def issue_v(self, c, rings, state, loads, chunk):
+        """One warp: the v tile of ``chunk`` once its stage is free."""
+        if cutlass.const_expr(self.cfg.v_from is not None):
+            tVs, tVg = loads[6], loads[7]
+            rings.v.producer_acquire(state)
+            cute.copy(
+                c.v.atom, tVg[None, chunk], tVs[None, state.index], tma_bar_ptr=rings.v.producer_get_barrier(state)
+            )
+
+    @cute.jit
+    def issue_b(self, p, rings, state, b_tiles, chunk, n_chunks):
+        """One warp: the first pass's B tiles of ``chunk`` (Q 2^G only when the pass makes o) once the stage is free;
+        the next chunk's into L2."""
+        tBs, tBg, tKDs, tKDg = b_tiles
+        gp = p.gate
+        rings.b_load.producer_acquire(state)
+        bar = rings.b_load.producer_get_barrier(state)
+        cute.copy(gp.wb.atom, tBg[None, 3 * chunk], tBs[None, 0], tma_bar_ptr=bar)
+        if cutlass.const_expr(self.cfg.make_o):
+            cute.copy(gp.wb.atom, tBg[None, 3 * chunk + 1], tBs[None, 1], tma_bar_ptr=bar)
+        cute.copy(gp.wkd.atom, tKDg[None, 3 * chunk + 2], tKDs[None, 0], tma_bar_ptr=bar)
+        if chunk + 1 < n_chunks and cute.arch.lane_idx() == 0:
+            cute.prefetch(gp.wb.atom, tBg[None, 3 * chunk + 3])
+            if cutlass.const_expr(self.cfg.make_o):
+                cute.prefetch(gp.wb.atom, tBg[None, 3 * chunk + 4])
+            cute.prefetch(gp.wkd.atom, tKDg[None, 3 * chunk + 5])
+
+    @cute.jit
+    def save_b_tiles(self, p, b_tiles, chunk):
+        """One warp: the chunk's B tiles to their workspace tiles by TMA, as one bulk group (waited for, read, before
+        the next chunk's are built)."""
+        tBs, tBg, tKDs, tKDg = b_tiles
+        cute.copy(p.gate.wb.atom, tBs[None, 0], tBg[None, 3 * chunk])
+        cute.copy(p.gate.wb.atom, tBs[None, 1], tBg[None, 3 * chunk + 1])
+        cute.copy(p.gate.wkd.atom, tKDs[None, 0], tKDg[None, 3 * chunk + 2])
+        cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def stage_beta(self, sBeta, beta, mBeta, seq, chunk, slot, tidx):
         """Threads 0 .. C - 1: ``beta`` (``chunk``'s, loaded a chunk ahead) into column ``slot`` of ``sBeta`` as fp32,
         zero past the sequence end; returns the next chunk's, its load issued now."""
         if tidx < self.C:
-            sBeta[tidx, slot] = beta.to(cutlass.Float32) if chunk * self.C + tidx < seqlen else cutlass.Float32(0.0)
-        return self.load_beta(mBeta, b, tok0, hv, seqlen, chunk + 1, tidx)
+            sBeta[tidx, slot] = beta.to(cutlass.Float32) if chunk * self.C + tidx < seq.seqlen else cutlass.Float32(0.0)
+        return self.load_beta(mBeta, seq, chunk + 1, tidx)
 
     @cute.jit
-    def load_beta(self, mBeta, b, tok0, hv, seqlen, chunk, tidx):
+    def load_beta(self, mBeta, seq, chunk, tidx):
         """beta of token ``tidx % C`` of ``chunk`` as stored: converted (and zeroed past the sequence end) where it is
         used, so that the load stays in flight until then. The token index is clamped into the sequence instead of
         branching (needs seqlen >= 1)."""
-        t = cutlass.min(chunk * self.C + tidx % self.C, seqlen - 1)
-        return mBeta[b, tok0 + t, hv]
+        t = cutlass.min(chunk * self.C + tidx % self.C, seq.seqlen - 1)
+        return mBeta[seq.b, seq.tok0 + t, seq.hv]
 
     @cute.jit
-    def scan_gates(self, sGin, sG, sPart, sGl, sDec, slot, L, t, gate):
+    def scan_gates(self, gs, slot, L, t, gate):
         """G = inclusive cumsum of the chunk's gates over its tokens, in log2 units, into ``sG`` (C, D) fp32; G_last
-        into ``sGl`` and 2^G_last into column ``slot`` of ``sDec`` per key channel. By the prep role: thread t scans
-        channel t % D over token part t // D (the tokens' gates from ``sGin``, activated first with gate_in_kernel:
-        ``gate`` is (-a log2(e), dt_bias of the channel, lower_bound log2(e))), then adds the totals of the parts
-        before its own. Tokens at or past ``L`` add 0. ``sGin`` may be ``sG`` itself (each thread reads its own cells
-        before it writes them)."""
+        into ``sGl`` and 2^G_last into column ``slot`` of ``sDec`` per key channel. Thread t scans channel t % D over
+        token part t // D (the tokens' gates from ``sGin``, activated first with gate_in_kernel: ``gate`` is
+        (-a log2(e), dt_bias of the channel, lower_bound log2(e))), then adds the totals of the parts before its own.
+        Tokens at or past ``L`` add 0. ``sGin`` may be ``sG`` itself (each thread reads its own cells before it writes
+        them)."""
         f32 = cutlass.Float32
+        sG = gs.sG
         ch = t % self.D
         part = t // self.D
         run = f32(0.0)
         # the part is warp-uniform: one unrolled copy per part, so that every token row is a compile-time constant
         # and each address a register plus an immediate (a runtime row costs integer instructions per element)
-        for p in cutlass.range_constexpr(self.scan_parts):
-            if part == p:
-                run = self.scan_part(sGin, sG, p * (self.C // self.scan_parts), L, ch, gate)
+        for pp in cutlass.range_constexpr(self.scan_parts):
+            if part == pp:
+                run = self.scan_part(gs.sGin, sG, pp * (self.C // self.scan_parts), L, ch, gate)
         if cutlass.const_expr(self.scan_parts > 1):
-            sPart[part, ch] = run
-            cute.arch.barrier(barrier_id=_PREP_BARRIER, number_of_threads=self.prep_threads)
+            gs.sPart[part, ch] = run
+            cute.arch.barrier(barrier_id=Barrier.PRODUCER, number_of_threads=self.prep_threads)
             off = f32(0.0)
-            for p in cutlass.range_constexpr(self.scan_parts - 1):
-                if p < part:
-                    off = off + sPart[p, ch]
-            for p in cutlass.range_constexpr(1, self.scan_parts):
-                if part == p:
+            for pp in cutlass.range_constexpr(self.scan_parts - 1):
+                if pp < part:
+                    off = off + gs.sPart[pp, ch]
+            for pp in cutlass.range_constexpr(1, self.scan_parts):
+                if part == pp:
                     n = self.C // self.scan_parts
                     for tt in cutlass.range_constexpr(n):
-                        sG[p * n + tt, ch] = sG[p * n + tt, ch] + off
+                        sG[pp * n + tt, ch] = sG[pp * n + tt, ch] + off
             run = run + off
         if part == self.scan_parts - 1:
-            sGl[ch] = run
-            sDec[ch, slot] = cute.math.exp2(run, fastmath=True)
+            gs.sGl[ch] = run
+            gs.sDec[ch, slot] = cute.math.exp2(run, fastmath=True)
 
     @cute.jit
     def scan_part(self, sGin, sG, t0: cutlass.Constexpr, L, ch, gate):
@@ -900,22 +593,23 @@ class KDAChunkFwdSm90:
 
     @cute.jit
     def token_norm(self, sQK, sNorm, t):
-        """For qk_l2norm, by the prep role: 1 / sqrt(||x||^2 + eps) of token ``t % C``'s k (``t < C``) or q, into
-        ``sNorm`` (column 0 k, 1 q)."""
+        """qk_l2norm: 1 / sqrt(||x||^2 + eps) of token ``t % C``'s k (``t < C``) or q, into ``sNorm`` (column 0 k,
+        1 q)."""
         which = t // self.C
         tile = sQK[None, None, 1 - which, 0]
         acc = tiles.row_sum_squares(tile, t % self.C, 0, self.D // 8)
         sNorm[t % self.C, which] = cute.math.rsqrt(acc + cutlass.Float32(L2NORM_EPS), fastmath=True)
 
     @cute.jit
-    def build_r_tile(self, sG, sK3, sR, sNorm, t):
+    def build_r_tile(self, gs, sK3, t):
         """R_j = k_j 2^(G_r - G_j) for the chunk's tokens j, r = 16 or 48 the reference token of j's 32-token half,
-        into that half of ``sR``, by the prep role: thread t owns key channels 2p, 2p + 1 (p = t % (D / 2)) for its
-        group of 8-token blocks (t // (D / 2)), 4 tokens at a time, the token's low 3 bits compile-time (as in
+        into that half of ``sR``: thread t owns key channels 2p, 2p + 1 (p = t % (D / 2)) for its group of 8-token
+        blocks (t // (D / 2)), 4 tokens at a time, the token's low 3 bits compile-time (as in
         :meth:`build_b_tiles`)."""
         f32 = cutlass.Float32
         bf16 = cutlass.BFloat16
         C, D, Hf = self.C, self.D, self.half
+        sG, sR, sNorm = gs.sG, gs.sR, gs.sNorm
         pairs = D // 2
         groups = self.prep_threads // pairs
         per_group = C // 8 // groups
@@ -935,7 +629,7 @@ class KDAChunkFwdSm90:
                 for jj in cutlass.range_constexpr(4):
                     j = jb * 8 + 4 * sub + jj
                     kx = k2[jj].load().to(f32)
-                    if cutlass.const_expr(self.qk_l2norm):
+                    if cutlass.const_expr(self.cfg.qk_l2norm):
                         kx = kx * nk[jj]
                     for e in cutlass.range_constexpr(2):
                         r2[0, e] = kx[e] * cute.math.exp2(gr[0, e] - g2[jj][0, e], fastmath=True)
@@ -953,27 +647,29 @@ class KDAChunkFwdSm90:
                 cute.autovec_copy(cute.local_tile(sG, (1, 2), (j, p)), g2[jj])
             x2.append(cute.make_rmem_tensor(cute.make_layout((1, 2)), cutlass.BFloat16))
             cute.autovec_copy(cute.local_tile(sX, (1, 2), (j, p)), x2[jj])
-            if self.qk_l2norm:
+            if self.cfg.qk_l2norm:
                 nx.append(sNorm[j, which])
         return g2, x2, nx
 
     @cute.jit
-    def build_b_tiles(self, sG, sK3, sQ3, sKG, sQG, sKD, sGl, sNorm, L, t):
-        """The B tiles of the chunk's state products, by the prep role (``t`` in [0, 128)): K 2^G and Q 2^G
-        (K-major; Q 2^G only in a pass that makes o) and K 2^(G_last - G) (MN-major, 0 past the sequence end).
-        Thread t owns key channels 2p, 2p + 1 (p = t % (D / 2), read and written as pairs) for one group of 8-token
-        blocks (t // (D / 2)), 4 tokens at a time; within a block the token's low 3 bits are compile-time, so the
-        128B-swizzled addresses cost an XOR each."""
+    def build_b_tiles(self, gs, sK3, sQ3, L, t):
+        """The B tiles of the chunk's state products (``t`` in [0, 128)): K 2^G and Q 2^G (K-major; Q 2^G only in a
+        pass that makes o) and K 2^(G_last - G) (MN-major, 0 past the sequence end). Thread t owns key channels 2p,
+        2p + 1 (p = t % (D / 2), read and written as pairs) for one group of 8-token blocks (t // (D / 2)), 4 tokens
+        at a time; within a block the token's low 3 bits are compile-time, so the 128B-swizzled addresses cost an
+        XOR each."""
         f32 = cutlass.Float32
         bf16 = cutlass.BFloat16
         C, D = self.C, self.D
+        sG, sNorm = gs.sG, gs.sNorm
+        sKG, sQG, sKD = gs.sXG[None, None, 0], gs.sXG[None, None, 1], gs.sKD
         pairs = D // 2
         groups = self.prep_threads // pairs
         per_group = C // 8 // groups  # 8-token blocks per group
         p = t % pairs
         grp = t // pairs
         gl = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
-        cute.autovec_copy(cute.local_tile(sGl, (2,), (p,)), cute.make_tensor(gl.iterator, cute.make_layout(2)))
+        cute.autovec_copy(cute.local_tile(gs.sGl, (2,), (p,)), cute.make_tensor(gl.iterator, cute.make_layout(2)))
         kg2 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
         qg2 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
         kd2 = cute.make_rmem_tensor(cute.make_layout((2, 1)), f32)
@@ -983,12 +679,12 @@ class KDAChunkFwdSm90:
                 # the loads before the stores, as in build_r_tile
                 j0 = jb * 8 + 4 * sub
                 g2, k2, nk = self.load_tokens(sG, sK3[None, None, 0], sNorm, 0, j0, p)
-                if cutlass.const_expr(self.make_o):  # a pass without output needs no Q 2^G
+                if cutlass.const_expr(self.cfg.make_o):  # a pass without output needs no Q 2^G
                     _, q2, nq = self.load_tokens(None, sQ3[None, None, 0], sNorm, 1, j0, p)
                 for jj in cutlass.range_constexpr(4):
                     j = j0 + jj
                     kx = k2[jj].load().to(f32)
-                    if cutlass.const_expr(self.qk_l2norm):
+                    if cutlass.const_expr(self.cfg.qk_l2norm):
                         kx = kx * nk[jj]
                     eg = [cute.math.exp2(g2[jj][0, e], fastmath=True) for e in range(2)]
                     for e in cutlass.range_constexpr(2):
@@ -999,101 +695,208 @@ class KDAChunkFwdSm90:
                         kd2[e, 0] = kd
                     cute.local_tile(sKG, (1, 2), (j, p)).store(kg2.load().to(bf16))
                     cute.local_tile(sKD, (2, 1), (p, j)).store(kd2.load().to(bf16))
-                    if cutlass.const_expr(self.make_o):
+                    if cutlass.const_expr(self.cfg.make_o):
                         qx = q2[jj].load().to(f32)
-                        if cutlass.const_expr(self.qk_l2norm):
+                        if cutlass.const_expr(self.cfg.qk_l2norm):
                             qx = qx * nq[jj]
                         for e in cutlass.range_constexpr(2):
                             qg2[0, e] = qx[e] * eg[e]
                         cute.local_tile(sQG, (1, 2), (j, p)).store(qg2.load().to(bf16))
 
-    @cute.jit
-    def save_b_tiles(self, b_tiles, chunk):
-        """One warp: the chunk's B tiles to their workspace tiles by TMA, as one bulk group (waited for, read, before
-        the next chunk's are built)."""
-        tma_b, tBs, tBg, tma_bd, tKDs, tKDg = b_tiles
-        cute.copy(tma_b, tBs[None, 0], tBg[None, 3 * chunk])
-        cute.copy(tma_b, tBs[None, 1], tBg[None, 3 * chunk + 1])
-        cute.copy(tma_bd, tKDs[None, 0], tKDg[None, 3 * chunk + 2])
-        cute.arch.cp_async_bulk_commit_group()
+    # ---------------------------------------------------------------- state warpgroups
+    def state_ring_states(self):
+        return StateRings(pipeline.consumer_start(1))
 
     @cute.jit
-    def issue_b(self, b_tiles, bar, chunk, lane, n_chunks):
-        """One warp: the first pass's B tiles of ``chunk`` (Q 2^G only when the pass makes o), completing on ``bar``;
-        the next chunk's into L2."""
-        tma_b, tBs, tBg, tma_bd, tKDs, tKDg = b_tiles
-        if lane == 0:
-            cute.arch.mbarrier_arrive_and_expect_tx(bar, self.b_bytes)
-        cute.copy(tma_b, tBg[None, 3 * chunk], tBs[None, 0], tma_bar_ptr=bar)
-        if cutlass.const_expr(self.make_o):
-            cute.copy(tma_b, tBg[None, 3 * chunk + 1], tBs[None, 1], tma_bar_ptr=bar)
-        cute.copy(tma_bd, tKDg[None, 3 * chunk + 2], tKDs[None, 0], tma_bar_ptr=bar)
-        if chunk + 1 < n_chunks and lane == 0:
-            cute.prefetch(tma_b, tBg[None, 3 * chunk + 3])
-            if cutlass.const_expr(self.make_o):
-                cute.prefetch(tma_b, tBg[None, 3 * chunk + 4])
-            cute.prefetch(tma_bd, tKDg[None, 3 * chunk + 5])
+    def before_chunks(self, smem, stid):
+        # Tinv's blocks above the diagonal stay zero (ordered by the first chunk's barriers)
+        if cutlass.const_expr(not self.feeds):
+            solve.solve_clear(smem.sTP[None, None, 0, 0], stid, self.layout.threads_of(WarpGroupRole.STATE))
 
     @cute.jit
-    def issue_qkg(self, tma, bar, chunk, lane, n_chunks):
-        """One warp (the copies elect their issuing lane): the q, k and g tiles of ``chunk``, completing on
-        ``bar``; and the next chunk's into L2, so that its load (issued only once this chunk's tiles are consumed)
-        waits for L2, not for HBM."""
-        tma_q, tQg, tQs, tma_k, tKg, tKs, tma_g, tGg, tGs = tma
-        if lane == 0:
-            cute.arch.mbarrier_arrive_and_expect_tx(bar, self.qkg_bytes)
-        cute.copy(tma_q, tQg[None, chunk], tQs[None, 0], tma_bar_ptr=bar)
-        cute.copy(tma_k, tKg[None, chunk], tKs[None, 0], tma_bar_ptr=bar)
-        cute.copy(tma_g, tGg[None, chunk], tGs[None, 0], tma_bar_ptr=bar)
-        if chunk + 1 < n_chunks and lane == 0:
-            for tma_x, tXg in ((tma_q, tQg), (tma_k, tKg), (tma_g, tGg)):
-                cute.prefetch(tma_x, tXg[None, chunk + 1])
+    def intra_step(self, p, smem, gs, rings, states, seq, chunk, stid, swarp):
+        """Warpgroup 0 makes A = strict-lower(beta_i sum_k K_ik K_jk 2^(G_ik - G_jk)), warpgroup 1 P = lower(scale Q
+        ...), from left operands x_i 2^(G_i - G_r) built in registers against R's halves (rows before the second
+        half's block are zero: their factor against r = 48 would overflow and their entries are above the
+        diagonal); then Tinv = (I + A)^-1 by 16-blocks: warps 0-1 invert the diagonal blocks, warps 0-3 join them.
+        In the first split pass Tinv and P also go to the workspace."""
+        C, Hf = self.C, self.half
+        f32 = cutlass.Float32
+        bf16 = cutlass.BFloat16
+        c, gp = p.common, p.gate
+        wg = stid // 128
+        wtid = stid % 128
+        slot = chunk % 2
+        nt = self.layout.threads_of(WarpGroupRole.STATE)
+        sT = smem.sTP[None, None, 0, 0]
+        sP = smem.sTP[None, None, 1, 0]
+        thr_h = gp.mma_half.get_slice(wtid)
+        thr_st = c.mma_state.get_slice(wtid)
+        tHb_R = thr_h.make_fragment_B(thr_h.partition_B(gs.sR))
+        cH = thr_h.partition_C(cute.make_identity_tensor((C, Hf)))
+        cST = thr_st.partition_C(cute.make_identity_tensor((C, self.D)))
+        # the prep role has scanned the gates and made R (its ring), and the tiles have landed (their own ring: the
+        # TMA writes are then ordered for these threads as well)
+        rings.r.consumer_wait(states.chunk)
+        rings.qkg.consumer_wait(states.chunk)
+        # built in pairs and converted two at a time (bf16x2), so every operand register is final before the wgmma
+        # fence (a register packed after it makes ptxas fence each k-block: C7519)
+        l0 = mma.empty_operand(cute.size(cST))
+        l1 = mma.empty_operand(cute.size(cST))
+        l0_flat = cute.make_tensor(l0.iterator, cute.make_layout(cute.size(cST)))
+        l1_flat = cute.make_tensor(l1.iterator, cute.make_layout(cute.size(cST)))
+        p0 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
+        p1 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
+        x2 = cute.make_rmem_tensor(cute.make_layout((1, 2)), bf16)
+        g2 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
+        r0 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
+        r1 = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
+        sX = smem.sQK[None, None, 1 - wg, 0]  # warpgroup 0's rows are k, warpgroup 1's q
+        # per 8-column block i // 4 the thread holds 2 adjacent columns on 2 rows: the references' gates are loaded
+        # once for both rows, and x and G as pairs
+        for blk in cutlass.range_constexpr(cute.size(cST) // 4):
+            _, kb = cST[4 * blk]
+            cute.autovec_copy(cute.local_tile(gs.sG, (1, 2), (Hf // 2, kb // 2)), r0)
+            cute.autovec_copy(cute.local_tile(gs.sG, (1, 2), (Hf + Hf // 2, kb // 2)), r1)
+            for rr in cutlass.range_constexpr(2):
+                i = 4 * blk + 2 * rr
+                ri, ki = cST[i]
+                cute.autovec_copy(cute.local_tile(sX, (1, 2), (ri, ki // 2)), x2)
+                cute.autovec_copy(cute.local_tile(gs.sG, (1, 2), (ri, ki // 2)), g2)
+                x = x2.load().to(f32)
+                if cutlass.const_expr(self.cfg.qk_l2norm):
+                    x = x * gs.sNorm[ri, wg]
+                for e in cutlass.range_constexpr(2):
+                    p0[0, e] = x[e] * cute.math.exp2(g2[0, e] - r0[0, e], fastmath=True)
+                    x1 = f32(0.0)
+                    if ri >= Hf:
+                        x1 = x[e] * cute.math.exp2(g2[0, e] - r1[0, e], fastmath=True)
+                    p1[0, e] = x1
+                cute.local_tile(l0_flat, (2,), (i // 2,)).store(p0.load().to(bf16))
+                cute.local_tile(l1_flat, (2,), (i // 2,)).store(p1.load().to(bf16))
+        acc0 = thr_h.make_fragment_C(thr_h.partition_shape_C((C, Hf)))
+        acc1 = thr_h.make_fragment_C(thr_h.partition_shape_C((C, Hf)))
+        warpgroup.fence()
+        mma.gemm(gp.mma_half, acc0, l0, tHb_R[None, None, None, 0], True)
+        mma.gemm(gp.mma_half, acc1, l1, tHb_R[None, None, None, 1], True)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        # q, k, G and R of the chunk are no longer read here: the prep role may load the next chunk's
+        rings.qkg.consumer_release(states.chunk)
+        rings.r.consumer_release(states.chunk)
+        if wg == 0:
+            for i in cutlass.range_constexpr(cute.size(acc0)):
+                ra, ja = cH[i]
+                bi = gs.sBeta[ra, slot]  # 0 past the sequence end
+                va = f32(0.0)
+                if ja < ra:
+                    va = acc0[i] * bi
+                # stored transposed: the solver walks A column by column
+                smem.sA[ja, ra] = va
+                vb = f32(0.0)
+                if ja + Hf < ra:
+                    vb = acc1[i] * bi
+                smem.sA[ja + Hf, ra] = vb
+        else:
+            # P leaves the accumulators by stmatrix, a half at a time (row addresses per 8 x 8 matrix, not one
+            # swizzled address per element)
+            st_p = cute.make_tiled_copy_C(
+                cute.make_copy_atom(warp_ops.StMatrix8x8x16bOp(transpose=False, num_matrices=4), bf16), gp.mma_half
+            )
+            thr_stp = st_p.get_slice(wtid)
+            for half, acc in enumerate((acc0, acc1)):
+                p_frag = cute.make_rmem_tensor(acc.layout, bf16)
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    rp, jp = cH[i]
+                    vp = f32(0.0)
+                    if jp + half * Hf <= rp:
+                        vp = acc[i] * c.scale
+                    p_frag[i] = vp.to(bf16)
+                sP_half = cute.local_tile(sP, (C, Hf), (0, half))
+                cute.copy(st_p, thr_stp.retile(p_frag), thr_stp.partition_D(sP_half))
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=Barrier.STATE, number_of_threads=nt)
+        if swarp < 2:
+            solve.solve_diag16(smem.sA, sT, stid)
+        cute.arch.barrier(barrier_id=Barrier.STATE, number_of_threads=nt)
+        solve.solve_merge(smem.sA, sT, stid, Barrier.STATE, nt)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=Barrier.STATE, number_of_threads=nt)
+        if cutlass.const_expr(self.cfg.intra == "save"):
+            # this chunk's Tinv and P to the workspace; warp 0 waits for the stores to have read them before the
+            # chunk's closing barrier (before_chunk_end), after which the next chunk writes them again
+            if swarp == 0:
+                tWs, tWg = tiles.tma_chunk_tiles(
+                    c.w.atom, c.w.tensor[None, None, seq.hv, seq.n], 0, cute.group_modes(smem.sTP, 2, 4)
+                )
+                workspace.save_tinv_p(c.w.atom, tWs, tWg, chunk)
 
     @cute.jit
-    def issue_tp(self, tma_w, tWg, tWs, bar, chunk, lane, n_chunks):
-        """One warp: Tinv (and P when the pass makes o) of ``chunk`` from the workspace, completing on ``bar``; the
-        next chunk's into L2 (as in :meth:`issue_qkg`)."""
-        if lane == 0:
-            cute.arch.mbarrier_arrive_and_expect_tx(bar, self.tp_bytes)
-        workspace.load_tinv_p(tma_w, tWg, tWs, chunk, 0, bar, self.make_o)
-        if chunk + 1 < n_chunks and lane == 0:
-            for i in cutlass.range_constexpr(1 + int(self.make_o)):
-                cute.prefetch(tma_w, tWg[None, 2 * chunk + 2 + i])
+    def chain_inputs(self, p, smem, gs, rings, states, seq, chunk):
+        # the B tiles are made (or loaded)
+        rings.b.consumer_wait(states.chunk)
+        if cutlass.const_expr(self.feeds):
+            rings.b_load.consumer_wait(states.chunk)
+        gates = KeyChainGates(gs.sBeta, gs.sDec, chunk % 2, p.common.scale)
+        return ChainInputs(gs.sXG[None, None, 0], gs.sXG[None, None, 1], gs.sKD, gates)
 
     @cute.jit
-    def issue_v(self, tma_v, tVg, tVs, bar_v, chunk, lane):
-        """One warp: the v tile of ``chunk`` into buffer ``chunk % 2``, completing on ``bar_v + chunk % 2``."""
-        bar = bar_v + chunk % 2
-        if lane == 0:
-            cute.arch.mbarrier_arrive_and_expect_tx(bar, self.v_bytes)
-        cute.copy(tma_v, tVg[None, chunk], tVs[None, chunk % 2], tma_bar_ptr=bar)
+    def chain_release(self, rings, states):
+        # the B tiles are free for the next chunk's
+        rings.b.consumer_release(states.chunk)
+        if cutlass.const_expr(self.feeds):
+            rings.b_load.consumer_release(states.chunk)
+        states.chunk.advance()
+
+    @cute.jit
+    def before_chunk_end(self, p, smem, gs, seq, chunk, swarp):
+        if cutlass.const_expr(self.cfg.intra == "save"):
+            if swarp == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
-# -------------------------------------------------------------------- compile + Python entry
+# -------------------------------------------------------------------- host side: KDA's place in the SM90 path
+def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, **_) -> tuple[bool, str]:
+    """Whether :func:`chunk_kda_fwd_sm90` can serve these inputs, and why not. The gate bound (g >= -5) is the
+    caller's promise (FLA's ``safe_gate``) and is not checked here. g: fp32 (activated), or bf16 (raw, activated by
+    the kernel: the entry's ``gate``)."""
+    ok, why = entry.supports_qkv(q, k, v, beta, initial_state, cu_seqlens, SUPPORTED_DIMS)
+    if not ok:
+        return ok, why
+    if g is not None and (
+        g.dtype not in (torch.float32, torch.bfloat16)
+        or tuple(g.shape) != (*v.shape[:3], q.shape[-1])
+        or not g.is_contiguous()
+    ):
+        return False, "g must be contiguous float32 or bfloat16 [B, T, HV, K]"
+    return True, ""
+
+
+def estimated_ms(lengths: list[int], HV: int, num_sms: int) -> float:
+    """The kernel's time for sequences of these lengths, split where the entry splits them."""
+    return segment_split.chunk_walk_ms(lengths, HV, num_sms, CHUNK_LATENCY_US, True, SPLIT_COST)
+
+
 def compile_kda_fwd_sm90(
     arch="sm_90a",
-    keep_artifacts=False,
-    head_dim=128,
+    *,
+    family=True,
     beta_fp32=True,
-    is_varlen=False,
-    has_initial_state=False,
     state_v_first=False,
-    mode="full",
-    qk_l2norm=False,
-    intra="none",
     gate_in_kernel=False,
+    keep_artifacts=False,
+    **config,
 ):
-    kernel = KDAChunkFwdSm90(
-        head_dim, beta_fp32, is_varlen, has_initial_state, state_v_first, mode, qk_l2norm, intra, gate_in_kernel
-    )
-    fake = sm90_entry.fake_args(kernel.D, kernel.beta_fp32, kernel.state_v_first, True, raw_gate=gate_in_kernel)
-    D, HV = kernel.D, fake[2].shape[2]
-    workspaces = (
-        runtime.fake_tensor(cutlass.BFloat16, (runtime.sym_int(), runtime.sym_int(), HV, D)),
-        runtime.fake_tensor(cutlass.Float32, (runtime.sym_int(), runtime.sym_int(), HV, D)),
-    )
-    fake = (*fake[:-1], *workspaces, fake[-1])  # after the gate's parameters, before the stream
-    return runtime.compile_kernel(kernel, fake, arch, keep_artifacts)
+    """The KDA chunk kernel for ``config`` (:class:`cula.sm90.chunk_fwd.ChunkFwdConfig` fields), compiled on any
+    machine for ``arch``: the family's (``family``), or the earlier one (:mod:`cula.kda.legacy_sm90`)."""
+    cfg = ChunkFwdConfig(**config)
+    if not family:
+        return legacy_sm90.compile_kda_fwd_sm90(
+            arch, keep_artifacts, cfg.head_dim, beta_fp32, cfg.is_varlen, cfg.has_initial_state, state_v_first,
+            cfg.mode, cfg.qk_l2norm, cfg.intra, gate_in_kernel,
+        )  # fmt: skip
+    fake = entry.fake_args(cfg.head_dim, beta_fp32, state_v_first, per_key_gate=True, raw_gate=gate_in_kernel)
+    return runtime.compile_kernel(KDAChunkFwdSm90(cfg, gate_in_kernel), fake, arch, keep_artifacts)
 
 
 def split_workspaces(ranges: int, chunks: int, HV: int, D: int, device) -> dict:
@@ -1105,23 +908,37 @@ def split_workspaces(ranges: int, chunks: int, HV: int, D: int, device) -> dict:
     }
 
 
-def _launch(*args, gate=None, wb=None, wd=None, **options):
-    """``gate``: (A_log or None, dt_bias or None, lower_bound) when g is raw (bf16) and the kernel activates it;
-    ``wb`` / ``wd``: the split passes' B-tile workspaces (:func:`split_workspaces`), or None."""
-    q, v = args[0], args[2]
-    HV, D = v.shape[2], q.shape[3]
-    a_log, dt_bias, lower_bound = gate if gate is not None else (None, None, LOWER_BOUND_MIN)
+def gate_args(call: entry.ChunkCall, t: entry.LaunchTensors) -> tuple:
+    """KDA's kernel arguments after ``scale``: A_log, dt_bias, lower_bound (zeros and the bound's floor when the gate
+    arrives activated: exp(0) = 1, + 0) and the B-tile workspaces (zeros outside a split)."""
+    dev, HV, D = t.q.device, t.v.shape[2], t.q.shape[3]
+    a_log, dt_bias, lower_bound = call.gate if call.gate is not None else (None, None, LOWER_BOUND_MIN)
 
-    def param(x, n):  # an absent A_log / dt_bias is zeros: exp(0) = 1, + 0
-        return sm90_entry.cached_zeros(q.device, (n,), torch.float32) if x is None else x.float().contiguous()
+    def param(x, n):
+        return entry.cached_zeros(dev, (n,), torch.float32) if x is None else x.float().contiguous()
 
-    if wb is None:
-        wb = sm90_entry.cached_zeros(q.device, (1, 3 * CHUNK, HV, D), torch.bfloat16)
-        wd = sm90_entry.cached_zeros(q.device, (1, 1, HV, D), torch.float32)
-    extra = (param(a_log, HV), param(dt_bias, HV * D), float(lower_bound), wb, wd)
-    sm90_entry.launch(
-        "KDAChunkFwdSm90", compile_kda_fwd_sm90, *args, extra=extra, gate_in_kernel=gate is not None, **options
-    )
+    spaces = t.workspaces or {
+        "wb": entry.cached_zeros(dev, (1, 3 * CHUNK, HV, D), torch.bfloat16),
+        "wd": entry.cached_zeros(dev, (1, 1, HV, D), torch.float32),
+    }
+    return param(a_log, HV), param(dt_bias, HV * D), float(lower_bound), spaces["wb"], spaces["wd"]
+
+
+KDA_SM90 = entry.ChunkKernel(
+    "kda",
+    lambda arch, config, beta_fp32, state_v_first, family, gate_in_kernel: compile_kda_fwd_sm90(
+        arch,
+        family=family,
+        beta_fp32=beta_fp32,
+        state_v_first=state_v_first,
+        gate_in_kernel=gate_in_kernel,
+        **config.__dict__,
+    ),  # fmt: skip
+    gate_args=gate_args,
+    split_cost=lambda call: SPLIT_COST,
+    workspaces=split_workspaces,
+    options=lambda call: {"gate_in_kernel": call.gate is not None},
+)
 
 
 def chunk_kda_fwd_sm90(
@@ -1142,28 +959,26 @@ def chunk_kda_fwd_sm90(
     qk_l2norm=False,
     gate=None,
 ):
-    """KDA chunked forward on SM90. Returns ``(o, final_state or None)``; see the module docstring for shapes.
-    ``g`` must satisfy g >= -5 (FLA's ``safe_gate``). ``out`` / ``final_state_out`` may be given to write into
-    preallocated tensors. Long sequences with few heads are split across CTAs when that is expected to be faster
-    (:func:`cula.ops.sm90_entry.chunk_fwd`); ``split`` True/False forces it on/off. ``qk_l2norm``: L2-normalise q
-    and k in the kernel (FLA's ``use_qk_l2norm_in_kernel``, eps 1e-6 under the root). ``gate``: ``(A_log,
-    dt_bias, lower_bound)`` (FLA's ``use_gate_in_kernel`` with a lower bound in [-5, 0); A_log [HV] and dt_bias
-    [HV * K] may be None): g is then the raw bf16 gate input and the kernel applies
-    lower_bound * sigmoid(exp(A_log) (g + dt_bias))."""
+    """KDA chunked forward on SM90: :class:`cula.sm90.entry.ChunkCall`'s arguments, positionally as FLA orders them.
+    ``g`` must satisfy g >= -5 (FLA's ``safe_gate``). ``gate``: ``(A_log, dt_bias, lower_bound)`` (FLA's
+    ``use_gate_in_kernel`` with a lower bound in [-5, 0); A_log [HV] and dt_bias [HV * K] may be None): g is then the
+    raw bf16 gate input and the kernel applies lower_bound * sigmoid(exp(A_log) (g + dt_bias)). Returns ``(o,
+    final_state or None)``."""
     want = torch.float32 if gate is None else torch.bfloat16
     if g.dtype != want:
         raise TypeError(f"g must be {want} {'(activated)' if gate is None else '(raw, with gate)'}, got {g.dtype}")
-    return sm90_entry.chunk_fwd(
-        _launch, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first, out,
-        final_state_out, cu_seqlens_cpu, split, CHUNK, SPLIT_COST, split_workspaces, qk_l2norm=qk_l2norm, gate=gate,
+    call = entry.ChunkCall(
+        q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first, out, final_state_out,
+        cu_seqlens_cpu, split, qk_l2norm, gate,
     )  # fmt: skip
+    return entry.chunk_fwd(KDA_SM90, call)
 
 
-sm90_entry.register_checked_variants(
+entry.register_checked(
     "kda_chunk_fwd_sm90",
     compile_kda_fwd_sm90,
     {
-        **sm90_entry.INTRA_VARIANTS,
+        **entry.CHECKED_CONFIGS,
         "[gate in kernel]": {"is_varlen": True, "has_initial_state": True, "gate_in_kernel": True},
         "[gate in kernel, D=64, qk_l2norm]": {"head_dim": 64, "gate_in_kernel": True, "qk_l2norm": True},
         "[gate in kernel, intra load, correction]": {
@@ -1179,7 +994,24 @@ sm90_entry.register_checked_variants(
             "gate_in_kernel": True,
         },
     },
-    # the math role (224 registers) keeps a few sequence constants in local memory across its chunk loop (stored
-    # before it, loaded after it for the final stores); with qk_l2norm the prep role (56) reloads one value per chunk
-    sass_allowed=(14, 0),
+    # measured: the state warpgroups (224 registers) reload loop invariants (shared-memory addresses of the A and
+    # Tinv stores) from local memory each chunk; at D = 64 ptxas drops setmaxnreg and every role has 168
+    sass_allowed={
+        "": (30, 0),
+        "[D=64, intra load, correction]": (24, 29),
+        "[D=64, intra save]": (116, 0),
+        "[D=64]": (116, 0),
+        "[correction]": (28, 0),
+        "[fixed length]": (6, 0),
+        "[gate in kernel, D=64, qk_l2norm]": (64, 0),
+        "[gate in kernel, intra load, correction]": (8, 0),
+        "[gate in kernel, qk_l2norm, bf16 beta, fixed length]": (8, 0),
+        "[gate in kernel]": (30, 0),
+        "[intra load, correction]": (8, 0),
+        "[intra save]": (32, 0),
+        "[qk_l2norm, intra load, correction]": (8, 0),
+        "[qk_l2norm, intra save]": (16, 0),
+        "[qk_l2norm]": (30, 0),
+        "[transition]": (28, 0),
+    },
 )

@@ -1,6 +1,6 @@
 """Time one op's SM90 entry in several source trees of cuLA, side by side on the same GPU, and compare their outputs.
 
-    python scripts/ab_trees.py [--op gdn|kda] [--shapes 2x16384x64,8x2048x32,skewed10] [--split] [--l2norm]
+    python tools/ab_trees.py [--op gdn|kda] [--shapes 2x16384x64,8x2048x32,skewed10] [--split] [--l2norm]
         [--gate-in-kernel] [--profile] [--seg auto,24,32] TREE [TREE ...]
 
 A tree is a folder holding a ``cula`` package: this checkout (``.``) or another revision extracted into the
@@ -34,7 +34,7 @@ import random, re
 import cula
 assert cula.__file__.startswith(tree.rstrip("/")), cula.__file__
 from benchmarks.run import varlen_lengths
-sys.path.append("scripts")  # the inputs' helper from this checkout (the working directory), whatever the tree holds
+sys.path.append("tools")  # the inputs' helper from this checkout (the working directory), whatever the tree holds
 from chunk_inputs import chunk_inputs
 if op == "gdn":
     from cula.gdn.chunk_fwd_sm90 import chunk_gated_delta_rule_fwd_sm90 as entry

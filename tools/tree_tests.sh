@@ -3,9 +3,9 @@
 # `mkdir -p dev_trees/x && git archive <rev> cula tests | tar -x -C dev_trees/x`. It runs from inside the tree:
 # `python -m pytest` puts the working directory first on sys.path, so run from here it would import this
 # checkout's cula instead (and say nothing about the tree). The tree's tests read this checkout's pytest settings.
-#   bash scripts/tree_tests.sh TREE [pytest args...]      e.g. bash scripts/tree_tests.sh dev_trees/x -m gpu -q
+#   bash tools/tree_tests.sh TREE [pytest args...]      e.g. bash tools/tree_tests.sh dev_trees/x -m gpu -q
 set -euo pipefail
-tree=$(cd "${1:?usage: scripts/tree_tests.sh TREE [pytest args...]}" && pwd)
+tree=$(cd "${1:?usage: tools/tree_tests.sh TREE [pytest args...]}" && pwd)
 shift
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$tree"

@@ -1,7 +1,7 @@
 """Time each launch of a split SM90 chunk call with CUDA events: the data the split cost model is fitted to
 (``SplitCost`` in cula/gdn/chunk_fwd_sm90.py and cula/kda/chunk_fwd_sm90.py).
 
-    python scripts/split_pass_times.py [--op gdn|kda] [--l2norm] [--gate-in-kernel] [--shapes 1x65536x8,1x8192x64]
+    python tools/split_pass_times.py [--op gdn|kda] [--l2norm] [--gate-in-kernel] [--shapes 1x65536x8,1x8192x64]
         [--seg CHUNKS]
 
 For each B x T x H shape (D = 128, bf16) it prints the whole call (``triton.testing.do_bench``, split as the entry
@@ -16,25 +16,26 @@ import argparse
 import statistics
 
 
-def per_launch(entry_module, call, kernel_name: str, reps: int = 20) -> list[dict]:
-    """Median time of each launch of ``call()`` (in launch order), recorded by wrapping ``entry_module._launch``
-    (``ms``), and of each launched kernel whose name holds ``kernel_name`` (``kernel_ms``; None if the profiler did
-    not see one per launch)."""
+def per_launch(call, kernel_name: str, reps: int = 20) -> list[dict]:
+    """Median time of each launch of ``call()`` (in launch order), recorded by wrapping
+    :func:`cula.sm90.entry.launch` (``ms``), and of each launched kernel whose name holds ``kernel_name``
+    (``kernel_ms``; None if the profiler did not see one per launch)."""
     import torch
 
-    original = entry_module._launch
+    from cula.sm90 import entry as entry_module
+
+    original = entry_module.launch
     events = []
 
-    def timed(*args, **kw):
-        starts = args[8]
+    def timed(kernel, chunk_call, config, t, scale):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        original(*args, **kw)
+        original(kernel, chunk_call, config, t, scale)
         end.record()
-        ctas = (args[0].shape[0] if starts is None else starts.numel()) * args[2].shape[2]
-        events.append((args[12], kw.get("intra", "none"), ctas, start, end))
+        ctas = (t.q.shape[0] if t.starts is None else t.starts.numel()) * t.v.shape[2]
+        events.append((config.mode, config.intra, ctas, start, end))
 
-    entry_module._launch = timed
+    entry_module.launch = timed
     try:
         runs = []
         for _ in range(reps):
@@ -43,7 +44,7 @@ def per_launch(entry_module, call, kernel_name: str, reps: int = 20) -> list[dic
             torch.cuda.synchronize()
             runs.append([(m, i, n, s.elapsed_time(e)) for m, i, n, s, e in events])
     finally:
-        entry_module._launch = original
+        entry_module.launch = original
     launches = len(runs[0])
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
@@ -91,7 +92,7 @@ def time_shape(op: str, module, entry, shape: str, l2norm: bool, sms: int, gate_
     model = module.estimated_ms([T] * B, H, sms, **({"qk_l2norm": l2norm} if op == "gdn" else {}))
     print(f"{op} {shape}{' qk_l2norm' if l2norm else ''}{' gate in kernel' if gate_in_kernel else ''}: call {whole:.3f} ms, unsplit {unsplit:.3f} ms, "
           f"model {model:.3f} ms (for the planner's own plan)")  # fmt: skip
-    launches = per_launch(module, call, f"cula{op}chunk_fwd")
+    launches = per_launch(call, "kernel")
     cost = module.split_cost(l2norm) if op == "gdn" else module.SPLIT_COST
     plan = segment_split.plan_segments([T] * B, H, sms, segment_split.CHUNK, cost)
     pieces = [T] if plan is None else [e - s for _, s, e in segment_split.segments([0, T], plan[:1])]

@@ -31,9 +31,8 @@ from cutlass.cute.nvgpu import warp as warp_ops
 
 from cula import runtime
 from cula.gdn import gates_sm90
-from cula.ops import sm90_entry
 from cula.ops.gates import L2NORM_EPS  # FLA's l2norm_fwd: x / sqrt(sum(x^2) + eps)
-from cula.sm90 import epilogue, mma, sequence, solve, state, tiles, workspace
+from cula.sm90 import entry, epilogue, mma, sequence, solve, state, tiles, workspace
 
 CHUNK = 64
 
@@ -679,5 +678,5 @@ def compile_gdn_fwd_roles_sm90(
     qk_l2norm=False,
 ):
     kernel = GDNChunkFwdRolesSm90(is_varlen, has_initial_state, mode, intra, qk_l2norm)
-    fake = sm90_entry.fake_args(128, beta_fp32, state_v_first, per_key_gate=False)
+    fake = entry.fake_args(128, beta_fp32, state_v_first, per_key_gate=False)
     return runtime.compile_kernel(kernel, fake, arch, keep_artifacts)

@@ -1,0 +1,385 @@
+"""The host path of an SM90 chunk forward, in one direction: an entry point hands a :class:`ChunkCall` (the call's
+tensors and options, named) and its variant's :class:`ChunkKernel` to :func:`chunk_fwd`, which plans the call
+(outputs, varlen ranges, whether and where to split long sequences: :mod:`cula.ops.segment_split`) and makes each
+launch through :func:`launch` (compile once per set of compile-time constants, then call).
+
+Until the family kernels (:mod:`cula.sm90.chunk_fwd`) have passed the GPU tests and the side-by-side timing against
+the kernels they replace, a variant serves its earlier kernel by default and the family one with
+``CULA_SM90_FAMILY=1`` (:func:`family_enabled`); both take the same arguments.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from cula import runtime, validation
+from cula.ops import segment_split, state_chain_sm90
+from cula.sm90.chunk_fwd import CHUNK, ChunkFwdConfig
+
+# CUDA's limit on a launch grid's y (and z) size: the chunk kernels run sequence n as grid row n
+MAX_SEQUENCES = 65535
+FAMILY_SWITCH = "CULA_SM90_FAMILY"
+_DUMMY: dict = {}
+
+
+def family_enabled() -> bool:
+    """Whether launches compile the family kernels (``CULA_SM90_FAMILY=1``) rather than the earlier ones."""
+    return os.environ.get(FAMILY_SWITCH, "0") == "1"
+
+
+class ChunkCall(NamedTuple):
+    """An SM90 chunk forward's inputs: q, k [B, T, H, D] bf16; v [B, T, HV, D] bf16; g as the kernel takes it
+    (GDN [B, T, HV] fp32 activated; KDA [B, T, HV, D] fp32 activated, or bf16 raw with ``gate``); beta [B, T, HV]
+    fp32 / bf16 (activated); states [N, HV, K, V] fp32 ([N, HV, V, K] with ``state_v_first``); varlen ``cu_seqlens``
+    [N + 1] (B == 1) and optionally its host copy. ``out`` / ``final_state_out``: preallocated outputs. ``split``:
+    force sequence splitting on (True: a cut per 16 chunks) or off (False); None lets the planner decide.
+    ``qk_l2norm``: q and k L2-normalised in the kernel. ``gate``: KDA's ``(A_log, dt_bias, lower_bound)`` when g is
+    raw and the kernel activates it."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    scale: float | None = None
+    initial_state: torch.Tensor | None = None
+    output_final_state: bool = False
+    cu_seqlens: torch.Tensor | None = None
+    state_v_first: bool = False
+    out: torch.Tensor | None = None
+    final_state_out: torch.Tensor | None = None
+    cu_seqlens_cpu: torch.Tensor | None = None
+    split: bool | None = None
+    qk_l2norm: bool = False
+    gate: tuple | None = None
+
+
+class LaunchTensors(NamedTuple):
+    """One launch's tensors: ``starts`` / ``ends`` int32 token ranges in batch row 0 (varlen or split segments) or
+    None for one sequence per batch row; ``h0`` None for a zero (or identity) start; ``w`` the split passes' Tinv | P
+    workspace or None; ``workspaces`` the variant's further split workspaces (KDA's B tiles)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    o: torch.Tensor
+    h0: torch.Tensor | None
+    ht: torch.Tensor
+    starts: torch.Tensor | None = None
+    ends: torch.Tensor | None = None
+    w: torch.Tensor | None = None
+    workspaces: dict | None = None
+
+
+@dataclass(frozen=True)
+class ChunkKernel:
+    """A variant's SM90 chunk forward as the host path sees it.
+
+    - ``compile(arch, config, beta_fp32, state_v_first, family, **options)``: the compiled kernel (``family``: the
+      family's class, else the earlier one), called as ``(q, k, v, g, beta, o, h0, ht, starts, ends, w, scale,
+      *gate_args)``.
+    - ``gate_args(call, tensors)``: the variant's arguments after ``scale``.
+    - ``split_cost(call)``: the planner's costs of its split passes (``cached``: the passes save and load Tinv and P).
+    - ``workspaces(ranges, chunks, HV, D, device)``: its further split workspaces, or None.
+    - ``options(call)``: its compile-time options beyond :class:`ChunkFwdConfig` (part of the cache key)."""
+
+    name: str
+    compile: Callable[..., Any]
+    gate_args: Callable[[ChunkCall, LaunchTensors], tuple] = lambda call, tensors: ()
+    split_cost: Callable[[ChunkCall], segment_split.SplitCost] = lambda call: segment_split.UNCACHED
+    workspaces: Callable[..., dict] | None = None
+    options: Callable[[ChunkCall], dict] = field(default=lambda call: {})
+
+
+def cached_zeros(device, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor on ``device``, made once per (device, shape, dtype): what a kernel gets for an argument the call
+    does not use (a range, the split passes' workspace, an absent gate parameter). Never written."""
+    key = (device, tuple(shape), dtype)
+    t = _DUMMY.get(key)
+    if t is None:
+        t = torch.zeros(shape, dtype=dtype, device=device)
+        if t.is_cuda and not torch.cuda.is_current_stream_capturing():
+            # zeroed on the current stream; later calls read it from any stream (the split passes' own, another
+            # caller's), which nothing orders after that fill
+            torch.cuda.current_stream(t.device).synchronize()
+        _DUMMY[key] = t
+    return t
+
+
+def launch(kernel: ChunkKernel, call: ChunkCall, config: ChunkFwdConfig, t: LaunchTensors, scale: float) -> None:
+    """One launch, compiled once per (variant, family or earlier kernel, config, beta's dtype, state order, the
+    variant's options, arch)."""
+    family = family_enabled()
+    beta_fp32 = t.beta.dtype == torch.float32
+    options = kernel.options(call)
+    arch = runtime.device_arch(t.q.device)
+    key = (kernel.name, "family" if family else "earlier", config, beta_fp32, call.state_v_first)
+    key = (*key, *sorted(options.items()), arch)
+    fn = runtime.get_or_compile(
+        key, lambda: kernel.compile(arch, config, beta_fp32, call.state_v_first, family, **options)
+    )
+    ht, h0 = t.ht, t.h0
+    if call.state_v_first:
+        # the kernel takes (N, HV, K, V)-shaped tensors; a transposed view carries the V-first storage
+        ht = ht.transpose(-1, -2)
+        h0 = None if h0 is None else h0.transpose(-1, -2)
+    dev = t.q.device
+    ranges = cached_zeros(dev, (1,), torch.int32)
+    w = cached_zeros(dev, (1, 2 * CHUNK, t.v.shape[2], CHUNK), torch.bfloat16) if t.w is None else t.w
+    fn(
+        t.q, t.k, t.v, t.g, t.beta, t.o, ht if h0 is None else h0, ht,
+        ranges if t.starts is None else t.starts, ranges if t.ends is None else t.ends, w, float(scale),
+        *kernel.gate_args(call, t),
+    )  # fmt: skip
+
+
+class Plan(NamedTuple):
+    """How a call runs: its sequences' token offsets in the flattened token axis, and the cut points of each (None:
+    every sequence walked whole by one launch)."""
+
+    offsets: list[int]
+    cuts: list[list[int]] | None
+
+
+def plan_call(kernel: ChunkKernel, call: ChunkCall) -> Plan:
+    """The call's offsets (from ``cu_seqlens_cpu``, else read from ``cu_seqlens`` once per tensor) and its split
+    (forced, or where :func:`cula.ops.segment_split.plan_segments` expects it to be faster)."""
+    B, T = call.q.shape[:2]
+    HV = call.v.shape[2]
+    N = B if call.cu_seqlens is None else call.cu_seqlens.numel() - 1
+    if call.cu_seqlens is None:
+        offsets = [b * T for b in range(B + 1)]
+    else:
+        offsets = validation.host_offsets(call.cu_seqlens, call.cu_seqlens_cpu)
+    if call.split is False:
+        return Plan(offsets, None)
+    lengths = [e - s for s, e in zip(offsets[:-1], offsets[1:], strict=True)]
+    if call.split:
+        cuts = [list(range(CHUNK * 16, n, CHUNK * 16)) for n in lengths]
+    else:
+        sms = torch.cuda.get_device_properties(call.q.device).multi_processor_count
+        cuts = segment_split.plan_segments(lengths, HV, sms, CHUNK, kernel.split_cost(call))
+    if cuts is not None and (not any(cuts) or sum(map(len, cuts)) + N > MAX_SEQUENCES):
+        cuts = None  # nothing to cut, or more segments than a launch grid has rows: walk each sequence whole
+    return Plan(offsets, cuts)
+
+
+def chunk_fwd(kernel: ChunkKernel, call: ChunkCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The call (:class:`ChunkCall`) planned and launched. Returns ``(o, final_state or None)``."""
+    B, T, H, K = call.q.shape
+    HV, V = call.v.shape[2], call.v.shape[3]
+    scale = K**-0.5 if call.scale is None else call.scale
+    N = B if call.cu_seqlens is None else call.cu_seqlens.numel() - 1
+    o = call.out if call.out is not None else torch.empty(B, T, HV, V, dtype=call.v.dtype, device=call.v.device)
+    plan = plan_call(kernel, call)
+    if plan.cuts is not None:
+        return o, _split(kernel, call, plan, o, scale)
+    state_shape = (N, HV, V, K) if call.state_v_first else (N, HV, K, V)
+    ht = call.final_state_out
+    if ht is None:
+        ht = torch.empty(state_shape, dtype=torch.float32, device=call.q.device)
+    starts = ends = None
+    if call.cu_seqlens is not None:
+        cu = call.cu_seqlens if call.cu_seqlens.dtype == torch.int32 else call.cu_seqlens.to(torch.int32)
+        starts, ends = cu[:-1], cu[1:]
+    h0 = call.initial_state.contiguous() if call.initial_state is not None else None
+    config = ChunkFwdConfig(K, starts is not None, h0 is not None, qk_l2norm=call.qk_l2norm)
+    launch(
+        kernel, call, config, LaunchTensors(call.q, call.k, call.v, call.g, call.beta, o, h0, ht, starts, ends), scale
+    )
+    return o, (ht if call.output_final_state else None)
+
+
+def _split(kernel: ChunkKernel, call: ChunkCall, plan: Plan, o: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """A split call: the passes of :func:`cula.ops.segment_split.split_forward` over the flattened token axis, each a
+    launch over token ranges (with ``cached`` split costs the first pass saves each chunk's Tinv and P, and the
+    variant's further workspaces, for the later passes)."""
+    B, T, H, K = call.q.shape
+    HV = call.v.shape[2]
+    flat = [x.reshape(1, B * T, *x.shape[2:]) for x in (call.q, call.k, call.v, call.g, call.beta, o)]
+    # the passes run V-first storage as K-first: the kernel takes the states transposed
+    flat_call = call._replace(state_v_first=False)
+    h0 = call.initial_state
+    if h0 is not None and call.state_v_first:
+        h0 = h0.transpose(-1, -2)
+    cached = kernel.split_cost(call).cached
+    saved = {}
+    if cached:
+        # chunks of the longest segment: the workspace's rows per (segment, head) hold each chunk's Tinv and P
+        chunks = max(-(-(e - s) // CHUNK) for _, s, e in segment_split.segments(plan.offsets, plan.cuts))
+
+    def run(mode, starts, ends, h0_, out_):
+        Vd = K if mode == "transition" else call.v.shape[3]
+        ht_ = torch.empty(starts.numel(), HV, K, Vd, dtype=torch.float32, device=call.q.device)
+        intra = "none"
+        if cached:
+            intra = "save" if mode == "full" else "load"
+            if mode == "full":
+                shape = (starts.numel(), 2 * CHUNK * chunks, HV, CHUNK)
+                saved["w"] = torch.empty(shape, dtype=torch.bfloat16, device=call.q.device)
+                if kernel.workspaces is not None:
+                    saved["more"] = kernel.workspaces(starts.numel(), chunks, HV, K, call.q.device)
+        config = ChunkFwdConfig(K, True, h0_ is not None, mode, intra, call.qk_l2norm)
+        tensors = LaunchTensors(*flat[:6], h0_, ht_, starts, ends, saved.get("w"), saved.get("more"))
+        launch(kernel, flat_call, config, tensors, scale)
+        return ht_
+
+    # the start chain in one launch on a GPU (a PyTorch loop there costs two host ops per segment)
+    chain = state_chain_sm90.chain_starts if call.q.is_cuda else segment_split.chain_starts_torch
+    ht = segment_split.split_forward(
+        run, plan.offsets, plan.cuts, h0, flat[5], call.output_final_state, aligned=cached, chain=chain
+    )
+    if ht is not None and call.state_v_first:
+        ht = ht.transpose(-1, -2).contiguous()
+    if ht is not None and call.final_state_out is not None:
+        call.final_state_out.copy_(ht)
+        ht = call.final_state_out
+    return ht
+
+
+def run_bound(kernel: ChunkKernel, args: dict, g: torch.Tensor, gate: tuple | None = None):
+    """An entry point's bound arguments to :func:`chunk_fwd`: ``g`` the gate as the kernel takes it (fp32 and
+    activated, unless ``gate`` gives the kernel its activation), beta's pre-pass (:func:`cula.ops.gates.kernel_beta`),
+    q and k L2-normalised by the kernel itself when ``use_qk_l2norm_in_kernel`` asks."""
+    from cula.ops.gates import kernel_beta
+
+    call = ChunkCall(
+        args["q"].contiguous(), args["k"].contiguous(), args["v"].contiguous(), g.contiguous(), kernel_beta(args),
+        args["scale"], args["initial_state"], args["output_final_state"], args["cu_seqlens"], args["state_v_first"],
+        cu_seqlens_cpu=args.get("cu_seqlens_cpu"), qk_l2norm=bool(args["use_qk_l2norm_in_kernel"]), gate=gate,
+    )  # fmt: skip
+    return chunk_fwd(kernel, call)
+
+
+def supports_qkv(q, k, v, beta, initial_state, cu_seqlens, dims) -> tuple[bool, str]:
+    """The checks every chunk kernel makes but the gate's: device, dtypes, shapes, head dims in ``dims`` (K = V),
+    GVA, contiguity, beta, varlen batch, fp32 initial state."""
+    if not (q.is_cuda and k.is_cuda and v.is_cuda):
+        return False, "tensors are not on a CUDA device"
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False, f"needs an SM90 (compute capability 9.0) GPU, got {torch.cuda.get_device_capability(q.device)}"
+    if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
+        return False, f"q, k, v must be bfloat16 (got {q.dtype}, {k.dtype}, {v.dtype})"
+    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:2] != q.shape[:2]:
+        return False, "expected q, k [B, T, H, K] and v [B, T, HV, V]"
+    K, V, H, HV = q.shape[-1], v.shape[-1], q.shape[2], v.shape[2]
+    if K not in dims or V not in dims or K != V:
+        return False, f"head dims K={K}, V={V} not supported (supported: K = V in {dims})"
+    if HV % H != 0:
+        return False, f"HV={HV} must be a multiple of H={H}"
+    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+        return False, "q, k, v must be contiguous"
+    if beta is not None and (beta.dtype not in (torch.float32, torch.bfloat16) or beta.shape != v.shape[:3]):
+        return False, "beta must be float32 or bfloat16 [B, T, HV]"
+    if cu_seqlens is not None and q.shape[0] != 1:
+        return False, "varlen (cu_seqlens) needs B == 1"
+    sequences = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    if sequences > MAX_SEQUENCES:
+        return False, f"{sequences} sequences: the launch grid takes at most {MAX_SEQUENCES} (one CTA row each)"
+    if initial_state is not None and initial_state.dtype != torch.float32:
+        return False, "initial_state must be float32"
+    return True, ""
+
+
+def fake_args(D: int, beta_fp32: bool, state_v_first: bool, per_key_gate: bool, raw_gate: bool = False) -> tuple:
+    """Fake arguments for compiling a chunk kernel, in its launch order ``q, k, v, g, beta, o, h0, ht, starts, ends,
+    w, scale[, a_log, dt_bias, lower_bound, wb, wd], stream``: q, k [B, T, H, D], v and o [B, T, HV, D] bf16; g
+    [B, T, HV] fp32, or with ``per_key_gate`` [B, T, HV, D] (fp32, bf16 when ``raw_gate``: activated by the kernel)
+    followed by the gate's parameters (A_log [HV] and dt_bias [HV * D] fp32, lower_bound) and the B-tile workspaces
+    (wb [ranges, rows, HV, D] bf16, wd [ranges, chunks, HV, D] fp32); beta fp32 or bf16; the states (N, HV, K, V)
+    fp32, stored [N, HV, V, K] (K contiguous) with ``state_v_first``; int32 token ranges; the split passes' workspace
+    [ranges, rows, HV, 64] bf16. Batch, length, head and range counts symbolic."""
+    import cutlass
+
+    sym = runtime.sym_int
+    B, T, H, HV, N, n_ranges = sym(), sym(), sym(), sym(), sym(), sym()
+    bf16, f32 = cutlass.BFloat16, cutlass.Float32
+    state_order = (3, 2, 0, 1) if state_v_first else None
+    g = (
+        runtime.fake_tensor(bf16 if raw_gate else f32, (B, T, HV, D))
+        if per_key_gate
+        else runtime.fake_tensor(f32, (B, T, HV), align=4)
+    )
+    gate_params = ()
+    if per_key_gate:
+        gate_params = (
+            runtime.fake_tensor(f32, (sym(),), align=4),
+            runtime.fake_tensor(f32, (sym(),), align=4),
+            f32(-5.0),
+            runtime.fake_tensor(bf16, (sym(), sym(), HV, D)),
+            runtime.fake_tensor(f32, (sym(), sym(), HV, D)),
+        )
+    return (
+        runtime.fake_tensor(bf16, (B, T, H, D)),
+        runtime.fake_tensor(bf16, (B, T, H, D)),
+        runtime.fake_tensor(bf16, (B, T, HV, D)),
+        g,
+        # beta's element size as its alignment: an fp32 beta assumed 2-byte aligned is loaded as two 16-bit halves,
+        # joined at once, so the load's whole latency is waited where it is issued
+        runtime.fake_tensor(f32 if beta_fp32 else bf16, (B, T, HV), align=4 if beta_fp32 else 2),
+        runtime.fake_tensor(bf16, (B, T, HV, D)),
+        runtime.fake_tensor(f32, (N, HV, D, D), state_order),
+        runtime.fake_tensor(f32, (N, HV, D, D), state_order),
+        runtime.fake_tensor(cutlass.Int32, (n_ranges,), align=4),
+        runtime.fake_tensor(cutlass.Int32, (n_ranges,), align=4),
+        runtime.fake_tensor(bf16, (sym(), sym(), HV, 64)),
+        f32(1.0),
+        *gate_params,
+        runtime.fake_stream(),
+    )
+
+
+# The compile-checked configurations of each chunk kernel (``python -m cula.compile_check``): name suffix ->
+# ChunkFwdConfig fields (and a variant's own options). Each must hold wgmma and TMA instructions.
+CHECKED_CONFIGS = {
+    "": {"is_varlen": True, "has_initial_state": True},
+    "[fixed length]": {},
+    "[qk_l2norm]": {"is_varlen": True, "has_initial_state": True, "qk_l2norm": True},
+    "[D=64]": {"head_dim": 64, "is_varlen": True, "has_initial_state": True},
+    "[transition]": {"is_varlen": True, "mode": "transition"},
+    "[correction]": {"is_varlen": True, "mode": "correction"},
+    "[intra save]": {"is_varlen": True, "has_initial_state": True, "intra": "save"},
+    "[intra load, transition]": {"is_varlen": True, "mode": "transition", "intra": "load"},
+    "[intra load, correction]": {"is_varlen": True, "mode": "correction", "intra": "load"},
+    "[D=64, intra save]": {"head_dim": 64, "is_varlen": True, "has_initial_state": True, "intra": "save"},
+    "[D=64, intra load, correction]": {"head_dim": 64, "is_varlen": True, "mode": "correction", "intra": "load"},
+    "[qk_l2norm, intra save]": {"is_varlen": True, "intra": "save", "qk_l2norm": True},
+    "[qk_l2norm, intra load, correction]": {
+        "is_varlen": True,
+        "mode": "correction",
+        "intra": "load",
+        "qk_l2norm": True,
+    },
+}
+
+
+def register_checked(
+    name: str, compile_fn, configs: dict, sass_allowed: dict | None = None, archs: tuple[str, ...] = ("sm_90a",)
+) -> None:
+    """Register ``name + suffix`` for each entry of ``configs`` (suffix -> keyword options of ``compile_fn(arch,
+    **options)``) with the compile check: wgmma and TMA in its PTX, clean machine code but for ``sass_allowed[suffix]``
+    (local-memory instructions, injected ``warpgroup.arrive``; measured allowances)."""
+    for suffix, options in configs.items():
+        runtime.register_kernel(
+            f"{name}{suffix}",
+            list(archs),
+            lambda arch, o=options: compile_fn(arch, **o),
+            ["wgmma.mma_async", "cp.async.bulk.tensor"],
+            clean_sass=True,
+            sass_allowed=(sass_allowed or {}).get(suffix, (0, 0)),
+        )
+
+
+def config_of(options: dict) -> tuple[ChunkFwdConfig, dict]:
+    """Split compile options into the :class:`ChunkFwdConfig` fields and the variant's own."""
+    fields = set(ChunkFwdConfig.__dataclass_fields__)
+    return ChunkFwdConfig(**{k: v for k, v in options.items() if k in fields}), {
+        k: v for k, v in options.items() if k not in fields
+    }
