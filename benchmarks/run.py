@@ -10,7 +10,8 @@ on the first heads, and gives achieved TFLOP/s and GB/s against the floor counte
 (benchmarks/devices.py). Where FlashInfer is importable, GDN rows time its prefill too (benchmarks/peers.py).
 
 Without a GPU it times nothing worth comparing: it checks cuLA's PyTorch reference backend against FLA's naive
-recurrence (fp32, forward, the small `smoke` grid by default) and writes the same JSON, table and plot.
+recurrence (forward, in fp32 unless --dtype says otherwise, on the small `smoke` grid by default) and writes the same
+JSON, table and plot.
 
 --op, --shapes and --modes take several values, space- or comma-separated (FLA's runner: space-separated).
 Shapes (--shapes): a grid's name, or a custom shape (D from --head-dim):
