@@ -1,12 +1,23 @@
-"""cuLA vs FLA, side by side in one run on the same inputs; writes JSON and a markdown table.
+"""cuLA vs FLA, side by side in one run on the same inputs; writes JSON, a markdown table and a plot.
 
-    python -m benchmarks.run [--ops gdn,kda,...] [--grid core,varlen] [--modes fwd,fwdbwd] [--out results]
+    python -m benchmarks.run --op gdn kda --shapes core varlen 2x16384x64 8192+512+4096x32 --out results
+    python -m benchmarks.run --list
 
 On a GPU each row times cuLA's public entry point (whatever backend its dispatch picks, named in the row) and
-FLA 0.6.0's op with `triton.testing.do_bench` (median, FLA warmed first since its first call autotunes), checks
-that the two outputs agree (relative RMSE) and how far each is from cuLA's fp32 PyTorch reference on the first
-heads, and prints achieved TFLOP/s and GB/s against the floor counted for the op. On a machine without a GPU it runs
-cuLA's PyTorch reference backend at a small size against FLA's naive recurrence and says so.
+FLA 0.6.0's op with `triton.testing.do_bench` (p20, median and p80; FLA warmed first since its first call
+autotunes), checks that the two outputs agree (relative RMSE) and how far each is from cuLA's fp32 PyTorch reference
+on the first heads, and gives achieved TFLOP/s and GB/s against the floor counted for the op at the GPU's peak rates
+(benchmarks/devices.py). Where FlashInfer is importable, GDN rows time its prefill too (benchmarks/peers.py).
+
+Without a GPU it times nothing worth comparing: it checks cuLA's PyTorch reference backend against FLA's naive
+recurrence (forward, in fp32 unless --dtype says otherwise, on the small `smoke` grid by default) and writes the same
+JSON, table and plot.
+
+--op, --shapes and --modes take several values, space- or comma-separated (FLA's runner: space-separated).
+Shapes (--shapes): a grid's name, or a custom shape (D from --head-dim):
+  BxTxH          B sequences of T tokens, H heads, e.g. 2x16384x64
+  L1+L2+...xH    one varlen call (B = 1, cu_seqlens) of two sequences or more of these lengths, H heads,
+                 e.g. 8192+512+4096x32
 """
 
 from __future__ import annotations
@@ -20,40 +31,33 @@ import platform
 import random
 import sys
 import time
+import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.devices import Peaks, peaks_for
 from benchmarks.peers import FLASHINFER_ROUTES, FlashInferGDN
+from benchmarks.plot import write_plot
+from benchmarks.shapes import (
+    GRIDS,
+    Case,
+    cases,
+    check_shape,
+    grid,
+    varlen_lengths,  # noqa: F401  (scripts/ab_trees.py imports it from here)
+)
 
-# Ceilings measured on the project's H200 (shared/device/README.md): bf16 matmul and device copy.
-PEAK_TFLOPS = 687.0
-PEAK_GBPS = 4300.0
+OPS = ("gdn", "kda", "gla", "simple_gla")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+QUANTILES = (0.2, 0.5, 0.8)  # p20, median, p80 of each side's time
+DEFAULT_SEED = 0
 CHUNK = 64
 # Heads the fp32 reference covers on a GPU row: every head is its own recurrence, and the reference materialises
 # a [64, 64, K] decay per chunk for KDA, too much at the big shapes for all of them.
 REF_HEADS = 2
-
-
-@dataclass
-class Case:
-    op: str
-    B: int
-    T: int
-    H: int
-    D: int
-    lengths: list[int] | None = None  # varlen: the sequence lengths (then B == 1)
-    label: str = ""
-    # GDN as FLA's GatedDeltaNet layer calls it: raw q and k, L2-normalised by the op (use_qk_l2norm_in_kernel)
-    layer: bool = False
-
-    @property
-    def name(self) -> str:
-        if self.lengths is not None:
-            return f"varlen {self.label} N={len(self.lengths)} T={sum(self.lengths)} H={self.H}"
-        return f"B={self.B} T={self.T} H={self.H}" + (" l2norm in op" if self.layer else "")
 
 
 @dataclass
@@ -62,7 +66,7 @@ class Row:
     shape: str
     mode: str
     cula_backend: str = ""
-    cula_ms: float | None = None
+    cula_ms: float | None = None  # every *_ms time is a median; quantiles_ms holds each side's p20, median, p80
     kernel_ms: float | None = None  # cuLA's CuTe DSL kernel forced (CULA_BACKEND=cute) where dispatch chose FLA
     cula_host_ms: float | None = None  # host time to issue one cuLA call (GPU work queued, not waited for)
     fla_ms: float | None = None
@@ -83,27 +87,28 @@ class Row:
     cula_gbps: float | None = None
     floor_fraction: float | None = None
     notes: list[str] = field(default_factory=list)
+    # "cula", "fla", "kernel", "flashinfer" (its faster route) -> [p20, median, p80] in ms
+    quantiles_ms: dict = field(default_factory=dict)
 
 
 # -- inputs ---------------------------------------------------------------------------------------------------
 
 
-def varlen_lengths(kind: str, n: int, total: int, rng: random.Random) -> list[int]:
-    """``n`` lengths summing to ``total``: uniform, random, or skewed (one long sequence, many short)."""
-    if kind == "uniform":
-        base = [total // n] * n
-    elif kind == "random":
-        cuts = sorted(rng.sample(range(1, total), n - 1))
-        base = [b - a for a, b in zip([0, *cuts], [*cuts, total], strict=True)]
-    else:  # skewed: half of the tokens in one sequence
-        rest = total // 2
-        base = [total - rest] + [rest // (n - 1)] * (n - 1)
-    base[-1] += total - sum(base)
-    return base
+def case_seed(case: Case, seed: int) -> int:
+    """The seed of one case's inputs: a function of the run's seed, the op and the shape alone."""
+    return zlib.crc32(f"{seed}/{case.op}/{case.name}".encode())
 
 
-def make_inputs(case: Case, device: str, dtype: torch.dtype, requires_grad: bool) -> dict:
-    """Keyword arguments accepted by both cuLA's and FLA's entry point for ``case.op``."""
+def seed_case(case: Case, seed: int) -> None:
+    """Seeds torch's (every device's) and Python's generators for ``case``, so that a row's inputs do not depend on
+    which rows ran before it."""
+    random.seed(case_seed(case, seed))
+    torch.manual_seed(case_seed(case, seed))
+
+
+def make_inputs(case: Case, device: str, dtype: torch.dtype, requires_grad: bool, seed: int = DEFAULT_SEED) -> dict:
+    """Keyword arguments accepted by both cuLA's and FLA's entry point for ``case.op``, drawn from ``seed_case``."""
+    seed_case(case, seed)
     B, T, H, D = case.B, case.T, case.H, case.D
     kw = {"device": device, "dtype": dtype}
     q = torch.randn(B, T, H, D, **kw)
@@ -158,8 +163,9 @@ def entry_points(op: str):
 # -- the two numbers ------------------------------------------------------------------------------------------
 
 
-def floor(case: Case) -> tuple[float, float]:
-    """FLOPs and bytes a fused chunk kernel must spend (bf16 in/out, fp32 state read and written once)."""
+def floor(case: Case, itemsize: int = 2) -> tuple[float, float]:
+    """FLOPs and bytes a fused chunk kernel must spend (q, k, v, o of ``itemsize`` bytes, GDN's and GLA's gates in
+    fp32, the fp32 state read and written once)."""
     tokens_heads = case.B * case.T * case.H if case.lengths is None else sum(case.lengths) * case.H
     n_seq = case.B if case.lengths is None else len(case.lengths)
     K = V = case.D
@@ -169,8 +175,8 @@ def floor(case: Case) -> tuple[float, float]:
         flops_per = 2 * CHUNK * (2 * K + V) + 4 * K * V
     else:
         flops_per = 2 * CHUNK * (K + V) + 4 * K * V
-    gate_bytes = {"gdn": 4 + 2, "kda": 2 * K + 2, "gla": 4 * K, "simple_gla": 0}[case.op]
-    bytes_ = tokens_heads * (2 * (2 * K + 2 * V) + gate_bytes) + n_seq * case.H * K * V * 4 * 2
+    gate_bytes = {"gdn": 4 + itemsize, "kda": itemsize * (K + 1), "gla": 4 * K, "simple_gla": 0}[case.op]
+    bytes_ = tokens_heads * (itemsize * (2 * K + 2 * V) + gate_bytes) + n_seq * case.H * K * V * 4 * 2
     return tokens_heads * flops_per, bytes_
 
 
@@ -182,10 +188,17 @@ def rel_rmse(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def bench(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
+def bench(fn, warmup_ms: int = 25, rep_ms: int = 100) -> list[float]:
+    """``fn``'s GPU time in ms at ``QUANTILES`` (p20, median, p80), from ``triton.testing.do_bench``."""
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    return list(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=list(QUANTILES)))
+
+
+def bench_median(row: Row, side: str, fn) -> float:
+    """Times ``fn`` with ``bench``, keeps the quantiles in ``row.quantiles_ms[side]``, returns the median."""
+    row.quantiles_ms[side] = bench(fn)
+    return row.quantiles_ms[side][1]
 
 
 def host_issue_ms(call, calls: int = 20) -> float:
@@ -208,21 +221,33 @@ def time_flashinfer(peer: FlashInferGDN, args: dict, row: Row) -> tuple[torch.Te
         row.notes.append(f"FlashInfer not timed: {why}")
         return None
     converted = peer.convert(args)
-    outputs = {}
+    outputs, quantiles = {}, {}
     for route in FLASHINFER_ROUTES:
         try:
             outputs[route] = peer.call(converted, route)  # the first call compiles
-            row.flashinfer_routes_ms[route] = bench(lambda route=route: peer.call(converted, route))
+            quantiles[route] = bench(lambda route=route: peer.call(converted, route))
+            row.flashinfer_routes_ms[route] = quantiles[route][1]
         except Exception as error:
             row.notes.append(f"FlashInfer {route} failed: {type(error).__name__}: {str(error)[:160]}")
     if not row.flashinfer_routes_ms:
         return None
     row.flashinfer_route = min(row.flashinfer_routes_ms, key=row.flashinfer_routes_ms.get)
     row.flashinfer_ms = row.flashinfer_routes_ms[row.flashinfer_route]
+    row.quantiles_ms["flashinfer"] = quantiles[row.flashinfer_route]
     return peer.back(args, *outputs[row.flashinfer_route])
 
 
-def run_gpu_case(case: Case, mode: str, with_fla: bool = True, peer: FlashInferGDN | None = None) -> Row:
+def run_gpu_case(
+    case: Case,
+    mode: str,
+    peaks: Peaks,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = DEFAULT_SEED,
+    with_fla: bool = True,
+    peer: FlashInferGDN | None = None,
+) -> Row:
+    """One row on the GPU: cuLA and FLA (and ``peer`` on forward rows) timed on the same seeded inputs, their
+    agreement, their errors against the fp32 reference, and the floor at ``peaks``."""
     import cula
 
     row = Row(case.op, case.name, mode)
@@ -230,7 +255,7 @@ def run_gpu_case(case: Case, mode: str, with_fla: bool = True, peer: FlashInferG
     from cula.dispatch import fla_function
 
     fla_fn = fla_function(fla_target)
-    args = make_inputs(case, "cuda", torch.bfloat16, requires_grad=mode == "fwdbwd")
+    args = make_inputs(case, "cuda", dtype, requires_grad=mode == "fwdbwd", seed=seed)
     grads = [a for a in args.values() if isinstance(a, torch.Tensor) and a.requires_grad]
 
     def step(fn):
@@ -248,14 +273,14 @@ def run_gpu_case(case: Case, mode: str, with_fla: bool = True, peer: FlashInferG
     try:
         if with_fla:
             o_fla, s_fla = fla_fn(**args)  # first call autotunes
-            row.fla_ms = bench(step(fla_fn))
+            row.fla_ms = bench_median(row, "fla", step(fla_fn))
     except Exception as error:  # FLA refuses some ops on some triton versions: record it, time cuLA anyway
         o_fla = None
         row.notes.append(f"FLA failed: {type(error).__name__}: {str(error)[:200]}")
     try:
         o_cula, s_cula = cula_fn(**args)
         row.cula_backend = cula.last_decision(cula_fn).backend
-        row.cula_ms = bench(step(cula_fn))
+        row.cula_ms = bench_median(row, "cula", step(cula_fn))
         row.cula_host_ms = host_issue_ms(step(cula_fn))
         if row.cula_host_ms > 0.8 * row.cula_ms:
             row.notes.append(f"near host-bound: {row.cula_host_ms:.3f} ms of host time per call")
@@ -284,9 +309,9 @@ def run_gpu_case(case: Case, mode: str, with_fla: bool = True, peer: FlashInferG
             row.notes.append(f"reference failed: {type(error).__name__}: {str(error)[:200]}")
     if row.fla_ms and row.cula_ms:
         row.speedup = row.fla_ms / row.cula_ms
-    flops, bytes_ = floor(case)
+    flops, bytes_ = floor(case, dtype.itemsize)
     if mode == "fwd":
-        row.floor_ms = max(flops / (PEAK_TFLOPS * 1e9), bytes_ / (PEAK_GBPS * 1e6))
+        row.floor_ms = max(flops / (peaks.tflops * 1e9), bytes_ / (peaks.gbps * 1e6))
         row.cula_tflops = flops / (row.cula_ms * 1e9)
         row.cula_gbps = bytes_ / (row.cula_ms * 1e6)
         row.floor_fraction = row.floor_ms / row.cula_ms
@@ -323,7 +348,7 @@ def time_forced_kernel(cula_fn, call, args, row: Row) -> float | None:
     with forced_backend("cute"):
         try:
             cula_fn(**args)
-            return bench(call)
+            return bench_median(row, "kernel", call)
         except Exception as error:  # no kernel serves these arguments
             row.notes.append(f"kernel not timed: {type(error).__name__}: {str(error)[:120]}")
             return None
@@ -380,14 +405,14 @@ def ref_rmse(o: torch.Tensor, s: torch.Tensor, reference: tuple[torch.Tensor, to
     return [rel_rmse(o.detach()[:, :, :heads], o_ref), rel_rmse(s.detach()[:, :heads], s_ref)]
 
 
-def host_overhead_us(op: str, device: str, calls: int = 200) -> dict[str, float]:
-    """Host time per call on tiny inputs (B=1, T=64, H=32, D=128): the host cost of dispatch and launch.
+def host_overhead_us(op: str, dtype: torch.dtype, D: int, seed: int, calls: int = 200) -> dict[str, float]:
+    """Host time per call on tiny inputs (B=1, T=64, H=32): the host cost of dispatch and launch.
 
     H=32 shares FLA's autotuning with the grid's H=32 shapes, so FLA does not autotune again here."""
     from cula.dispatch import fla_function
 
     cula_fn, fla_target = entry_points(op)
-    args = make_inputs(Case(op, 1, 64, 32, 128), device, torch.bfloat16, requires_grad=False)
+    args = make_inputs(Case(op, 1, 64, 32, D), "cuda", dtype, requires_grad=False, seed=seed)
     result = {}
     for name, fn in (("cula", cula_fn), ("fla", fla_function(fla_target))):
         try:
@@ -398,86 +423,81 @@ def host_overhead_us(op: str, device: str, calls: int = 200) -> dict[str, float]
     return result
 
 
-# -- CPU mode -------------------------------------------------------------------------------------------------
+# -- CPU check ------------------------------------------------------------------------------------------------
+
+CPU_NOTE = (
+    "No CUDA GPU: this run checks cuLA's PyTorch reference backend against FLA's naive recurrence (forward, output "
+    "and final state) and times nothing worth comparing. Run it on a GPU for timings."
+)
 
 
-def run_cpu_case(case: Case) -> Row:
-    """cuLA's reference backend vs FLA's naive recurrence, fp32 on the CPU (output only)."""
+def run_cpu_case(case: Case, dtype: torch.dtype = torch.float32, seed: int = DEFAULT_SEED) -> Row:
+    """cuLA's reference backend against FLA's naive recurrence on the CPU: an accuracy row, nothing timed."""
     import cula
 
-    row = Row(case.op, case.name, "fwd (CPU, reference backend)")
+    row = Row(case.op, case.name, "fwd, CPU check")
     cula_fn, _ = entry_points(case.op)
-    args = make_inputs(case, "cpu", torch.float32, requires_grad=False)
-    naive = naive_fn(case.op)
+    args = make_inputs(case, "cpu", dtype, requires_grad=False, seed=seed)
     with torch.no_grad():
-        o, _ = cula_fn(**args)
+        o, s = cula_fn(**args)
         row.cula_backend = cula.last_decision(cula_fn).backend
-        row.cula_ms = timed(lambda: cula_fn(**args))
-        o_ref = naive(args)
-        row.fla_ms = timed(lambda: naive(args))
-        row.rel_rmse = rel_rmse(o, o_ref)
-        row.speedup = row.fla_ms / row.cula_ms
-    row.notes.append("FLA column: FLA's naive recurrence (its Triton kernels need a GPU)")
+        o_ref, s_ref = naive_outputs(case.op, args)
+    row.errors["vs_fla"] = [rel_rmse(o, o_ref), rel_rmse(s, s_ref)]
+    row.rel_rmse = max(row.errors["vs_fla"])
     return row
 
 
+def naive_outputs(op: str, args: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """FLA's naive recurrence on a call's arguments: (o, final states [N, H, K, V]); a variable-length call runs one
+    sequence at a time, since the naive recurrences take no ``cu_seqlens``."""
+    naive = naive_fn(op)
+    cu = args.get("cu_seqlens")
+    if cu is None:
+        return naive(args)
+    bounds = cu.tolist()
+    parts = [
+        naive({name: (x[:, bos:eos] if name in _TOKEN_ARGS else x) for name, x in args.items()})
+        for bos, eos in zip(bounds[:-1], bounds[1:], strict=True)
+    ]
+    return torch.cat([o for o, _ in parts], 1), torch.cat([s for _, s in parts], 0)
+
+
 def naive_fn(op: str):
-    """FLA's naive recurrence for ``op`` on our benchmark arguments (KDA's in-kernel transforms applied first)."""
+    """FLA's naive recurrence for ``op`` on our benchmark arguments (the transforms asked of the op in-kernel
+    applied first), returning (o, final state)."""
+    from cula.ops.gates import kda_gate, l2norm
+
     if op == "gdn":
         from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
 
-        return lambda a: naive_recurrent_gated_delta_rule(a["q"], a["k"], a["v"], a["beta"], a["g"])[0]
+        def gdn(a):
+            q, k = (l2norm(a["q"]), l2norm(a["k"])) if a.get("use_qk_l2norm_in_kernel") else (a["q"], a["k"])
+            return naive_recurrent_gated_delta_rule(q, k, a["v"], a["beta"], a["g"], output_final_state=True)
+
+        return gdn
     if op == "kda":
         from fla.ops.kda.naive import naive_recurrent_kda
 
-        from cula.ops.gates import kda_gate, l2norm
-
         def kda(a):
             g = kda_gate(a["g"], a["A_log"], a["dt_bias"], a["lower_bound"])
-            return naive_recurrent_kda(l2norm(a["q"]), l2norm(a["k"]), a["v"], g, a["beta"].sigmoid())[0]
+            q, k, beta = l2norm(a["q"]), l2norm(a["k"]), a["beta"].sigmoid()
+            return naive_recurrent_kda(q, k, a["v"], g, beta, output_final_state=True)
 
         return kda
     if op == "gla":
         from fla.ops.gla.naive import naive_recurrent_gla
 
-        return lambda a: naive_recurrent_gla(a["q"], a["k"], a["v"], a["g"])[0]
+        return lambda a: naive_recurrent_gla(a["q"], a["k"], a["v"], a["g"], output_final_state=True)
     from fla.ops.simple_gla.naive import naive_recurrent_simple_gla
 
     def simple_gla(a):
         g = a["g_gamma"].expand(*a["q"].shape[:3])
-        return naive_recurrent_simple_gla(a["q"], a["k"], a["v"], g)[0]
+        return naive_recurrent_simple_gla(a["q"], a["k"], a["v"], g, output_final_state=True)
 
     return simple_gla
 
 
-def timed(fn, repeats: int = 3) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
-# -- grid, report ---------------------------------------------------------------------------------------------
-
-
-def gpu_grid(ops: list[str], grids: list[str], D: int = 128) -> list[Case]:
-    cases = []
-    rng = random.Random(0)
-    for op in ops:
-        if "core" in grids:
-            cases += [Case(op, 1, 8192, 64, D), Case(op, 2, 16384, 64, D), Case(op, 8, 2048, 32, D)]
-        if "varlen" in grids:
-            for n, total in ((10, 4096 * 4), (20, 16384 * 2)):
-                for kind in ("uniform", "random", "skewed"):
-                    lengths = varlen_lengths(kind, n, total, rng)
-                    cases.append(Case(op, 1, total, 32, D, lengths, kind))
-        if "long" in grids:
-            cases.append(Case(op, 1, 65536, 8, D))
-        if "layer" in grids and op == "gdn":
-            cases += [Case(op, 2, 16384, 64, D, layer=True), Case(op, 1, 8192, 64, D, layer=True)]
-    return cases
+# -- report ---------------------------------------------------------------------------------------------------
 
 
 def environment() -> dict:
@@ -512,7 +532,7 @@ def environment() -> dict:
         except OSError:
             env["driver"] = "unknown"
     else:
-        env["gpu"] = "none (CPU only: cuLA's PyTorch reference backend at a small size)"
+        env["gpu"] = "none (CPU check: cuLA's PyTorch reference backend against FLA's naive recurrence, nothing timed)"
     return env
 
 
@@ -524,16 +544,47 @@ def fmt(x, digits: int = 3) -> str:
     return str(x)
 
 
-def markdown(env: dict, rows: list[Row], overhead: dict) -> str:
-    title = "cuLA vs FLA" + (" on the H200" if "H200" in env.get("gpu", "") else "")
-    lines = [f"# {title}", "", "Generated by `python -m benchmarks.run`; do not edit by hand.", ""]
+def fmt_ms(row: Row, side: str, median: float | None) -> str:
+    """A side's median time with its [p20, p80] where timed."""
+    if side not in row.quantiles_ms:
+        return fmt(median)
+    p20, _, p80 = row.quantiles_ms[side]
+    return f"{fmt(median)} [{fmt(p20)}, {fmt(p80)}]"
+
+
+def title(peaks: Peaks | None) -> str:
+    """The table's and the plot's title; ``peaks`` None on a CPU."""
+    if peaks is None:
+        return "cuLA's reference backend vs FLA's naive recurrence (CPU check, nothing timed)"
+    return "cuLA vs FLA " + (
+        f"on the {peaks.name}" if peaks.measured else "(floor at default peak rates, not measured here)"
+    )
+
+
+def markdown(env: dict, rows: list[Row], overhead: dict, peaks: Peaks | None) -> str:
+    """The markdown table of ``rows``: timings on a GPU, the accuracy check alone on a CPU (``peaks`` None)."""
+    lines = [f"# {title(peaks)}", "", "Generated by `python -m benchmarks.run`; do not edit by hand.", ""]
     lines += [f"- {key}: {value}" for key, value in env.items()]
+    if peaks is None:
+        lines += [
+            "",
+            CPU_NOTE,
+            "rel RMSE: cuLA vs FLA's naive recurrence (FLA's Triton kernels need a GPU), output / final state.",
+            "",
+            "| op | shape | mode | cuLA backend | rel RMSE output / final state | notes |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            errors = " / ".join(fmt(e, 4) for e in r.errors.get("vs_fla", [None]))
+            lines.append(f"| {r.op} | {r.shape} | {r.mode} | {r.cula_backend} | {errors} | {'; '.join(r.notes)} |")
+        return "\n".join(lines) + "\n"
     lines += [
         "",
-        "ms: median of `triton.testing.do_bench` (FLA warmed first). speedup = FLA ms / cuLA ms. rel RMSE: cuLA vs FLA,",
-        "the larger of output and final state. vs ref: cuLA's and FLA's rel RMSE against cuLA's fp32 PyTorch reference",
-        f"on the first {REF_HEADS} heads (the larger of output and final state; each part in the JSON's `errors`).",
-        "floor: max(FLOPs / 687 TFLOP/s, bytes / 4.3 TB/s) for a fused kernel.",
+        "ms: median [p20, p80] of `triton.testing.do_bench` (FLA warmed first). speedup = FLA ms / cuLA ms (medians).",
+        "rel RMSE: cuLA vs FLA, the larger of output and final state. vs ref: cuLA's and FLA's rel RMSE against cuLA's",
+        f"fp32 PyTorch reference on the first {REF_HEADS} heads (the larger of output and final state; each part in the",
+        "JSON's `errors`).",
+        f"floor: max(FLOPs / {peaks.tflops:g} TFLOP/s, bytes / {peaks.gbps:g} GB/s) for a fused kernel ({peaks.how}).",
         "kernel ms: cuLA's CuTe DSL kernel forced (`CULA_BACKEND=cute`) on rows where dispatch picked another backend.",
         "FlashInfer ms: its GDN prefill on the same inputs (converted outside the timing), the faster of its default",
         "route and its fused kernel (which one in brackets); vs FI = FlashInfer ms / cuLA ms.",
@@ -544,39 +595,126 @@ def markdown(env: dict, rows: list[Row], overhead: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        fi = f"{fmt(r.flashinfer_ms)} ({r.flashinfer_route})" if r.flashinfer_ms else "-"
+        fi = f"{fmt_ms(r, 'flashinfer', r.flashinfer_ms)} ({r.flashinfer_route})" if r.flashinfer_ms else "-"
         fi_ref = max(r.errors["flashinfer_vs_ref"]) if "flashinfer_vs_ref" in r.errors else None
         lines.append(
-            f"| {r.op} | {r.shape} | {r.mode} | {r.cula_backend} | {fmt(r.cula_ms)} | {fmt(r.fla_ms)} | "
-            f"{fmt(r.speedup, 2)} | {fi} | {fmt(r.speedup_vs_flashinfer, 2)} | {fmt(r.kernel_ms)} | "
-            f"{fmt(r.rel_rmse, 4)} | {fmt(r.ref_rmse_cula, 4)} / {fmt(r.ref_rmse_fla, 4)} / {fmt(fi_ref, 4)} | "
+            f"| {r.op} | {r.shape} | {r.mode} | {r.cula_backend} | {fmt_ms(r, 'cula', r.cula_ms)} | "
+            f"{fmt_ms(r, 'fla', r.fla_ms)} | {fmt(r.speedup, 2)} | {fi} | {fmt(r.speedup_vs_flashinfer, 2)} | "
+            f"{fmt_ms(r, 'kernel', r.kernel_ms)} | {fmt(r.rel_rmse, 4)} | "
+            f"{fmt(r.ref_rmse_cula, 4)} / {fmt(r.ref_rmse_fla, 4)} / {fmt(fi_ref, 4)} | "
             f"{fmt(r.floor_ms)} | {fmt(r.floor_fraction, 2)} | "
             f"{fmt(r.cula_tflops, 1)} | {fmt(r.cula_gbps, 0)} | {'; '.join(r.notes)} |"
         )
     if overhead:
-        lines += ["", "Host time per call on tiny inputs (B=1, T=64, H=32, D=128), microseconds:", ""]
+        lines += ["", "Host time per call on tiny inputs (B=1, T=64, H=32), microseconds:", ""]
         lines += [f"- {op}: " + ", ".join(f"{k} {fmt(v, 1)}" for k, v in o.items()) for op, o in overhead.items()]
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ops", default="gdn,kda,gla,simple_gla", help="comma list of gdn, kda, gla, simple_gla")
-    parser.add_argument(
-        "--grid",
-        default="core,varlen,long",
-        help="comma list of core, varlen, long, layer (GDN with q/k L2-normalised by the op, as FLA's layer calls it)",
+# -- command line ---------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.run",
+        description=__doc__,
+        epilog="Grids:\n" + "\n".join(f"  {name:<8} {what}" for name, what in GRIDS.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--modes", default="fwd", help="comma list of fwd, fwdbwd")
-    parser.add_argument("--no-fla", action="store_true", help="time cuLA alone (no FLA autotuning): for kernel work")
-    parser.add_argument("--no-peers", action="store_true", help="leave out FlashInfer's column even where importable")
-    parser.add_argument("--out", default="results", help="folder for benchmark.json and the markdown table")
-    parser.add_argument("--markdown-name", default=None, help="default BENCHMARK_H200.md on an H200, else BENCHMARK.md")
+    add = parser.add_argument
+    add(
+        "--op",
+        nargs="+",
+        default=list(OPS),
+        metavar="OP",
+        help=f"one or more of {', '.join(OPS)}, or all (default: all)",
+    )
+    add(
+        "--shapes",
+        nargs="+",
+        default=None,
+        metavar="SHAPE",
+        help="grid names and custom shapes, see below (default: core varlen long on a GPU, smoke on a CPU)",
+    )
+    add("--modes", nargs="+", default=["fwd"], metavar="MODE", help="GPU: fwd, fwdbwd (default: fwd)")
+    add("--dtype", choices=DTYPES, default=None, help="inputs' dtype (default: bf16 on a GPU, fp32 on a CPU)")
+    add("--head-dim", type=int, default=128, metavar="D", help="head dimension K = V of every shape (default: 128)")
+    add(
+        "--seed",
+        type=int,
+        default=DEFAULT_SEED,
+        help="the inputs' seed: each case seeds torch and Python with a hash of it, the op and the shape, so that a "
+        f"row's inputs do not depend on the rows run before it (default: {DEFAULT_SEED})",
+    )
+    add("--json", default=None, metavar="FILE", help="the results as JSON (default: DIR/benchmark.json)")
+    add("--out", default="results", metavar="DIR", help="folder for the markdown table and the plot (default: results)")
+    add(
+        "--markdown-name",
+        default=None,
+        metavar="NAME",
+        help="the table's file name (default: BENCHMARK_H200.md on an H200, else BENCHMARK.md); the plot's is NAME "
+        "with .png",
+    )
+    add("--no-fla", action="store_true", help="GPU: time cuLA alone (no FLA autotuning): for kernel work")
+    add("--no-peers", action="store_true", help="GPU: leave out FlashInfer's column even where importable")
+    add("--list", action="store_true", help="print the ops and the named shapes, then exit")
+    return parser
+
+
+def listed_values(raw: list[str]) -> list[str]:
+    """A list option's values, space- or comma-separated (``--op gdn kda`` or ``--op gdn,kda``)."""
+    return [value for item in raw for value in item.split(",") if value]
+
+
+def listing(D: int) -> str:
+    """What ``--list`` prints: the ops with their cuLA and FLA entry points, the grids with their cases."""
+    lines = ["ops (--op):"]
+    for op in OPS:
+        cula_fn, fla_target = entry_points(op)
+        lines.append(f"  {op:<11} {cula_fn.__module__}.{cula_fn.__name__}  vs FLA {fla_target}")
+    lines += ["", f"named shapes (--shapes; D = {D}):"]
+    for name, what in GRIDS.items():
+        lines.append(f"  {name:<8} {what}")
+        for case in grid(name, "gdn", D):
+            lines.append(f"             {case.name}" + (f": lengths {case.lengths}" if case.lengths else ""))
+    lines += ["", "custom shapes: BxTxH (e.g. 2x16384x64), L1+L2+...xH (one varlen call, e.g. 8192+512+4096x32)"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
-    ops = args.ops.split(",")
+    if args.list:
+        print(listing(args.head_dim))
+        return 0
+    ops = listed_values(args.op)
+    ops = list(OPS) if "all" in ops else ops
+    modes = listed_values(args.modes)
+    for option, values, allowed in (("--op", ops, OPS), ("--modes", modes, ("fwd", "fwdbwd"))):
+        if not set(values) <= set(allowed):
+            parser.error(f"{option}: unknown {sorted(set(values) - set(allowed))}; choose from {', '.join(allowed)}")
+    gpu = torch.cuda.is_available()
+    shapes = listed_values(args.shapes or (["core", "varlen", "long"] if gpu else ["smoke"]))
+    for spec in shapes:
+        try:
+            check_shape(spec)
+        except ValueError as error:
+            parser.error(f"--shapes: {error}")
+    todo = cases(ops, shapes, args.head_dim)
+    if not todo:
+        parser.error("no case to run: the layer grid holds GDN rows only")
+    dtype_name = args.dtype or ("bf16" if gpu else "fp32")
+    dtype = DTYPES[dtype_name]
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    json_path = Path(args.json) if args.json else out / "benchmark.json"
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    peaks = peaks_for(torch.cuda.get_device_name(0)) if gpu else None
     env = environment()
+    env.update({"dtype": dtype_name, "head dim": args.head_dim, "seed": args.seed})
+    if peaks is not None:
+        env["peak rates"] = peaks.describe()
     name = args.markdown_name or ("BENCHMARK_H200.md" if "H200" in env.get("gpu", "") else "BENCHMARK.md")
     rows: list[Row] = []
     overhead: dict = {}
@@ -584,31 +722,35 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:
         # rewritten after every row, so a run stopped by a time limit still leaves its table
         result = {"env": env, "rows": [asdict(r) for r in rows], "host_us": overhead}
-        (out / "benchmark.json").write_text(json.dumps(result, indent=1))
-        (out / name).write_text(markdown(env, rows, overhead))
+        json_path.write_text(json.dumps(result, indent=1))
+        (out / name).write_text(markdown(env, rows, overhead, peaks))
 
     def add(row: Row) -> None:
         rows.append(row)
         print(json.dumps(asdict(row)), flush=True)
         save()
 
-    if torch.cuda.is_available():
+    if gpu:
         flashinfer = None if args.no_peers else FlashInferGDN.load()
         env["flashinfer"] = "timed on GDN rows" if flashinfer is not None else "not importable or not asked for"
-        for case in gpu_grid(ops, args.grid.split(",")):
+        for case in todo:
             peer = flashinfer if case.op == "gdn" else None
-            for mode in args.modes.split(","):
-                add(run_gpu_case(case, mode, with_fla=not args.no_fla, peer=peer))
+            for mode in modes:
+                add(run_gpu_case(case, mode, peaks, dtype, args.seed, with_fla=not args.no_fla, peer=peer))
         if not args.no_fla:  # the host-time comparison calls FLA too
             for op in ops:
-                overhead[op] = host_overhead_us(op, "cuda")
-            save()
+                overhead[op] = host_overhead_us(op, dtype, args.head_dim, args.seed)
     else:
-        print("No CUDA GPU: timing cuLA's PyTorch reference backend at a small size on the CPU.", flush=True)
-        for op in ops:
-            add(run_cpu_case(Case(op, 1, 256, 2, 64)))
-    print(markdown(env, rows, overhead))
-    print(f"wrote {out / 'benchmark.json'} and {out / name}", file=sys.stderr)
+        print(CPU_NOTE, flush=True)
+        ignored = [flag for flag, given in (("--modes fwdbwd", "fwdbwd" in modes), ("--no-fla", args.no_fla)) if given]
+        if ignored:
+            print(f"Without a GPU these do nothing: {', '.join(ignored)}", flush=True)
+        for case in todo:
+            add(run_cpu_case(case, dtype, args.seed))
+    env["plot"] = write_plot([asdict(r) for r in rows], out / f"{Path(name).stem}.png", title(peaks))
+    save()
+    print(markdown(env, rows, overhead, peaks))
+    print(f"wrote {json_path} and {out / name}; plot {env['plot']}", file=sys.stderr)
     return 0
 
 

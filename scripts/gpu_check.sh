@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# On a GPU machine: the GPU tests, then the cuLA-vs-FLA benchmark, results and logs into one folder.
+# On a GPU machine: the GPU tests, then the cuLA-vs-FLA benchmark; its JSON, markdown table and plot, and the logs,
+# into one folder.
 #   bash scripts/gpu_check.sh OUTDIR [benchmark arguments...]     (SKIP_GPU_TESTS=1: the benchmark only)
+#   e.g. bash scripts/gpu_check.sh out --op gdn kda --shapes core varlen long layer   (python -m benchmarks.run --help)
+# Without matplotlib there the plot is skipped; draw it elsewhere with `python -m benchmarks.plot OUTDIR/benchmark.json`.
 # FLA autotunes each op at each new shape on its first call (up to minutes). Its choices are kept on disk
 # (TRITON_CACHE_AUTOTUNING) and packed into OUTDIR/fla_autotune.tgz; a later run reads them back from
 # FLA_AUTOTUNE_TGZ (default: benchmarks/results/fla_autotune_h200.tgz, FLA's GDN, KDA and GLA forward choices for
