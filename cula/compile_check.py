@@ -4,7 +4,8 @@
 package named ``*_sm<digits>``; importing registers them through :func:`cula.runtime.register_kernel`), compiles
 each (kernel, arch) with fake tensors, checks its PTX for the expected instructions and its machine code (SASS,
 through the ``cuobjdump`` that ships with triton) for local memory and ptxas-injected ``warpgroup.arrive``, prints a
-table and exits non-zero on any compile error, missing instruction, or unclean SASS of a kernel registered with
+table and exits non-zero on any compile error, missing instruction, mbarrier wait of a fixed phase inside a loop
+(:func:`fixed_phase_waits`), or unclean SASS of a kernel registered with
 ``clean_sass``. With ``--roles`` it also breaks each kernel's SASS down by warp role (:func:`sass_roles`): where the
 spills are, and how long each role's chunk loop is.
 """
@@ -102,6 +103,26 @@ def sass_counts(sass: str, ptx: str) -> tuple[int, int]:
     return local, injected
 
 
+def fixed_phase_waits(ptx: str) -> list[str]:
+    """The mbarrier waits inside a loop (other than a wait's own retry loop) whose phase is a constant. A chunk loop
+    waits the phase its ring positions hold, which changes from chunk to chunk: a constant there is a position the
+    loop does not carry (a ``PipelineState`` moved on inside a function it was passed to and never rebound by the
+    loop: the DSL carries only the names a loop rebinds or calls methods on), and such a kernel reads stale stages
+    and hangs. A producer's first acquire before its loop rightly waits a constant phase."""
+    lines = ptx.splitlines()
+    labels = {m[1]: i for i, line in enumerate(lines) if (m := re.match(r"(\$L__\w+):", line.strip()))}
+    loops = []
+    for i, line in enumerate(lines):
+        m = re.search(r"\bbra(?:\.uni)?\s+(\$L__\w+);", line)
+        if m and labels.get(m[1], i) < i - 20:
+            loops.append((labels[m[1]], i))
+    return [
+        line.strip()
+        for i, line in enumerate(lines)
+        if re.search(r"mbarrier\.try_wait\.parity[^;]*\], \d+,", line) and any(a < i < b for a, b in loops)
+    ]
+
+
 _SASS_LINE = re.compile(r"/\*([0-9a-f]+)\*/\s+(.+?)\s*;")
 
 
@@ -185,6 +206,9 @@ def check_kernel(name: str, arch: str) -> Report:
     regs = cubin_registers(compiled.artifacts.CUBIN or b"")
     missing = [s for s, c in counts.items() if c == 0]
     error = f"missing in PTX: {missing}" if missing else ("" if ptx else "no PTX produced")
+    fixed = fixed_phase_waits(ptx)
+    if fixed and not error:
+        error = f"mbarrier waits of a fixed phase inside a loop (a ring position the loop does not carry): {fixed[:3]}"
     sass = sass_of(compiled.artifacts.CUBIN or b"")
     local = injected = None
     if sass is not None:

@@ -135,3 +135,15 @@ def test_a_measured_allowance_of_local_memory_passes_up_to_its_count(registered)
     registered("shuffle_short", compile_shuffle, ["st.global"], clean_sass=True, sass_allowed=(spills - 1, 0))
     short = compile_check.check_kernel("shuffle_short", "sm_90a")
     assert not short.ok and "allowed" in short.error, short
+
+
+def test_a_fixed_phase_wait_in_a_loop_is_seen():
+    """The check a kernel whose loop does not carry a ring position fails (its waits keep the first phase)."""
+    loop = ["$L__BB0_1:", *["add.s32 %r1, %r1, 1;"] * 30]
+    wait = "mbarrier.try_wait.parity.shared.b64 P1, [%r166], 0, 10000000;"
+    assert compile_check.fixed_phase_waits("\n".join([*loop, wait, "bra.uni $L__BB0_1;"]))
+    carried = wait.replace(" 0,", " %r2571,")
+    assert not compile_check.fixed_phase_waits("\n".join([*loop, carried, "bra.uni $L__BB0_1;"]))
+    assert not compile_check.fixed_phase_waits("\n".join([wait, *loop, "bra.uni $L__BB0_1;"]))  # before the loop
+    retry = ["$L__BB0_2:", wait, "@!P1 bra $L__BB0_2;"]  # a wait's own retry loop
+    assert not compile_check.fixed_phase_waits("\n".join(retry))

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from delta_rule_recurrence import check_fwd
 
+from cula import compile_check
 from cula.ops.delta_rule_ref import linear_attn_ref
 from cula.ops.segment_split import UNCACHED, SplitCost
 from cula.sm90 import entry
@@ -216,18 +217,22 @@ def test_the_family_switch_picks_the_kernel_class_and_keys_the_cache(monkeypatch
         {"is_varlen": True, "has_initial_state": True},
         {"is_varlen": True, "has_initial_state": True, "qk_l2norm": True},
         {"is_varlen": True, "mode": "correction", "intra": "load"},
+        {"head_dim": 64, "is_varlen": True, "intra": "save", "qk_l2norm": True},
     ],
 )
 def test_gdn_family_kernel_structure(options):
-    """GDN on the family skeleton at D = 128: 512 threads in four warpgroups, setmaxnreg per role from the register
-    budget (24 / 104 / 192), the hand-offs through mbarrier rings (try_wait spins, no bar.arrive hand-off), V read
+    """GDN on the family skeleton: 512 threads in four warpgroups at D = 128 (three at D = 64: one state
+    warpgroup), setmaxnreg per role from the register budget (24 / 104 / the rest), the hand-offs through mbarrier rings (try_wait spins, no bar.arrive hand-off), V read
     and O staged by ldmatrix / stmatrix, O stored by TMA."""
     from cula.gdn.chunk_fwd_sm90 import compile_gdn_fwd_sm90
 
     ptx = compile_gdn_fwd_sm90("sm_90a", keep_artifacts=True, **options).artifacts.PTX
-    assert ".reqntid 512" in ptx
-    assert [int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+);", ptx)] == [24, 104, 192]
+    d64 = options.get("head_dim") == 64
+    assert f".reqntid {384 if d64 else 512}" in ptx
+    regs = [int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+);", ptx)]
+    assert regs == [24, 104, 256 if d64 else 192]
     assert "mbarrier.try_wait.parity" in ptx and "bar.arrive" not in ptx
+    assert not compile_check.fixed_phase_waits(ptx)
     assert "ldmatrix.sync.aligned.m8n8.x4.trans" in ptx and "stmatrix.sync.aligned.m8n8.x4.trans" in ptx
     assert re.search(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)
     assert ("rsqrt.approx" in ptx) == options.get("qk_l2norm", False)
@@ -240,6 +245,7 @@ def test_gdn_family_kernel_structure(options):
         ({"is_varlen": True, "intra": "save"}, 2 + 8),  # O, Tinv and P, the three B tiles (two boxes each)
         ({"is_varlen": True, "mode": "correction", "intra": "load"}, 2),
         ({"is_varlen": True, "mode": "transition", "intra": "load", "gate_in_kernel": True}, 0),
+        ({"head_dim": 64, "is_varlen": True, "has_initial_state": True}, 1),
     ],
 )
 def test_kda_family_kernel_structure(options, tma_stores):
@@ -252,6 +258,7 @@ def test_kda_family_kernel_structure(options, tma_stores):
     assert ".reqntid 384" in ptx
     assert [int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+);", ptx)] == [56, 224]
     assert "mbarrier.try_wait.parity" in ptx and "bar.arrive" not in ptx
+    assert not compile_check.fixed_phase_waits(ptx)
     assert "cp.async.bulk.prefetch.tensor" in ptx
     assert len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)) == tma_stores
     if options.get("intra") == "load":

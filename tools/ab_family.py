@@ -3,7 +3,7 @@ the same inputs (the benchmark's, :mod:`benchmarks.run`), the kernel forced (``C
 
     python tools/ab_family.py [--ops gdn,kda] [--grid core,varlen,long] [--rounds 3] [--out DIR]
 
-Per shape: each side's median ms (``triton.testing.do_bench``, the two sides alternating for ``--rounds`` rounds,
+Per shape: each side's median ms (``triton.testing.do_bench``'s median, the two sides alternating for ``--rounds`` rounds,
 the median of the rounds), family / earlier, the output and final state of each side against cuLA's fp32 reference
 on the first heads, and the family's against the earlier's. Prints a table; ``--out`` also gets ``ab_family.json``.
 """
@@ -33,10 +33,11 @@ def main() -> int:
     import torch
 
     from benchmarks import run as bench
+    from benchmarks import shapes
     from cula.sm90.entry import FAMILY_SWITCH
 
     rows = []
-    for case in bench.gpu_grid(args.ops.split(","), args.grid.split(",")):
+    for case in shapes.cases(args.ops.split(","), args.grid.split(","), 128):
         inputs = bench.make_inputs(case, "cuda", torch.bfloat16, requires_grad=False)
         fn, _ = bench.entry_points(case.op)
         outs, times = {}, {s: [] for s in SIDES}
@@ -49,7 +50,7 @@ def main() -> int:
                 for _ in range(args.rounds):
                     for side in SIDES:
                         os.environ[FAMILY_SWITCH] = "1" if side == "family" else "0"
-                        times[side].append(bench.bench(lambda fn=fn, inputs=inputs: fn(**inputs)))
+                        times[side].append(bench.bench(lambda fn=fn, inputs=inputs: fn(**inputs))[1])
             reference = bench.reference_outputs(case.op, inputs)
             for side in SIDES:
                 row[f"{side}_ms"] = statistics.median(times[side])

@@ -469,6 +469,7 @@ class GDNChunkFwdSm90(ChunkFwdSm90):
         rings.gate.consumer_release(states.gate)
         states.qk.advance()
         states.gate.advance()
+        return states
 
 
 # -------------------------------------------------------------------- host side: GDN's place in the SM90 path
@@ -562,5 +563,6 @@ entry.register_checked(
             "qk_l2norm": True,
         },
     },  # fmt: skip
-    sass_allowed={"[intra load, correction]": (2, 0)},
+    # measured: the later split pass's state warpgroups (192 registers) reload a few loop invariants each chunk
+    sass_allowed={"[intra load, correction]": (11, 0)},
 )

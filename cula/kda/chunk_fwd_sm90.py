@@ -847,6 +847,7 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
         if cutlass.const_expr(self.feeds):
             rings.b_load.consumer_release(states.chunk)
         states.chunk.advance()
+        return states
 
     @cute.jit
     def before_chunk_end(self, p, smem, gs, seq, chunk, swarp):
@@ -999,11 +1000,11 @@ entry.register_checked(
     sass_allowed={
         "": (30, 0),
         "[D=64, intra load, correction]": (24, 29),
-        "[D=64, intra save]": (116, 0),
-        "[D=64]": (116, 0),
+        "[D=64, intra save]": (120, 0),
+        "[D=64]": (120, 0),
         "[correction]": (28, 0),
         "[fixed length]": (6, 0),
-        "[gate in kernel, D=64, qk_l2norm]": (64, 0),
+        "[gate in kernel, D=64, qk_l2norm]": (66, 0),
         "[gate in kernel, intra load, correction]": (8, 0),
         "[gate in kernel, qk_l2norm, bf16 beta, fixed length]": (8, 0),
         "[gate in kernel]": (30, 0),

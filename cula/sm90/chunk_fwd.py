@@ -228,6 +228,8 @@ class ChunkFwdSm90:
         raise NotImplementedError
 
     def chain_release(self, rings, states):
+        """Release the gate's rings for this chunk and move the state warpgroups' positions on; returns them (the
+        caller rebinds them, which is what carries them through its chunk loop)."""
         raise NotImplementedError
 
     def before_chunks(self, smem: Smem, stid):
@@ -390,7 +392,8 @@ class ChunkFwdSm90:
             if cutlass.const_expr(tp_ring):
                 rings.tp.consumer_release(tp_state)
                 tp_state.advance()
-            self.chain_release(rings, states)
+            # (rebound here: a loop carries only the names it rebinds or calls methods on, not what it passes on)
+            states = self.chain_release(rings, states)
             if cutlass.const_expr(cfg.v_from == "v"):
                 rings.v.consumer_release(v_state)
                 v_state.advance()
