@@ -9,7 +9,7 @@
 # FLA_AUTOTUNE_TGZ (default: benchmarks/results/fla_autotune_h200.tgz, FLA's GDN, KDA and GLA forward choices for
 # the core, varlen, long and layer grids, not simple_gla's, from the project's H200 with triton 3.6) and skips that
 # autotuning. On the project's H200 test machine, first
-# `. .device/b/setup.sh` (see NOTES.md, "GPU runs").
+# `. .device/b/setup.sh` (see PERF.md, "GPU runs on the H200 test machine").
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUTDIR [benchmark args]}
 shift

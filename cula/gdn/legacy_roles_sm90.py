@@ -15,7 +15,7 @@ only the state chain (S^T K^T / S^T Q^T, V_new, O, the state update):
 
 Hand-offs are mbarrier rings (full: the data is there; empty: its last reader is done): q | k and its gate slot,
 v, Tinv | P. The aux role's chain bounds it: alone it takes ~60 % of the kernel's time, and the state warpgroups'
-shared-memory and tensor-core traffic stretches it (NOTES.md, sessions 15-16).
+shared-memory and tensor-core traffic stretches it (PERF.md, "Where the time goes").
 
 The kernel also runs a split sequence's passes (:mod:`cula.ops.segment_split`): the first saves each chunk's Tinv and
 P to a workspace, the later ones (``transition``, ``correction``) load them by TMA and run without the aux role.
