@@ -263,3 +263,22 @@ def test_kda_family_kernel_structure(options, tma_stores):
     assert len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)) == tma_stores
     if options.get("intra") == "load":
         assert "ex2.approx" not in ptx
+
+
+def test_one_off_sequence_fails_where_the_call_passes(monkeypatch):
+    """The GPU tests' check is per sequence as well: output 5 % off on one 5-token sequence of a 2300-token call
+    passes the call's rel RMSE (about 0.002) and fails that sequence's."""
+    from delta_rule_recurrence import assert_matches, recurrence, rel_rmse
+
+    def off_by_5_percent(kernel, call, config, t, scale):
+        reference_launch(kernel, call, config, t, scale)
+        t.o[0, 1000:1005] = (t.o[0, 1000:1005].float() * 1.05).to(t.o.dtype)
+
+    monkeypatch.setattr(entry, "launch", off_by_5_percent)
+    q, k, v, g, beta = inputs(1, 2300, 1, 1, False)
+    cu = [0, 1000, 1005, 2300]
+    o, ht = entry_for(kernel_with())(q, k, v, g, beta, 32**-0.5, None, True, torch.tensor(cu), False, split=False)
+    o_ref, ht_ref = recurrence(q, k, v, g, beta, 32**-0.5, None, cu)
+    assert rel_rmse(o, o_ref) < 5e-3
+    with pytest.raises(AssertionError, match="o of sequence 1"):
+        assert_matches(o, ht, o_ref, ht_ref, cu)
