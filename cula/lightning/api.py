@@ -12,11 +12,24 @@ from cula.dispatch import Op, bind, call_args, fla_gated_backward_ok
 from cula.lightning import reference
 
 
+def _validate_chunk_simple_gla(args: dict[str, Any]) -> None:
+    validation.head_first(args, refused_in_any_form=True)
+    validation.chunk_size(args, None, "simple GLA")
+    _validate_simple_gla(args)
+
+
 def _validate_simple_gla(args: dict[str, Any]) -> None:
+    validation.head_first(args, refused_in_any_form=False)
     B, T, H, HV, K, V, N = validation.common(args, allow_gva=False)
     validation.per_head("g", args["g"], B, T, H, optional=True)
     validation.tensor("g_gamma", args["g_gamma"], 1, optional=True)
     validation.shape("g_gamma", args["g_gamma"], (H,), "[H]")
+
+
+def _validate_chunk_lightning(args: dict[str, Any]) -> None:
+    validation.head_first(args, refused_in_any_form=True)
+    validation.chunk_size(args, None, "Lightning Attention")
+    _validate_lightning(args)
 
 
 def _validate_lightning(args: dict[str, Any]) -> None:
@@ -103,7 +116,7 @@ CHUNK_SIMPLE_GLA = bind(
         "lightning.chunk_simple_gla",
         "fla.ops.simple_gla:chunk_simple_gla",
         reference.simple_gla,
-        _validate_simple_gla,
+        _validate_chunk_simple_gla,
         fla_supports=fla_gated_backward_ok,
     ),
     chunk_simple_gla,
@@ -122,7 +135,7 @@ CHUNK_LIGHTNING = bind(
         "lightning.chunk_lightning_attn",
         "fla.ops.lightning_attn:chunk_lightning_attn",
         reference.lightning_attn,
-        _validate_lightning,
+        _validate_chunk_lightning,
     ),
     chunk_lightning_attn,
 )
