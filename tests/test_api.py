@@ -457,6 +457,23 @@ def test_both_offset_tensors_are_checked_against_each_other():
 # -- threads ----------------------------------------------------------------------------------------------------
 
 
+def test_last_decision_is_per_thread():
+    CHUNK_GDN(**gdn_args())
+    mine = cula.last_decision(CHUNK_GDN)
+    seen = []
+
+    def other():
+        seen.append(cula.last_decision(CHUNK_GDN))
+        CHUNK_GDN(**gdn_args())
+        seen.append(cula.last_decision(CHUNK_GDN))
+
+    worker = threading.Thread(target=other)
+    worker.start()
+    worker.join()
+    assert seen[0] is None and seen[1] is not None and seen[1] is not mine
+    assert cula.last_decision(CHUNK_GDN) is mine
+
+
 def test_offsets_cache_under_threads(monkeypatch):
     """Another thread that evicts an entry between this thread's lookup and its use of it must wait for the lock."""
     from cula import validation
