@@ -12,6 +12,8 @@ from fla.ops.gla.naive import naive_recurrent_gla
 from fla.ops.kda.gate import naive_kda_gate, naive_kda_lowerbound_gate
 from fla.ops.kda.naive import naive_recurrent_kda
 from fla.ops.simple_gla.naive import naive_recurrent_simple_gla
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from cula import gdn, gla, kda, lightning
 
@@ -307,3 +309,120 @@ def test_gradients_in_kernel(variant, gate, neg):
     ours = gradients(lambda: run_reference(variant, True, x, **params, **flags), leaves, do, dht)
     ref = gradients(lambda: oracle(variant, transformed(variant, x, params, flags)), leaves, do, dht)
     assert_close({f"d{n}": (ours[n], ref[n]) for n in leaves}, tol=1e-4)
+
+
+# -- edge inputs ------------------------------------------------------------------------------------------------
+
+GATE_EDGES = {
+    "reset": lambda g, at: g.index_fill_(1, at, float("-inf")),  # a -inf gate: the state is wiped
+    "huge": lambda g, at: g.index_fill_(1, at, -1e30),
+    "spikes": lambda g, at: g.index_copy_(1, at, -torch.empty_like(g[:, at]).uniform_(300, 1e4)),
+}
+
+
+@pytest.mark.parametrize("variant,chunk", VARIANTS)
+@pytest.mark.parametrize("edge", list(GATE_EDGES))
+@pytest.mark.parametrize("T", [10, 130])
+def test_any_gate_in_minus_inf_to_zero(variant, chunk, edge, T):
+    """Gates at the edge of [-inf, 0] give FLA's naive answer: no cancellation between chunk-local sums of gates,
+    no NaN from -inf - -inf (a per-key gate gets the edge on half of its key channels at one token)."""
+    gva = 2 if variant in DELTA else 1
+    x = make_inputs(variant, T, HV=2 * gva)
+    at = torch.tensor([2, 5, 6, 70, 100, 129])
+    GATE_EDGES[edge](x["g"], at[at < T])
+    if x["g"].dim() == 4:
+        x["g"][:, 3, :, ::2] = x["g"][:, 2, :, ::2]
+    o, s = run_reference(variant, chunk, x)
+    o_ref, s_ref = oracle(variant, x)
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    assert_close({"o": (o, o_ref), "state": (s, s_ref)})
+
+
+def poison(x, name, at, value, column=None):
+    """``x`` with ``value`` written into input ``name`` at token ``at`` (only value column ``column`` if given)."""
+    x = {n: t.clone() if t is not None else None for n, t in x.items()}
+    if column is None:
+        x[name][:, at] = value
+    else:
+        x[name][:, at, ..., column] = value
+    return x
+
+
+CAUSAL = [(v, c, name) for v, c in VARIANTS for name in ("q", "k", "v", "g", "beta") if name != "beta" or v in DELTA]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("variant,chunk,name", CAUSAL)
+def test_later_tokens_never_reach_earlier_outputs(variant, chunk, name, value):
+    """A NaN or Inf at token 70 (mid-chunk) changes no output before it: masks are selects, not products."""
+    x = make_inputs(variant, 130, HV=4 if variant in DELTA else 2)
+    o_clean, _ = run_reference(variant, chunk, x)
+    o, _ = run_reference(variant, chunk, poison(x, name, 70, value))
+    torch.testing.assert_close(o[:, :70], o_clean[:, :70], rtol=1e-6, atol=1e-6)
+    if name == "v":  # the recurrence keeps value columns apart: the other columns stay finite
+        o, _ = run_reference(variant, chunk, poison(x, "v", 70, value, column=3))
+        torch.testing.assert_close(o[:, :70], o_clean[:, :70], rtol=1e-6, atol=1e-6)
+        others = torch.arange(o.shape[-1]) != 3
+        assert torch.isfinite(o[..., others]).all() and not torch.isfinite(o[:, 70:, :, 3]).any()
+
+
+@pytest.mark.parametrize("variant,chunk", VARIANTS)
+def test_non_finite_tokens_stay_in_their_sequence(variant, chunk):
+    """NaN in v and k of the middle sequence of a varlen batch: the other sequences' outputs and states are those
+    of a clean run."""
+    lengths = [70, 40, 90]
+    cu = torch.tensor([0, 70, 110, 200])
+    x = make_inputs(variant, sum(lengths), B=1, N=len(lengths), HV=4 if variant in DELTA else 2)
+    o_clean, s_clean = run_reference(variant, chunk, x, cu_seqlens=cu)
+    o, s = run_reference(variant, chunk, poison(poison(x, "v", 75, float("nan")), "k", 80, float("inf")), cu_seqlens=cu)
+    keep = torch.cat([torch.arange(75), torch.arange(110, 200)])
+    torch.testing.assert_close(o[:, keep], o_clean[:, keep], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(s[[0, 2]], s_clean[[0, 2]], rtol=1e-6, atol=1e-6)
+
+
+# -- cost ---------------------------------------------------------------------------------------------------------
+
+
+class Footprint(TorchDispatchMode):
+    """The elements written by every op of a call (views excluded) and the largest tensor any op makes: a machine-
+    independent measure of its time and memory."""
+
+    def __init__(self):
+        super().__init__()
+        self.written = self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.written += t.numel()
+                    self.largest = max(self.largest, t.numel())
+        return out
+
+    def __repr__(self):
+        return f"Footprint(written={self.written}, largest={self.largest})"
+
+
+def footprint(fn, *args, **kwargs) -> Footprint:
+    with Footprint() as fp:
+        fn(*args, **kwargs)
+    return fp
+
+
+@pytest.mark.parametrize("case", ["gla gv", "gdn per-value beta", "kda per-value beta"])
+def test_per_value_gate_and_beta_cost(case):
+    """A per-value gate or beta costs a small factor over the per-head form (not a head per value column)."""
+    x = make_inputs("kda", 130, H=2, K=16, V=32)
+    q, k, v, g = x["q"], x["k"], x["v"], x["g"]
+    per_value = torch.rand_like(v)
+    if case == "gla gv":
+        base = footprint(gla.fused_recurrent_gla, q, k, v, gk=g)
+        wide = footprint(gla.fused_recurrent_gla, q, k, v, gk=g, gv=F.logsigmoid(torch.randn_like(v)))
+    elif case == "gdn per-value beta":
+        base = footprint(gdn.fused_recurrent_gated_delta_rule, q, k, v, gk=g, beta=x["beta"])
+        wide = footprint(gdn.fused_recurrent_gated_delta_rule, q, k, v, gk=g, beta=per_value)
+    else:
+        base = footprint(kda.fused_recurrent_kda, q, k, v, g, x["beta"])
+        wide = footprint(kda.fused_recurrent_kda, q, k, v, g, per_value)
+    assert wide.written < 4 * base.written and wide.largest <= 2 * base.largest, (wide, base)

@@ -1,20 +1,28 @@
-"""Chunked fp32 reference for gated linear attention with and without the delta rule.
+"""Chunked fp32 reference for gated linear attention with and without the delta rule, exact for any log gate in
+[-inf, 0] and causal whatever the inputs hold.
 
 One driver serves GDN, KDA, GLA, simple GLA and Lightning. Per value head, with ``q~ = scale * q`` and the state
 ``S`` of shape ``[K, V]``:
 
 - gate: ``S' = diag(exp(gk_t)) S diag(exp(gv_t))`` (a scalar gate is ``gk_t`` broadcast over K);
-- delta rule (``beta`` given): ``u_t = beta_t * (v_t - S'^T k_t)``, ``S_t = S' + k_t u_t^T``;
+- delta rule (``beta`` given): ``u_t = beta_t ⊙ (v_t - S'^T k_t)``, ``S_t = S' + k_t u_t^T``;
 - plain (``beta`` None): ``S_t = S' + k_t v_t^T``;
 - output: ``o_t = S_t^T q~_t`` (the state after the update).
 
-Within a chunk of C tokens with cumulative gate G the delta-rule updates compose into the WY/UT form
-``A = tril(diag(beta) (K K^T ⊙ exp(G_i - G_j)), -1)``, ``[U | W] = (I + A)^{-1} diag(beta) [V | K ⊙ exp(G)]``,
-``V_new = U - W S``, ``O = (Q~ ⊙ exp(G)) S + tril(Q~ K^T ⊙ exp(G_i - G_j)) V_new``,
-``S <- exp(G_C) S + (K ⊙ exp(G_C - G))^T V_new``. The decay ``exp(G_i - G_j)`` is formed per pair (``[C, C, K]``
-for a per-key gate) after masking the upper triangle, so it never overflows however strong the decay; only the
-state pass loops, over chunks. A per-value gate ``gv`` or a per-value ``beta`` makes every value column an
-independent recurrence: the columns are folded into the head dimension and run with V = 1.
+In a chunk of C tokens every decay is the exponential of a sum of gates over a range of tokens, taken as that sum
+(masked cumulative sums), never as a difference of two prefix sums: with ``D_ij = sum_{j < t <= i} g_t``,
+``G_i = sum_{t <= i} g_t`` and ``R_j = sum_{t > j} g_t``, the delta-rule updates compose into
+``A = tril(diag(beta) (K K^T ⊙ exp(D)), -1)``, ``U = (I + A)^{-1} diag(beta) (V - (K ⊙ exp(G)) S)``,
+``O = (Q~ ⊙ exp(G)) S + tril(Q~ K^T ⊙ exp(D)) U``, ``S <- exp(G_C) S + (K ⊙ exp(R))^T U``.
+So a -inf gate (a full reset) gives exact zeros, and a gate of -1e30 or spikes of -1e4 lose nothing to cancellation.
+A per-key gate makes ``exp(D)`` ``[C, C, K]``. A per-value gate ``gv`` brings its own ``exp(D^v)`` ``[C, C, V]``
+(``exp(D + D^v) = exp(D) exp(D^v)``), and it or a per-value ``beta`` gives each value column its own ``A``: a batch
+of V triangular solves, never a head per column.
+
+Causality: the products over the tokens of a chunk are masked by selection (``torch.where``), and the two that sum
+over them (the solve and ``P U``) run on their inputs with non-finite entries zeroed, the entries at and after a
+non-finite one (per value column, where the recurrence is non-finite too) then set to NaN: an output never depends
+on a later token, NaN and Inf included.
 
 Everything is batched over sequences and heads, differentiable by autograd and device-agnostic. Variable-length
 batches are padded per sequence with ``k = v = beta = g = 0`` steps, which leave the state untouched.
@@ -58,66 +66,79 @@ def _to_chunks(x: torch.Tensor, C: int) -> torch.Tensor:
     return x.unflatten(1, (x.shape[1] // C, C)).movedim(3, 1)
 
 
-def _pair_decay(G: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
-    """``exp(G_i - G_j)`` for j <= i, else 0: [..., C, C] for a scalar gate G [..., C, 1], [..., C, C, K] per key."""
-    if G.shape[-1] == 1:
-        return (G - G.transpose(-1, -2)).masked_fill(~causal, float("-inf")).exp()
-    return (G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~causal.unsqueeze(-1), float("-inf")).exp()
+def _range_sums(g: torch.Tensor, strict: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For log gates ``g`` [..., C, W]: ``D`` [..., C, C, W] with ``D[i, j] = sum_{j < t <= i} g_t`` (0 for j >= i)
+    and ``R`` [..., C, W] with ``R[j] = sum_{t > j} g_t``, each a sum over its own range only."""
+    inside = torch.where(strict.mT.unsqueeze(-1), g.unsqueeze(-3), 0)  # [.., j, t]: g_t where t > j
+    D = inside.cumsum(-2)  # [.., j, i]
+    return D.transpose(-2, -3), D[..., -1, :]
 
 
-def _decayed_scores(a: torch.Tensor, b: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
-    """``sum_k a_ik b_jk decay_ij(k)``: the gated score matrix [..., C, C]."""
-    if decay.dim() == a.dim():
-        return (a @ b.transpose(-1, -2)) * decay
+def _decays(g: torch.Tensor, causal: torch.Tensor, strict: torch.Tensor):
+    """``exp(D)`` [..., C, C, W] (0 above the diagonal), ``exp(G)`` and ``exp(R)`` [..., C, W] and ``exp(G_C)``
+    [..., W] for log gates ``g`` [..., C, W]."""
+    D, R = _range_sums(g, strict)
+    G = g.cumsum(-2)
+    return torch.where(causal.unsqueeze(-1), D.exp(), 0), G.exp(), R.exp(), G[..., -1, :].exp()
+
+
+def _scores(a: torch.Tensor, b: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
+    """``sum_k a_ik b_jk decay_ij(k)`` [..., C, C]; ``decay`` [..., C, C, 1] (scalar gate) or [..., C, C, K]."""
+    if decay.shape[-1] == 1:
+        return (a @ b.mT) * decay.squeeze(-1)
     return torch.einsum("...ik,...jk,...ijk->...ij", a, b, decay)
 
 
-def _chunk_scan(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor | None,
-    S: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunked recurrence on [N, H, NT, C, *] tensors (q already scaled; g [.., C, 1] or [.., C, K]).
-
-    ``beta`` [N, H, NT, C] or None (no delta rule); ``S`` [N, H, K, V]. Returns o [N, H, NT, C, V] and the final S.
-    """
-    C = q.shape[-2]
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    G = g.cumsum(-2)
-    outs = []
-    for n in range(q.shape[2]):
-        q_n, k_n, v_n, G_n = q[:, :, n], k[:, :, n], v[:, :, n], G[:, :, n]
-        decay = _pair_decay(G_n, causal)
-        eG = G_n.exp()
-        if beta is not None:
-            b_n = beta[:, :, n].unsqueeze(-1)
-            # strictly lower part; solve_triangular(unitriangular=True) supplies the unit diagonal of I + A
-            A = (_decayed_scores(k_n, k_n, decay) * b_n).tril(-1)
-            rhs = torch.cat([v_n, k_n * eG], -1) * b_n
-            u, w = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True).split(
-                [v_n.shape[-1], k_n.shape[-1]], -1
-            )
-            v_n = u - w @ S
-        outs.append((q_n * eG) @ S + _decayed_scores(q_n, k_n, decay) @ v_n)
-        G_last = G_n[..., -1:, :]
-        S = S * G_last.transpose(-1, -2).exp() + (k_n * (G_last - G_n).exp()).transpose(-1, -2) @ v_n
-    return torch.stack(outs, 2), S
+def _finite_then_poison(fn, x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` for a ``fn`` that mixes the rows (tokens, dim -2) of ``x`` causally: run on ``x`` with non-finite
+    entries zeroed (a 0 weight times NaN would reach earlier rows), then NaN from each non-finite entry down its
+    column, as the recurrence gives."""
+    bad = ~torch.isfinite(x)
+    out = fn(torch.where(bad, 0, x))
+    return torch.where(bad.cumsum(-2) > 0, float("nan"), out)
 
 
-def _fold_value_columns(q, k, v, g, beta, S):
-    """Turn each value column into its own head (V = 1), for a per-value gate or beta.
+def _solve(A: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """``(I + A)^{-1} rhs`` for strictly lower ``A`` [..., C, C] and ``rhs`` [..., C, V], causal in the rows: a
+    non-finite row of ``A`` poisons its row and the later ones, as a non-finite entry of ``rhs`` its column."""
+    bad_rows = ~torch.isfinite(A).all(-1, keepdim=True)
+    A = torch.where(torch.isfinite(A), A, 0)
+    rhs = torch.where(bad_rows, float("nan"), rhs)
+    # solve_triangular(unitriangular=True) supplies the unit diagonal of I + A
+    return _finite_then_poison(lambda x: torch.linalg.solve_triangular(A, x, upper=False, unitriangular=True), rhs)
 
-    Inputs are [N, T, HV, *] (g with gv already added: [N, T, HV, V or 1, Kg]); S [N, HV, K, V].
-    """
-    N, T, HV, V = v.shape
-    q, k = (x.unsqueeze(3).expand(-1, -1, -1, V, -1).flatten(2, 3) for x in (q, k))
+
+def _chunk(q, k, v, gk, gv, beta, S, causal, strict):
+    """One chunk for every (sequence, head): q, k [..., C, K]; v [..., C, V]; gk [..., C, 1 or K]; gv [..., C, V]
+    or None; beta [..., C, 1 or V] or None (no delta rule); S [..., K, V]; ``causal``/``strict`` the [C, C] masks
+    j <= i and j < i. Returns o [..., C, V] and the state after the chunk."""
+    Ek, eGk, eRk, eGk_last = _decays(gk, causal, strict)
+    Ev = eGv = None
+    if gv is not None:
+        Ev, eGv, eRv, eGv_last = _decays(gv, causal, strict)
+    u = v
     if beta is not None:
-        beta = (beta if beta.dim() == 4 else beta.unsqueeze(-1)).expand(N, T, HV, V).flatten(2, 3)
-    S = S.movedim(-1, 2).flatten(1, 2).unsqueeze(-1)
-    return q, k, v.flatten(2, 3).unsqueeze(-1), g.expand(N, T, HV, V, -1).flatten(2, 3), beta, S
+        rhs = (k * eGk) @ S
+        rhs = beta * (v - (rhs if eGv is None else rhs * eGv))
+        Pkk = _scores(k, k, Ek)
+        if Ev is None and beta.shape[-1] == 1:
+            u = _solve(torch.where(strict, Pkk * beta, 0), rhs)
+        else:
+            # each value column c has its own A: beta_ic Pkk_ij exp(D^v_ijc), solved as a batch over c
+            A = Pkk.unsqueeze(-1) * beta.unsqueeze(-2)
+            A = torch.where(strict.unsqueeze(-1), A if Ev is None else A * Ev, 0)
+            u = _solve(A.movedim(-1, -3), rhs.mT.unsqueeze(-1)).squeeze(-1).mT
+    P = torch.where(causal, _scores(q, k, Ek), 0)
+    o = (q * eGk) @ S
+    if Ev is None:
+        o = o + _finite_then_poison(lambda x: P @ x, u)
+    else:
+        o = o * eGv + _finite_then_poison(lambda x: torch.einsum("...ij,...ijv,...jv->...iv", P, Ev, x), u)
+    S = eGk_last.unsqueeze(-1) * S
+    if gv is not None:
+        S = S * eGv_last.unsqueeze(-2)
+        u = u * eRv
+    return o, S + (k * eRk).mT @ u
 
 
 def linear_attn_ref(
@@ -175,17 +196,18 @@ def linear_attn_ref(
     else:
         S = initial_state.to(dtype)
         S = S.transpose(-1, -2) if state_v_first else S
-    per_column = gv is not None or (beta is not None and beta.dim() == 4)
-    if per_column:
-        g = g.unsqueeze(3) + (0 if gv is None else gv.unsqueeze(-1))
-        q, k, v, g, beta, S = _fold_value_columns(q, k, v, g, beta, S)
+    if beta is not None and beta.dim() == 3:
+        beta = beta.unsqueeze(-1)
 
-    q, k, v, g, beta = (None if x is None else _to_chunks(x, chunk_size) for x in (q, k, v, g, beta))
-    o, S = _chunk_scan(q, k, v, g, beta, S)
-    o = o.flatten(2, 3).movedim(1, 2)
-    if per_column:
-        o = o.reshape(N, T_pad, HV, V)
-        S = S.squeeze(-1).unflatten(1, (HV, V)).movedim(2, -1)
+    C = chunk_size
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    strict = causal.tril(-1)
+    q, k, v, g, gv, beta = (None if x is None else _to_chunks(x, C) for x in (q, k, v, g, gv, beta))
+    outs = []
+    for n in range(q.shape[2]):
+        o_n, S = _chunk(*(None if x is None else x[:, :, n] for x in (q, k, v, g, gv, beta)), S, causal, strict)
+        outs.append(o_n)
+    o = torch.stack(outs, 2).flatten(2, 3).movedim(1, 2)
     o = _unpack(o, lengths, T, reverse)
     if not output_final_state:
         return o, None
