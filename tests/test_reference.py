@@ -410,6 +410,17 @@ def footprint(fn, *args, **kwargs) -> Footprint:
     return fp
 
 
+def test_varlen_cost_follows_tokens():
+    """One 1024-token sequence beside 255 one-token sequences costs about what the long one costs alone: no
+    sequence is padded to the longest."""
+    x = make_inputs("kda", 1024 + 255, B=1, H=1, K=16, V=16, h0=False)
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    alone = footprint(kda.chunk_kda, *(a[:, :1024] for a in args))
+    cu = torch.tensor([0, *range(1024, 1024 + 256)])
+    mixed = footprint(kda.chunk_kda, *args, cu_seqlens=cu)
+    assert mixed.written < 1.5 * alone.written and mixed.largest <= 2 * alone.largest, (mixed, alone)
+
+
 @pytest.mark.parametrize("case", ["gla gv", "gdn per-value beta", "kda per-value beta"])
 def test_per_value_gate_and_beta_cost(case):
     """A per-value gate or beta costs a small factor over the per-head form (not a head per value column)."""
@@ -426,3 +437,26 @@ def test_per_value_gate_and_beta_cost(case):
         base = footprint(kda.fused_recurrent_kda, q, k, v, g, x["beta"])
         wide = footprint(kda.fused_recurrent_kda, q, k, v, g, per_value)
     assert wide.written < 4 * base.written and wide.largest <= 2 * base.largest, (wide, base)
+
+
+@pytest.mark.parametrize("variant", ["kda", "gdn", "gla", "simple_gla"])
+def test_decode_step_is_recurrent(variant):
+    """A one-token fused-recurrent call (decode) works token by token: a few state-sized tensors, no padded chunk."""
+    x = make_inputs(variant, 1, B=8, H=2, HV=4 if variant in DELTA else 2, K=64, V=64)
+    fp = footprint(run_reference, variant, False, x)
+    assert fp.written < 16 * x["h0"].numel() and fp.largest <= x["h0"].numel(), fp
+
+
+@pytest.mark.parametrize("chunk", [True, False])
+def test_groups_run_in_parts(monkeypatch, chunk):
+    """A group too large for one pass runs in parts (here one sequence each) with the same results."""
+    from cula.ops import delta_rule_ref
+
+    lengths = [0, 1, 3, 70, 70, 1, 40, 0]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    x = make_inputs("kda", sum(lengths), B=1, N=len(lengths), HV=4)
+    whole = run_reference("kda", chunk, x, cu_seqlens=cu)
+    monkeypatch.setattr(delta_rule_ref, "PART_ELEMENTS", 1)
+    torch.testing.assert_close(run_reference("kda", chunk, x, cu_seqlens=cu), whole)
+    o_ref, s_ref = oracle_varlen("kda", x, cu.tolist())
+    assert_close({"o": (whole[0], o_ref), "state": (whole[1], s_ref)})

@@ -115,7 +115,7 @@ CHUNK_SIMPLE_GLA = bind(
     Op(
         "lightning.chunk_simple_gla",
         "fla.ops.simple_gla:chunk_simple_gla",
-        reference.simple_gla,
+        reference.chunk_simple_gla,
         _validate_chunk_simple_gla,
         fla_supports=fla_gated_backward_ok,
     ),
@@ -125,7 +125,7 @@ RECURRENT_SIMPLE_GLA = bind(
     Op(
         "lightning.fused_recurrent_simple_gla",
         "fla.ops.simple_gla:fused_recurrent_simple_gla",
-        reference.simple_gla,
+        reference.fused_recurrent_simple_gla,
         _validate_simple_gla,
     ),
     fused_recurrent_simple_gla,
@@ -134,7 +134,7 @@ CHUNK_LIGHTNING = bind(
     Op(
         "lightning.chunk_lightning_attn",
         "fla.ops.lightning_attn:chunk_lightning_attn",
-        reference.lightning_attn,
+        reference.chunk_lightning_attn,
         _validate_chunk_lightning,
     ),
     chunk_lightning_attn,
@@ -143,7 +143,7 @@ RECURRENT_LIGHTNING = bind(
     Op(
         "lightning.fused_recurrent_lightning_attn",
         "fla.ops.lightning_attn:fused_recurrent_lightning_attn",
-        reference.lightning_attn,
+        reference.fused_recurrent_lightning_attn,
         _validate_lightning,
     ),
     fused_recurrent_lightning_attn,
