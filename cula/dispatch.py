@@ -119,6 +119,9 @@ class Op:
     def _fla(self, args: dict[str, Any]) -> tuple[Verdict, Callable | None]:
         if not args["q"].is_cuda:
             return (False, "FLA's Triton kernels need CUDA tensors"), None
+        fp64 = [n for n, t in args.items() if isinstance(t, torch.Tensor) and t.dtype == torch.float64]
+        if fp64:
+            return (False, f"float64 {', '.join(fp64)}: FLA's Triton kernels compute in fp32 / bf16"), None
         try:
             fn = fla_function(self.fla_target)
         except ImportError as error:

@@ -10,7 +10,8 @@ import weakref
 
 import torch
 
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# float64 is served by the reference backend only (so that torch.autograd.gradcheck runs on the entry points)
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def _names(dtypes) -> str:
@@ -151,11 +152,13 @@ def cu_seqlens_(cu_seqlens, B: int, T: int, cu_seqlens_cpu=None) -> list[int] | 
     return host if host is not None else device
 
 
-def state(initial_state, N: int, HV: int, K: int, V: int, state_v_first: bool, varlen: bool) -> None:
-    """initial_state: fp32 [N, HV, K, V], or [N, HV, V, K] with state_v_first."""
+def state(
+    initial_state, N: int, HV: int, K: int, V: int, state_v_first: bool, varlen: bool, fp64: bool = False
+) -> None:
+    """initial_state: fp32 [N, HV, K, V], or [N, HV, V, K] with state_v_first; fp64 too for fp64 inputs."""
     if initial_state is None:
         return
-    tensor("initial_state", initial_state, 4, (torch.float32,))
+    tensor("initial_state", initial_state, 4, (torch.float32, torch.float64) if fp64 else (torch.float32,))
     layout = "[N, HV, V, K]" if state_v_first else "[N, HV, K, V]"
     expected = (N, HV, V, K) if state_v_first else (N, HV, K, V)
     if initial_state.shape[0] != N:
@@ -285,6 +288,7 @@ def common(args: dict, allow_gva: bool) -> tuple[int, int, int, int, int, int, i
     if offsets is not None and "cu_seqlens_cpu" in args and args["cu_seqlens_cpu"] is None:
         # hand the host copy on, so that later steps (the GDN time model, FLA) do not copy the offsets again
         args["cu_seqlens_cpu"] = torch.tensor(offsets, dtype=cu_seqlens.dtype)
-    state(args.get("initial_state"), N, HV, K, V, bool(args.get("state_v_first", False)), cu_seqlens is not None)
+    fp64 = args["q"].dtype == torch.float64
+    state(args.get("initial_state"), N, HV, K, V, args.get("state_v_first", False), cu_seqlens is not None, fp64)
     same_device(**{n: t for n, t in args.items() if n != "cu_seqlens" and n != "cu_seqlens_cpu"})
     return B, T, H, HV, K, V, N

@@ -454,6 +454,16 @@ def test_both_offset_tensors_are_checked_against_each_other():
     assert o.shape == (1, 20, 4, 8)
 
 
+def test_float64_goes_to_the_reference_backend(monkeypatch):
+    """fp64 inputs are accepted and served by the reference backend, never by FLA's Triton kernels."""
+    FakeCuda(monkeypatch, (9, 0))
+    args = {n: t.double() for n, t in gdn_args().items()}
+    decision = cula.explain(CHUNK_GDN, **args, initial_state=torch.zeros(1, 4, 16, 8, dtype=torch.float64))
+    assert decision.backend == "torch" and "float64" in dict(decision.rejected)["fla"]
+    expect_error(TypeError, "`initial_state` must have dtype", CHUNK_GDN,
+                 gdn_args(initial_state=torch.zeros(1, 4, 16, 8, dtype=torch.float64)))  # fmt: skip
+
+
 # -- threads ----------------------------------------------------------------------------------------------------
 
 

@@ -447,6 +447,40 @@ def test_decode_step_is_recurrent(variant):
     assert fp.written < 16 * x["h0"].numel() and fp.largest <= x["h0"].numel(), fp
 
 
+GRADCHECK = [
+    ("kda chunk", kda.chunk_kda),
+    ("gdn chunk", gdn.chunk_gated_delta_rule),
+    ("gdn fused per-value", gdn.fused_recurrent_gated_delta_rule),
+    ("gla fused gv", gla.fused_recurrent_gla),
+]
+
+
+@pytest.mark.parametrize("T", [3, 66])
+@pytest.mark.parametrize("name,fn", GRADCHECK, ids=[n for n, _ in GRADCHECK])
+def test_gradcheck_through_the_public_api(name, fn, T):
+    """fp64 inputs are served (by the reference backend), so torch.autograd.gradcheck runs on the entry points."""
+    B, H, K, V = 1, 1, 3, 2
+    dt = torch.float64
+    q, k = torch.randn(B, T, H, K, dtype=dt), F.normalize(torch.randn(B, T, H, K, dtype=dt), dim=-1)
+    v, h0 = torch.randn(B, T, H, V, dtype=dt), torch.randn(B, H, K, V, dtype=dt)
+    if name == "kda chunk":
+        gates = (F.logsigmoid(torch.randn(B, T, H, K, dtype=dt)), torch.rand(B, T, H, dtype=dt))
+    elif name == "gdn chunk":
+        gates = (F.logsigmoid(torch.randn(B, T, H, dtype=dt)), torch.rand(B, T, H, dtype=dt))
+    elif name == "gdn fused per-value":
+        gates = (None, None, F.logsigmoid(torch.randn(B, T, H, V, dtype=dt)), torch.rand(B, T, H, V, dtype=dt))
+    else:
+        gates = (F.logsigmoid(torch.randn(B, T, H, K, dtype=dt)), F.logsigmoid(torch.randn(B, T, H, V, dtype=dt)))
+    inputs = [t.requires_grad_() if t is not None else None for t in (q, k, v, *gates)]
+
+    def call(*xs):
+        o, ht = fn(*xs, initial_state=h0, output_final_state=True)
+        return o, ht
+
+    h0.requires_grad_()
+    assert torch.autograd.gradcheck(call, inputs, fast_mode=True)
+
+
 @pytest.mark.parametrize("chunk", [True, False])
 def test_groups_run_in_parts(monkeypatch, chunk):
     """A group too large for one pass runs in parts (here one sequence each) with the same results."""
