@@ -338,6 +338,19 @@ def test_any_gate_in_minus_inf_to_zero(variant, chunk, edge, T):
     assert_close({"o": (o, o_ref), "state": (s, s_ref)})
 
 
+@pytest.mark.parametrize("variant", ["kda", "gdn", "gla", "simple_gla"])
+def test_gradients_through_a_reset(variant):
+    """-inf gates (state resets) in two chunks: the gradients are FLA's naive recurrence's, all finite."""
+    x = make_inputs(variant, 130, HV=4 if variant in DELTA else 2)
+    x["g"].index_fill_(1, torch.tensor([5, 70, 100]), float("-inf"))
+    leaves = {n: t.requires_grad_() for n, t in x.items()}
+    do, dht = torch.randn_like(x["v"]), torch.randn_like(x["h0"])
+    ours = gradients(lambda: run_reference(variant, True, x), leaves, do, dht)
+    ref = gradients(lambda: oracle(variant, x), leaves, do, dht)
+    assert all(torch.isfinite(ours[n]).all() for n in leaves)
+    assert_close({f"d{n}": (ours[n], ref[n]) for n in leaves}, tol=1e-4)
+
+
 def poison(x, name, at, value, column=None):
     """``x`` with ``value`` written into input ``name`` at token ``at`` (only value column ``column`` if given)."""
     x = {n: t.clone() if t is not None else None for n, t in x.items()}
