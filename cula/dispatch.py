@@ -10,7 +10,7 @@ The first backend whose ``supports`` accepts the call serves it. ``CULA_BACKEND=
 backend and raises `BackendUnavailableError` with the reason when it cannot serve the call.
 
 ``explain(fn, *args, **kwargs)`` says which backend would serve a call and why the others were passed over;
-``last_decision(fn)`` says which one served the most recent call. ``CULA_LOG_DISPATCH=1`` logs every decision.
+``last_decision(fn)`` says which one served the calling thread's most recent call. ``CULA_LOG_DISPATCH=1`` logs every decision.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import importlib
 import inspect
 import logging
 import os
+import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -81,7 +82,16 @@ class Op:
     validate: Callable[[dict[str, Any]], None]
     fla_supports: SupportsFn | None = None
     kernels: list[CuteKernel] = field(default_factory=list)
-    last: Decision | None = None
+    _local: threading.local = field(default_factory=threading.local, repr=False, compare=False)
+
+    @property
+    def last(self) -> Decision | None:
+        """The decision taken for this thread's most recent call (threads serve their own calls)."""
+        return getattr(self._local, "last", None)
+
+    @last.setter
+    def last(self, decision: Decision | None) -> None:
+        self._local.last = decision
 
     def register_kernel(self, kernel: CuteKernel) -> None:
         self.kernels = [k for k in self.kernels if k.name != kernel.name] + [kernel]
@@ -109,6 +119,9 @@ class Op:
     def _fla(self, args: dict[str, Any]) -> tuple[Verdict, Callable | None]:
         if not args["q"].is_cuda:
             return (False, "FLA's Triton kernels need CUDA tensors"), None
+        fp64 = [n for n, t in args.items() if isinstance(t, torch.Tensor) and t.dtype == torch.float64]
+        if fp64:
+            return (False, f"float64 {', '.join(fp64)}: FLA's Triton kernels compute in fp32 / bf16"), None
         try:
             fn = fla_function(self.fla_target)
         except ImportError as error:
@@ -178,7 +191,7 @@ def explain(fn: Callable, *args, **kwargs) -> Decision:
 
 
 def last_decision(fn: Callable) -> Decision | None:
-    """The decision taken for the most recent call of ``fn`` (None before the first call)."""
+    """The decision taken for the most recent call of ``fn`` in this thread (None before the first)."""
     return op_of(fn).last
 
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import collections
+import math
 import numbers
+import threading
 import weakref
 
 import torch
 
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# float64 is served by the reference backend only (so that torch.autograd.gradcheck runs on the entry points)
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def _names(dtypes) -> str:
@@ -55,6 +58,9 @@ def qkv(q, k, v, allow_gva: bool) -> tuple[int, int, int, int, int, int]:
     if v.shape[0] != B or v.shape[1] != T:
         raise ValueError(f"`v` must have shape [B, T, HV, V] with B={B}, T={T} as in q, got {tuple(v.shape)}")
     HV, V = v.shape[2], v.shape[3]
+    for name, dim, size in (("q", "H", H), ("q", "K", K), ("v", "HV", HV), ("v", "V", V)):
+        if size == 0:
+            raise ValueError(f"`{name}` must have {dim} >= 1, got shape {tuple(q.shape if name == 'q' else v.shape)}")
     if allow_gva:
         if HV % H != 0:
             raise ValueError(f"`v` has HV={HV} heads, which must be a multiple of the H={H} heads of q and k (GVA)")
@@ -71,6 +77,7 @@ def qkv(q, k, v, allow_gva: bool) -> tuple[int, int, int, int, int, int]:
 # Tensors without a version counter or a storage pointer (inference-mode tensors) are read on every call.
 _OFFSETS_SEEN: collections.OrderedDict[int, tuple[weakref.ref, tuple[int, int], list[int]]] = collections.OrderedDict()
 _OFFSETS_KEPT = 8
+_OFFSETS_LOCK = threading.Lock()
 
 
 def host_offsets(cu_seqlens, cu_seqlens_cpu=None) -> list[int]:
@@ -79,27 +86,46 @@ def host_offsets(cu_seqlens, cu_seqlens_cpu=None) -> list[int]:
     counter or storage pointer, such as an inference-mode tensor)."""
     if cu_seqlens_cpu is not None:
         return cu_seqlens_cpu.tolist()
+    return _read_offsets(cu_seqlens)
+
+
+def _read_offsets(cu_seqlens, fresh: bool = False) -> list[int]:
+    """``cu_seqlens.tolist()``, from the cache when this tensor at this version was read before (unless ``fresh``)."""
     try:
         stamp = (cu_seqlens._version, cu_seqlens.data_ptr())
     except RuntimeError:
         return cu_seqlens.tolist()
-    seen = _OFFSETS_SEEN.get(id(cu_seqlens))
-    if seen is not None and seen[0]() is cu_seqlens and seen[1] == stamp:
-        _OFFSETS_SEEN.move_to_end(id(cu_seqlens))
-        return list(seen[2])
-    offsets = cu_seqlens.tolist()
-    _OFFSETS_SEEN[id(cu_seqlens)] = (weakref.ref(cu_seqlens), stamp, offsets)
-    while len(_OFFSETS_SEEN) > _OFFSETS_KEPT:
-        _OFFSETS_SEEN.popitem(last=False)
+    key = id(cu_seqlens)
+    with _OFFSETS_LOCK:
+        seen = None if fresh else _OFFSETS_SEEN.get(key)
+        if seen is not None and seen[0]() is cu_seqlens and seen[1] == stamp:
+            _OFFSETS_SEEN.move_to_end(key)
+            return list(seen[2])
+    offsets = cu_seqlens.tolist()  # outside the lock: other threads need not wait for this device read
+    with _OFFSETS_LOCK:
+        _OFFSETS_SEEN[key] = (weakref.ref(cu_seqlens), stamp, offsets)
+        _OFFSETS_SEEN.move_to_end(key)
+        while len(_OFFSETS_SEEN) > _OFFSETS_KEPT:
+            _OFFSETS_SEEN.popitem(last=False)
     return list(offsets)
+
+
+def _check_offsets(name: str, offsets: list[int], T: int) -> None:
+    if offsets[0] != 0 or offsets[-1] != T:
+        raise ValueError(f"`{name}` must start at 0 and end at T={T}, got {offsets[0]} ... {offsets[-1]}")
+    if any(b < a for a, b in zip(offsets, offsets[1:], strict=False)):
+        raise ValueError(f"`{name}` must be non-decreasing, got {offsets}")
 
 
 def cu_seqlens_(cu_seqlens, B: int, T: int, cu_seqlens_cpu=None) -> list[int] | None:
     """cu_seqlens: int32/int64 [N+1], starts at 0, non-decreasing, ends at T; only with B == 1. Returns the
     offsets as Python ints (None without cu_seqlens).
 
-    The offsets are read from ``cu_seqlens_cpu`` when the caller gives that host copy (FLA's argument), which
-    spares a device synchronisation."""
+    With the host copy ``cu_seqlens_cpu`` (FLA's argument) both are checked and must agree: a kernel indexes
+    tokens with the device tensor and plans its launch with the host one. The device tensor is read once per
+    tensor and version (:func:`host_offsets`' cache), again when the two differ (the cache cannot see a write by
+    the caller's own kernel), and not at all while a CUDA graph is being captured (no device read is possible
+    then; the eager call before the capture checked the same tensor)."""
     if cu_seqlens is None:
         return None
     tensor("cu_seqlens", cu_seqlens, 1, (torch.int32, torch.int64))
@@ -110,20 +136,29 @@ def cu_seqlens_(cu_seqlens, B: int, T: int, cu_seqlens_cpu=None) -> list[int] | 
     tensor("cu_seqlens_cpu", cu_seqlens_cpu, 1, (torch.int32, torch.int64), optional=True)
     if cu_seqlens_cpu is not None and tuple(cu_seqlens_cpu.shape) != tuple(cu_seqlens.shape):
         raise ValueError(f"`cu_seqlens_cpu` must have the shape of `cu_seqlens`, got {tuple(cu_seqlens_cpu.shape)}")
-    # one small copy; a wrong offset would otherwise make a kernel read out of bounds
-    offsets = host_offsets(cu_seqlens, cu_seqlens_cpu)
-    if offsets[0] != 0 or offsets[-1] != T:
-        raise ValueError(f"`cu_seqlens` must start at 0 and end at T={T}, got {offsets[0]} ... {offsets[-1]}")
-    if any(b < a for a, b in zip(offsets, offsets[1:], strict=False)):
-        raise ValueError(f"`cu_seqlens` must be non-decreasing, got {offsets}")
-    return offsets
+    host = None if cu_seqlens_cpu is None else cu_seqlens_cpu.tolist()
+    capturing = cu_seqlens.is_cuda and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    device = None
+    if host is None or not capturing:
+        # one small copy per tensor; a wrong offset would otherwise make a kernel read out of bounds
+        device = _read_offsets(cu_seqlens)
+        if host is not None and device != host:
+            device = _read_offsets(cu_seqlens, fresh=True)
+    for name, offsets in (("cu_seqlens", device), ("cu_seqlens_cpu", host)):
+        if offsets is not None:
+            _check_offsets(name, offsets, T)
+    if host is not None and device is not None and host != device:
+        raise ValueError(f"`cu_seqlens_cpu` = {host} differs from `cu_seqlens` = {device}")
+    return host if host is not None else device
 
 
-def state(initial_state, N: int, HV: int, K: int, V: int, state_v_first: bool, varlen: bool) -> None:
-    """initial_state: fp32 [N, HV, K, V], or [N, HV, V, K] with state_v_first."""
+def state(
+    initial_state, N: int, HV: int, K: int, V: int, state_v_first: bool, varlen: bool, fp64: bool = False
+) -> None:
+    """initial_state: fp32 [N, HV, K, V], or [N, HV, V, K] with state_v_first; fp64 too for fp64 inputs."""
     if initial_state is None:
         return
-    tensor("initial_state", initial_state, 4, (torch.float32,))
+    tensor("initial_state", initial_state, 4, (torch.float32, torch.float64) if fp64 else (torch.float32,))
     layout = "[N, HV, V, K]" if state_v_first else "[N, HV, K, V]"
     expected = (N, HV, V, K) if state_v_first else (N, HV, K, V)
     if initial_state.shape[0] != N:
@@ -133,8 +168,82 @@ def state(initial_state, N: int, HV: int, K: int, V: int, state_v_first: bool, v
 
 
 def scale(value) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"`scale` must be a float or None, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"`scale` must be finite, got {value}")
+
+
+# Boolean switches of FLA's entry points. FLA tests them for truth; its layers pass `use_cache` (which may be None)
+# as `output_final_state`, so None and values equal to 0 or 1 (numpy bools among them) are taken as False and True,
+# anything else (a string, 2) refused.
+FLAGS = (
+    "output_final_state",
+    "use_qk_l2norm_in_kernel",
+    "use_gate_in_kernel",
+    "use_beta_sigmoid_in_kernel",
+    "allow_neg_eigval",
+    "safe_gate",
+    "state_v_first",
+    "reverse",
+    "disable_recompute",
+    "return_intermediate_states",
+    "use_graph",
+)
+
+
+def flags(args: dict) -> None:
+    """Each switch of ``FLAGS`` present in ``args`` is a bool (or None, 0, 1: stored back as a bool)."""
+    for name in FLAGS:
+        if name not in args:
+            continue
+        value = args[name]
+        try:
+            ok = value is None or isinstance(value, bool) or bool(value == 0) or bool(value == 1)
+        except (TypeError, ValueError, RuntimeError):  # a tensor of several elements, say
+            ok = False
+        if not ok:
+            raise TypeError(f"`{name}` must be a bool, got {type(value).__name__} {value!r}")
+        args[name] = bool(value)
+
+
+class RemovedArgumentError(ValueError, DeprecationWarning):
+    """An argument FLA 0.6.0 removed. Also a DeprecationWarning, the exception FLA raises for it."""
+
+
+def head_first(args: dict, refused_in_any_form: bool) -> None:
+    """FLA removed ``head_first`` (inputs are ``[B, T, H, ...]``). Some of its entry points raise whenever it is
+    passed (``refused_in_any_form``); the others ignore it, which would read ``[B, H, T, K]`` inputs as
+    ``[B, T, H, K]``: there ``head_first=True`` is refused too."""
+    if "head_first" in args and (refused_in_any_form or args["head_first"]):
+        raise RemovedArgumentError(
+            f"`head_first`={args['head_first']!r}: FLA removed it, inputs must be [B, T, H, ...] (transpose them)"
+        )
+
+
+def beta_flags(args: dict) -> None:
+    if args.get("allow_neg_eigval") and not args.get("use_beta_sigmoid_in_kernel"):
+        raise ValueError("`allow_neg_eigval=True` needs use_beta_sigmoid_in_kernel=True")
+
+
+def chunk_size(args: dict, allowed: tuple[int, ...] | None, op: str) -> None:
+    """``chunk_size`` (a keyword argument): one of ``allowed`` (64 when absent), or with ``allowed`` None a power of
+    two or None, as FLA checks it."""
+    if allowed is not None:
+        value = args.get("chunk_size", 64)
+        if value not in allowed:
+            listed = ", ".join(map(str, allowed[:-1])) + f" or {allowed[-1]}"
+            raise ValueError(f"`chunk_size` must be {listed} for {op}, got {value!r}")
+        return
+    value = args.get("chunk_size")
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"`chunk_size` must be an int, got {type(value).__name__}")
+    if value < 1 or value & (value - 1):
+        raise ValueError(f"`chunk_size` must be a power of 2 for {op}, got {value}")
 
 
 def per_head(name: str, x, B: int, T: int, HV: int, optional: bool = False) -> None:
@@ -172,12 +281,14 @@ def common(args: dict, allow_gva: bool) -> tuple[int, int, int, int, int, int, i
     For ops that take ``cu_seqlens_cpu``, fills it in from the offsets read here when the caller left it out."""
     B, T, H, HV, K, V = qkv(args["q"], args["k"], args["v"], allow_gva)
     scale(args.get("scale"))
+    flags(args)
     cu_seqlens = args.get("cu_seqlens")
     offsets = cu_seqlens_(cu_seqlens, B, T, args.get("cu_seqlens_cpu"))
     N = B if offsets is None else len(offsets) - 1
     if offsets is not None and "cu_seqlens_cpu" in args and args["cu_seqlens_cpu"] is None:
         # hand the host copy on, so that later steps (the GDN time model, FLA) do not copy the offsets again
         args["cu_seqlens_cpu"] = torch.tensor(offsets, dtype=cu_seqlens.dtype)
-    state(args.get("initial_state"), N, HV, K, V, bool(args.get("state_v_first", False)), cu_seqlens is not None)
+    fp64 = args["q"].dtype == torch.float64
+    state(args.get("initial_state"), N, HV, K, V, args.get("state_v_first", False), cu_seqlens is not None, fp64)
     same_device(**{n: t for n, t in args.items() if n != "cu_seqlens" and n != "cu_seqlens_cpu"})
     return B, T, H, HV, K, V, N

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import importlib
 import inspect
+import threading
 
 import pytest
 import torch
@@ -355,3 +357,150 @@ def test_gdn_goes_to_fla_where_the_kernel_is_expected_slower(monkeypatch):
     # the same tokens as 8 sequences of 1024 (varlen) spread over 512 CTAs: the kernel
     cu = torch.arange(0, T + 1, 1024)
     assert cula.explain(CHUNK_GDN, **args, cu_seqlens=cu, cu_seqlens_cpu=cu).backend == "cute"
+
+
+# -- what FLA refuses, refused by name -------------------------------------------------------------------------
+
+FUSED_GDN = cula.gdn.fused_recurrent_gated_delta_rule
+FUSED_KDA = cula.kda.fused_recurrent_kda
+SIMPLE_GLA = cula.lightning.chunk_simple_gla
+LIGHTNING = cula.lightning.chunk_lightning_attn
+
+
+def plain_args(B=1, T=20, H=2, K=16, V=8, **extra):
+    return {"q": torch.randn(B, T, H, K), "k": torch.randn(B, T, H, K), "v": torch.randn(B, T, H, V), **extra}
+
+
+def heads(H=2, K=16, V=8):
+    """GDN inputs with zero-size dims (H heads, K and V head dims)."""
+    return {
+        "q": torch.randn(1, 20, H, K),
+        "k": torch.randn(1, 20, H, K),
+        "v": torch.randn(1, 20, H, V),
+        "g": torch.zeros(1, 20, H),
+        "beta": torch.ones(1, 20, H),
+    }
+
+
+REFUSED = [
+    # FLA raises on `head_first` in these three, whatever its value
+    (CHUNK_GDN, gdn_args(head_first=True), ValueError, "`head_first`"),
+    (CHUNK_GDN, gdn_args(head_first=False), ValueError, "`head_first`"),
+    (SIMPLE_GLA, plain_args(head_first=False), ValueError, "`head_first`"),
+    (LIGHTNING, plain_args(layer_idx=0, num_layers=2, head_first=True), ValueError, "`head_first`"),
+    # elsewhere FLA ignores it: [B, H, T, K] inputs would be read as [B, T, H, K]
+    (CHUNK_KDA, kda_args(head_first=True), ValueError, "`head_first`"),
+    (FUSED_KDA, kda_args(head_first=True), ValueError, "`head_first`"),
+    (FUSED_GDN, gdn_args(head_first=True), ValueError, "`head_first`"),
+    (CHUNK_GDN, gdn_args(allow_neg_eigval=True), ValueError, "`allow_neg_eigval=True` needs use_beta_sigmoid"),
+    (FUSED_GDN, gdn_args(allow_neg_eigval=True), ValueError, "`allow_neg_eigval=True` needs use_beta_sigmoid"),
+    (FUSED_KDA, kda_args(allow_neg_eigval=True), ValueError, "`allow_neg_eigval=True` needs use_beta_sigmoid"),
+    (CHUNK_GDN, gdn_args(chunk_size=17), ValueError, "`chunk_size` must be 16, 32 or 64"),
+    (CHUNK_GDN, gdn_args(chunk_size=128), ValueError, "`chunk_size` must be 16, 32 or 64"),
+    (SIMPLE_GLA, plain_args(chunk_size=24), ValueError, "`chunk_size` must be a power of 2"),
+    (LIGHTNING, plain_args(layer_idx=0, num_layers=2, chunk_size=0), ValueError, "`chunk_size` must be a power"),
+    (SIMPLE_GLA, plain_args(chunk_size=32.0), TypeError, "`chunk_size` must be an int"),
+    (FUSED_GDN, gdn_args(g=None, use_gate_in_kernel=True, A_log=torch.zeros(4)), ValueError, "`g` is required"),
+    (CHUNK_GDN, heads(H=0), ValueError, "H >= 1"),
+    (CHUNK_GDN, heads(K=0), ValueError, "K >= 1"),
+    (CHUNK_GDN, heads(V=0), ValueError, "V >= 1"),
+    (CHUNK_GDN, gdn_args(scale=float("nan")), ValueError, "`scale` must be finite"),
+    (CHUNK_GDN, gdn_args(scale=float("inf")), ValueError, "`scale` must be finite"),
+    (CHUNK_KDA, kda_args(use_gate_in_kernel=True, lower_bound=0.5), ValueError, "`lower_bound` must be <= 0"),
+    (FUSED_KDA, kda_args(use_gate_in_kernel=True, lower_bound=float("nan")), ValueError, "`lower_bound`"),
+    (CHUNK_KDA, kda_args(use_gate_in_kernel=True, lower_bound="-5"), TypeError, "`lower_bound` must be a float"),
+    (CHUNK_GDN, gdn_args(output_final_state="yes"), TypeError, "`output_final_state` must be a bool"),
+    (FUSED_KDA, kda_args(output_final_state=2), TypeError, "`output_final_state` must be a bool"),
+    (cula.gla.fused_recurrent_gla, plain_args(reverse="no"), TypeError, "`reverse` must be a bool"),
+]
+
+
+@pytest.mark.parametrize("fn,args,error,match", REFUSED, ids=[f"{f.__name__}-{m}" for f, _, _, m in REFUSED])
+def test_what_fla_refuses_is_refused_by_name(fn, args, error, match):
+    expect_error(error, match, fn, args)
+
+
+ACCEPTED = [
+    (CHUNK_GDN, gdn_args(chunk_size=16)),
+    (CHUNK_GDN, gdn_args(chunk_size=32, output_final_state=None)),  # FLA's layers pass use_cache, which may be None
+    (CHUNK_KDA, kda_args(head_first=False)),
+    (FUSED_GDN, gdn_args(head_first=False, output_final_state=1)),
+    (CHUNK_KDA, kda_args(use_gate_in_kernel=True, lower_bound=-1.0, A_log=torch.zeros(4))),
+    (SIMPLE_GLA, plain_args(chunk_size=16)),
+    (LIGHTNING, plain_args(layer_idx=0, num_layers=2, chunk_size=64)),
+    (FUSED_GDN, gdn_args(use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True)),
+]
+
+
+@pytest.mark.parametrize("fn,args", ACCEPTED, ids=[f.__name__ for f, _ in ACCEPTED])
+def test_what_fla_accepts_is_accepted(fn, args):
+    o, _ = fn(**args)
+    assert o.shape == args["v"].shape and torch.isfinite(o).all()
+
+
+def test_both_offset_tensors_are_checked_against_each_other():
+    """With cu_seqlens and cu_seqlens_cpu, the call validates both and refuses them if they differ (a kernel indexes
+    with the device tensor and plans with the host one)."""
+    cu = torch.tensor([0, 5, 20])
+    expect_error(ValueError, "`cu_seqlens_cpu`.*differs from `cu_seqlens`", CHUNK_GDN,
+                 gdn_args(cu_seqlens=cu, cu_seqlens_cpu=torch.tensor([0, 6, 20])))  # fmt: skip
+    expect_error(ValueError, "`cu_seqlens` must be non-decreasing", CHUNK_GDN,
+                 gdn_args(cu_seqlens=torch.tensor([0, 25, 20]), cu_seqlens_cpu=cu))  # fmt: skip
+    expect_error(ValueError, "`cu_seqlens_cpu` must be non-decreasing", CHUNK_GDN,
+                 gdn_args(cu_seqlens=cu, cu_seqlens_cpu=torch.tensor([0, 25, 20])))  # fmt: skip
+    # a write the version counter does not see (the caller's own kernel; here through .data), then the new host copy
+    cu.data[1] = 7
+    o, _ = CHUNK_GDN(**gdn_args(cu_seqlens=cu, cu_seqlens_cpu=torch.tensor([0, 7, 20])))
+    assert o.shape == (1, 20, 4, 8)
+
+
+def test_float64_goes_to_the_reference_backend(monkeypatch):
+    """fp64 inputs are accepted and served by the reference backend, never by FLA's Triton kernels."""
+    FakeCuda(monkeypatch, (9, 0))
+    args = {n: t.double() for n, t in gdn_args().items()}
+    decision = cula.explain(CHUNK_GDN, **args, initial_state=torch.zeros(1, 4, 16, 8, dtype=torch.float64))
+    assert decision.backend == "torch" and "float64" in dict(decision.rejected)["fla"]
+    expect_error(TypeError, "`initial_state` must have dtype", CHUNK_GDN,
+                 gdn_args(initial_state=torch.zeros(1, 4, 16, 8, dtype=torch.float64)))  # fmt: skip
+
+
+# -- threads ----------------------------------------------------------------------------------------------------
+
+
+def test_last_decision_is_per_thread():
+    CHUNK_GDN(**gdn_args())
+    mine = cula.last_decision(CHUNK_GDN)
+    seen = []
+
+    def other():
+        seen.append(cula.last_decision(CHUNK_GDN))
+        CHUNK_GDN(**gdn_args())
+        seen.append(cula.last_decision(CHUNK_GDN))
+
+    worker = threading.Thread(target=other)
+    worker.start()
+    worker.join()
+    assert seen[0] is None and seen[1] is not None and seen[1] is not mine
+    assert cula.last_decision(CHUNK_GDN) is mine
+
+
+def test_offsets_cache_under_threads(monkeypatch):
+    """Another thread that evicts an entry between this thread's lookup and its use of it must wait for the lock."""
+    from cula import validation
+
+    evict = threading.Event()
+
+    class Interleaved(collections.OrderedDict):
+        def get(self, key, default=None):
+            found = super().get(key, default)
+            if found is not None and not evict.is_set():
+                evict.set()  # once: fill the cache with other tensors from another thread, meanwhile
+                others = [torch.tensor([0, n, 20]) for n in range(validation._OFFSETS_KEPT + 1)]
+                worker = threading.Thread(target=lambda: [validation.host_offsets(t) for t in others])
+                worker.start()
+                worker.join(timeout=0.5)  # with the lock held, the worker waits until this lookup is done
+            return found
+
+    monkeypatch.setattr(validation, "_OFFSETS_SEEN", Interleaved())
+    cu = torch.tensor([0, 5, 20])
+    assert validation.host_offsets(cu) == validation.host_offsets(cu) == [0, 5, 20]

@@ -12,6 +12,8 @@ from fla.ops.gla.naive import naive_recurrent_gla
 from fla.ops.kda.gate import naive_kda_gate, naive_kda_lowerbound_gate
 from fla.ops.kda.naive import naive_recurrent_kda
 from fla.ops.simple_gla.naive import naive_recurrent_simple_gla
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from cula import gdn, gla, kda, lightning
 
@@ -307,3 +309,201 @@ def test_gradients_in_kernel(variant, gate, neg):
     ours = gradients(lambda: run_reference(variant, True, x, **params, **flags), leaves, do, dht)
     ref = gradients(lambda: oracle(variant, transformed(variant, x, params, flags)), leaves, do, dht)
     assert_close({f"d{n}": (ours[n], ref[n]) for n in leaves}, tol=1e-4)
+
+
+# -- edge inputs ------------------------------------------------------------------------------------------------
+
+GATE_EDGES = {
+    "reset": lambda g, at: g.index_fill_(1, at, float("-inf")),  # a -inf gate: the state is wiped
+    "huge": lambda g, at: g.index_fill_(1, at, -1e30),
+    "spikes": lambda g, at: g.index_copy_(1, at, -torch.empty_like(g[:, at]).uniform_(300, 1e4)),
+}
+
+
+@pytest.mark.parametrize("variant,chunk", VARIANTS)
+@pytest.mark.parametrize("edge", list(GATE_EDGES))
+@pytest.mark.parametrize("T", [10, 130])
+def test_any_gate_in_minus_inf_to_zero(variant, chunk, edge, T):
+    """Gates at the edge of [-inf, 0] give FLA's naive answer: no cancellation between chunk-local sums of gates,
+    no NaN from -inf - -inf (a per-key gate gets the edge on half of its key channels at one token)."""
+    gva = 2 if variant in DELTA else 1
+    x = make_inputs(variant, T, HV=2 * gva)
+    at = torch.tensor([2, 5, 6, 70, 100, 129])
+    GATE_EDGES[edge](x["g"], at[at < T])
+    if x["g"].dim() == 4:
+        x["g"][:, 3, :, ::2] = x["g"][:, 2, :, ::2]
+    o, s = run_reference(variant, chunk, x)
+    o_ref, s_ref = oracle(variant, x)
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    assert_close({"o": (o, o_ref), "state": (s, s_ref)})
+
+
+@pytest.mark.parametrize("variant", ["kda", "gdn", "gla", "simple_gla"])
+def test_gradients_through_a_reset(variant):
+    """-inf gates (state resets) in two chunks: the gradients are FLA's naive recurrence's, all finite."""
+    x = make_inputs(variant, 130, HV=4 if variant in DELTA else 2)
+    x["g"].index_fill_(1, torch.tensor([5, 70, 100]), float("-inf"))
+    leaves = {n: t.requires_grad_() for n, t in x.items()}
+    do, dht = torch.randn_like(x["v"]), torch.randn_like(x["h0"])
+    ours = gradients(lambda: run_reference(variant, True, x), leaves, do, dht)
+    ref = gradients(lambda: oracle(variant, x), leaves, do, dht)
+    assert all(torch.isfinite(ours[n]).all() for n in leaves)
+    assert_close({f"d{n}": (ours[n], ref[n]) for n in leaves}, tol=1e-4)
+
+
+def poison(x, name, at, value, column=None):
+    """``x`` with ``value`` written into input ``name`` at token ``at`` (only value column ``column`` if given)."""
+    x = {n: t.clone() if t is not None else None for n, t in x.items()}
+    if column is None:
+        x[name][:, at] = value
+    else:
+        x[name][:, at, ..., column] = value
+    return x
+
+
+CAUSAL = [(v, c, name) for v, c in VARIANTS for name in ("q", "k", "v", "g", "beta") if name != "beta" or v in DELTA]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("variant,chunk,name", CAUSAL)
+def test_later_tokens_never_reach_earlier_outputs(variant, chunk, name, value):
+    """A NaN or Inf at token 70 (mid-chunk) changes no output before it: masks are selects, not products."""
+    x = make_inputs(variant, 130, HV=4 if variant in DELTA else 2)
+    o_clean, _ = run_reference(variant, chunk, x)
+    o, _ = run_reference(variant, chunk, poison(x, name, 70, value))
+    torch.testing.assert_close(o[:, :70], o_clean[:, :70], rtol=1e-6, atol=1e-6)
+    if name == "v":  # the recurrence keeps value columns apart: the other columns stay finite
+        o, _ = run_reference(variant, chunk, poison(x, "v", 70, value, column=3))
+        torch.testing.assert_close(o[:, :70], o_clean[:, :70], rtol=1e-6, atol=1e-6)
+        others = torch.arange(o.shape[-1]) != 3
+        assert torch.isfinite(o[..., others]).all() and not torch.isfinite(o[:, 70:, :, 3]).any()
+
+
+@pytest.mark.parametrize("variant,chunk", VARIANTS)
+def test_non_finite_tokens_stay_in_their_sequence(variant, chunk):
+    """NaN in v and k of the middle sequence of a varlen batch: the other sequences' outputs and states are those
+    of a clean run."""
+    lengths = [70, 40, 90]
+    cu = torch.tensor([0, 70, 110, 200])
+    x = make_inputs(variant, sum(lengths), B=1, N=len(lengths), HV=4 if variant in DELTA else 2)
+    o_clean, s_clean = run_reference(variant, chunk, x, cu_seqlens=cu)
+    o, s = run_reference(variant, chunk, poison(poison(x, "v", 75, float("nan")), "k", 80, float("inf")), cu_seqlens=cu)
+    keep = torch.cat([torch.arange(75), torch.arange(110, 200)])
+    torch.testing.assert_close(o[:, keep], o_clean[:, keep], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(s[[0, 2]], s_clean[[0, 2]], rtol=1e-6, atol=1e-6)
+
+
+# -- cost ---------------------------------------------------------------------------------------------------------
+
+
+class Footprint(TorchDispatchMode):
+    """The elements written by every op of a call (views excluded) and the largest tensor any op makes: a machine-
+    independent measure of its time and memory."""
+
+    def __init__(self):
+        super().__init__()
+        self.written = self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.written += t.numel()
+                    self.largest = max(self.largest, t.numel())
+        return out
+
+    def __repr__(self):
+        return f"Footprint(written={self.written}, largest={self.largest})"
+
+
+def footprint(fn, *args, **kwargs) -> Footprint:
+    with Footprint() as fp:
+        fn(*args, **kwargs)
+    return fp
+
+
+def test_varlen_cost_follows_tokens():
+    """One 1024-token sequence beside 255 one-token sequences costs about what the long one costs alone: no
+    sequence is padded to the longest."""
+    x = make_inputs("kda", 1024 + 255, B=1, H=1, K=16, V=16, h0=False)
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    alone = footprint(kda.chunk_kda, *(a[:, :1024] for a in args))
+    cu = torch.tensor([0, *range(1024, 1024 + 256)])
+    mixed = footprint(kda.chunk_kda, *args, cu_seqlens=cu)
+    assert mixed.written < 1.5 * alone.written and mixed.largest <= 2 * alone.largest, (mixed, alone)
+
+
+@pytest.mark.parametrize("case", ["gla gv", "gdn per-value beta", "kda per-value beta"])
+def test_per_value_gate_and_beta_cost(case):
+    """A per-value gate or beta costs a small factor over the per-head form (not a head per value column)."""
+    x = make_inputs("kda", 130, H=2, K=16, V=32)
+    q, k, v, g = x["q"], x["k"], x["v"], x["g"]
+    per_value = torch.rand_like(v)
+    if case == "gla gv":
+        base = footprint(gla.fused_recurrent_gla, q, k, v, gk=g)
+        wide = footprint(gla.fused_recurrent_gla, q, k, v, gk=g, gv=F.logsigmoid(torch.randn_like(v)))
+    elif case == "gdn per-value beta":
+        base = footprint(gdn.fused_recurrent_gated_delta_rule, q, k, v, gk=g, beta=x["beta"])
+        wide = footprint(gdn.fused_recurrent_gated_delta_rule, q, k, v, gk=g, beta=per_value)
+    else:
+        base = footprint(kda.fused_recurrent_kda, q, k, v, g, x["beta"])
+        wide = footprint(kda.fused_recurrent_kda, q, k, v, g, per_value)
+    assert wide.written < 4 * base.written and wide.largest <= 2 * base.largest, (wide, base)
+
+
+@pytest.mark.parametrize("variant", ["kda", "gdn", "gla", "simple_gla"])
+def test_decode_step_is_recurrent(variant):
+    """A one-token fused-recurrent call (decode) works token by token: a few state-sized tensors, no padded chunk."""
+    x = make_inputs(variant, 1, B=8, H=2, HV=4 if variant in DELTA else 2, K=64, V=64)
+    fp = footprint(run_reference, variant, False, x)
+    assert fp.written < 16 * x["h0"].numel() and fp.largest <= x["h0"].numel(), fp
+
+
+GRADCHECK = [
+    ("kda chunk", kda.chunk_kda),
+    ("gdn chunk", gdn.chunk_gated_delta_rule),
+    ("gdn fused per-value", gdn.fused_recurrent_gated_delta_rule),
+    ("gla fused gv", gla.fused_recurrent_gla),
+]
+
+
+@pytest.mark.parametrize("T", [3, 66])
+@pytest.mark.parametrize("name,fn", GRADCHECK, ids=[n for n, _ in GRADCHECK])
+def test_gradcheck_through_the_public_api(name, fn, T):
+    """fp64 inputs are served (by the reference backend), so torch.autograd.gradcheck runs on the entry points."""
+    B, H, K, V = 1, 1, 3, 2
+    dt = torch.float64
+    q, k = torch.randn(B, T, H, K, dtype=dt), F.normalize(torch.randn(B, T, H, K, dtype=dt), dim=-1)
+    v, h0 = torch.randn(B, T, H, V, dtype=dt), torch.randn(B, H, K, V, dtype=dt)
+    if name == "kda chunk":
+        gates = (F.logsigmoid(torch.randn(B, T, H, K, dtype=dt)), torch.rand(B, T, H, dtype=dt))
+    elif name == "gdn chunk":
+        gates = (F.logsigmoid(torch.randn(B, T, H, dtype=dt)), torch.rand(B, T, H, dtype=dt))
+    elif name == "gdn fused per-value":
+        gates = (None, None, F.logsigmoid(torch.randn(B, T, H, V, dtype=dt)), torch.rand(B, T, H, V, dtype=dt))
+    else:
+        gates = (F.logsigmoid(torch.randn(B, T, H, K, dtype=dt)), F.logsigmoid(torch.randn(B, T, H, V, dtype=dt)))
+    inputs = [t.requires_grad_() if t is not None else None for t in (q, k, v, *gates)]
+
+    def call(*xs):
+        o, ht = fn(*xs, initial_state=h0, output_final_state=True)
+        return o, ht
+
+    h0.requires_grad_()
+    assert torch.autograd.gradcheck(call, inputs, fast_mode=True)
+
+
+@pytest.mark.parametrize("chunk", [True, False])
+def test_groups_run_in_parts(monkeypatch, chunk):
+    """A group too large for one pass runs in parts (here one sequence each) with the same results."""
+    from cula.ops import delta_rule_ref
+
+    lengths = [0, 1, 3, 70, 70, 1, 40, 0]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    x = make_inputs("kda", sum(lengths), B=1, N=len(lengths), HV=4)
+    whole = run_reference("kda", chunk, x, cu_seqlens=cu)
+    monkeypatch.setattr(delta_rule_ref, "PART_ELEMENTS", 1)
+    torch.testing.assert_close(run_reference("kda", chunk, x, cu_seqlens=cu), whole)
+    o_ref, s_ref = oracle_varlen("kda", x, cu.tolist())
+    assert_close({"o": (whole[0], o_ref), "state": (whole[1], s_ref)})

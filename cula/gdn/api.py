@@ -22,14 +22,19 @@ from cula.ops.gates import kernel_gdn_gate
 
 
 def _validate_chunk(args: dict[str, Any]) -> None:
+    validation.head_first(args, refused_in_any_form=True)
+    validation.chunk_size(args, (16, 32, 64), "GDN")
     B, T, H, HV, K, V, N = validation.common(args, allow_gva=True)
     validation.per_head("g", args["g"], B, T, HV)
     validation.per_head("beta", args["beta"], B, T, HV)
     validation.head_params(args.get("use_gate_in_kernel", False), args.get("A_log"), args.get("dt_bias"), HV, HV)
+    validation.beta_flags(args)
 
 
 def _validate_recurrent(args: dict[str, Any]) -> None:
+    validation.head_first(args, refused_in_any_form=False)
     B, T, H, HV, K, V, N = validation.common(args, allow_gva=True)
+    validation.beta_flags(args)
     validation.per_head("g", args["g"], B, T, HV, optional=True)
     validation.beta_(args["beta"], B, T, HV, V, optional=True)
     validation.tensor("gk", args["gk"], 4, optional=True)
@@ -37,6 +42,8 @@ def _validate_recurrent(args: dict[str, Any]) -> None:
     validation.tensor("gv", args["gv"], 4, optional=True)
     validation.shape("gv", args["gv"], (B, T, HV, V), "[B, T, HV, V]")
     validation.head_params(args["use_gate_in_kernel"], args["A_log"], args["dt_bias"], HV, HV)
+    if args["use_gate_in_kernel"] and args["g"] is None:
+        raise ValueError("`g` is required when use_gate_in_kernel=True (the raw gate the kernel activates)")
 
 
 def chunk_gated_delta_rule(

@@ -11,7 +11,7 @@ from cula.ops.delta_rule_ref import linear_attn_call
 from cula.ops.gates import gdn_gate, qk_beta_transforms, to_compute
 
 
-def _gated_delta_rule(args: dict, gk=None, gv=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _gated_delta_rule(args: dict, gk=None, gv=None, recurrent=False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Scalar ``g`` [B, T, HV], per-key ``gk`` [B, T, HV, K] and per-value ``gv`` [B, T, HV, V] gates compose;
     ``beta`` is [B, T, HV] or [B, T, HV, V] (None means ones)."""
     v, g, beta = args["v"], args["g"], args["beta"]
@@ -22,7 +22,7 @@ def _gated_delta_rule(args: dict, gk=None, gv=None) -> tuple[torch.Tensor, torch
         g = gdn_gate(g, args.get("A_log"), args.get("dt_bias"))
     if gk is not None:
         g = to_compute(gk) if g is None else to_compute(gk) + to_compute(g).unsqueeze(-1)
-    return linear_attn_call(args, q, k, g=g, gv=gv, beta=beta)
+    return linear_attn_call(args, q, k, g=g, gv=gv, beta=beta, recurrent=recurrent)
 
 
 def chunk_gated_delta_rule(args: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -31,5 +31,5 @@ def chunk_gated_delta_rule(args: dict) -> tuple[torch.Tensor, torch.Tensor | Non
 
 
 def fused_recurrent_gated_delta_rule(args: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
-    o, ht = _gated_delta_rule(args, args["gk"], args["gv"])
+    o, ht = _gated_delta_rule(args, args["gk"], args["gv"], recurrent=True)
     return o.to(args["v"].dtype), ht

@@ -12,6 +12,7 @@ from cula.gla import reference
 
 
 def _validate(args: dict[str, Any]) -> None:
+    validation.head_first(args, refused_in_any_form=False)
     B, T, H, HV, K, V, N = validation.common(args, allow_gva=False)
     for name, dim in (("g", K), ("gk", K), ("gv", V)):
         if name in args:

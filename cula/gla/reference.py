@@ -16,5 +16,7 @@ def chunk_gla(args: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 def fused_recurrent_gla(args: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-key ``gk`` [B, T, H, K] and per-value ``gv`` [B, T, H, V] log gates, both optional."""
-    o, ht = linear_attn_call(args, args["q"], args["k"], g=args["gk"], gv=args["gv"])
+    o, ht = linear_attn_call(
+        args, args["q"], args["k"], g=args["gk"], gv=args["gv"], recurrent=True, reverse=args["reverse"]
+    )
     return o.to(args["q"].dtype), ht

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import torch
@@ -13,13 +14,9 @@ from cula.ops.gates import kernel_kda_gate
 
 
 def _validate_chunk(args: dict[str, Any]) -> None:
+    validation.chunk_size(args, (32, 64), "KDA")
     B, T, H, HV, K, V, N = _validate_common(args)
     validation.per_head("beta", args["beta"], B, T, HV)
-    if args["allow_neg_eigval"] and not args["use_beta_sigmoid_in_kernel"]:
-        raise ValueError("`allow_neg_eigval=True` needs use_beta_sigmoid_in_kernel=True")
-    chunk_size = args.get("chunk_size", 64)
-    if chunk_size not in (32, 64):
-        raise ValueError(f"`chunk_size` must be 32 or 64 for KDA, got {chunk_size}")
 
 
 def _validate_recurrent(args: dict[str, Any]) -> None:
@@ -28,12 +25,19 @@ def _validate_recurrent(args: dict[str, Any]) -> None:
 
 
 def _validate_common(args: dict[str, Any]) -> tuple[int, ...]:
+    validation.head_first(args, refused_in_any_form=False)
     B, T, H, HV, K, V, N = dims = validation.common(args, allow_gva=True)
+    validation.beta_flags(args)
     validation.tensor("g", args["g"], 4)
     validation.shape("g", args["g"], (B, T, HV, K), "[B, T, HV, K]")
     lower_bound = args.get("lower_bound")
     use_gate = args.get("use_gate_in_kernel", False)
     validation.head_params(use_gate, args.get("A_log"), args.get("dt_bias"), HV, HV * K, lower_bound is None)
+    if use_gate and lower_bound is not None:
+        if isinstance(lower_bound, bool) or not isinstance(lower_bound, numbers.Real):
+            raise TypeError(f"`lower_bound` must be a float or None, got {type(lower_bound).__name__}")
+        if not lower_bound <= 0:  # NaN too
+            raise ValueError(f"`lower_bound` must be <= 0 (it bounds a log decay from below), got {lower_bound}")
     if args.get("safe_gate", False) and use_gate:
         if lower_bound is None:
             raise ValueError("`lower_bound` must be set when safe_gate=True and use_gate_in_kernel=True")

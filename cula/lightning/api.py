@@ -12,11 +12,24 @@ from cula.dispatch import Op, bind, call_args, fla_gated_backward_ok
 from cula.lightning import reference
 
 
+def _validate_chunk_simple_gla(args: dict[str, Any]) -> None:
+    validation.head_first(args, refused_in_any_form=True)
+    validation.chunk_size(args, None, "simple GLA")
+    _validate_simple_gla(args)
+
+
 def _validate_simple_gla(args: dict[str, Any]) -> None:
+    validation.head_first(args, refused_in_any_form=False)
     B, T, H, HV, K, V, N = validation.common(args, allow_gva=False)
     validation.per_head("g", args["g"], B, T, H, optional=True)
     validation.tensor("g_gamma", args["g_gamma"], 1, optional=True)
     validation.shape("g_gamma", args["g_gamma"], (H,), "[H]")
+
+
+def _validate_chunk_lightning(args: dict[str, Any]) -> None:
+    validation.head_first(args, refused_in_any_form=True)
+    validation.chunk_size(args, None, "Lightning Attention")
+    _validate_lightning(args)
 
 
 def _validate_lightning(args: dict[str, Any]) -> None:
@@ -102,8 +115,8 @@ CHUNK_SIMPLE_GLA = bind(
     Op(
         "lightning.chunk_simple_gla",
         "fla.ops.simple_gla:chunk_simple_gla",
-        reference.simple_gla,
-        _validate_simple_gla,
+        reference.chunk_simple_gla,
+        _validate_chunk_simple_gla,
         fla_supports=fla_gated_backward_ok,
     ),
     chunk_simple_gla,
@@ -112,7 +125,7 @@ RECURRENT_SIMPLE_GLA = bind(
     Op(
         "lightning.fused_recurrent_simple_gla",
         "fla.ops.simple_gla:fused_recurrent_simple_gla",
-        reference.simple_gla,
+        reference.fused_recurrent_simple_gla,
         _validate_simple_gla,
     ),
     fused_recurrent_simple_gla,
@@ -121,8 +134,8 @@ CHUNK_LIGHTNING = bind(
     Op(
         "lightning.chunk_lightning_attn",
         "fla.ops.lightning_attn:chunk_lightning_attn",
-        reference.lightning_attn,
-        _validate_lightning,
+        reference.chunk_lightning_attn,
+        _validate_chunk_lightning,
     ),
     chunk_lightning_attn,
 )
@@ -130,7 +143,7 @@ RECURRENT_LIGHTNING = bind(
     Op(
         "lightning.fused_recurrent_lightning_attn",
         "fla.ops.lightning_attn:fused_recurrent_lightning_attn",
-        reference.lightning_attn,
+        reference.fused_recurrent_lightning_attn,
         _validate_lightning,
     ),
     fused_recurrent_lightning_attn,

@@ -2,8 +2,7 @@
 ``fla.ops.lightning_attn`` semantics), fp32 chunked math.
 
 Each function takes the entry point's bound arguments (a dict, already validated) and returns ``o`` in ``q.dtype``
-and the final state in fp32 (fp64 for fp64 inputs) or None. The chunked and the fused-recurrent entry points share
-one function: ``reverse`` is read from the arguments where the entry point has it.
+and the final state in fp32 (fp64 for fp64 inputs) or None. The fused-recurrent entry points take ``reverse``.
 """
 
 import torch
@@ -17,21 +16,33 @@ def lightning_g_gamma(num_heads: int, layer_idx: int, num_layers: int, device=No
     return -(8 / num_heads * (1 - layer_idx / num_layers)) * torch.arange(num_heads, dtype=torch.float, device=device)
 
 
-def _simple_gla(args: dict, g, g_gamma) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _simple_gla(args: dict, g, g_gamma, recurrent: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Scalar log gate ``g`` [B, T, H] plus the constant per-head ``g_gamma`` [H] (either may be None)."""
     if g_gamma is not None:
         gamma = to_compute(g_gamma).expand(*args["v"].shape[:3])
         g = gamma if g is None else to_compute(g) + gamma
-    o, ht = linear_attn_call(args, args["q"], args["k"], g=g)
+    reverse = recurrent and args["reverse"]
+    o, ht = linear_attn_call(args, args["q"], args["k"], g=g, recurrent=recurrent, reverse=reverse)
     return o.to(args["q"].dtype), ht
 
 
-def simple_gla(args: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``chunk_simple_gla`` and ``fused_recurrent_simple_gla``."""
-    return _simple_gla(args, args["g"], args["g_gamma"])
+def chunk_simple_gla(args: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return _simple_gla(args, args["g"], args["g_gamma"], recurrent=False)
 
 
-def lightning_attn(args: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``chunk_lightning_attn`` and ``fused_recurrent_lightning_attn``."""
+def fused_recurrent_simple_gla(args: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return _simple_gla(args, args["g"], args["g_gamma"], recurrent=True)
+
+
+def _lightning_attn(args: dict, recurrent: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     q = args["q"]
-    return _simple_gla(args, None, lightning_g_gamma(q.shape[2], args["layer_idx"], args["num_layers"], q.device))
+    gamma = lightning_g_gamma(q.shape[2], args["layer_idx"], args["num_layers"], q.device)
+    return _simple_gla(args, None, gamma, recurrent)
+
+
+def chunk_lightning_attn(args: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return _lightning_attn(args, recurrent=False)
+
+
+def fused_recurrent_lightning_attn(args: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return _lightning_attn(args, recurrent=True)

@@ -1,123 +1,174 @@
-"""Chunked fp32 reference for gated linear attention with and without the delta rule.
+"""Chunked fp32 reference for gated linear attention with and without the delta rule, exact for any log gate in
+[-inf, 0] and causal whatever the inputs hold.
 
 One driver serves GDN, KDA, GLA, simple GLA and Lightning. Per value head, with ``q~ = scale * q`` and the state
 ``S`` of shape ``[K, V]``:
 
 - gate: ``S' = diag(exp(gk_t)) S diag(exp(gv_t))`` (a scalar gate is ``gk_t`` broadcast over K);
-- delta rule (``beta`` given): ``u_t = beta_t * (v_t - S'^T k_t)``, ``S_t = S' + k_t u_t^T``;
+- delta rule (``beta`` given): ``u_t = beta_t ⊙ (v_t - S'^T k_t)``, ``S_t = S' + k_t u_t^T``;
 - plain (``beta`` None): ``S_t = S' + k_t v_t^T``;
 - output: ``o_t = S_t^T q~_t`` (the state after the update).
 
-Within a chunk of C tokens with cumulative gate G the delta-rule updates compose into the WY/UT form
-``A = tril(diag(beta) (K K^T ⊙ exp(G_i - G_j)), -1)``, ``[U | W] = (I + A)^{-1} diag(beta) [V | K ⊙ exp(G)]``,
-``V_new = U - W S``, ``O = (Q~ ⊙ exp(G)) S + tril(Q~ K^T ⊙ exp(G_i - G_j)) V_new``,
-``S <- exp(G_C) S + (K ⊙ exp(G_C - G))^T V_new``. The decay ``exp(G_i - G_j)`` is formed per pair (``[C, C, K]``
-for a per-key gate) after masking the upper triangle, so it never overflows however strong the decay; only the
-state pass loops, over chunks. A per-value gate ``gv`` or a per-value ``beta`` makes every value column an
-independent recurrence: the columns are folded into the head dimension and run with V = 1.
+In a chunk of C tokens every decay is the exponential of a sum of gates over a range of tokens, taken as that sum
+(masked cumulative sums), never as a difference of two prefix sums: with ``D_ij = sum_{j < t <= i} g_t``,
+``G_i = sum_{t <= i} g_t`` and ``R_j = sum_{t > j} g_t``, the delta-rule updates compose into
+``A = tril(diag(beta) (K K^T ⊙ exp(D)), -1)``, ``U = (I + A)^{-1} diag(beta) (V - (K ⊙ exp(G)) S)``,
+``O = (Q~ ⊙ exp(G)) S + tril(Q~ K^T ⊙ exp(D)) U``, ``S <- exp(G_C) S + (K ⊙ exp(R))^T U``.
+So a -inf gate (a full reset) gives exact zeros, and a gate of -1e30 or spikes of -1e4 lose nothing to cancellation.
+A per-key gate makes ``exp(D)`` ``[C, C, K]``. A per-value gate ``gv`` brings its own ``exp(D^v)`` ``[C, C, V]``
+(``exp(D + D^v) = exp(D) exp(D^v)``), and it or a per-value ``beta`` gives each value column its own ``A``: a batch
+of V triangular solves, never a head per column.
 
-Everything is batched over sequences and heads, differentiable by autograd and device-agnostic. Variable-length
-batches are padded per sequence with ``k = v = beta = g = 0`` steps, which leave the state untouched.
+Causality: the products over the tokens of a chunk are masked by selection (``torch.where``), and the two that sum
+over them (the solve and ``P U``) run on their inputs with non-finite entries zeroed, the entries at and after a
+non-finite one (per value column, where the recurrence is non-finite too) then set to NaN: an output never depends
+on a later token, NaN and Inf included.
+
+Cost follows the tokens. Sequences are grouped by chunk count (a sequence of at most C tokens is one chunk of its
+length rounded up to a power of two) and each group gathers its own tokens only, padding its last chunk with
+``k = v = beta = g = 0`` steps, which leave the state untouched; a large group runs in parts. The fused-recurrent
+entry points walk sequences of at most ``RECURRENT_MAX_LEN`` tokens (decode) token by token, as FLA's naive
+recurrence does. Everything is differentiable by autograd and device-agnostic; fp64 inputs compute in fp64.
 """
 
 import torch
-import torch.nn.functional as F
 
-from cula.ops.gates import to_compute
+from cula import validation
 
 CHUNK_SIZE = 64
+# the fused-recurrent entry points walk sequences this short token by token (decode, speculative steps)
+RECURRENT_MAX_LEN = 16
+# elements a part of a group may give a per-chunk tensor (the [C, C, K] decays, the states); larger groups run in
+# several parts, so that memory follows one chunk per sequence of a part, not the whole batch
+PART_ELEMENTS = 1 << 25
 
 
-def _split_sequences(x: torch.Tensor, lengths: list[int] | None) -> list[torch.Tensor]:
-    """[B, T, ...] -> list of [T_i, ...]: the batch rows, or the ``cu_seqlens`` pieces of row 0."""
-    if lengths is None:
-        return list(x.unbind(0))
-    return list(x[0].split(lengths, 0))
+def _schedule(length: int, chunk_size: int, recurrent: bool) -> tuple[int, int, bool]:
+    """(tokens per step, steps, token by token) for a sequence of ``length`` tokens."""
+    if recurrent and length <= RECURRENT_MAX_LEN:
+        return 1, length, True
+    C = chunk_size if length > chunk_size else 1 << (length - 1).bit_length()
+    return C, -(-length // C), False
 
 
-def _pack(x: torch.Tensor | None, lengths: list[int] | None, T_pad: int, reverse: bool) -> torch.Tensor | None:
-    """Split into sequences, optionally flip each in time, zero-pad to ``T_pad`` and stack to [N, T_pad, ...]."""
-    if x is None:
-        return None
-    seqs = _split_sequences(x, lengths)
-    if reverse:
-        seqs = [s.flip(0) for s in seqs]
-    return torch.stack([F.pad(s, (0, 0) * (s.dim() - 1) + (0, T_pad - s.shape[0])) for s in seqs])
+def _token_index(starts, lengths, steps: int, reverse: bool, pad: int, device) -> torch.Tensor:
+    """[n, steps] flat token indices of each sequence in the order the recurrence reads them (last to first if
+    ``reverse``), ``pad`` past its end."""
+    s = torch.tensor(starts, device=device).unsqueeze(1)
+    n = torch.tensor(lengths, device=device).unsqueeze(1)
+    t = torch.arange(steps, device=device)
+    return torch.where(t < n, s + n - 1 - t if reverse else s + t, pad)
 
 
-def _unpack(o: torch.Tensor, lengths: list[int] | None, T: int, reverse: bool) -> torch.Tensor:
-    """Inverse of ``_pack`` for the output: [N, T_pad, ...] -> [B, T, ...] (B = 1 for varlen)."""
-    seqs = [o[i, :n] for i, n in enumerate(lengths)] if lengths is not None else list(o[:, :T].unbind(0))
-    if reverse:
-        seqs = [s.flip(0) for s in seqs]
-    return torch.cat(seqs).unsqueeze(0) if lengths is not None else torch.stack(seqs)
+def _inverse(order: torch.Tensor) -> torch.Tensor:
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return inverse
 
 
-def _to_chunks(x: torch.Tensor, C: int) -> torch.Tensor:
-    """[N, T_pad, H, ...] -> [N, H, NT, C, ...]."""
-    return x.unflatten(1, (x.shape[1] // C, C)).movedim(3, 1)
+def _range_sums(g: torch.Tensor, strict: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For log gates ``g`` [..., C, W]: ``D`` [..., C, C, W] with ``D[i, j] = sum_{j < t <= i} g_t`` (0 for j >= i)
+    and ``R`` [..., C, W] with ``R[j] = sum_{t > j} g_t``, each a sum over its own range only."""
+    inside = torch.where(strict.mT.unsqueeze(-1), g.unsqueeze(-3), 0)  # [.., j, t]: g_t where t > j
+    D = inside.cumsum(-2)  # [.., j, i]
+    return D.transpose(-2, -3), D[..., -1, :]
 
 
-def _pair_decay(G: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
-    """``exp(G_i - G_j)`` for j <= i, else 0: [..., C, C] for a scalar gate G [..., C, 1], [..., C, C, K] per key."""
-    if G.shape[-1] == 1:
-        return (G - G.transpose(-1, -2)).masked_fill(~causal, float("-inf")).exp()
-    return (G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~causal.unsqueeze(-1), float("-inf")).exp()
+def _decays(g: torch.Tensor, causal: torch.Tensor, strict: torch.Tensor):
+    """``exp(D)`` [..., C, C, W] (0 above the diagonal), ``exp(G)`` and ``exp(R)`` [..., C, W] and ``exp(G_C)``
+    [..., W] for log gates ``g`` [..., C, W]."""
+    D, R = _range_sums(g, strict)
+    G = g.cumsum(-2)
+    return torch.where(causal.unsqueeze(-1), D.exp(), 0), G.exp(), R.exp(), G[..., -1, :].exp()
 
 
-def _decayed_scores(a: torch.Tensor, b: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
-    """``sum_k a_ik b_jk decay_ij(k)``: the gated score matrix [..., C, C]."""
-    if decay.dim() == a.dim():
-        return (a @ b.transpose(-1, -2)) * decay
+def _scores(a: torch.Tensor, b: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
+    """``sum_k a_ik b_jk decay_ij(k)`` [..., C, C]; ``decay`` [..., C, C, 1] (scalar gate) or [..., C, C, K]."""
+    if decay.shape[-1] == 1:
+        return (a @ b.mT) * decay.squeeze(-1)
     return torch.einsum("...ik,...jk,...ijk->...ij", a, b, decay)
 
 
-def _chunk_scan(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor | None,
-    S: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunked recurrence on [N, H, NT, C, *] tensors (q already scaled; g [.., C, 1] or [.., C, K]).
-
-    ``beta`` [N, H, NT, C] or None (no delta rule); ``S`` [N, H, K, V]. Returns o [N, H, NT, C, V] and the final S.
-    """
-    C = q.shape[-2]
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    G = g.cumsum(-2)
-    outs = []
-    for n in range(q.shape[2]):
-        q_n, k_n, v_n, G_n = q[:, :, n], k[:, :, n], v[:, :, n], G[:, :, n]
-        decay = _pair_decay(G_n, causal)
-        eG = G_n.exp()
-        if beta is not None:
-            b_n = beta[:, :, n].unsqueeze(-1)
-            # strictly lower part; solve_triangular(unitriangular=True) supplies the unit diagonal of I + A
-            A = (_decayed_scores(k_n, k_n, decay) * b_n).tril(-1)
-            rhs = torch.cat([v_n, k_n * eG], -1) * b_n
-            u, w = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True).split(
-                [v_n.shape[-1], k_n.shape[-1]], -1
-            )
-            v_n = u - w @ S
-        outs.append((q_n * eG) @ S + _decayed_scores(q_n, k_n, decay) @ v_n)
-        G_last = G_n[..., -1:, :]
-        S = S * G_last.transpose(-1, -2).exp() + (k_n * (G_last - G_n).exp()).transpose(-1, -2) @ v_n
-    return torch.stack(outs, 2), S
+def _finite_then_poison(fn, x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` for a ``fn`` that mixes the rows (tokens, dim -2) of ``x`` causally: run on ``x`` with non-finite
+    entries zeroed (a 0 weight times NaN would reach earlier rows), then NaN from each non-finite entry down its
+    column, as the recurrence gives."""
+    bad = ~torch.isfinite(x)
+    out = fn(torch.where(bad, 0, x))
+    return torch.where(bad.cumsum(-2) > 0, float("nan"), out)
 
 
-def _fold_value_columns(q, k, v, g, beta, S):
-    """Turn each value column into its own head (V = 1), for a per-value gate or beta.
+def _solve(A: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """``(I + A)^{-1} rhs`` for strictly lower ``A`` [..., C, C] and ``rhs`` [..., C, V], causal in the rows: a
+    non-finite row of ``A`` poisons its row and the later ones, as a non-finite entry of ``rhs`` its column."""
+    bad_rows = ~torch.isfinite(A).all(-1, keepdim=True)
+    A = torch.where(torch.isfinite(A), A, 0)
+    rhs = torch.where(bad_rows, float("nan"), rhs)
+    # solve_triangular(unitriangular=True) supplies the unit diagonal of I + A
+    return _finite_then_poison(lambda x: torch.linalg.solve_triangular(A, x, upper=False, unitriangular=True), rhs)
 
-    Inputs are [N, T, HV, *] (g with gv already added: [N, T, HV, V or 1, Kg]); S [N, HV, K, V].
-    """
-    N, T, HV, V = v.shape
-    q, k = (x.unsqueeze(3).expand(-1, -1, -1, V, -1).flatten(2, 3) for x in (q, k))
+
+def _chunk(q, k, v, gk, gv, beta, S, causal, strict):
+    """One chunk for every (sequence, head): q, k [..., C, K]; v [..., C, V]; gk [..., C, 1 or K]; gv [..., C, V]
+    or None; beta [..., C, 1 or V] or None (no delta rule); S [..., K, V]; ``causal``/``strict`` the [C, C] masks
+    j <= i and j < i. Returns o [..., C, V] and the state after the chunk."""
+    Ek, eGk, eRk, eGk_last = _decays(gk, causal, strict)
+    Ev = eGv = None
+    if gv is not None:
+        Ev, eGv, eRv, eGv_last = _decays(gv, causal, strict)
+    u = v
     if beta is not None:
-        beta = (beta if beta.dim() == 4 else beta.unsqueeze(-1)).expand(N, T, HV, V).flatten(2, 3)
-    S = S.movedim(-1, 2).flatten(1, 2).unsqueeze(-1)
-    return q, k, v.flatten(2, 3).unsqueeze(-1), g.expand(N, T, HV, V, -1).flatten(2, 3), beta, S
+        rhs = (k * eGk) @ S
+        rhs = beta * (v - (rhs if eGv is None else rhs * eGv))
+        Pkk = _scores(k, k, Ek)
+        if Ev is None and beta.shape[-1] == 1:
+            u = _solve(torch.where(strict, Pkk * beta, 0), rhs)
+        else:
+            # each value column c has its own A: beta_ic Pkk_ij exp(D^v_ijc), solved as a batch over c
+            A = Pkk.unsqueeze(-1) * beta.unsqueeze(-2)
+            A = torch.where(strict.unsqueeze(-1), A if Ev is None else A * Ev, 0)
+            u = _solve(A.movedim(-1, -3), rhs.mT.unsqueeze(-1)).squeeze(-1).mT
+    P = torch.where(causal, _scores(q, k, Ek), 0)
+    o = (q * eGk) @ S
+    if Ev is None:
+        o = o + _finite_then_poison(lambda x: P @ x, u)
+    else:
+        o = o * eGv + _finite_then_poison(lambda x: torch.einsum("...ij,...ijv,...jv->...iv", P, Ev, x), u)
+    S = eGk_last.unsqueeze(-1) * S
+    if gv is not None:
+        S = S * eGv_last.unsqueeze(-2)
+        u = u * eRv
+    return o, S + (k * eRk).mT @ u
+
+
+def _walk_chunks(x: dict, S: torch.Tensor, C: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked recurrence over gathered inputs ``x`` (name -> [n, steps * C, HV, *]) from states ``S``
+    [n, HV, K, V]. Returns o [n, steps * C, HV, V] and the final states."""
+    causal = torch.ones(C, C, dtype=torch.bool, device=S.device).tril()
+    strict = causal.tril(-1)
+    chunks = {name: t.unflatten(1, (-1, C)).movedim(3, 1) for name, t in x.items()}  # [n, HV, steps, C, *]
+    outs = []
+    for i in range(chunks["q"].shape[2]):
+        step = {name: t[:, :, i] for name, t in chunks.items()}
+        o, S = _chunk(*(step.get(n) for n in ("q", "k", "v", "gk", "gv", "beta")), S, causal, strict)
+        outs.append(o)
+    return torch.stack(outs, 2).movedim(1, 3).flatten(1, 2), S
+
+
+def _walk_tokens(x: dict, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence token by token (FLA's naive loop) over gathered inputs ``x`` (name -> [n, steps, HV, *]) from
+    states ``S`` [n, HV, K, V]. Returns o [n, steps, HV, V] and the final states."""
+    gv, beta = x.get("gv"), x.get("beta")
+    outs = []
+    for t in range(x["q"].shape[1]):
+        q, k, v = x["q"][:, t], x["k"][:, t], x["v"][:, t]
+        S = S * x["gk"][:, t].exp().unsqueeze(-1)
+        if gv is not None:
+            S = S * gv[:, t].exp().unsqueeze(-2)
+        u = v if beta is None else beta[:, t] * (v - (k.unsqueeze(-2) @ S).squeeze(-2))
+        S = S + k.unsqueeze(-1) * u.unsqueeze(-2)
+        outs.append((q.unsqueeze(-2) @ S).squeeze(-2))
+    return torch.stack(outs, 1), S
 
 
 def linear_attn_ref(
@@ -131,9 +182,10 @@ def linear_attn_ref(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     state_v_first: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | list[int] | None = None,
     reverse: bool = False,
     chunk_size: int = CHUNK_SIZE,
+    recurrent: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated linear attention, optionally with the delta rule, in fp32 (fp64 for fp64 inputs).
 
@@ -145,8 +197,9 @@ def linear_attn_ref(
         beta: ``[B, T, HV]`` or ``[B, T, HV, V]`` for the delta rule; None for plain gated linear attention.
         scale: query scale, default ``K ** -0.5``.
         initial_state: ``[N, HV, K, V]`` (``[N, HV, V, K]`` if ``state_v_first``).
-        cu_seqlens: ``[N + 1]`` offsets of the sequences packed in a batch of one.
+        cu_seqlens: ``[N + 1]`` offsets (a tensor or a list) of the sequences packed in a batch of one.
         reverse: run each sequence from its last token to its first (FLA's fused_recurrent ``reverse``).
+        recurrent: walk sequences of at most ``RECURRENT_MAX_LEN`` tokens token by token (the fused-recurrent ops).
 
     Returns:
         ``o`` ``[B, T, HV, V]`` in the compute dtype and the final state (same layout as ``initial_state``) or None.
@@ -155,53 +208,83 @@ def linear_attn_ref(
     HV, V = v.shape[2], v.shape[3]
     if scale is None:
         scale = K**-0.5
-    q, k, v = (to_compute(x) for x in (q, k, v))
-    dtype = q.dtype
-    q = q.repeat_interleave(HV // H, dim=2) * scale
-    k = k.repeat_interleave(HV // H, dim=2)
-    g = q.new_zeros(B, T, HV, 1) if g is None else to_compute(g)
-    if g.dim() == 3:
-        g = g.unsqueeze(-1)
-    gv, beta = (None if x is None else to_compute(x) for x in (gv, beta))
-
-    lengths = None if cu_seqlens is None else [int(n) for n in cu_seqlens.diff().tolist()]
-    N = B if lengths is None else len(lengths)
-    T_max = T if lengths is None else max(lengths, default=0)
-    T_pad = max(chunk_size, -(-T_max // chunk_size) * chunk_size)
-    q, k, v, g, gv, beta = (_pack(x, lengths, T_pad, reverse) for x in (q, k, v, g, gv, beta))
-
-    if initial_state is None:
-        S = q.new_zeros(N, HV, K, V)
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    rep = HV // H
+    inputs = {
+        "q": q.to(dtype).repeat_interleave(rep, dim=2) * scale,
+        "k": k.to(dtype).repeat_interleave(rep, dim=2),
+        "v": v,
+        "gk": q.new_zeros(B, T, HV, 1) if g is None else (g.unsqueeze(-1) if g.dim() == 3 else g),
+        "gv": gv,
+        "beta": None if beta is None else (beta.unsqueeze(-1) if beta.dim() == 3 else beta),
+    }
+    # tokens flattened, one zero token last: the padding of every group's last chunk
+    flat = {
+        name: torch.cat([x.to(dtype).flatten(0, 1), x.new_zeros(1, *x.shape[2:], dtype=dtype)])
+        for name, x in inputs.items()
+        if x is not None
+    }
+    if cu_seqlens is None:
+        offsets = [b * T for b in range(B + 1)]
     else:
-        S = initial_state.to(dtype)
-        S = S.transpose(-1, -2) if state_v_first else S
-    per_column = gv is not None or (beta is not None and beta.dim() == 4)
-    if per_column:
-        g = g.unsqueeze(3) + (0 if gv is None else gv.unsqueeze(-1))
-        q, k, v, g, beta, S = _fold_value_columns(q, k, v, g, beta, S)
+        offsets = [int(o) for o in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+    N = len(offsets) - 1
+    if initial_state is None:
+        S0 = q.new_zeros(N, HV, K, V, dtype=dtype)
+    else:
+        S0 = initial_state.to(dtype)
+        S0 = S0.transpose(-1, -2) if state_v_first else S0
 
-    q, k, v, g, beta = (None if x is None else _to_chunks(x, chunk_size) for x in (q, k, v, g, beta))
-    o, S = _chunk_scan(q, k, v, g, beta, S)
-    o = o.flatten(2, 3).movedim(1, 2)
-    if per_column:
-        o = o.reshape(N, T_pad, HV, V)
-        S = S.squeeze(-1).unflatten(1, (HV, V)).movedim(2, -1)
-    o = _unpack(o, lengths, T, reverse)
+    groups: dict[tuple[int, int, bool], list[int]] = {}
+    empty = []
+    for n in range(N):
+        length = offsets[n + 1] - offsets[n]
+        if length:
+            groups.setdefault(_schedule(length, chunk_size, recurrent), []).append(n)
+        else:
+            empty.append(n)
+    # the widest decay or solve batch per chunk: [C, C, K] per key, [C, C, V] per value column
+    per_value = gv is not None or (beta is not None and beta.dim() == 4)
+    width = max(flat["gk"].shape[-1], V if per_value else 1)
+    # zero-length sequences: no tokens, their initial state as final state
+    tokens, outs = [torch.zeros(0, dtype=torch.long, device=q.device)], [flat["v"][:0]]
+    sequences, states = [empty], [S0[empty]]
+    for (C, steps, tokenwise), members in groups.items():
+        part = max(1, PART_ELEMENTS // (HV * (C * C * width + K * V)))
+        for i in range(0, len(members), part):
+            ids = members[i : i + part]
+            starts = [offsets[n] for n in ids]
+            lengths = [offsets[n + 1] - offsets[n] for n in ids]
+            idx = _token_index(starts, lengths, C * steps, reverse, B * T, q.device)
+            x = {name: t[idx] for name, t in flat.items()}
+            o, S = _walk_tokens(x, S0[ids]) if tokenwise else _walk_chunks(x, S0[ids], C)
+            real = idx != B * T
+            tokens.append(idx[real])
+            outs.append(o[real])
+            sequences.append(ids)
+            states.append(S)
+    o = torch.cat(outs)[_inverse(torch.cat(tokens))].view(B, T, HV, V)
     if not output_final_state:
         return o, None
+    S = torch.cat(states)[_inverse(torch.tensor([n for ids in sequences for n in ids], device=q.device))]
     return o, (S.transpose(-1, -2) if state_v_first else S).contiguous()
 
 
-def linear_attn_call(args: dict, q, k, g=None, gv=None, beta=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`linear_attn_ref` for an entry point's bound arguments ``args``: scale, states, varlen and ``reverse`` come
-    from there, the transformed inputs from the caller. Arguments that change results and that the reference
-    cannot honour raise NotImplementedError."""
+def linear_attn_call(
+    args: dict, q, k, g=None, gv=None, beta=None, recurrent: bool = False, reverse: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`linear_attn_ref` for an entry point's bound arguments ``args``: scale, states and varlen offsets (as
+    validation read them) come from there, the transformed inputs from the caller; ``recurrent`` for the
+    fused-recurrent entry points. Arguments that change results and that the reference cannot honour raise
+    NotImplementedError."""
     if args.get("cp_context") is not None:
         raise NotImplementedError("cula reference: `cp_context` (context parallelism) is not supported")
     if args.get("return_intermediate_states"):
         raise NotImplementedError("cula reference: `return_intermediate_states=True` is not supported")
+    cu_seqlens = args["cu_seqlens"]
+    offsets = None if cu_seqlens is None else validation.host_offsets(cu_seqlens, args.get("cu_seqlens_cpu"))
     return linear_attn_ref(
         q, k, args["v"], g=g, gv=gv, beta=beta, scale=args["scale"], initial_state=args["initial_state"],
         output_final_state=args["output_final_state"], state_v_first=args.get("state_v_first", False),
-        cu_seqlens=args["cu_seqlens"], reverse=args.get("reverse", False),
+        cu_seqlens=offsets, reverse=reverse, recurrent=recurrent,
     )  # fmt: skip
