@@ -406,7 +406,8 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
     def feed_role(self, p, smem, gs, rings, seq, t, pwarp):
         """The later split passes: per chunk, beta into column c % 2 of ``sBeta`` and the first pass's 2^G_last into
         column c % 2 of ``sDec`` (both loaded a chunk ahead; ring ``b``), and by warp 0 the first pass's B tiles
-        (ring ``b_load``, the next chunk's prefetched into L2), Tinv and P (ring ``tp``) and v. No gate scan, no tile
+        (ring ``b_load``, the next chunk's prefetched into L2), Tinv and P (ring ``tp``), and v a chunk ahead of its use
+        (two stages), so that its load is not queued behind the wait for the one-stage rings. No gate scan, no tile
         building."""
         D = self.D
         f32 = cutlass.Float32
@@ -423,6 +424,10 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
         v_p = pipeline.producer_start(self.v_stages)
         beta_next = c.beta.element_type(0.0)
         dec_next = f32(0.0)
+        if pwarp == 0:
+            if seq.n_chunks > 0:
+                self.issue_v(c, rings, v_p, loads, cutlass.Int32(0))
+        v_p.advance()
         if seq.n_chunks > 0:
             beta_next = self.load_beta(c.beta, seq, cutlass.Int32(0), t)
             if t < D:
@@ -438,7 +443,8 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
                 if lane == 0 and chunk + 1 < seq.n_chunks:
                     for i in cutlass.range_constexpr(1 + int(self.cfg.make_o)):
                         cute.prefetch(c.w.atom, tWg[None, 2 * chunk + 2 + i])
-                self.issue_v(c, rings, v_p, loads, chunk)
+                if chunk + 1 < seq.n_chunks:
+                    self.issue_v(c, rings, v_p, loads, chunk + 1)
             bl_p.advance()
             tp_p.advance()
             v_p.advance()
