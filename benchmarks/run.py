@@ -509,8 +509,6 @@ def environment() -> dict:
         "varlen offsets": "read from the device once per cu_seqlens tensor, by cuLA and by FLA",
         # a split long sequence's pass ranges go to the device once per split (before: one synced copy per pass)
         "split ranges": "copied to the device once per split",
-        # which SM90 chunk kernels a cute row ran (cula.sm90.entry.family_enabled)
-        "sm90 chunk kernels": "family" if os.environ.get("CULA_SM90_FAMILY", "0") == "1" else "earlier",
     }
     for module in ("triton", "fla", "cutlass"):
         try:

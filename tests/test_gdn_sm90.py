@@ -6,8 +6,6 @@ import torch.nn.functional as F
 from delta_rule_recurrence import check_fwd, check_fwd_in_cuda_graph, check_fwd_on_busy_stream, needs_sm90
 
 cutlass = pytest.importorskip("cutlass")
-# every test of this file on the earlier SM90 kernels and on the family's
-pytestmark = pytest.mark.usefixtures("sm90_kernels")
 
 
 def make_inputs(B, T, H, HV, D=128, beta_dtype=torch.float32, device="cuda"):

@@ -12,7 +12,6 @@ import cula
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.usefixtures("sm90_kernels"),
 ]
 GDN = cula.gdn.chunk_gated_delta_rule
 

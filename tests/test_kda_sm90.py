@@ -16,8 +16,6 @@ from delta_rule_recurrence import (
 import cula
 
 cutlass = pytest.importorskip("cutlass")
-# every test of this file on the earlier SM90 kernels and on the family's
-pytestmark = pytest.mark.usefixtures("sm90_kernels")
 
 LOWER_BOUND = -5.0
 

@@ -188,29 +188,6 @@ def test_varlen_offsets_only_on_the_device_still_split(launches):
     torch.testing.assert_close(ht, ht_ref.float(), rtol=0.02, atol=0.02)
 
 
-def test_the_family_switch_picks_the_kernel_class_and_keys_the_cache(monkeypatch):
-    """``CULA_SM90_FAMILY`` decides which kernel a launch compiles (the family's or the earlier one), and the
-    compiled-kernel cache keeps the two apart."""
-    from cula import runtime
-
-    compiled = []
-
-    def compile_fn(arch, config, beta_fp32, state_v_first, family):
-        compiled.append(family)
-        return lambda *args: None
-
-    kernel = entry.ChunkKernel("switch-test", compile_fn)
-    monkeypatch.setattr(runtime, "device_arch", lambda device=None: "sm_90a")
-    q = torch.zeros(1, 64, 1, 64, dtype=torch.bfloat16)
-    t = entry.LaunchTensors(q, q, q, torch.zeros(1, 64, 1), torch.zeros(1, 64, 1), q, None, torch.zeros(1, 1, 64, 64))
-    call = entry.ChunkCall(q, q, q, t.g, t.beta)
-    config = entry.ChunkFwdConfig(64)
-    for switch in ("0", "1", "0", "1"):
-        monkeypatch.setenv(entry.FAMILY_SWITCH, switch)
-        entry.launch(kernel, call, config, t, 0.125)
-    assert compiled == [False, True]
-
-
 @pytest.mark.parametrize(
     "options",
     [

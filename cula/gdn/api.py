@@ -141,7 +141,7 @@ def _sm90_faster_than_fla(args: dict[str, Any]) -> tuple[bool, str]:
 
     from cula.gdn.chunk_fwd_sm90 import estimated_ms
 
-    estimate = partial(estimated_ms, qk_l2norm=bool(args["use_qk_l2norm_in_kernel"]), head_dim=args["q"].shape[-1])
+    estimate = partial(estimated_ms, qk_l2norm=bool(args["use_qk_l2norm_in_kernel"]))
     return kernel_vs_fla(args, estimate, FLA_TIME)
 
 

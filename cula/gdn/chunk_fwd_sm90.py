@@ -34,7 +34,7 @@ from cutlass.cute.nvgpu import warp as warp_ops
 from cutlass.cute.nvgpu import warpgroup
 
 from cula import runtime
-from cula.gdn import gates_sm90, legacy_sm90
+from cula.gdn import gates_sm90
 from cula.ops import segment_split
 from cula.ops.gates import L2NORM_EPS  # FLA's l2norm_fwd: x / sqrt(sum(x^2) + eps)
 from cula.sm90 import entry, mma, pipeline, solve, tiles, workspace
@@ -55,8 +55,7 @@ CHUNK_LATENCY_L2NORM_US = 3.9
 # varlen mixes (H32) each CTA wave beyond a pass's first costs ~7 us. These fit ten split and unsplit timings within
 # ~10 %. With qk_l2norm the later passes are taken as 0.2 us per chunk slower (fits the measured B1 T65536 H8, B1
 # T32768 H16 and B1 T8192 H64 calls). A sequence walked by few CTAs runs faster than at full load: 3.2-3.36 us per
-# chunk at 8-32 CTAs (``lone``). The earlier kernels at D = 64 with qk_l2norm make everything again in the later
-# passes (correction ~6.3 us per chunk, transition ~5.7, a whole chunk ~4.7).
+# chunk at 8-32 CTAs (``lone``).
 LONE_FRACTION = 3.25 / CHUNK_LATENCY_US
 SPLIT_COST = segment_split.SplitCost.from_us(
     CHUNK_LATENCY_US, 2.3, 1.4, 0.5, cached=True, first=3.47, fixed=25, wave=7, lone=LONE_FRACTION
@@ -64,9 +63,6 @@ SPLIT_COST = segment_split.SplitCost.from_us(
 SPLIT_COST_L2NORM = segment_split.SplitCost.from_us(
     CHUNK_LATENCY_L2NORM_US, 2.5, 1.6, 0.5, cached=True, fixed=25, wave=7, lone=LONE_FRACTION
 )._replace(first=SPLIT_COST.first)  # the same fraction of a whole chunk as without qk_l2norm
-SPLIT_COST_L2NORM_D64_EARLIER = segment_split.SplitCost.from_us(
-    4.7, 6.3, 5.7, 0.5, fixed=25, wave=7, lone=LONE_FRACTION
-)
 
 
 class GateParams(NamedTuple):
@@ -483,44 +479,32 @@ def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, **
     return True, ""
 
 
-def split_cost(qk_l2norm: bool, head_dim: int = 128) -> segment_split.SplitCost:
-    """The split passes' costs: the later passes load Tinv and P (``cached``), but for the earlier kernels at D = 64
-    with qk_l2norm (they make everything again there)."""
-    if qk_l2norm:
-        if head_dim == 64 and not entry.family_enabled():
-            return SPLIT_COST_L2NORM_D64_EARLIER
-        return SPLIT_COST_L2NORM
-    return SPLIT_COST
+def split_cost(qk_l2norm: bool) -> segment_split.SplitCost:
+    """The split passes' costs: the later passes load Tinv and P (``cached``)."""
+    return SPLIT_COST_L2NORM if qk_l2norm else SPLIT_COST
 
 
-def estimated_ms(lengths: list[int], HV: int, num_sms: int, qk_l2norm: bool = False, head_dim: int = 128) -> float:
+def estimated_ms(lengths: list[int], HV: int, num_sms: int, qk_l2norm: bool = False) -> float:
     """The kernel's time for sequences of these lengths, split where the entry splits them (matches the H200 timings
     of the benchmark within about 30 %)."""
     latency = CHUNK_LATENCY_L2NORM_US if qk_l2norm else CHUNK_LATENCY_US
-    return segment_split.chunk_walk_ms(lengths, HV, num_sms, latency, True, split_cost(qk_l2norm, head_dim))
+    return segment_split.chunk_walk_ms(lengths, HV, num_sms, latency, True, split_cost(qk_l2norm))
 
 
-def compile_gdn_fwd_sm90(
-    arch="sm_90a", *, family=True, beta_fp32=True, state_v_first=False, keep_artifacts=False, **config
-):
+def compile_gdn_fwd_sm90(arch="sm_90a", *, beta_fp32=True, state_v_first=False, keep_artifacts=False, **config):
     """The GDN chunk kernel for ``config`` (:class:`cula.sm90.chunk_fwd.ChunkFwdConfig` fields), compiled on any
-    machine for ``arch``: the family's (``family``), or the earlier one (:mod:`cula.gdn.legacy_sm90`)."""
+    machine for ``arch``."""
     cfg = ChunkFwdConfig(**config)
-    if not family:
-        return legacy_sm90.compile_gdn_fwd_sm90(
-            arch, keep_artifacts, cfg.head_dim, beta_fp32, cfg.is_varlen, cfg.has_initial_state, state_v_first,
-            cfg.mode, cfg.qk_l2norm, cfg.intra,
-        )  # fmt: skip
     fake = entry.fake_args(cfg.head_dim, beta_fp32, state_v_first, per_key_gate=False)
     return runtime.compile_kernel(GDNChunkFwdSm90(cfg), fake, arch, keep_artifacts)
 
 
 GDN_SM90 = entry.ChunkKernel(
     "gdn",
-    lambda arch, config, beta_fp32, state_v_first, family: compile_gdn_fwd_sm90(
-        arch, family=family, beta_fp32=beta_fp32, state_v_first=state_v_first, **config.__dict__
+    lambda arch, config, beta_fp32, state_v_first: compile_gdn_fwd_sm90(
+        arch, beta_fp32=beta_fp32, state_v_first=state_v_first, **config.__dict__
     ),
-    split_cost=lambda call: split_cost(call.qk_l2norm, call.q.shape[-1]),
+    split_cost=lambda call: split_cost(call.qk_l2norm),
 )
 
 

@@ -50,7 +50,6 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cute.nvgpu import warp as warp_ops
 
 from cula import runtime
-from cula.kda import legacy_sm90
 from cula.ops import segment_split
 from cula.ops.gates import L2NORM_EPS  # FLA's l2norm_fwd: x / sqrt(sum(x^2) + eps)
 from cula.sm90 import entry, mma, pipeline, solve, tiles, workspace
@@ -887,7 +886,6 @@ def estimated_ms(lengths: list[int], HV: int, num_sms: int) -> float:
 def compile_kda_fwd_sm90(
     arch="sm_90a",
     *,
-    family=True,
     beta_fp32=True,
     state_v_first=False,
     gate_in_kernel=False,
@@ -895,13 +893,8 @@ def compile_kda_fwd_sm90(
     **config,
 ):
     """The KDA chunk kernel for ``config`` (:class:`cula.sm90.chunk_fwd.ChunkFwdConfig` fields), compiled on any
-    machine for ``arch``: the family's (``family``), or the earlier one (:mod:`cula.kda.legacy_sm90`)."""
+    machine for ``arch``."""
     cfg = ChunkFwdConfig(**config)
-    if not family:
-        return legacy_sm90.compile_kda_fwd_sm90(
-            arch, keep_artifacts, cfg.head_dim, beta_fp32, cfg.is_varlen, cfg.has_initial_state, state_v_first,
-            cfg.mode, cfg.qk_l2norm, cfg.intra, gate_in_kernel,
-        )  # fmt: skip
     fake = entry.fake_args(cfg.head_dim, beta_fp32, state_v_first, per_key_gate=True, raw_gate=gate_in_kernel)
     return runtime.compile_kernel(KDAChunkFwdSm90(cfg, gate_in_kernel), fake, arch, keep_artifacts)
 
@@ -933,9 +926,8 @@ def gate_args(call: entry.ChunkCall, t: entry.LaunchTensors) -> tuple:
 
 KDA_SM90 = entry.ChunkKernel(
     "kda",
-    lambda arch, config, beta_fp32, state_v_first, family, gate_in_kernel: compile_kda_fwd_sm90(
+    lambda arch, config, beta_fp32, state_v_first, gate_in_kernel: compile_kda_fwd_sm90(
         arch,
-        family=family,
         beta_fp32=beta_fp32,
         state_v_first=state_v_first,
         gate_in_kernel=gate_in_kernel,

@@ -2,15 +2,10 @@
 tensors and options, named) and its variant's :class:`ChunkKernel` to :func:`chunk_fwd`, which plans the call
 (outputs, varlen ranges, whether and where to split long sequences: :mod:`cula.ops.segment_split`) and makes each
 launch through :func:`launch` (compile once per set of compile-time constants, then call).
-
-Until the family kernels (:mod:`cula.sm90.chunk_fwd`) have passed the GPU tests and the side-by-side timing against
-the kernels they replace, a variant serves its earlier kernel by default and the family one with
-``CULA_SM90_FAMILY=1`` (:func:`family_enabled`); both take the same arguments.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -23,13 +18,7 @@ from cula.sm90.chunk_fwd import CHUNK, ChunkFwdConfig
 
 # CUDA's limit on a launch grid's y (and z) size: the chunk kernels run sequence n as grid row n
 MAX_SEQUENCES = 65535
-FAMILY_SWITCH = "CULA_SM90_FAMILY"
 _DUMMY: dict = {}
-
-
-def family_enabled() -> bool:
-    """Whether launches compile the family kernels (``CULA_SM90_FAMILY=1``) rather than the earlier ones."""
-    return os.environ.get(FAMILY_SWITCH, "0") == "1"
 
 
 class ChunkCall(NamedTuple):
@@ -82,9 +71,8 @@ class LaunchTensors(NamedTuple):
 class ChunkKernel:
     """A variant's SM90 chunk forward as the host path sees it.
 
-    - ``compile(arch, config, beta_fp32, state_v_first, family, **options)``: the compiled kernel (``family``: the
-      family's class, else the earlier one), called as ``(q, k, v, g, beta, o, h0, ht, starts, ends, w, scale,
-      *gate_args)``.
+    - ``compile(arch, config, beta_fp32, state_v_first, **options)``: the compiled kernel, called as ``(q, k, v, g,
+      beta, o, h0, ht, starts, ends, w, scale, *gate_args)``.
     - ``gate_args(call, tensors)``: the variant's arguments after ``scale``.
     - ``split_cost(call)``: the planner's costs of its split passes (``cached``: the passes save and load Tinv and P).
     - ``workspaces(ranges, chunks, HV, D, device)``: its further split workspaces, or None.
@@ -114,17 +102,13 @@ def cached_zeros(device, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
 
 
 def launch(kernel: ChunkKernel, call: ChunkCall, config: ChunkFwdConfig, t: LaunchTensors, scale: float) -> None:
-    """One launch, compiled once per (variant, family or earlier kernel, config, beta's dtype, state order, the
-    variant's options, arch)."""
-    family = family_enabled()
+    """One launch, compiled once per (variant, config, beta's dtype, state order, the variant's options, arch)."""
     beta_fp32 = t.beta.dtype == torch.float32
     options = kernel.options(call)
     arch = runtime.device_arch(t.q.device)
-    key = (kernel.name, "family" if family else "earlier", config, beta_fp32, call.state_v_first)
+    key = (kernel.name, config, beta_fp32, call.state_v_first)
     key = (*key, *sorted(options.items()), arch)
-    fn = runtime.get_or_compile(
-        key, lambda: kernel.compile(arch, config, beta_fp32, call.state_v_first, family, **options)
-    )
+    fn = runtime.get_or_compile(key, lambda: kernel.compile(arch, config, beta_fp32, call.state_v_first, **options))
     ht, h0 = t.ht, t.h0
     if call.state_v_first:
         # the kernel takes (N, HV, K, V)-shaped tensors; a transposed view carries the V-first storage
