@@ -251,12 +251,13 @@ def test_forcing_torch_and_bad_values(monkeypatch):
 
 
 class FakeCuda:
-    """Pretends the call's tensors sit on a GPU of compute capability ``cc`` (dispatch reads only these)."""
+    """Pretends the call's tensors sit on a GPU of compute capability ``cc`` named ``name`` with ``sms`` SMs
+    (dispatch reads only these)."""
 
-    def __init__(self, monkeypatch, cc, sms=132):
+    def __init__(self, monkeypatch, cc, sms=132, name="NVIDIA H200"):
         monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cc)
-        props = type("Props", (), {"multi_processor_count": sms})
+        props = type("Props", (), {"multi_processor_count": sms, "name": name})
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
 
 
