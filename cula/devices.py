@@ -116,17 +116,17 @@ H200 = DeviceTimes(
 # -- the H100 SXM (benchmarks/results/h100_gdn_fwd_flashinfer.json: GDN forward only, D = 128, bf16, the kernel code
 # and software of the H200's JSON) --------------------------------------------------------------------------------
 
-# FLA's GDN: 2.05 ns per token-head from the same two rows as the H200's 1.65 (B1 T8192 H64 2.07, B2 T16384 H64
-# 2.03; its H32 and varlen rows 2.11-2.17); 1.85 us per chunk from B1 T65536 H8 (1.900 ms over 1024 chunks). Its
-# minimum per call is host time, more the host's than the GPU's, and was not measured apart: the H200's.
-# The GDN kernel: 3.8 us per chunk, the H200's 3.7 scaled by the two GPUs' B2 T16384 H64 times (0.915 against 0.896
-# ms); its other one-wave rows are within 2 % of the H200's. Its split passes were not timed apart: the H200's
-# fractions of a chunk. (The rows 12-27 % above this model, the N=20 mixes and B1 T65536 H8, spent 40-64 % of their
-# time issuing the call on the host.)
+# FLA's GDN: 2.05 ns per token-head, the mean of its B1 T8192 H64 and B2 T16384 H64 rows (2.07, 2.03), as the H200's
+# 1.65 is about the mean of the same rows there (its H32 and varlen rows: 2.11-2.17); 1.86 us per chunk from B1
+# T65536 H8 (1.900 ms over 1024 chunks). Its minimum per call is host time, more the host's than the GPU's, and was not measured apart: the H200's.
+# The GDN kernel: 3.57 us per chunk from B2 T16384 H64 (0.915 ms over 256 chunks per CTA in one wave), the row the
+# H200's 3.7 was fitted to (there ~0.94 ms in that run, 0.896 ms in the H200's JSON). Its split passes were not timed
+# apart: the H200's fractions of a chunk. (The model runs 14-24 % under the N=20 mixes and B1 T65536 H8, which spent
+# 40-64 % of their time issuing the call on the host.)
 H100_SXM = DeviceTimes(
     "H100 SXM",
-    fla={"gdn": FlaTime(ns_per_token_head=2.05, min_ms=H200_FLA_GDN.min_ms, chunk_us=1.85)},
-    kernels={"gdn": KernelTime(3.8, H200_GDN_SPLIT)},
+    fla={"gdn": FlaTime(ns_per_token_head=2.05, min_ms=H200_FLA_GDN.min_ms, chunk_us=1.86)},
+    kernels={"gdn": KernelTime(3.57, H200_GDN_SPLIT)},
 )
 
 TABLE = {"NVIDIA H200": H200, "NVIDIA H100 80GB HBM3": H100_SXM}
