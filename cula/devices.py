@@ -134,9 +134,9 @@ TABLE = {"NVIDIA H200": H200, "NVIDIA H100 80GB HBM3": H100_SXM}
 
 def default_times(table: dict[str, DeviceTimes]) -> DeviceTimes:
     """The time models for a GPU not in ``table``, and for what a row lacks: each of FLA's constants at its smallest
-    measured value, each kernel at its largest measured chunk time (with that row's split fractions). The kernel is
-    then chosen only where it is expected to win on every measured GPU; the kernel's side counts the device's own
-    SMs (DESIGN.md, "Dispatch", says why nothing else is scaled)."""
+    measured value, each kernel at its largest measured chunk time (with that row's split costs, which the rows share
+    today). The kernel is then chosen only where it is expected to win on every measured GPU; the kernel's side
+    counts the device's own SMs (DESIGN.md, "Dispatch", says why nothing else is scaled)."""
     rows = list(table.values())
     fla = {}
     for op in OPS:
