@@ -2,7 +2,8 @@
 measured per GPU (a rate reached in practice, not the datasheet's), with a default for GPUs not in the table.
 
 To add a GPU: time a large bf16 ``torch.matmul`` and a large ``Tensor.copy_`` on it (read + write bytes over time)
-and add an entry under its name as ``torch.cuda.get_device_name()`` spells it.
+and add an entry under its name as ``torch.cuda.get_device_name()`` spells it. (Dispatch's time model per GPU,
+``cula/devices.py``, is keyed by the same names.)
 """
 
 from __future__ import annotations

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from cula.devices import FlaTime, KernelTime, times_for
+
 logger = logging.getLogger("cula.dispatch")
 
 BACKENDS = ("cute", "fla", "torch")
@@ -257,36 +259,17 @@ def chunk_fwd_kernel_declines(args: dict[str, Any]) -> Verdict | None:
     return None
 
 
-@dataclass(frozen=True)
-class FlaTime:
-    """FLA's forward time for one op, as measured on the H200: ``ns_per_token_head`` per token and value head,
-    never under ``min_ms`` (its host time per call) nor under ``chunk_us`` per chunk of the longest sequence (its
-    state pass walks a sequence's chunks in series, which dominates for one long sequence with few heads)."""
-
-    ns_per_token_head: float
-    min_ms: float
-    chunk_us: float = 0.0
-
-    def ms(self, lengths: list[int], HV: int) -> float:
-        chain = self.chunk_us * -(-max(lengths, default=0) // 64) / 1e3
-        return max(self.ns_per_token_head * sum(lengths) * HV / 1e6, self.min_ms, chain)
+def expected_ms(lengths: list[int], HV: int, num_sms: int, kernel: KernelTime, fla: FlaTime) -> tuple[float, float]:
+    """(kernel, FLA) expected forward times in ms for sequences of these lengths over ``HV`` value heads on
+    ``num_sms`` SMs. A varlen call with its offsets only on the device reads them once per cu_seqlens tensor
+    (``validation.host_offsets``), whichever backend serves it, so neither side counts that read."""
+    return kernel.ms(lengths, HV, num_sms), fla.ms(lengths, HV)
 
 
-def expected_ms(
-    lengths: list[int],
-    HV: int,
-    num_sms: int,
-    kernel_ms: Callable[[list[int], int, int], float],
-    fla: FlaTime,
-) -> tuple[float, float]:
-    """(kernel, FLA) expected forward times in ms for sequences of these lengths. A varlen call with its offsets
-    only on the device reads them once per cu_seqlens tensor (``validation.host_offsets``), whichever backend serves
-    it, so neither side counts that read."""
-    return kernel_ms(lengths, HV, num_sms), fla.ms(lengths, HV)
-
-
-def kernel_vs_fla(args: dict[str, Any], kernel_ms: Callable[[list[int], int, int], float], fla: FlaTime) -> Verdict:
-    """Whether a chunk kernel is expected to beat FLA on these arguments (:func:`expected_ms`)."""
+def kernel_vs_fla(args: dict[str, Any], op: str, kernel: str) -> Verdict:
+    """Whether the chunk kernel with time model ``kernel`` (a :data:`cula.devices.KERNELS` name) is expected to beat
+    FLA's ``op`` (``"gdn"``, ``"kda"``) on these arguments, on the call's GPU (:func:`cula.devices.times_for`,
+    :func:`expected_ms`)."""
     from cula import validation
 
     q, v, cu_seqlens = args["q"], args["v"], args["cu_seqlens"]
@@ -295,11 +278,13 @@ def kernel_vs_fla(args: dict[str, Any], kernel_ms: Callable[[list[int], int, int
     else:
         offsets = validation.host_offsets(cu_seqlens, args.get("cu_seqlens_cpu"))
         lengths = [b - a for a, b in zip(offsets, offsets[1:], strict=False)]
+    times = times_for(q.device)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    ours, fla_ms = expected_ms(lengths, v.shape[2], sms, kernel_ms, fla)
+    ours, fla_ms = expected_ms(lengths, v.shape[2], sms, times.kernels[kernel], times.fla[op])
     if ours <= fla_ms:
         return True, ""
     return False, (
         f"FLA expected faster: the kernel walks up to {-(-max(lengths) // 64)} chunks in series here "
-        f"(kernel est. {ours:.2f} ms, FLA est. {fla_ms:.2f} ms); CULA_BACKEND=cute forces the kernel"
+        f"(kernel est. {ours:.2f} ms, FLA est. {fla_ms:.2f} ms, {times.label} time model); "
+        "CULA_BACKEND=cute forces the kernel"
     )

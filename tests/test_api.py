@@ -251,12 +251,13 @@ def test_forcing_torch_and_bad_values(monkeypatch):
 
 
 class FakeCuda:
-    """Pretends the call's tensors sit on a GPU of compute capability ``cc`` (dispatch reads only these)."""
+    """Pretends the call's tensors sit on a GPU of compute capability ``cc`` named ``name`` with ``sms`` SMs
+    (dispatch reads only these)."""
 
-    def __init__(self, monkeypatch, cc, sms=132):
+    def __init__(self, monkeypatch, cc, sms=132, name="NVIDIA H200"):
         monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cc)
-        props = type("Props", (), {"multi_processor_count": sms})
+        props = type("Props", (), {"multi_processor_count": sms, "name": name})
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
 
 
@@ -347,12 +348,16 @@ def test_gdn_goes_to_fla_where_the_kernel_is_expected_slower(monkeypatch):
     # an FLA ten times faster per token-head than measured: now the estimate sends the call to FLA, and says why
     import dataclasses
 
-    import cula.gdn.api as gdn_api
+    from cula import dispatch
 
-    fast_fla = dataclasses.replace(
-        gdn_api.FLA_TIME, ns_per_token_head=gdn_api.FLA_TIME.ns_per_token_head / 10, min_ms=0
-    )
-    monkeypatch.setattr(gdn_api, "FLA_TIME", fast_fla)
+    measured = dispatch.times_for
+
+    def fast_fla(device):
+        times = measured(device)
+        fla = dataclasses.replace(times.fla["gdn"], ns_per_token_head=times.fla["gdn"].ns_per_token_head / 10, min_ms=0)
+        return dataclasses.replace(times, fla={**times.fla, "gdn": fla})
+
+    monkeypatch.setattr(dispatch, "times_for", fast_fla)
     decision = cula.explain(CHUNK_GDN, **args)
     assert decision.backend == "fla" and "FLA expected faster" in dict(decision.rejected)["cute"]
     monkeypatch.setenv("CULA_BACKEND", "cute")

@@ -242,33 +242,46 @@ def test_grid_and_floor():
     assert bench.floor(cases[1], itemsize=4)[1] > 1.9 * bytes_ / 2  # fp32 inputs: about twice the bytes
 
 
-@pytest.mark.parametrize("op", ["gdn", "kda"])
-def test_dispatch_model_matches_the_h200_measurements(op):
-    """An SM90 kernel's time model (used by dispatch to prefer FLA where the kernel is slower) against the committed
-    side-by-side H200 run of its op: within 30 % of every measured kernel time, split rows included, and picking the
-    faster side."""
-    import importlib
-    from pathlib import Path
+# The committed side-by-side runs, each with the GPU it ran on (its name in cula/devices.py), its ops and its grids.
+MEASURED_RUNS = [
+    ("h200_fwd.json", "NVIDIA H200", "gdn", ["core", "varlen", "long", "layer"]),
+    ("h200_fwd.json", "NVIDIA H200", "kda", ["core", "varlen", "long"]),
+    ("h100_gdn_fwd_flashinfer.json", "NVIDIA H100 80GB HBM3", "gdn", ["core", "varlen", "long"]),
+]
 
+
+@pytest.mark.parametrize(("results", "device", "op", "grids"), MEASURED_RUNS)
+def test_dispatch_model_matches_the_measurements(results, device, op, grids, monkeypatch):
+    """A GPU's dispatch time model (its row of cula/devices.py, used to prefer FLA where the kernel is slower)
+    against the committed side-by-side run on that GPU: the kernel's within 30 % of every measured kernel time, split
+    rows included, FLA's within 20 % of every FLA time, and picking the faster side."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from cula import devices
     from cula.dispatch import expected_ms
 
-    fla_time = importlib.import_module(f"cula.{op}.api").FLA_TIME
-    kernel_module = importlib.import_module(f"cula.{op}.chunk_fwd_sm90")
-    estimated_ms = kernel_module.estimated_ms
-    measured = json.loads((Path(bench.__file__).parent / "results" / "h200_fwd.json").read_text())
-    cases = {c.name: c for c in shapes.cases([op], ["core", "varlen", "long"], 128)}
+    measured = json.loads((Path(bench.__file__).parent / "results" / results).read_text())
+    assert measured["env"]["gpu"] == f"{device} (sm_90, 132 SMs)"
+    props = SimpleNamespace(name=device, multi_processor_count=132)
+    monkeypatch.setattr(bench.torch.cuda, "get_device_properties", lambda d=None: props)
+    times = devices.times_for(0)
+    assert times is not devices.DEFAULT and times.label == devices.TABLE[device].label
+    cases = {c.name: c for c in shapes.cases([op], grids, 128)}
     rows = [r for r in measured["rows"] if r["op"] == op and r["mode"] == "fwd" and r["shape"] in cases]
-    assert sorted(r["shape"] for r in rows) == sorted(cases)  # other grids' rows (layer, other ops) may be there
+    assert sorted(r["shape"] for r in rows) == sorted(cases)  # other grids' rows (other ops) may be there
+    # the benchmark passes varlen offsets on the device only, read once per cu_seqlens tensor by both sides
+    assert "varlen offsets" in measured["env"]
     for row in rows:
         case = cases[row["shape"]]
         # the kernel's own time: the row's when dispatch picked it, else the forced-kernel timing
         kernel_ms = row["cula_ms"] if row["cula_backend"] == "cute" else row["kernel_ms"]
         assert kernel_ms is not None, row
-        # the benchmark passes varlen offsets on the device only, read once per cu_seqlens tensor by both sides
-        assert "varlen offsets" in measured["env"]
+        kernel = times.kernels["gdn_l2norm" if case.layer else op]
         lengths = case.lengths or [case.T] * case.B
-        ours, fla = expected_ms(lengths, case.H, 132, estimated_ms, fla_time)
+        ours, fla = expected_ms(lengths, case.H, 132, kernel, times.fla[op])
         assert abs(ours / kernel_ms - 1) < 0.3, (row["shape"], ours, kernel_ms)
+        assert abs(fla / row["fla_ms"] - 1) < 0.2, (row["shape"], fla, row["fla_ms"])
         if abs(kernel_ms / row["fla_ms"] - 1) > 0.05:  # on a near-tie either side is right
             assert (ours <= fla) == (kernel_ms <= row["fla_ms"]), (row["shape"], ours, fla)
 

@@ -1,5 +1,6 @@
 """KDA chunked forward on SM90 (cula.kda.chunk_fwd_sm90) against an fp64 per-token recurrence; its dispatch."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -224,7 +225,9 @@ def test_raw_bf16_gate_goes_to_the_kernel_unactivated(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(
-        torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(multi_processor_count=132)
+        torch.cuda,
+        "get_device_properties",
+        lambda device=None: SimpleNamespace(multi_processor_count=132, name="NVIDIA H200"),
     )
     from cula.sm90 import entry
 
@@ -260,7 +263,9 @@ def test_dispatch_picks_the_sm90_kernel_only_for_bounded_gates(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(
-        torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(multi_processor_count=132)
+        torch.cuda,
+        "get_device_properties",
+        lambda device=None: SimpleNamespace(multi_processor_count=132, name="NVIDIA H200"),
     )
     B, T, H, HV, D = 1, 70, 2, 4, 128
     args = {
@@ -292,8 +297,10 @@ def test_dispatch_picks_the_sm90_kernel_only_for_bounded_gates(monkeypatch):
     long = {**args, "q": torch.zeros(1, T, H, D).bfloat16(), "k": torch.zeros(1, T, H, D).bfloat16()}
     long.update(v=torch.zeros(1, T, HV, D).bfloat16(), g=torch.zeros(1, T, HV, D), beta=torch.zeros(1, T, HV))
     assert cula.explain(fn, **long).backend == "cute"
-    from cula.kda import chunk_fwd_sm90
+    from cula import devices
 
-    monkeypatch.setattr(chunk_fwd_sm90, "CHUNK_LATENCY_US", chunk_fwd_sm90.CHUNK_LATENCY_US * 8)
+    row = devices.TABLE["NVIDIA H200"]
+    slow = dataclasses.replace(row.kernels["kda"], chunk_us=row.kernels["kda"].chunk_us * 8)
+    monkeypatch.setitem(devices.TABLE, "NVIDIA H200", dataclasses.replace(row, kernels={**row.kernels, "kda": slow}))
     decision = cula.explain(fn, **long)
     assert decision.backend != "cute" and "FLA expected faster" in dict(decision.rejected)["cute"], decision

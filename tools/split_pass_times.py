@@ -1,5 +1,5 @@
 """Time each launch of a split SM90 chunk call with CUDA events: the data the split cost model is fitted to
-(``SplitCost`` in cula/gdn/chunk_fwd_sm90.py and cula/kda/chunk_fwd_sm90.py).
+(``KernelTime.split`` in cula/devices.py).
 
     python tools/split_pass_times.py [--op gdn|kda] [--l2norm] [--gate-in-kernel] [--shapes 1x65536x8,1x8192x64]
         [--seg CHUNKS]
@@ -77,6 +77,7 @@ def time_shape(op: str, module, entry, shape: str, l2norm: bool, sms: int, gate_
     from chunk_inputs import chunk_inputs  # (this script's folder is first on sys.path)
     from triton.testing import do_bench
 
+    from cula import devices
     from cula.ops import segment_split
 
     B, T, H = (int(x) for x in shape.split("x"))
@@ -89,12 +90,12 @@ def time_shape(op: str, module, entry, shape: str, l2norm: bool, sms: int, gate_
     whole = do_bench(call, warmup=20, rep=200)
     unsplit = do_bench(lambda: call(split=False), warmup=20, rep=200)
     # (KDA's model has no qk_l2norm cost)
-    model = module.estimated_ms([T] * B, H, sms, **({"qk_l2norm": l2norm} if op == "gdn" else {}))
+    kernel_time = devices.times_for(0).kernels[module.time_model(l2norm, 128) if op == "gdn" else "kda"]
+    model = kernel_time.ms([T] * B, H, sms)
     print(f"{op} {shape}{' qk_l2norm' if l2norm else ''}{' gate in kernel' if gate_in_kernel else ''}: call {whole:.3f} ms, unsplit {unsplit:.3f} ms, "
           f"model {model:.3f} ms (for the planner's own plan)")  # fmt: skip
     launches = per_launch(call, "kernel")
-    cost = module.split_cost(l2norm) if op == "gdn" else module.SPLIT_COST
-    plan = segment_split.plan_segments([T] * B, H, sms, segment_split.CHUNK, cost)
+    plan = segment_split.plan_segments([T] * B, H, sms, segment_split.CHUNK, kernel_time.split)
     pieces = [T] if plan is None else [e - s for _, s, e in segment_split.segments([0, T], plan[:1])]
     longest = -(-max(pieces) // segment_split.CHUNK)
     for row in launches:

@@ -9,7 +9,6 @@ import torch
 from cula import validation
 from cula.dispatch import (
     CuteKernel,
-    FlaTime,
     Op,
     bind,
     call_args,
@@ -130,19 +129,10 @@ def _sm90_supports(args: dict[str, Any]) -> tuple[bool, str]:
     )
 
 
-# FLA 0.6.0's chunk_gated_delta_rule forward on the H200 at D = 128 (BENCHMARK_H200.md): about 1.65 ns per
-# token-head, never under its host time per call on tiny inputs (0.38 ms), nor under 1.75 us per chunk of the
-# longest sequence (B1 T65536 H8: 1024 chunks, 1.795 ms in the 2026-12-03 14:20 UTC run).
-FLA_TIME = FlaTime(ns_per_token_head=1.65, min_ms=0.38, chunk_us=1.75)
-
-
 def _sm90_faster_than_fla(args: dict[str, Any]) -> tuple[bool, str]:
-    from functools import partial
+    from cula.gdn.chunk_fwd_sm90 import time_model
 
-    from cula.gdn.chunk_fwd_sm90 import estimated_ms
-
-    estimate = partial(estimated_ms, qk_l2norm=bool(args["use_qk_l2norm_in_kernel"]))
-    return kernel_vs_fla(args, estimate, FLA_TIME)
+    return kernel_vs_fla(args, "gdn", time_model(bool(args["use_qk_l2norm_in_kernel"])))
 
 
 def _sm90_run(args: dict[str, Any]):

@@ -33,7 +33,7 @@ import torch
 from cutlass.cute.nvgpu import warp as warp_ops
 from cutlass.cute.nvgpu import warpgroup
 
-from cula import runtime
+from cula import devices, runtime
 from cula.gdn import gates_sm90
 from cula.ops import segment_split
 from cula.ops.gates import L2NORM_EPS  # FLA's l2norm_fwd: x / sqrt(sum(x^2) + eps)
@@ -43,26 +43,7 @@ from cula.sm90.roles import Barrier, RoleLayout, WarpGroupRole
 from cula.sm90.state_chain import ChainGates
 
 SUPPORTED_DIMS = (64, 128)
-# One CTA walks its chunks in series at about this many microseconds each (H200, B2 T16384 H64: 256 chunks per CTA in
-# one wave, ~0.94 ms through the public entry); one CTA per SM. With qk_l2norm (the norms folded into the gates):
-# 0.968 ms against 0.912 without, same process.
-CHUNK_LATENCY_US = 3.7
-CHUNK_LATENCY_L2NORM_US = 3.9
-# A split sequence's first pass saves each chunk's Tinv and P, the later passes load them and run the state chain
-# alone. Per chunk (H200, B1 T65536 H8 cut every 64 chunks, 128 CTAs, events around each launch): first pass 3.47 us,
-# correction 2.61 (2.34 at B1 T32768 H16), transition 1.40; at 64 CTAs 3.32 / 2.06 / 1.14 (correction taken as
-# 2.3). A split call spends ~25 us more once and ~0.5 us per link of the start chain and value head; on the skewed
-# varlen mixes (H32) each CTA wave beyond a pass's first costs ~7 us. These fit ten split and unsplit timings within
-# ~10 %. With qk_l2norm the later passes are taken as 0.2 us per chunk slower (fits the measured B1 T65536 H8, B1
-# T32768 H16 and B1 T8192 H64 calls). A sequence walked by few CTAs runs faster than at full load: 3.2-3.36 us per
-# chunk at 8-32 CTAs (``lone``).
-LONE_FRACTION = 3.25 / CHUNK_LATENCY_US
-SPLIT_COST = segment_split.SplitCost.from_us(
-    CHUNK_LATENCY_US, 2.3, 1.4, 0.5, cached=True, first=3.47, fixed=25, wave=7, lone=LONE_FRACTION
-)
-SPLIT_COST_L2NORM = segment_split.SplitCost.from_us(
-    CHUNK_LATENCY_L2NORM_US, 2.5, 1.6, 0.5, cached=True, fixed=25, wave=7, lone=LONE_FRACTION
-)._replace(first=SPLIT_COST.first)  # the same fraction of a whole chunk as without qk_l2norm
+# The kernel's time model (its time per chunk, its split passes' costs) is in cula/devices.py, per GPU.
 
 
 class GateParams(NamedTuple):
@@ -479,16 +460,15 @@ def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, **
     return True, ""
 
 
-def split_cost(qk_l2norm: bool) -> segment_split.SplitCost:
-    """The split passes' costs: the later passes load Tinv and P (``cached``)."""
-    return SPLIT_COST_L2NORM if qk_l2norm else SPLIT_COST
+def time_model(qk_l2norm: bool) -> str:
+    """The name of the kernel's time model in :data:`cula.devices.KERNELS` for these options: with qk_l2norm the
+    norms cost a little per chunk."""
+    return "gdn_l2norm" if qk_l2norm else "gdn"
 
 
-def estimated_ms(lengths: list[int], HV: int, num_sms: int, qk_l2norm: bool = False) -> float:
-    """The kernel's time for sequences of these lengths, split where the entry splits them (matches the H200 timings
-    of the benchmark within about 30 %)."""
-    latency = CHUNK_LATENCY_L2NORM_US if qk_l2norm else CHUNK_LATENCY_US
-    return segment_split.chunk_walk_ms(lengths, HV, num_sms, latency, True, split_cost(qk_l2norm))
+def split_cost(call: entry.ChunkCall) -> segment_split.SplitCost:
+    """The split passes' costs on the call's GPU (:func:`cula.devices.times_for`)."""
+    return devices.times_for(call.q.device).kernels[time_model(call.qk_l2norm)].split
 
 
 def compile_gdn_fwd_sm90(arch="sm_90a", *, beta_fp32=True, state_v_first=False, keep_artifacts=False, **config):
@@ -504,7 +484,7 @@ GDN_SM90 = entry.ChunkKernel(
     lambda arch, config, beta_fp32, state_v_first: compile_gdn_fwd_sm90(
         arch, beta_fp32=beta_fp32, state_v_first=state_v_first, **config.__dict__
     ),
-    split_cost=lambda call: split_cost(call.qk_l2norm),
+    split_cost=split_cost,
 )
 
 

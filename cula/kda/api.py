@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from cula import validation
-from cula.dispatch import CuteKernel, FlaTime, Op, bind, call_args, chunk_fwd_kernel_declines, kernel_vs_fla
+from cula.dispatch import CuteKernel, Op, bind, call_args, chunk_fwd_kernel_declines, kernel_vs_fla
 from cula.kda import reference
 from cula.ops.gates import kernel_kda_gate
 
@@ -148,16 +148,8 @@ def _sm90_run(args: dict[str, Any]):
     return run_bound(KDA_SM90, args, g.float())
 
 
-# FLA 0.6.0's chunk_kda forward on the H200 at D = 128 (safe_gate, lower_bound=-5): about 3.2 ns per token-head
-# (benchmarks/results/h200_fwd.json); its minimum per call is taken from GDN's; one long sequence walks its chunks in
-# series at about 2.9 us each (2.976 ms at B1 T65536 H8).
-FLA_TIME = FlaTime(ns_per_token_head=3.2, min_ms=0.38, chunk_us=2.9)
-
-
 def _sm90_faster_than_fla(args: dict[str, Any]) -> tuple[bool, str]:
-    from cula.kda.chunk_fwd_sm90 import estimated_ms
-
-    return kernel_vs_fla(args, estimated_ms, FLA_TIME)
+    return kernel_vs_fla(args, "kda", "kda")
 
 
 CHUNK.register_kernel(CuteKernel("kda.chunk_fwd_sm90", 9, _sm90_supports, _sm90_run, _sm90_faster_than_fla))

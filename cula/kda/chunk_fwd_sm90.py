@@ -49,7 +49,7 @@ import torch
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cute.nvgpu import warp as warp_ops
 
-from cula import runtime
+from cula import devices, runtime
 from cula.ops import segment_split
 from cula.ops.gates import L2NORM_EPS  # FLA's l2norm_fwd: x / sqrt(sum(x^2) + eps)
 from cula.sm90 import entry, mma, pipeline, solve, tiles, workspace
@@ -58,16 +58,9 @@ from cula.sm90.roles import Barrier, RoleLayout, WarpGroupRole
 from cula.sm90.state_chain import ChainGates
 
 SUPPORTED_DIMS = (64, 128)
+# The kernel's time model (its time per chunk, its split passes' costs) is in cula/devices.py, per GPU.
 # the lowest gate the intra-chunk factorisation tolerates (module docstring)
 LOWER_BOUND_MIN = -5.0
-# One CTA walks its chunks in series at about this many microseconds each (H200, the benchmark's setting: 2.094 ms
-# at B2 T16384 H64 = 256 chunks per CTA in one wave); one CTA per SM.
-CHUNK_LATENCY_US = 8.2
-# A split sequence's first pass saves each chunk's Tinv and P, its B tiles and 2^G_last; the later passes load them
-# and make only the state products. Kernel time per chunk (H200, the benchmark's setting, at B1 T8192 H64 and B1
-# T65536 H8, 128 CTAs per pass): first pass 9.01-9.11 us, correction 3.93-4.08, transition 2.55. A link of the
-# start chain: ~0.5 us per value head.
-SPLIT_COST = segment_split.SplitCost.from_us(CHUNK_LATENCY_US, 4.0, 2.55, 0.5, cached=True, first=9.05)
 _LOG2E = math.log2(math.e)
 
 
@@ -878,9 +871,9 @@ def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, **
     return True, ""
 
 
-def estimated_ms(lengths: list[int], HV: int, num_sms: int) -> float:
-    """The kernel's time for sequences of these lengths, split where the entry splits them."""
-    return segment_split.chunk_walk_ms(lengths, HV, num_sms, CHUNK_LATENCY_US, True, SPLIT_COST)
+def split_cost(call: entry.ChunkCall) -> segment_split.SplitCost:
+    """The split passes' costs on the call's GPU (:func:`cula.devices.times_for`)."""
+    return devices.times_for(call.q.device).kernels["kda"].split
 
 
 def compile_kda_fwd_sm90(
@@ -934,7 +927,7 @@ KDA_SM90 = entry.ChunkKernel(
         **config.__dict__,
     ),  # fmt: skip
     gate_args=gate_args,
-    split_cost=lambda call: SPLIT_COST,
+    split_cost=split_cost,
     workspaces=split_workspaces,
     options=lambda call: {"gate_in_kernel": call.gate is not None},
 )
