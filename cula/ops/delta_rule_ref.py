@@ -292,8 +292,9 @@ def linear_attn_call(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`linear_attn_ref` for an entry point's bound arguments ``args``: scale, states and varlen offsets (as
     validation read them) come from there, the transformed inputs from the caller; ``recurrent`` for the
-    fused-recurrent entry points. Arguments that change results and that the reference cannot honour raise
-    NotImplementedError."""
+    fused-recurrent entry points. A call with a state pool reads and writes it through `state_pool.serve` (and
+    returns the pool as its state when writing in place). Arguments that change results and that the reference
+    cannot honour raise NotImplementedError."""
     if args.get("cp_context") is not None:
         raise NotImplementedError("cula reference: `cp_context` (context parallelism) is not supported")
     if args.get("return_intermediate_states"):
