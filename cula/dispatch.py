@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from cula import validation
 from cula.devices import FlaTime, KernelTime, times_for
 
 logger = logging.getLogger("cula.dispatch")
@@ -83,6 +84,8 @@ class Op:
     reference: Callable[[dict[str, Any]], Any]  # takes the bound arguments
     validate: Callable[[dict[str, Any]], None]
     fla_supports: SupportsFn | None = None
+    # FLA's function that serves calls with a state pool (FLA's public ops leave the pool arguments unread), if any
+    fla_pool_target: str | None = None
     kernels: list[CuteKernel] = field(default_factory=list)
     _local: threading.local = field(default_factory=threading.local, repr=False, compare=False)
 
@@ -124,15 +127,23 @@ class Op:
         fp64 = [n for n, t in args.items() if isinstance(t, torch.Tensor) and t.dtype == torch.float64]
         if fp64:
             return (False, f"float64 {', '.join(fp64)}: FLA's Triton kernels compute in fp32 / bf16"), None
+        pooled = validation.pooled(args)
+        target = self.fla_pool_target if pooled else self.fla_target
+        if target is None:
+            public = self.fla_target.split(":")[1]
+            return (False, f"state pool: FLA 0.6.0's {public} takes no ssm_state_indices / inplace_final_state"), None
         try:
-            fn = fla_function(self.fla_target)
+            fn = fla_function(target)
         except ImportError as error:
             return (False, f"fla is not importable ({error})"), None
         if self.fla_supports is not None:
             ok, why = self.fla_supports(args)
             if not ok:
                 return (False, why), None
-        return (True, f"FLA Triton {self.fla_target}"), lambda a: _call_fla(fn, a)
+        if pooled:
+            # FLA's pool-taking functions sit below its input guard: they index every tensor as contiguous
+            return (True, f"FLA Triton {target}"), lambda a: _call_fla(fn, _contiguous_but_pool(a))
+        return (True, f"FLA Triton {target}"), lambda a: _call_fla(fn, _without_pool_args(a))
 
     def _torch(self, args: dict[str, Any]) -> tuple[Verdict, Callable | None]:
         return (True, "PyTorch reference backend"), self.reference
@@ -210,6 +221,16 @@ def _call_fla(fn: Callable, args: dict[str, Any]) -> Any:
         inside_fla_call.reset(token)
 
 
+def _without_pool_args(args: dict[str, Any]) -> dict[str, Any]:
+    """A call without a pool, as FLA's public op takes it (``fused_recurrent_lightning_attn`` has no ``**kwargs``)."""
+    return {n: a for n, a in args.items() if n not in validation.POOL_ARGS}
+
+
+def _contiguous_but_pool(args: dict[str, Any]) -> dict[str, Any]:
+    """Every tensor contiguous but the pool, which is written in place (FLA's kernel takes its slot stride)."""
+    return {n: a.contiguous() if isinstance(a, torch.Tensor) and n != "initial_state" else a for n, a in args.items()}
+
+
 def fla_function(target: str) -> Callable:
     """FLA's function ``module:name``."""
     module, name = target.split(":")
@@ -249,7 +270,10 @@ def call_args(local_vars: dict[str, Any]) -> dict[str, Any]:
 
 
 def chunk_fwd_kernel_declines(args: dict[str, Any]) -> Verdict | None:
-    """What every forward-only chunk kernel declines: training calls, context parallelism, chunk sizes but 64."""
+    """What every forward-only chunk kernel declines: training calls, context parallelism, chunk sizes but 64, state
+    pools."""
+    if validation.pooled(args):
+        return False, "state pool (ssm_state_indices / inplace_final_state): the kernel reads states by sequence"
     if requires_grad(args):
         return False, "inputs require grad: forward-only kernel (backward kernel not landed)"
     if args.get("cp_context") is not None:
@@ -270,8 +294,6 @@ def kernel_vs_fla(args: dict[str, Any], op: str, kernel: str) -> Verdict:
     """Whether the chunk kernel with time model ``kernel`` (a :data:`cula.devices.KERNELS` name) is expected to beat
     FLA's ``op`` (``"gdn"``, ``"kda"``) on these arguments, on the call's GPU (:func:`cula.devices.times_for`,
     :func:`expected_ms`)."""
-    from cula import validation
-
     q, v, cu_seqlens = args["q"], args["v"], args["cu_seqlens"]
     if cu_seqlens is None:
         lengths = [q.shape[1]] * q.shape[0]

@@ -7,6 +7,8 @@ import math
 import numbers
 import threading
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -71,13 +73,16 @@ def qkv(q, k, v, allow_gva: bool) -> tuple[int, int, int, int, int, int]:
     return B, T, H, HV, K, V
 
 
-# Offsets read from cu_seqlens tensors, for the few tensors seen last: a model hands the same cu_seqlens to every
-# layer, so only its first layer waits for the device to read them (FLA caches its own read of them per tensor
-# the same way). Keyed by the tensor object; a tensor changed in place (its version counter moves) is read again.
-# Tensors without a version counter or a storage pointer (inference-mode tensors) are read on every call.
-_OFFSETS_SEEN: collections.OrderedDict[int, tuple[weakref.ref, tuple[int, int], list[int]]] = collections.OrderedDict()
-_OFFSETS_KEPT = 8
-_OFFSETS_LOCK = threading.Lock()
+# Host copies of small index tensors (cu_seqlens offsets, state-pool indices), for the few tensors seen last: a model
+# hands the same tensors to every layer, so only its first layer waits for the device to read them (FLA caches its
+# own read of cu_seqlens per tensor the same way). Keyed by the tensor object and what was read; a tensor changed in
+# place (its version counter moves) is read again. Tensors without a version counter or a storage pointer
+# (inference-mode tensors) are read on every call.
+_HOST_COPIES: collections.OrderedDict[tuple[int, Callable], tuple[weakref.ref, tuple[int, int], Any]] = (
+    collections.OrderedDict()
+)
+_HOST_COPIES_KEPT = 8
+_HOST_COPIES_LOCK = threading.Lock()
 
 
 def host_offsets(cu_seqlens, cu_seqlens_cpu=None) -> list[int]:
@@ -89,25 +94,52 @@ def host_offsets(cu_seqlens, cu_seqlens_cpu=None) -> list[int]:
     return _read_offsets(cu_seqlens)
 
 
+def _read_host(x, read: Callable, fresh: bool = False):
+    """``read(x)``, from the cache when this tensor at this version was read so before (unless ``fresh``). The value
+    is shared with later calls: callers leave it unchanged."""
+    try:
+        stamp = (x._version, x.data_ptr())
+    except RuntimeError:
+        return read(x)
+    key = (id(x), read)
+    with _HOST_COPIES_LOCK:
+        seen = None if fresh else _HOST_COPIES.get(key)
+        if seen is not None and seen[0]() is x and seen[1] == stamp:
+            _HOST_COPIES.move_to_end(key)
+            return seen[2]
+    value = read(x)  # outside the lock: other threads need not wait for this device read
+    with _HOST_COPIES_LOCK:
+        _HOST_COPIES[key] = (weakref.ref(x), stamp, value)
+        _HOST_COPIES.move_to_end(key)
+        while len(_HOST_COPIES) > _HOST_COPIES_KEPT:
+            _HOST_COPIES.popitem(last=False)
+    return value
+
+
+def _to_list(x) -> list:
+    return x.tolist()
+
+
+def _to_host_int64(x) -> torch.Tensor:
+    return x.to("cpu", torch.int64, copy=True)
+
+
 def _read_offsets(cu_seqlens, fresh: bool = False) -> list[int]:
     """``cu_seqlens.tolist()``, from the cache when this tensor at this version was read before (unless ``fresh``)."""
-    try:
-        stamp = (cu_seqlens._version, cu_seqlens.data_ptr())
-    except RuntimeError:
-        return cu_seqlens.tolist()
-    key = id(cu_seqlens)
-    with _OFFSETS_LOCK:
-        seen = None if fresh else _OFFSETS_SEEN.get(key)
-        if seen is not None and seen[0]() is cu_seqlens and seen[1] == stamp:
-            _OFFSETS_SEEN.move_to_end(key)
-            return list(seen[2])
-    offsets = cu_seqlens.tolist()  # outside the lock: other threads need not wait for this device read
-    with _OFFSETS_LOCK:
-        _OFFSETS_SEEN[key] = (weakref.ref(cu_seqlens), stamp, offsets)
-        _OFFSETS_SEEN.move_to_end(key)
-        while len(_OFFSETS_SEEN) > _OFFSETS_KEPT:
-            _OFFSETS_SEEN.popitem(last=False)
-    return list(offsets)
+    return list(_read_host(cu_seqlens, _to_list, fresh))
+
+
+def _capturing(x) -> bool:
+    """Whether ``x`` is a CUDA tensor while a CUDA graph is being captured: no device read is possible then."""
+    return x.is_cuda and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def host_indices(x) -> torch.Tensor | None:
+    """An integer tensor (state-pool indices) on the host as int64, read as :func:`host_offsets` reads offsets
+    (cached per tensor and version); None while a CUDA graph is being captured. Callers leave it unchanged."""
+    if _capturing(x):
+        return None
+    return _read_host(x, _to_host_int64)
 
 
 def _check_offsets(name: str, offsets: list[int], T: int) -> None:
@@ -137,7 +169,7 @@ def cu_seqlens_(cu_seqlens, B: int, T: int, cu_seqlens_cpu=None) -> list[int] | 
     if cu_seqlens_cpu is not None and tuple(cu_seqlens_cpu.shape) != tuple(cu_seqlens.shape):
         raise ValueError(f"`cu_seqlens_cpu` must have the shape of `cu_seqlens`, got {tuple(cu_seqlens_cpu.shape)}")
     host = None if cu_seqlens_cpu is None else cu_seqlens_cpu.tolist()
-    capturing = cu_seqlens.is_cuda and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    capturing = _capturing(cu_seqlens)
     device = None
     if host is None or not capturing:
         # one small copy per tensor; a wrong offset would otherwise make a kernel read out of bounds
@@ -165,6 +197,150 @@ def state(
         source = "len(cu_seqlens) - 1" if varlen else "the batch size B"
         raise ValueError(f"`initial_state` must have N={N} ({source}) states, got {initial_state.shape[0]}")
     shape("initial_state", initial_state, expected, layout)
+
+
+# The state-pool arguments (cula/ops/state_pool.py says what they mean): FLA 0.6.0's names for its decode kernels.
+POOL_ARGS = ("ssm_state_indices", "num_accepted_tokens", "inplace_final_state")
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def pooled(args: dict) -> bool:
+    """Whether a call reads its states from a pool by index or writes them back in place."""
+    return args.get("ssm_state_indices") is not None or bool(args.get("inplace_final_state"))
+
+
+def state_pool(args: dict, N: int, HV: int, K: int, V: int, lengths: list[int], fp64: bool, token_slots: bool) -> bool:
+    """The state-pool arguments; returns whether the call uses a pool (then ``initial_state`` is the pool and
+    `state` does not apply). ``inplace_final_state`` left out or None becomes True with ``ssm_state_indices`` (the
+    default of FLA's ``fused_recurrent_kda_fwd``), False without. ``token_slots``: the op takes ``[N, T_max]``
+    indices and ``num_accepted_tokens`` (the fused-recurrent ops).
+
+    The index values are read to the host (cached per tensor and version, as cu_seqlens are) and checked: in range,
+    and, when writing in place, no slot written twice nor read by one sequence and written by another. While a CUDA
+    graph is being captured they cannot be read: the shapes are checked, the values are not."""
+    indices, accepted = args.get("ssm_state_indices"), args.get("num_accepted_tokens")
+    inplace = args.get("inplace_final_state")
+    if inplace is None:
+        inplace = indices is not None
+    elif not isinstance(inplace, bool):
+        raise TypeError(f"`inplace_final_state` must be a bool, got {type(inplace).__name__} {inplace!r}")
+    if "inplace_final_state" in args or indices is not None:
+        args["inplace_final_state"] = inplace
+    if indices is None and not inplace:
+        if accepted is not None:
+            raise ValueError("`num_accepted_tokens` needs `ssm_state_indices` of shape [N, T_max]")
+        return False
+    what = "`ssm_state_indices`" if indices is not None else "`inplace_final_state=True`"
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in args.values()):
+        raise ValueError(f"{what}: state pools serve inference, but inputs require grad (use torch.no_grad())")
+    if args.get("reverse"):
+        raise ValueError(f"{what} with reverse=True: a state pool carries states forward, token after token")
+    pool = args.get("initial_state")
+    if pool is None:
+        raise ValueError(f"{what} needs `initial_state`: the states to read and write back")
+    dtypes = (torch.float32, torch.bfloat16, torch.float64) if fp64 else (torch.float32, torch.bfloat16)
+    tensor("initial_state", pool, 4, dtypes)
+    inner = (HV, V, K) if args.get("state_v_first", False) else (HV, K, V)
+    layout = "[slots, HV, V, K]" if args.get("state_v_first", False) else "[slots, HV, K, V]"
+    if tuple(pool.shape[1:]) != inner:
+        raise ValueError(
+            f"`initial_state` (the state pool) must have shape {layout} = (slots, {inner}), got {tuple(pool.shape)}"
+        )
+    if indices is None:
+        if pool.shape[0] != N:
+            raise ValueError(
+                f"`initial_state` must have N={N} states (one per sequence; `ssm_state_indices` addresses a pool of "
+                f"any size), got {pool.shape[0]}"
+            )
+        return True
+    tensor("ssm_state_indices", indices, None, INDEX_DTYPES)
+    if indices.dim() not in ((1, 2) if token_slots else (1,)):
+        shapes = "[N] or [N, T_max] (one slot per token)" if token_slots else "[N] (chunk ops keep no per-token states)"
+        raise ValueError(f"`ssm_state_indices` must have shape {shapes}, got {tuple(indices.shape)}")
+    if indices.shape[0] != N:
+        raise ValueError(f"`ssm_state_indices` must hold N={N} rows (one per sequence), got {indices.shape[0]}")
+    longest = max(lengths, default=0)
+    if indices.dim() == 2 and indices.shape[1] < max(longest, 1):
+        raise ValueError(
+            f"`ssm_state_indices` [N, T_max] needs a column per token: T_max >= {max(longest, 1)} (the longest "
+            f"sequence), got {indices.shape[1]}"
+        )
+    if accepted is not None:
+        if indices.dim() != 2:
+            raise ValueError("`num_accepted_tokens` needs `ssm_state_indices` of shape [N, T_max]")
+        tensor("num_accepted_tokens", accepted, 1, INDEX_DTYPES)
+        shape("num_accepted_tokens", accepted, (N,), "[N]")
+    same_device(initial_state=pool, ssm_state_indices=indices, num_accepted_tokens=accepted)
+    _pool_index_values(indices, accepted, pool.shape[0], lengths, inplace)
+    return True
+
+
+# Index tables found valid, for the few seen last: every layer of a model checks the same host copies against the
+# same pool shape and lengths, so only the first one pays for the check. Keyed by the call; the host copies are kept
+# and compared by identity (a new read is a new copy).
+_POOLS_CHECKED: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
+
+
+def _pool_index_values(indices, accepted, slots: int, lengths: list[int], inplace: bool) -> None:
+    table = host_indices(indices)
+    steps = None if accepted is None else host_indices(accepted)
+    if table is None or (accepted is not None and steps is None):
+        return  # CUDA graph capture: the eager call before it checked these tensors
+    key = (id(table), id(steps), slots, tuple(lengths), inplace)
+    with _HOST_COPIES_LOCK:
+        seen = _POOLS_CHECKED.get(key)
+        if seen is not None and seen[0] is table and seen[1] is steps:
+            return
+    _check_pool_index_values(table, steps, slots, lengths, inplace)
+    with _HOST_COPIES_LOCK:
+        _POOLS_CHECKED[key] = (table, steps)
+        _POOLS_CHECKED.move_to_end(key)
+        while len(_POOLS_CHECKED) > _HOST_COPIES_KEPT:
+            _POOLS_CHECKED.popitem(last=False)
+
+
+def _check_pool_index_values(table, steps, slots: int, lengths: list[int], inplace: bool) -> None:
+    at = (lambda n, t: f"[{n}, {t}]") if table.dim() == 2 else (lambda n, t: f"[{n}]")
+    table = table.view(len(lengths), -1)
+    N, W = table.shape
+    outside = (table >= slots).nonzero()
+    if len(outside):
+        n, t = outside[0].tolist()
+        raise ValueError(
+            f"`ssm_state_indices`{at(n, t)} = {table[n, t].item()} is outside the pool of {slots} slots "
+            f"(a negative index marks padding)"
+        )
+    if steps is not None:
+        bad = ((steps < 1) | (steps > W)).nonzero()
+        if len(bad):
+            n = bad[0].item()
+            raise ValueError(f"`num_accepted_tokens`[{n}] = {steps[n].item()} must lie in [1, T_max={W}]")
+    if not inplace:
+        return  # the pool is only read: sequences may share a slot
+    rows = torch.arange(N)
+    read = table[rows, 0 if steps is None else steps - 1]
+    length = torch.tensor(lengths)
+    active = (read >= 0) & (length > 0)
+    written = active[:, None] & (table >= 0) & (torch.arange(W) < length[:, None])
+    order = table[written].argsort(stable=True)
+    slot, writer = table[written][order], rows[:, None].expand(N, W)[written][order]
+    twice = (slot[1:] == slot[:-1]).nonzero()
+    if len(twice):
+        i = twice[0].item()
+        raise ValueError(
+            f"`ssm_state_indices`: slot {slot[i].item()} is written twice in place (by sequences {writer[i].item()} "
+            f"and {writer[i + 1].item()}); each slot written belongs to one sequence and one token"
+        )
+    owner = torch.full((slots,), -1, dtype=torch.long)
+    owner[slot] = writer
+    read_by, reader = read[active], rows[active]
+    clash = ((owner[read_by] >= 0) & (owner[read_by] != reader)).nonzero()
+    if len(clash):
+        i = clash[0].item()
+        raise ValueError(
+            f"`ssm_state_indices`: slot {read_by[i].item()} is read by sequence {reader[i].item()} and written in "
+            f"place by sequence {owner[read_by[i]].item()}"
+        )
 
 
 def scale(value) -> None:
@@ -275,8 +451,9 @@ def head_params(
         raise ValueError(f"`dt_bias` must hold {dt_bias_numel} values, got shape {tuple(dt_bias.shape)}")
 
 
-def common(args: dict, allow_gva: bool) -> tuple[int, int, int, int, int, int, int]:
-    """Checks shared by every op: q/k/v, scale, cu_seqlens and initial_state. Returns B, T, H, HV, K, V, N.
+def common(args: dict, allow_gva: bool, token_slots: bool = False) -> tuple[int, int, int, int, int, int, int]:
+    """Checks shared by every op: q/k/v, scale, cu_seqlens and initial_state (or the state pool: `state_pool`, with
+    ``token_slots`` for the fused-recurrent ops). Returns B, T, H, HV, K, V, N.
 
     For ops that take ``cu_seqlens_cpu``, fills it in from the offsets read here when the caller left it out."""
     B, T, H, HV, K, V = qkv(args["q"], args["k"], args["v"], allow_gva)
@@ -289,6 +466,8 @@ def common(args: dict, allow_gva: bool) -> tuple[int, int, int, int, int, int, i
         # hand the host copy on, so that later steps (the GDN time model, FLA) do not copy the offsets again
         args["cu_seqlens_cpu"] = torch.tensor(offsets, dtype=cu_seqlens.dtype)
     fp64 = args["q"].dtype == torch.float64
-    state(args.get("initial_state"), N, HV, K, V, args.get("state_v_first", False), cu_seqlens is not None, fp64)
+    lengths = [T] * B if offsets is None else [b - a for a, b in zip(offsets, offsets[1:], strict=False)]
+    if not state_pool(args, N, HV, K, V, lengths, fp64, token_slots):
+        state(args.get("initial_state"), N, HV, K, V, args.get("state_v_first", False), cu_seqlens is not None, fp64)
     same_device(**{n: t for n, t in args.items() if n != "cu_seqlens" and n != "cu_seqlens_cpu"})
     return B, T, H, HV, K, V, N

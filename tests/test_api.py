@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import cula
 from cula import dispatch
 from cula.dispatch import CuteKernel
+from cula.validation import POOL_ARGS
 
 # (cuLA function, FLA "module:function")
 ENTRY_POINTS = [
@@ -43,7 +44,14 @@ def params(fn) -> list[tuple[str, object, object]]:
 
 @pytest.mark.parametrize("ours,target", ENTRY_POINTS, ids=[t for _, t in ENTRY_POINTS])
 def test_signature_matches_fla(ours, target):
-    assert params(ours) == params(fla_fn(target))
+    """FLA's parameters exactly; where FLA takes no ``**kwargs`` (fused_recurrent_lightning_attn), cuLA's state-pool
+    extension follows as keyword-only parameters defaulting to None."""
+    extension = [(p.name, p.kind, p.default) for p in inspect.signature(ours).parameters.values()
+                 if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name in POOL_ARGS]  # fmt: skip
+    if extension:
+        assert [name for name, _, _ in extension] == list(POOL_ARGS)
+        assert all(default is None for _, _, default in extension)
+    assert [p for p in params(ours) if p not in extension] == params(fla_fn(target))
 
 
 # -- inputs -----------------------------------------------------------------------------------------------------
@@ -500,12 +508,12 @@ def test_offsets_cache_under_threads(monkeypatch):
             found = super().get(key, default)
             if found is not None and not evict.is_set():
                 evict.set()  # once: fill the cache with other tensors from another thread, meanwhile
-                others = [torch.tensor([0, n, 20]) for n in range(validation._OFFSETS_KEPT + 1)]
+                others = [torch.tensor([0, n, 20]) for n in range(validation._HOST_COPIES_KEPT + 1)]
                 worker = threading.Thread(target=lambda: [validation.host_offsets(t) for t in others])
                 worker.start()
                 worker.join(timeout=0.5)  # with the lock held, the worker waits until this lookup is done
             return found
 
-    monkeypatch.setattr(validation, "_OFFSETS_SEEN", Interleaved())
+    monkeypatch.setattr(validation, "_HOST_COPIES", Interleaved())
     cu = torch.tensor([0, 5, 20])
     assert validation.host_offsets(cu) == validation.host_offsets(cu) == [0, 5, 20]

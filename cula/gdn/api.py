@@ -32,7 +32,7 @@ def _validate_chunk(args: dict[str, Any]) -> None:
 
 def _validate_recurrent(args: dict[str, Any]) -> None:
     validation.head_first(args, refused_in_any_form=False)
-    B, T, H, HV, K, V, N = validation.common(args, allow_gva=True)
+    B, T, H, HV, K, V, N = validation.common(args, allow_gva=True, token_slots=True)
     validation.beta_flags(args)
     validation.per_head("g", args["g"], B, T, HV, optional=True)
     validation.beta_(args["beta"], B, T, HV, V, optional=True)
@@ -67,7 +67,8 @@ def chunk_gated_delta_rule(
     """Chunked Gated DeltaNet. q, k: [B, T, H, K]; v: [B, T, HV, V]; g, beta: [B, T, HV] (natural-log gate).
 
     Returns ``(o [B, T, HV, V], final_state [N, HV, K, V] fp32 or None)``; extra keyword arguments as in FLA
-    (``use_gate_in_kernel``, ``A_log``, ``dt_bias``, ``chunk_size``).
+    (``use_gate_in_kernel``, ``A_log``, ``dt_bias``, ``chunk_size``), and cuLA's state pools (``ssm_state_indices``
+    [N], ``inplace_final_state``: `cula.ops.state_pool`).
     """
     return CHUNK.call(call_args(locals()))
 
@@ -93,7 +94,8 @@ def fused_recurrent_gated_delta_rule(
     cu_seqlens: torch.LongTensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-by-token Gated DeltaNet (decode). Shapes as `chunk_gated_delta_rule`; gk [B, T, HV, K], gv [B, T, HV, V]."""
+    """Token-by-token Gated DeltaNet (decode). Shapes as `chunk_gated_delta_rule`; gk [B, T, HV, K], gv [B, T, HV, V].
+    State pools as `fused_recurrent_kda` takes them (cuLA's extension for GDN, `cula.ops.state_pool`)."""
     return RECURRENT.call(call_args(locals()))
 
 

@@ -11,13 +11,17 @@ from cula.dispatch import Op, bind, call_args
 from cula.gla import reference
 
 
-def _validate(args: dict[str, Any]) -> None:
+def _validate(args: dict[str, Any], token_slots: bool = False) -> None:
     validation.head_first(args, refused_in_any_form=False)
-    B, T, H, HV, K, V, N = validation.common(args, allow_gva=False)
+    B, T, H, HV, K, V, N = validation.common(args, allow_gva=False, token_slots=token_slots)
     for name, dim in (("g", K), ("gk", K), ("gv", V)):
         if name in args:
             validation.tensor(name, args[name], 4, optional=name != "g")
             validation.shape(name, args[name], (B, T, H, dim), f"[B, T, H, {'K' if dim == K else 'V'}]")
+
+
+def _validate_recurrent(args: dict[str, Any]) -> None:
+    _validate(args, token_slots=True)
 
 
 def chunk_gla(
@@ -53,12 +57,15 @@ def fused_recurrent_gla(
     cu_seqlens: torch.LongTensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-by-token GLA. gk: [B, T, H, K], gv: [B, T, H, V] (both optional log gates)."""
+    """Token-by-token GLA. gk: [B, T, H, K], gv: [B, T, H, V] (both optional log gates). State pools as
+    `cula.kda.fused_recurrent_kda` takes them (`cula.ops.state_pool`)."""
     return RECURRENT.call(call_args(locals()))
 
 
 CHUNK = bind(Op("gla.chunk_gla", "fla.ops.gla:chunk_gla", reference.chunk_gla, _validate), chunk_gla)
 RECURRENT = bind(
-    Op("gla.fused_recurrent_gla", "fla.ops.gla:fused_recurrent_gla", reference.fused_recurrent_gla, _validate),
+    Op(
+        "gla.fused_recurrent_gla", "fla.ops.gla:fused_recurrent_gla", reference.fused_recurrent_gla, _validate_recurrent
+    ),
     fused_recurrent_gla,
 )

@@ -10,6 +10,7 @@ import torch
 from cula import validation
 from cula.dispatch import CuteKernel, Op, bind, call_args, chunk_fwd_kernel_declines, kernel_vs_fla
 from cula.kda import reference
+from cula.ops import state_pool
 from cula.ops.gates import kernel_kda_gate
 
 
@@ -20,13 +21,13 @@ def _validate_chunk(args: dict[str, Any]) -> None:
 
 
 def _validate_recurrent(args: dict[str, Any]) -> None:
-    B, T, H, HV, K, V, N = _validate_common(args)
+    B, T, H, HV, K, V, N = _validate_common(args, token_slots=True)
     validation.beta_(args["beta"], B, T, HV, V)
 
 
-def _validate_common(args: dict[str, Any]) -> tuple[int, ...]:
+def _validate_common(args: dict[str, Any], token_slots: bool = False) -> tuple[int, ...]:
     validation.head_first(args, refused_in_any_form=False)
-    B, T, H, HV, K, V, N = dims = validation.common(args, allow_gva=True)
+    B, T, H, HV, K, V, N = dims = validation.common(args, allow_gva=True, token_slots=token_slots)
     validation.beta_flags(args)
     validation.tensor("g", args["g"], 4)
     validation.shape("g", args["g"], (B, T, HV, K), "[B, T, HV, K]")
@@ -74,7 +75,8 @@ def chunk_kda(
     """Chunked KDA. q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K] (per-key log gate); beta: [B, T, HV].
 
     Returns ``(o [B, T, HV, V], final_state [N, HV, K, V] fp32 or None)``; ``A_log``/``dt_bias``/``chunk_size``
-    as keyword arguments, as in FLA.
+    as keyword arguments, as in FLA. ``ssm_state_indices`` [N] / ``inplace_final_state`` keywords: states read from
+    and written back to a pool (cuLA's extension, `cula.ops.state_pool`).
     """
     return CHUNK.call(call_args(locals()))
 
@@ -99,14 +101,21 @@ def fused_recurrent_kda(
     cu_seqlens: torch.LongTensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-by-token KDA (decode). Shapes as `chunk_kda`."""
+    """Token-by-token KDA (decode). Shapes as `chunk_kda`. State pools, speculative verify included: the keywords
+    ``ssm_state_indices``, ``num_accepted_tokens``, ``inplace_final_state`` of FLA's ``fused_recurrent_kda_fwd``
+    (`cula.ops.state_pool`)."""
     return RECURRENT.call(call_args(locals()))
 
 
 CHUNK = bind(Op("kda.chunk_kda", "fla.ops.kda:chunk_kda", reference.chunk_kda, _validate_chunk), chunk_kda)
 RECURRENT = bind(
     Op(
-        "kda.fused_recurrent_kda", "fla.ops.kda:fused_recurrent_kda", reference.fused_recurrent_kda, _validate_recurrent
+        "kda.fused_recurrent_kda",
+        "fla.ops.kda:fused_recurrent_kda",
+        reference.fused_recurrent_kda,
+        _validate_recurrent,
+        fla_supports=lambda args: state_pool.fla_kda_supports(args) if validation.pooled(args) else (True, ""),
+        fla_pool_target="fla.ops.kda.fused_recurrent:fused_recurrent_kda_fwd",
     ),
     fused_recurrent_kda,
 )

@@ -15,12 +15,12 @@ from cula.lightning import reference
 def _validate_chunk_simple_gla(args: dict[str, Any]) -> None:
     validation.head_first(args, refused_in_any_form=True)
     validation.chunk_size(args, None, "simple GLA")
-    _validate_simple_gla(args)
+    _validate_simple_gla(args, token_slots=False)
 
 
-def _validate_simple_gla(args: dict[str, Any]) -> None:
+def _validate_simple_gla(args: dict[str, Any], token_slots: bool = True) -> None:
     validation.head_first(args, refused_in_any_form=False)
-    B, T, H, HV, K, V, N = validation.common(args, allow_gva=False)
+    B, T, H, HV, K, V, N = validation.common(args, allow_gva=False, token_slots=token_slots)
     validation.per_head("g", args["g"], B, T, H, optional=True)
     validation.tensor("g_gamma", args["g_gamma"], 1, optional=True)
     validation.shape("g_gamma", args["g_gamma"], (H,), "[H]")
@@ -29,11 +29,11 @@ def _validate_simple_gla(args: dict[str, Any]) -> None:
 def _validate_chunk_lightning(args: dict[str, Any]) -> None:
     validation.head_first(args, refused_in_any_form=True)
     validation.chunk_size(args, None, "Lightning Attention")
-    _validate_lightning(args)
+    _validate_lightning(args, token_slots=False)
 
 
-def _validate_lightning(args: dict[str, Any]) -> None:
-    validation.common(args, allow_gva=False)
+def _validate_lightning(args: dict[str, Any], token_slots: bool = True) -> None:
+    validation.common(args, allow_gva=False, token_slots=token_slots)
     layer_idx, num_layers = args["layer_idx"], args["num_layers"]
     for name, value in (("layer_idx", layer_idx), ("num_layers", num_layers)):
         if isinstance(value, bool) or not isinstance(value, int):
@@ -56,7 +56,8 @@ def chunk_simple_gla(
     cu_seqlens_cpu: torch.LongTensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunked simple GLA. q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] log gate; g_gamma: [H] constant."""
+    """Chunked simple GLA. q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] log gate; g_gamma: [H] constant.
+    ``ssm_state_indices`` [N] / ``inplace_final_state`` keywords: a state pool (`cula.ops.state_pool`)."""
     return CHUNK_SIMPLE_GLA.call(call_args(locals()))
 
 
@@ -74,7 +75,8 @@ def fused_recurrent_simple_gla(
     cu_seqlens: torch.LongTensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-by-token simple GLA; shapes as `chunk_simple_gla`."""
+    """Token-by-token simple GLA; shapes as `chunk_simple_gla`. State pools as `cula.kda.fused_recurrent_kda` takes
+    them (`cula.ops.state_pool`)."""
     return RECURRENT_SIMPLE_GLA.call(call_args(locals()))
 
 
@@ -91,7 +93,8 @@ def chunk_lightning_attn(
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked Lightning Attention. q, k: [B, T, H, K]; v: [B, T, H, V]; the decay of head h is
-    ``-(8 / H) * (1 - layer_idx / num_layers) * h``."""
+    ``-(8 / H) * (1 - layer_idx / num_layers) * h``. ``ssm_state_indices`` [N] / ``inplace_final_state`` keywords: a
+    state pool (`cula.ops.state_pool`)."""
     return CHUNK_LIGHTNING.call(call_args(locals()))
 
 
@@ -106,8 +109,14 @@ def fused_recurrent_lightning_attn(
     output_final_state: bool = False,
     reverse: bool = False,
     cu_seqlens: torch.LongTensor | None = None,
+    *,
+    ssm_state_indices: torch.Tensor | None = None,
+    num_accepted_tokens: torch.Tensor | None = None,
+    inplace_final_state: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-by-token Lightning Attention; shapes as `chunk_lightning_attn`."""
+    """Token-by-token Lightning Attention; shapes as `chunk_lightning_attn`. State pools as
+    `cula.kda.fused_recurrent_kda` takes them (`cula.ops.state_pool`): FLA's op has no ``**kwargs``, through which
+    the other entry points take them, so they are keyword-only parameters here."""
     return RECURRENT_LIGHTNING.call(call_args(locals()))
 
 

@@ -34,6 +34,7 @@ recurrence does. Everything is differentiable by autograd and device-agnostic; f
 import torch
 
 from cula import validation
+from cula.ops import state_pool
 
 CHUNK_SIZE = 64
 # the fused-recurrent entry points walk sequences this short token by token (decode, speculative steps)
@@ -43,9 +44,9 @@ RECURRENT_MAX_LEN = 16
 PART_ELEMENTS = 1 << 25
 
 
-def _schedule(length: int, chunk_size: int, recurrent: bool) -> tuple[int, int, bool]:
+def _schedule(length: int, chunk_size: int, tokenwise: bool) -> tuple[int, int, bool]:
     """(tokens per step, steps, token by token) for a sequence of ``length`` tokens."""
-    if recurrent and length <= RECURRENT_MAX_LEN:
+    if tokenwise:
         return 1, length, True
     C = chunk_size if length > chunk_size else 1 << (length - 1).bit_length()
     return C, -(-length // C), False
@@ -155,11 +156,12 @@ def _walk_chunks(x: dict, S: torch.Tensor, C: int) -> tuple[torch.Tensor, torch.
     return torch.stack(outs, 2).movedim(1, 3).flatten(1, 2), S
 
 
-def _walk_tokens(x: dict, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _walk_tokens(x: dict, S: torch.Tensor, every_state: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The recurrence token by token (FLA's naive loop) over gathered inputs ``x`` (name -> [n, steps, HV, *]) from
-    states ``S`` [n, HV, K, V]. Returns o [n, steps, HV, V] and the final states."""
+    states ``S`` [n, HV, K, V]. Returns o [n, steps, HV, V] and the final states, or with ``every_state`` the state
+    after each step [n, steps, HV, K, V]."""
     gv, beta = x.get("gv"), x.get("beta")
-    outs = []
+    outs, states = [], []
     for t in range(x["q"].shape[1]):
         q, k, v = x["q"][:, t], x["k"][:, t], x["v"][:, t]
         S = S * x["gk"][:, t].exp().unsqueeze(-1)
@@ -168,7 +170,8 @@ def _walk_tokens(x: dict, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         u = v if beta is None else beta[:, t] * (v - (k.unsqueeze(-2) @ S).squeeze(-2))
         S = S + k.unsqueeze(-1) * u.unsqueeze(-2)
         outs.append((q.unsqueeze(-2) @ S).squeeze(-2))
-    return torch.stack(outs, 1), S
+        states.append(S)
+    return torch.stack(outs, 1), torch.stack(states, 1) if every_state else S
 
 
 def linear_attn_ref(
@@ -186,6 +189,7 @@ def linear_attn_ref(
     reverse: bool = False,
     chunk_size: int = CHUNK_SIZE,
     recurrent: bool = False,
+    token_states: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated linear attention, optionally with the delta rule, in fp32 (fp64 for fp64 inputs).
 
@@ -200,9 +204,12 @@ def linear_attn_ref(
         cu_seqlens: ``[N + 1]`` offsets (a tensor or a list) of the sequences packed in a batch of one.
         reverse: run each sequence from its last token to its first (FLA's fused_recurrent ``reverse``).
         recurrent: walk sequences of at most ``RECURRENT_MAX_LEN`` tokens token by token (the fused-recurrent ops).
+        token_states: walk every sequence token by token and return the state after each token instead of the
+            final states (a state pool with a slot per token).
 
     Returns:
-        ``o`` ``[B, T, HV, V]`` in the compute dtype and the final state (same layout as ``initial_state``) or None.
+        ``o`` ``[B, T, HV, V]`` in the compute dtype and the final state (same layout as ``initial_state``) or None;
+        with ``token_states`` the state after every token, ``[B * T, HV, K, V]`` (same layout).
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -240,7 +247,8 @@ def linear_attn_ref(
     for n in range(N):
         length = offsets[n + 1] - offsets[n]
         if length:
-            groups.setdefault(_schedule(length, chunk_size, recurrent), []).append(n)
+            tokenwise = token_states or (recurrent and length <= RECURRENT_MAX_LEN)
+            groups.setdefault(_schedule(length, chunk_size, tokenwise), []).append(n)
         else:
             empty.append(n)
     # the widest decay or solve batch per chunk: [C, C, K] per key, [C, C, V] per value column
@@ -249,6 +257,7 @@ def linear_attn_ref(
     # zero-length sequences: no tokens, their initial state as final state
     tokens, outs = [torch.zeros(0, dtype=torch.long, device=q.device)], [flat["v"][:0]]
     sequences, states = [empty], [S0[empty]]
+    after_token = [S0.new_zeros(0, HV, K, V)]  # with token_states, in the order of ``tokens``
     for (C, steps, tokenwise), members in groups.items():
         part = max(1, PART_ELEMENTS // (HV * (C * C * width + K * V)))
         for i in range(0, len(members), part):
@@ -257,16 +266,24 @@ def linear_attn_ref(
             lengths = [offsets[n + 1] - offsets[n] for n in ids]
             idx = _token_index(starts, lengths, C * steps, reverse, B * T, q.device)
             x = {name: t[idx] for name, t in flat.items()}
-            o, S = _walk_tokens(x, S0[ids]) if tokenwise else _walk_chunks(x, S0[ids], C)
             real = idx != B * T
+            if token_states:
+                o, every = _walk_tokens(x, S0[ids], every_state=True)
+                after_token.append(every[real])
+            else:
+                o, S = _walk_tokens(x, S0[ids]) if tokenwise else _walk_chunks(x, S0[ids], C)
+                sequences.append(ids)
+                states.append(S)
             tokens.append(idx[real])
             outs.append(o[real])
-            sequences.append(ids)
-            states.append(S)
-    o = torch.cat(outs)[_inverse(torch.cat(tokens))].view(B, T, HV, V)
-    if not output_final_state:
+    order = _inverse(torch.cat(tokens))
+    o = torch.cat(outs)[order].view(B, T, HV, V)
+    if token_states:
+        S = torch.cat(after_token)[order]
+    elif output_final_state:
+        S = torch.cat(states)[_inverse(torch.tensor([n for ids in sequences for n in ids], device=q.device))]
+    else:
         return o, None
-    S = torch.cat(states)[_inverse(torch.tensor([n for ids in sequences for n in ids], device=q.device))]
     return o, (S.transpose(-1, -2) if state_v_first else S).contiguous()
 
 
@@ -275,16 +292,23 @@ def linear_attn_call(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`linear_attn_ref` for an entry point's bound arguments ``args``: scale, states and varlen offsets (as
     validation read them) come from there, the transformed inputs from the caller; ``recurrent`` for the
-    fused-recurrent entry points. Arguments that change results and that the reference cannot honour raise
-    NotImplementedError."""
+    fused-recurrent entry points. A call with a state pool reads and writes it through `state_pool.serve` (and
+    returns the pool as its state when writing in place). Arguments that change results and that the reference
+    cannot honour raise NotImplementedError."""
     if args.get("cp_context") is not None:
         raise NotImplementedError("cula reference: `cp_context` (context parallelism) is not supported")
     if args.get("return_intermediate_states"):
         raise NotImplementedError("cula reference: `return_intermediate_states=True` is not supported")
     cu_seqlens = args["cu_seqlens"]
     offsets = None if cu_seqlens is None else validation.host_offsets(cu_seqlens, args.get("cu_seqlens_cpu"))
-    return linear_attn_ref(
-        q, k, args["v"], g=g, gv=gv, beta=beta, scale=args["scale"], initial_state=args["initial_state"],
-        output_final_state=args["output_final_state"], state_v_first=args.get("state_v_first", False),
-        cu_seqlens=offsets, reverse=reverse, recurrent=recurrent,
-    )  # fmt: skip
+
+    def run(initial_state, output_final_state, token_states=False):
+        return linear_attn_ref(
+            q, k, args["v"], g=g, gv=gv, beta=beta, scale=args["scale"], initial_state=initial_state,
+            output_final_state=output_final_state, state_v_first=args.get("state_v_first", False),
+            cu_seqlens=offsets, reverse=reverse, recurrent=recurrent, token_states=token_states,
+        )  # fmt: skip
+
+    if validation.pooled(args):
+        return state_pool.serve(args, offsets, lambda h0, token_states: run(h0, True, token_states))
+    return run(args["initial_state"], args["output_final_state"])
