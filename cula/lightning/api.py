@@ -3,13 +3,17 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
 from cula import validation
-from cula.dispatch import Op, bind, call_args, fla_gated_backward_ok
+from cula.dispatch import CuteKernel, Op, bind, call_args, chunk_fwd_kernel_declines, fla_gated_backward_ok
 from cula.lightning import reference
+
+# The SM90 kernel has not yet passed its GPU tests: dispatch serves it only when this is "1".
+SM90_OPT_IN = "CULA_SM90_SIMPLE_GLA"
 
 
 def _validate_chunk_simple_gla(args: dict[str, Any]) -> None:
@@ -157,3 +161,39 @@ RECURRENT_LIGHTNING = bind(
     ),
     fused_recurrent_lightning_attn,
 )
+
+
+def _sm90_gates(args: dict[str, Any]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(g, g_gamma) of a simple GLA or Lightning call; Lightning's g_gamma as FLA builds it from the layer."""
+    if "layer_idx" in args:
+        q = args["q"]
+        return None, reference.lightning_g_gamma(q.shape[2], args["layer_idx"], args["num_layers"], q.device)
+    return args["g"], args["g_gamma"]
+
+
+def _sm90_supports(args: dict[str, Any]) -> tuple[bool, str]:
+    declined = chunk_fwd_kernel_declines(args)
+    if declined:
+        return declined
+    if os.environ.get(SM90_OPT_IN, "0") != "1":
+        return False, f"the SM90 simple GLA kernel has not yet run on a GPU: {SM90_OPT_IN}=1 opts in"
+    from cula.lightning import chunk_fwd_sm90  # imports the CuTe DSL: only on an SM90 device
+
+    g, g_gamma = args.get("g"), args.get("g_gamma")
+    return chunk_fwd_sm90.supports(
+        args["q"], args["k"], args["v"], g, g_gamma, args["initial_state"], args["cu_seqlens"]
+    )
+
+
+def _sm90_run(args: dict[str, Any]):
+    from cula.lightning.chunk_fwd_sm90 import chunk_simple_gla_fwd_sm90
+
+    g, g_gamma = _sm90_gates(args)
+    return chunk_simple_gla_fwd_sm90(
+        args["q"], args["k"], args["v"], g, g_gamma, args["scale"], args["initial_state"], args["output_final_state"],
+        args["cu_seqlens"], args.get("state_v_first", False), args.get("cu_seqlens_cpu"),
+    )  # fmt: skip
+
+
+for _op in (CHUNK_SIMPLE_GLA, CHUNK_LIGHTNING):
+    _op.register_kernel(CuteKernel("lightning.chunk_fwd_sm90", 9, _sm90_supports, _sm90_run))

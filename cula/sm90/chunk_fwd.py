@@ -59,9 +59,12 @@ class ChunkFwdConfig:
     mode: str = "full"
     intra: str = "none"
     qk_l2norm: bool = False
+    # the delta rule (beta, the K S product, the solve: GDN, KDA); without it V_new = V (simple GLA, Lightning)
+    delta_rule: bool = True
 
     def __post_init__(self):
         assert self.mode in MODES and (self.mode == "full" or self.is_varlen), self
+        assert self.delta_rule or not self.qk_l2norm, self
         assert self.intra in INTRA, self
         assert self.intra != "save" or self.mode == "full", self
         assert self.intra != "load" or self.mode != "full", self
@@ -382,12 +385,19 @@ class ChunkFwdSm90:
             ins = self.chain_inputs(p, smem, gsmem, rings, states, seq, chunk)
             if cutlass.const_expr(cfg.v_from is not None):
                 rings.v.consumer_wait(v_state)
-            acc_k, acc_o = chain.project(acc_s, cST, ins.sK, ins.sQ, ins.gates, cfg.make_o)
-            rY, rY_lo = chain.delta(acc_k, smem.sV_mn[None, None, v_state.index], ins.gates, cCC, cfg.v_from == "v")
-            if cutlass.const_expr(tp_ring):
-                rings.tp.consumer_wait(tp_state)
-            sTP = smem.sTP[None, None, None, tp_state.index]
-            acc_vn = chain.values(rY, rY_lo, sTP[None, None, 0], acc_o, ins.gates, cCC, cfg.make_o)
+            acc_k, acc_o = chain.project(acc_s, cST, ins.sK, ins.sQ, ins.gates, cfg.make_o, cfg.delta_rule)
+            if cutlass.const_expr(cfg.delta_rule):
+                rY, rY_lo = chain.delta(acc_k, smem.sV_mn[None, None, v_state.index], ins.gates, cCC, cfg.v_from == "v")
+                if cutlass.const_expr(tp_ring):
+                    rings.tp.consumer_wait(tp_state)
+                sTP = smem.sTP[None, None, None, tp_state.index]
+                acc_vn = chain.values(rY, rY_lo, sTP[None, None, 0], acc_o, ins.gates, cCC, cfg.make_o)
+            else:
+                if cutlass.const_expr(tp_ring):
+                    rings.tp.consumer_wait(tp_state)
+                sTP = smem.sTP[None, None, None, tp_state.index]
+                sV_mn = smem.sV_mn[None, None, v_state.index]
+                acc_vn = chain.given_values(sV_mn, acc_o, ins.gates, cCC, cfg.v_from == "v", cfg.make_o)
             chain.update(acc_s, acc_o, acc_vn, sTP[None, None, 1], ins.sK_mn, ins.gates, cCC, cfg.make_o)
             if cutlass.const_expr(tp_ring):
                 rings.tp.consumer_release(tp_state)

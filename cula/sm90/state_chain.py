@@ -9,6 +9,8 @@ made by the intra role), per chunk:
     O^T     = scale S^T Q~^T + V_new^T P^T
     S^T    <- S^T decay + V_new^T K^                K^: K carrying the factor to the chunk end
 
+Without the delta rule (simple GLA, Lightning) there is no S^T K~^T, no Y and no Tinv: V_new = V.
+
 The state is the register A operand of the first two products (converted to bf16 each chunk), Y^T and V_new^T of
 the next ones; the token tiles are the B operands in shared memory (K-major, and read MN-major for the update).
 Where a gate's factors live is the gate's business (:class:`ChainGates`): a per-token gate multiplies the
@@ -72,9 +74,9 @@ class StateChain:
         return acc_s, thr.partition_C(cute.make_identity_tensor((self.C, D)))
 
     @cute.jit
-    def project(self, acc_s, cST, sK, sQ, gates, make_o: cutlass.Constexpr):
-        """S^T K~^T and (``make_o``) S^T Q~^T from the state before its chunk decay, which is applied meanwhile.
-        Returns the two (C x C) accumulators (the second unset without ``make_o``)."""
+    def project(self, acc_s, cST, sK, sQ, gates, make_o: cutlass.Constexpr, delta_rule: cutlass.Constexpr = True):
+        """S^T K~^T (``delta_rule``) and S^T Q~^T (``make_o``) from the state before its chunk decay, which is
+        applied meanwhile. Returns the two (C x C) accumulators (each unset where not made)."""
         thr = self.mma_cc.get_slice(self.wtid)
         acc_k = thr.make_fragment_C(thr.partition_shape_C((self.C, self.C)))
         acc_o = thr.make_fragment_C(thr.partition_shape_C((self.C, self.C)))
@@ -82,7 +84,8 @@ class StateChain:
         b_q = thr.make_fragment_B(thr.partition_B(sQ))
         rS = mma.acc_to_operand(acc_s)
         warpgroup.fence()
-        mma.gemm(self.mma_cc, acc_k, rS, b_k, True)
+        if cutlass.const_expr(delta_rule):
+            mma.gemm(self.mma_cc, acc_k, rS, b_k, True)
         if cutlass.const_expr(make_o):
             mma.gemm(self.mma_cc, acc_o, rS, b_q, True)
         warpgroup.commit_group()
@@ -116,6 +119,22 @@ class StateChain:
         if cutlass.const_expr(self.split_values):
             return mma.acc_to_operand_split(acc_k)
         return mma.acc_to_operand(acc_k), None
+
+    @cute.jit
+    def given_values(self, sV_mn, acc_o, gates, cCC, v_given: cutlass.Constexpr, make_o: cutlass.Constexpr):
+        """Without the delta rule: V_new^T = V^T (``v_given``; else zero, the later split passes) as an fp32
+        (C x C) accumulator for :meth:`update`; O's inter-chunk part scaled."""
+        thr = self.mma_cc.get_slice(self.wtid)
+        acc_vn = thr.make_fragment_C(thr.partition_shape_C((self.C, self.C)))
+        if cutlass.const_expr(v_given):
+            v_frag = self.read_rows(sV_mn)
+            for i in cutlass.range_constexpr(cute.size(acc_vn)):
+                acc_vn[i] = v_frag[i].to(cutlass.Float32)
+        else:
+            acc_vn.fill(0.0)
+        if cutlass.const_expr(make_o):
+            gates.o(acc_o, cCC)
+        return acc_vn
 
     @cute.jit
     def values(self, rY, rY_lo, sTinv, acc_o, gates, cCC, make_o: cutlass.Constexpr):

@@ -1,6 +1,6 @@
-"""Device helpers shared by the two GDN SM90 kernels (:mod:`cula.gdn.chunk_fwd_sm90`,
-:mod:`cula.gdn.chunk_fwd_roles_sm90`): a chunk's gates loaded and published to a gate slot (G in log2 units, beta,
-2^G and 2^(G_last - G) per token), and the gates at a thread's rows and columns of a (C x C) wgmma accumulator."""
+"""Device helpers of the scalar-gate kernel (:mod:`cula.sm90.scalar_chunk_fwd`): a chunk's gates loaded and
+published to a gate slot (G in log2 units, beta, 2^G and 2^(G_last - G) per token), and the gates at a thread's rows
+and columns of a (C x C) wgmma accumulator."""
 
 import math
 
@@ -50,10 +50,12 @@ def load_gates(gG, gBeta, tok0, seqlen, chunk, lane, C: cutlass.Constexpr):
     """Raw gates of one chunk, two tokens per lane, from one head's gates ``gG`` / ``gBeta`` (``mG[b, None, hv]``:
     sliced once, outside the chunk loop, they cost the gate warp fewer registers). The token index is clamped into
     the sequence instead of branching, so the loads stay in flight until :meth:`publish_gates` uses them (needs
-    seqlen >= 1)."""
+    seqlen >= 1). Without beta (``gBeta`` None: no delta rule) beta is 1."""
     t = chunk * C + lane
     t_lo = tok0 + cutlass.min(t, seqlen - 1)
     t_hi = tok0 + cutlass.min(t + 32, seqlen - 1)
+    if cutlass.const_expr(gBeta is None):
+        return gG[t_lo], gG[t_hi], cutlass.Float32(1.0), cutlass.Float32(1.0)
     return gG[t_lo], gG[t_hi], gBeta[t_lo], gBeta[t_hi]
 
 

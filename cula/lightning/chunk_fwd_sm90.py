@@ -1,0 +1,109 @@
+"""Simple GLA and Lightning Attention chunked forward for SM90: the family's scalar-gate kernel without the delta rule
+(:class:`cula.sm90.scalar_chunk_fwd.ScalarGateChunkFwdSm90` with ``delta_rule=False``: no beta, no solve,
+V_new = V) and their place in the SM90 host path.
+
+Math per chunk (state S is K x V; G the cumulative log gate inside the chunk):
+
+    O  = scale (Q * exp(G)) S + tril(scale Q K^T * exp(G_i - G_j)) V
+    S <- exp(G_last) S + (K * exp(G_last - G))^T V
+
+The kernel takes one fp32 log gate per token and head: simple GLA's ``g`` plus its per-head ``g_gamma`` (Lightning's
+decay is such a ``g_gamma``), summed on the host (:func:`token_gate`). Shapes as :mod:`cula.sm90.chunk_fwd`, H = HV.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cula import devices, runtime
+from cula.ops import segment_split
+from cula.sm90 import entry
+from cula.sm90.chunk_fwd import ChunkFwdConfig
+from cula.sm90.scalar_chunk_fwd import ScalarGateChunkFwdSm90
+
+SUPPORTED_DIMS = (64, 128)
+
+
+def supports(q, k, v, g=None, g_gamma=None, initial_state=None, cu_seqlens=None, **_) -> tuple[bool, str]:
+    """Whether :func:`chunk_simple_gla_fwd_sm90` can serve these inputs, and why not."""
+    ok, why = entry.supports_qkv(q, k, v, None, initial_state, cu_seqlens, SUPPORTED_DIMS)
+    if not ok:
+        return ok, why
+    if q.shape[2] != v.shape[2]:
+        return False, "simple GLA has one value head per q/k head"
+    if g is not None and (not g.is_floating_point() or g.shape != v.shape[:3]):
+        return False, "g must be a floating-point [B, T, H]"
+    if g_gamma is not None and (not g_gamma.is_floating_point() or g_gamma.shape != (v.shape[2],)):
+        return False, "g_gamma must be a floating-point [H]"
+    return True, ""
+
+
+def token_gate(g: torch.Tensor | None, g_gamma: torch.Tensor | None, v: torch.Tensor) -> torch.Tensor:
+    """The kernel's log gate, fp32 [B, T, H]: ``g`` plus ``g_gamma`` per head (zero where both are None)."""
+    gate = torch.zeros(v.shape[:3], dtype=torch.float32, device=v.device) if g is None else g.float()
+    if g_gamma is not None:
+        gate = gate + g_gamma.float()
+    return gate.contiguous()
+
+
+def split_cost(call: entry.ChunkCall) -> segment_split.SplitCost:
+    """The split passes' costs: GDN's measured ones (no split pass of this kernel has been timed), uncached: the later
+    passes make P again, and carry no V (they need neither Tinv nor P's product)."""
+    return devices.times_for(call.q.device).kernels["gdn"].split._replace(cached=False)
+
+
+def compile_simple_gla_fwd_sm90(arch="sm_90a", *, state_v_first=False, keep_artifacts=False, **config):
+    """The kernel for ``config`` (:class:`cula.sm90.chunk_fwd.ChunkFwdConfig` fields but ``delta_rule``), compiled on
+    any machine for ``arch``."""
+    cfg = ChunkFwdConfig(**config, delta_rule=False)
+    # beta's slot is never read: fp32, as the gate that fills it at launch
+    fake = entry.fake_args(cfg.head_dim, True, state_v_first, per_key_gate=False)
+    return runtime.compile_kernel(ScalarGateChunkFwdSm90(cfg), fake, arch, keep_artifacts)
+
+
+def _compile(arch, config: ChunkFwdConfig, beta_fp32: bool, state_v_first: bool):
+    options = {k: v for k, v in config.__dict__.items() if k != "delta_rule"}
+    return compile_simple_gla_fwd_sm90(arch, state_v_first=state_v_first, **options)
+
+
+SIMPLE_GLA_SM90 = entry.ChunkKernel("simple_gla", _compile, split_cost=split_cost)
+
+
+def chunk_simple_gla_fwd_sm90(
+    q,
+    k,
+    v,
+    g=None,
+    g_gamma=None,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    cu_seqlens=None,
+    state_v_first=False,
+    cu_seqlens_cpu=None,
+    split=None,
+    out=None,
+    final_state_out=None,
+):
+    """Simple GLA chunked forward on SM90: q, k, v [B, T, H, D] bf16; g [B, T, H] and / or g_gamma [H] log gates
+    (either may be None); the rest as :class:`cula.sm90.entry.ChunkCall`. Returns ``(o, final_state or None)``."""
+    gate = token_gate(g, g_gamma, v)
+    # beta's slot carries the gate too: never read without the delta rule, it gives the launch its [B, T, HV]
+    call = entry.ChunkCall(
+        q.contiguous(), k.contiguous(), v.contiguous(), gate, gate, scale, initial_state, output_final_state,
+        cu_seqlens, state_v_first, out, final_state_out, cu_seqlens_cpu, split,
+    )  # fmt: skip
+    return entry.chunk_fwd(SIMPLE_GLA_SM90, call)
+
+
+entry.register_checked(
+    "simple_gla_chunk_fwd_sm90",
+    compile_simple_gla_fwd_sm90,
+    {
+        "": {"is_varlen": True, "has_initial_state": True},
+        "[fixed length]": {},
+        "[D=64]": {"head_dim": 64, "is_varlen": True, "has_initial_state": True},
+        "[transition]": {"is_varlen": True, "mode": "transition"},
+        "[correction]": {"is_varlen": True, "mode": "correction"},
+    },
+)

@@ -1,0 +1,102 @@
+"""Simple GLA and Lightning chunked forward on SM90 (cula.lightning.chunk_fwd_sm90: the scalar-gate kernel without
+the delta rule) against cuLA's reference backend in fp64, per sequence and over the call."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from delta_rule_recurrence import assert_matches, needs_sm90
+
+import cula
+from cula.lightning.api import SM90_OPT_IN
+
+cutlass = pytest.importorskip("cutlass")
+pytestmark = [pytest.mark.gpu, needs_sm90]
+
+
+def make_inputs(B, T, H, D=128, gate="g", device="cuda"):
+    q = torch.randn(B, T, H, D, device=device).bfloat16()
+    k = (torch.randn(B, T, H, D, device=device) * D**-0.5).bfloat16()
+    v = torch.randn(B, T, H, D, device=device).bfloat16()
+    g = F.logsigmoid(torch.randn(B, T, H, device=device) + 3.0) if gate in ("g", "both") else None
+    g_gamma = -torch.rand(H, device=device) * 0.5 if gate in ("g_gamma", "both") else None
+    return q, k, v, g, g_gamma
+
+
+def reference(q, k, v, g, g_gamma, scale, h0, cu, state_v_first, monkeypatch):
+    """cuLA's reference backend on the same inputs in fp64: (o, final state [N, H, K, V])."""
+    monkeypatch.setenv("CULA_BACKEND", "torch")
+    f64 = [None if x is None else x.double() for x in (q, k, v, g, g_gamma, h0)]
+    if h0 is not None and state_v_first:
+        f64[5] = f64[5].transpose(-1, -2).contiguous()
+    o, ht = cula.lightning.chunk_simple_gla(
+        *f64[:5], scale=scale, initial_state=f64[5], output_final_state=True, cu_seqlens=cu, state_v_first=False
+    )
+    monkeypatch.delenv("CULA_BACKEND")
+    return o, ht
+
+
+def run_case(monkeypatch, B, T, H, D=128, gate="g", cu=None, h0=False, state_v_first=False, split=False):
+    from cula.lightning.chunk_fwd_sm90 import chunk_simple_gla_fwd_sm90, supports
+
+    q, k, v, g, g_gamma = make_inputs(B, T, H, D, gate)
+    N = B if cu is None else len(cu) - 1
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=q.device)
+    ok, why = supports(q, k, v, g, g_gamma, None, cu_t)
+    assert ok, why
+    init = torch.randn(N, H, D, D, device=q.device) * 0.1 if h0 else None  # [N, H, K, V]
+    init_arg = init.transpose(-1, -2).contiguous() if (h0 and state_v_first) else init
+    scale = D**-0.5
+    o = torch.full((B, T, H, D), float("nan"), dtype=torch.bfloat16, device=q.device)
+    ht = torch.full((N, H, D, D), float("nan"), device=q.device)
+    cu_cpu = None if cu is None else torch.tensor(cu)
+    o, ht = chunk_simple_gla_fwd_sm90(
+        q, k, v, g, g_gamma, scale, init_arg, True, cu_t, state_v_first, cu_cpu, split, out=o, final_state_out=ht
+    )
+    torch.cuda.synchronize()
+    if state_v_first:
+        ht = ht.transpose(-1, -2)
+    cu_ref = None if cu is None else cu_t.long()
+    o_ref, ht_ref = reference(q, k, v, g, g_gamma, scale, init, cu_ref, False, monkeypatch)
+    assert_matches(o, ht, o_ref, ht_ref, cu)
+
+
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 1000])
+def test_fixed_length(monkeypatch, T):
+    run_case(monkeypatch, 2, T, 2)
+
+
+@pytest.mark.parametrize("gate", ["g_gamma", "both", "none"])
+def test_gates(monkeypatch, gate):
+    run_case(monkeypatch, 1, 300, 3, gate=gate, h0=True)
+
+
+@pytest.mark.parametrize("state_v_first", [False, True])
+def test_varlen_initial_state(monkeypatch, state_v_first):
+    # sequences of 0, 1, 100, 64, 0, 301 tokens
+    run_case(monkeypatch, 1, 466, 2, cu=[0, 0, 1, 101, 165, 165, 466], h0=True, state_v_first=state_v_first)
+
+
+def test_head_dim_64(monkeypatch):
+    run_case(monkeypatch, 2, 333, 2, D=64, h0=True)
+
+
+@pytest.mark.parametrize("h0", [False, True])
+def test_split_sequences(monkeypatch, h0):
+    # a cut every 16 chunks: the transition and correction passes and the start chain
+    run_case(monkeypatch, 1, 3000, 2, cu=[0, 2500, 3000], h0=h0, split=True)
+
+
+def test_public_entry_points(monkeypatch):
+    """chunk_simple_gla and chunk_lightning_attn served by the kernel once opted in, against the reference."""
+    monkeypatch.setenv(SM90_OPT_IN, "1")
+    B, T, H, D = 2, 777, 4, 128
+    q, k, v, g, _ = make_inputs(B, T, H, D)
+    o, ht = cula.lightning.chunk_simple_gla(q, k, v, g=g, output_final_state=True)
+    assert cula.last_decision(cula.lightning.chunk_simple_gla).backend == "cute"
+    o_ref, ht_ref = reference(q, k, v, g, None, D**-0.5, None, None, False, monkeypatch)
+    assert_matches(o, ht, o_ref, ht_ref)
+    o, ht = cula.lightning.chunk_lightning_attn(q, k, v, layer_idx=3, num_layers=8, output_final_state=True)
+    assert cula.last_decision(cula.lightning.chunk_lightning_attn).backend == "cute"
+    gamma = cula.lightning.reference.lightning_g_gamma(H, 3, 8, q.device)
+    o_ref, ht_ref = reference(q, k, v, None, gamma, D**-0.5, None, None, False, monkeypatch)
+    assert_matches(o, ht, o_ref, ht_ref)
