@@ -329,28 +329,21 @@ def test_gdn_sm90_kernel_is_chosen_for_what_it_supports(monkeypatch):
     assert grad_free.backend == "cute"
 
 
-def test_simple_gla_sm90_kernel_is_served_only_when_opted_in(monkeypatch):
-    """Until its GPU tests pass, the SM90 simple GLA / Lightning kernel is served only with CULA_SM90_SIMPLE_GLA=1,
-    and explain says so; once opted in, dispatch picks it for what it supports and names what it does not."""
-    from cula.lightning.api import SM90_OPT_IN
-
+def test_simple_gla_sm90_kernel_is_chosen_for_what_it_supports(monkeypatch):
+    """chunk_simple_gla and chunk_lightning_attn go to the SM90 kernel where it supports the call, and explain names
+    what it does not support."""
     FakeCuda(monkeypatch, (9, 0))
     B, T, H, D = 1, 70, 2, 128
-    args = {n: torch.randn(B, T, H, D).bfloat16() for n in ("q", "k", "v")}
-    args["g"] = torch.zeros(B, T, H)
-    monkeypatch.delenv(SM90_OPT_IN, raising=False)
-    for fn, extra in ((SIMPLE_GLA, {"g": args["g"]}), (LIGHTNING, {"layer_idx": 1, "num_layers": 4})):
-        qkv = {n: args[n] for n in ("q", "k", "v")}
-        decision = cula.explain(fn, **qkv, **extra)
-        assert decision.backend == "fla" and SM90_OPT_IN in dict(decision.rejected)["cute"]
-        monkeypatch.setenv(SM90_OPT_IN, "1")
+    qkv = {n: torch.randn(B, T, H, D).bfloat16() for n in ("q", "k", "v")}
+    for fn, extra in ((SIMPLE_GLA, {"g": torch.zeros(B, T, H)}), (LIGHTNING, {"layer_idx": 1, "num_layers": 4})):
         decision = cula.explain(fn, **qkv, **extra)
         assert (decision.backend, decision.reason) == ("cute", "lightning.chunk_fwd_sm90 on sm_90")
         narrow = {n: t[..., :32] for n, t in qkv.items()}
         assert "head dims K=32" in dict(cula.explain(fn, **narrow, **extra).rejected)["cute"]
         trained = {**qkv, "q": qkv["q"].detach().requires_grad_(True)}
         assert "require grad" in dict(cula.explain(fn, **trained, **extra).rejected)["cute"]
-        monkeypatch.delenv(SM90_OPT_IN)
+        fp32 = {n: t.float() for n, t in qkv.items()}
+        assert "bfloat16" in dict(cula.explain(fn, **fp32, **extra).rejected)["cute"]
 
 
 def test_training_skips_fla_where_its_gated_backward_raises(monkeypatch):

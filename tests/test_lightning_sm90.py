@@ -7,7 +7,6 @@ import torch.nn.functional as F
 from delta_rule_recurrence import assert_matches, needs_sm90
 
 import cula
-from cula.lightning.api import SM90_OPT_IN
 
 cutlass = pytest.importorskip("cutlass")
 pytestmark = [pytest.mark.gpu, needs_sm90]
@@ -87,8 +86,7 @@ def test_split_sequences(monkeypatch, h0):
 
 
 def test_public_entry_points(monkeypatch):
-    """chunk_simple_gla and chunk_lightning_attn served by the kernel once opted in, against the reference."""
-    monkeypatch.setenv(SM90_OPT_IN, "1")
+    """chunk_simple_gla and chunk_lightning_attn served by the kernel, against the reference."""
     B, T, H, D = 2, 777, 4, 128
     q, k, v, g, _ = make_inputs(B, T, H, D)
     o, ht = cula.lightning.chunk_simple_gla(q, k, v, g=g, output_final_state=True)

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -11,9 +10,6 @@ import torch
 from cula import validation
 from cula.dispatch import CuteKernel, Op, bind, call_args, chunk_fwd_kernel_declines, fla_gated_backward_ok
 from cula.lightning import reference
-
-# The SM90 kernel has not yet passed its GPU tests: dispatch serves it only when this is "1".
-SM90_OPT_IN = "CULA_SM90_SIMPLE_GLA"
 
 
 def _validate_chunk_simple_gla(args: dict[str, Any]) -> None:
@@ -175,8 +171,6 @@ def _sm90_supports(args: dict[str, Any]) -> tuple[bool, str]:
     declined = chunk_fwd_kernel_declines(args)
     if declined:
         return declined
-    if os.environ.get(SM90_OPT_IN, "0") != "1":
-        return False, f"the SM90 simple GLA kernel has not yet run on a GPU: {SM90_OPT_IN}=1 opts in"
     from cula.lightning import chunk_fwd_sm90  # imports the CuTe DSL: only on an SM90 device
 
     g, g_gamma = args.get("g"), args.get("g_gamma")
