@@ -3,6 +3,8 @@
 # into one folder.
 #   bash scripts/gpu_check.sh OUTDIR [benchmark arguments...]     (SKIP_GPU_TESTS=1: the benchmark only)
 #   e.g. bash scripts/gpu_check.sh out --op gdn kda --shapes core varlen long layer   (python -m benchmarks.run --help)
+# SANITIZE=1: first every SM90 kernel on awkward shapes (scripts/sanitize_kernels.py) under compute-sanitizer's
+# memcheck and racecheck; each log's summary goes to OUTDIR/sanitize.txt, and an error fails the check.
 # Without matplotlib there the plot is skipped; draw it elsewhere with `python -m benchmarks.plot OUTDIR/benchmark.json`.
 # FLA autotunes each op at each new shape on its first call (up to minutes). Its choices are kept on disk
 # (TRITON_CACHE_AUTOTUNING) and packed into OUTDIR/fla_autotune.tgz; a later run reads them back from
@@ -22,6 +24,18 @@ if [ -f "$FLA_AUTOTUNE_TGZ" ]; then
   tar -xzf "$FLA_AUTOTUNE_TGZ" -C "$TRITON_CACHE_DIR"
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv > "$out/gpu.txt" 2>&1
+sanitize=0
+if [ "${SANITIZE:-0}" = 1 ]; then
+  : > "$out/sanitize.txt"
+  for tool in memcheck racecheck; do
+    # without the variable, torch's caching allocator hides overruns inside its blocks
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool "$tool" --error-exitcode 1 --report-api-errors no --show-backtrace no \
+      python3 scripts/sanitize_kernels.py > "$out/sanitize_$tool.log" 2>&1
+    rc=$?
+    echo "$tool: exit $rc; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitize_$tool.log" | tail -1)" | tee -a "$out/sanitize.txt"
+    [ "$rc" -eq 0 ] || sanitize=1
+  done
+fi
 if [ "${SKIP_GPU_TESTS:-0}" = 1 ]; then  # a benchmark-only call, right after a call that ran the tests
   echo "GPU tests skipped (SKIP_GPU_TESTS=1)" | tee "$out/gpu_tests.log"
   tests=0
@@ -32,5 +46,5 @@ fi
 python3 -m benchmarks.run --out "$out" "$@" 2>&1 | tee "$out/benchmark.log"
 bench=${PIPESTATUS[0]}
 (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -print0 | tar -czf "$out/fla_autotune.tgz" --null -T -)
-echo "gpu tests exit $tests, benchmark exit $bench" | tee -a "$out/gpu.txt"
-[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]
+echo "gpu tests exit $tests, benchmark exit $bench, sanitizer $sanitize" | tee -a "$out/gpu.txt"
+[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ] && [ "$sanitize" -eq 0 ]

@@ -114,3 +114,22 @@ def test_l2norm_in_kernel(D):
     for split in (True, False):
         check_fwd(fwd, supports_raw, (*exact, v, g, beta), [0, 1, 1200, 2300], h0=True, split=split)
     check_fwd(fwd, supports_raw, (*exact, v, g, beta), h0=True, split=False)  # one fixed-length sequence
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("split", [False, True])
+def test_gates_far_below_zero(split):
+    """Log gates of -inf (a full state reset), -1e30 and -300 give the recurrence's answer, finite everywhere
+    (the kernel takes gates below -200 at -200: exp of either is zero in fp32)."""
+    from cula.gdn.chunk_fwd_sm90 import chunk_gated_delta_rule_fwd_sm90, supports
+
+    T = 2100 if split else 400
+    q, k, v, g, beta = make_inputs(2, T, 2, 2)
+    g[:, 3] = float("-inf")
+    g[0, 70, 1] = -1e30
+    g[1, 130] = -300.0
+    g[:, T - 5, 0] = float("-inf")
+    if split:
+        g[:, 1500] = float("-inf")
+    check_fwd(chunk_gated_delta_rule_fwd_sm90, supports, (q, k, v, g, beta), h0=True, split=split)

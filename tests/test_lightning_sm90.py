@@ -98,3 +98,24 @@ def test_public_entry_points(monkeypatch):
     gamma = cula.lightning.reference.lightning_g_gamma(H, 3, 8, q.device)
     o_ref, ht_ref = reference(q, k, v, None, gamma, D**-0.5, None, None, False, monkeypatch)
     assert_matches(o, ht, o_ref, ht_ref)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_gates_far_below_zero(monkeypatch, split):
+    """Log gates of -inf (a full state reset), -1e30 and -300 give the reference's answer, finite everywhere."""
+    from cula.lightning.chunk_fwd_sm90 import chunk_simple_gla_fwd_sm90
+
+    T = 2100 if split else 400
+    q, k, v, g, _ = make_inputs(1, T, 2)
+    g[:, 3] = float("-inf")
+    g[0, 70, 1] = -1e30
+    g[0, 130] = -300.0
+    if split:
+        g[:, 1500] = float("-inf")
+    cu = [0, T // 3, T]
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=q.device)
+    h0 = torch.randn(2, 2, 128, 128, device=q.device) * 0.1
+    o, ht = chunk_simple_gla_fwd_sm90(q, k, v, g, None, None, h0, True, cu_t, False, torch.tensor(cu), split)
+    torch.cuda.synchronize()
+    o_ref, ht_ref = reference(q, k, v, g, None, 128**-0.5, h0, cu_t.long(), False, monkeypatch)
+    assert_matches(o, ht, o_ref, ht_ref, cu)

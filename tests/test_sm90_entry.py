@@ -259,3 +259,28 @@ def test_one_off_sequence_fails_where_the_call_passes(monkeypatch):
     assert rel_rmse(o, o_ref) < 5e-3
     with pytest.raises(AssertionError, match="o of sequence 1"):
         assert_matches(o, ht, o_ref, ht_ref, cu)
+
+
+def test_the_sanitizer_workload_is_valid_calls():
+    """Every call of scripts/sanitize_kernels.py (what gpu_check.sh runs under compute-sanitizer) passes the entry
+    points' validation and covers what it names: varlen with 0- and 1-token sequences, GVA, D = 64, state_v_first."""
+    import importlib.util
+    from pathlib import Path
+
+    import cula
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "sanitize_kernels.py"
+    spec = importlib.util.spec_from_file_location("sanitize_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    seen = set()
+    for op, name, fn, call in module.calls("cpu"):
+        assert cula.explain(fn, **call).backend == "torch", (op, name)
+        lengths = call["cu_seqlens"].diff().tolist() if "cu_seqlens" in call else []
+        seen.update({"0-token"} if 0 in lengths else set())
+        seen.update({"1-token"} if 1 in lengths or call["q"].shape[1] == 1 else set())
+        seen.update({"GVA"} if call["v"].shape[2] > call["q"].shape[2] else set())
+        seen.update({"D=64"} if call["q"].shape[-1] == 64 else set())
+        seen.update({"state_v_first"} if call.get("state_v_first") else set())
+        seen.add(op)
+    assert seen == {"0-token", "1-token", "GVA", "D=64", "state_v_first", "gdn", "kda", "simple_gla"}

@@ -10,6 +10,9 @@ import cutlass.cute as cute
 from cula.sm90 import mma
 
 _LOG2E = math.log2(math.e)
+# The floor of a token's natural-log gate: exp(-200) is below fp32's smallest subnormal, so the floor changes no
+# product, while -inf (a full state reset) would make the differences of the chunk's cumulative gates NaN
+GATE_FLOOR = -200.0
 
 
 @cute.jit
@@ -63,13 +66,14 @@ def load_gates(gG, gBeta, tok0, seqlen, chunk, lane, C: cutlass.Constexpr):
 def publish_gates(sG, sBeta, sFac, slot, gates, chunk, seqlen, lane, C: cutlass.Constexpr):
     """Inclusive prefix sum of g over the chunk (warp scan), stored in log2 units, with beta and the per-token
     factors 2^G_t and 2^(G_last - G_t); tokens past the sequence end get g = 0, beta = 0 and a zero second
-    factor (G is flat past the end, so G_last is the chunk's total)."""
+    factor (G is flat past the end, so G_last is the chunk's total). Gates below :data:`GATE_FLOOR` (-inf too)
+    are taken at the floor."""
     f32 = cutlass.Float32
     g_lo, g_hi, b_lo, b_hi = gates
     t = chunk * C + lane
     zero = f32(0.0)
-    g_lo = g_lo if t < seqlen else zero
-    g_hi = g_hi if t + 32 < seqlen else zero
+    g_lo = cutlass.max(g_lo, f32(GATE_FLOOR)) if t < seqlen else zero
+    g_hi = cutlass.max(g_hi, f32(GATE_FLOOR)) if t + 32 < seqlen else zero
     b_lo = b_lo.to(f32) if t < seqlen else zero
     b_hi = b_hi.to(f32) if t + 32 < seqlen else zero
     for i in cutlass.range_constexpr(5):
