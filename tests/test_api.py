@@ -534,3 +534,26 @@ def test_offsets_cache_under_threads(monkeypatch):
     monkeypatch.setattr(validation, "_HOST_COPIES", Interleaved())
     cu = torch.tensor([0, 5, 20])
     assert validation.host_offsets(cu) == validation.host_offsets(cu) == [0, 5, 20]
+
+
+@pytest.mark.parametrize("cc", [(9, 0), (10, 0), (10, 3), (12, 0)])
+def test_dispatch_by_compute_capability(monkeypatch, cc):
+    """Each op with an SM90 kernel, on a faked GPU of each capability: the SM90 table serves 9.0; on 10.0, 10.3
+    and 12.0 (no kernel compiled for them yet) the call goes to FLA and explain names the architecture."""
+    FakeCuda(monkeypatch, cc)
+    monkeypatch.setattr(dispatch, "fla_function", lambda target: None)
+    B, T, H, D = 1, 70, 2, 128
+    qkv = {n: torch.randn(B, T, H, D).bfloat16() for n in ("q", "k", "v")}
+    calls = {
+        CHUNK_GDN: {**qkv, "g": torch.zeros(B, T, H), "beta": torch.ones(B, T, H)},
+        CHUNK_KDA: {**qkv, "g": torch.zeros(B, T, H, D), "beta": torch.ones(B, T, H), "safe_gate": True},
+        cula.lightning.chunk_simple_gla: {**qkv, "g": torch.zeros(B, T, H)},
+        cula.lightning.chunk_lightning_attn: {**qkv, "layer_idx": 0, "num_layers": 2},
+    }
+    for fn, args in calls.items():
+        decision = cula.explain(fn, **args)
+        if cc == (9, 0):
+            assert decision.backend == "cute" and decision.reason.endswith("on sm_90"), decision
+        else:
+            assert decision.backend == "fla", decision
+            assert dict(decision.rejected)["cute"] == f"no CuTe DSL kernel for sm_{cc[0]}{cc[1]}"
