@@ -64,14 +64,10 @@ def inputs(op: str, B, T, H, HV, D, lengths, h0, device):
 
 def calls(device: str):
     """``(op, shape name, entry point, keyword arguments)`` for every kernel and shape."""
-    import cula
+    from benchmarks.run import entry_points
 
-    entry_points = {
-        "gdn": cula.gdn.chunk_gated_delta_rule,
-        "kda": cula.kda.chunk_kda,
-        "simple_gla": cula.lightning.chunk_simple_gla,
-    }
-    for op, fn in entry_points.items():
+    for op in ("gdn", "kda", "simple_gla"):
+        fn = entry_points(op)[0]
         for name, B, T, H, HV, D, lengths, h0, state_v_first in SHAPES:
             call = inputs(op, B, T, H, HV, D, lengths, h0, device)
             if state_v_first:

@@ -57,30 +57,10 @@ GDN_SM90 = entry.ChunkKernel(
 )
 
 
-def chunk_gated_delta_rule_fwd_sm90(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    scale=None,
-    initial_state=None,
-    output_final_state=False,
-    cu_seqlens=None,
-    state_v_first=False,
-    out=None,
-    final_state_out=None,
-    cu_seqlens_cpu=None,
-    split=None,
-    qk_l2norm=False,
-):
-    """GDN chunked forward on SM90: :class:`cula.sm90.entry.ChunkCall`'s arguments, positionally as FLA orders
-    them. Returns ``(o, final_state or None)``."""
-    call = entry.ChunkCall(
-        q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first, out, final_state_out,
-        cu_seqlens_cpu, split, qk_l2norm,
-    )  # fmt: skip
-    return entry.chunk_fwd(GDN_SM90, call)
+def chunk_gated_delta_rule_fwd_sm90(*args, **kwargs):
+    """GDN chunked forward on SM90: :class:`cula.sm90.entry.ChunkCall`'s fields (q, k, v, g, beta, scale, ... in
+    FLA's order), positionally or by name; no ``gate``. Returns ``(o, final_state or None)``."""
+    return entry.chunk_fwd(GDN_SM90, entry.ChunkCall(*args, **kwargs))
 
 
 entry.register_checked(

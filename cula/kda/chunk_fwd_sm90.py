@@ -933,36 +933,18 @@ KDA_SM90 = entry.ChunkKernel(
 )
 
 
-def chunk_kda_fwd_sm90(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    scale=None,
-    initial_state=None,
-    output_final_state=False,
-    cu_seqlens=None,
-    state_v_first=False,
-    out=None,
-    final_state_out=None,
-    cu_seqlens_cpu=None,
-    split=None,
-    qk_l2norm=False,
-    gate=None,
-):
-    """KDA chunked forward on SM90: :class:`cula.sm90.entry.ChunkCall`'s arguments, positionally as FLA orders them.
-    ``g`` must satisfy g >= -5 (FLA's ``safe_gate``). ``gate``: ``(A_log, dt_bias, lower_bound)`` (FLA's
-    ``use_gate_in_kernel`` with a lower bound in [-5, 0); A_log [HV] and dt_bias [HV * K] may be None): g is then the
-    raw bf16 gate input and the kernel applies lower_bound * sigmoid(exp(A_log) (g + dt_bias)). Returns ``(o,
-    final_state or None)``."""
-    want = torch.float32 if gate is None else torch.bfloat16
-    if g.dtype != want:
-        raise TypeError(f"g must be {want} {'(activated)' if gate is None else '(raw, with gate)'}, got {g.dtype}")
-    call = entry.ChunkCall(
-        q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_v_first, out, final_state_out,
-        cu_seqlens_cpu, split, qk_l2norm, gate,
-    )  # fmt: skip
+def chunk_kda_fwd_sm90(*args, **kwargs):
+    """KDA chunked forward on SM90: :class:`cula.sm90.entry.ChunkCall`'s fields (q, k, v, g, beta, scale, ... in
+    FLA's order), positionally or by name. ``g`` must satisfy g >= -5 (FLA's ``safe_gate``). ``gate``: ``(A_log,
+    dt_bias, lower_bound)`` (FLA's ``use_gate_in_kernel`` with a lower bound in [-5, 0); A_log [HV] and dt_bias
+    [HV * K] may be None): g is then the raw bf16 gate input and the kernel applies lower_bound * sigmoid(exp(A_log)
+    (g + dt_bias)). Returns ``(o, final_state or None)``."""
+    call = entry.ChunkCall(*args, **kwargs)
+    want = torch.float32 if call.gate is None else torch.bfloat16
+    if call.g.dtype != want:
+        raise TypeError(
+            f"g must be {want} {'(activated)' if call.gate is None else '(raw, with gate)'}, got {call.g.dtype}"
+        )
     return entry.chunk_fwd(KDA_SM90, call)
 
 
