@@ -1,0 +1,121 @@
+"""The SM90 chunk kernels' arithmetic, emulated in PyTorch on any device: the same chunk decomposition, with bf16
+roundings where the kernels round (their wgmma operands) and fp32 everywhere else, so that a kernel's numerics can be
+checked against the fp64 recurrence on a CPU, and a new scheme tried before it is written as a kernel.
+
+- :func:`scalar_gate_forward`: the scalar-gate kernel (:mod:`cula.sm90.scalar_chunk_fwd`), with the delta rule (GDN)
+  or without it (simple GLA, Lightning).
+- :func:`halves_scores`: KDA's intra-chunk scores with a per-key gate, against two reference tokens (its kernel).
+- :func:`block_scores`: the same scores by 16-token blocks whose operands never exceed the raw q and k (no bound on
+  the gate): the scheme for a per-key gate without FLA's ``safe_gate`` promise (GLA).
+
+Shapes: one sequence per call, heads first: q, k [H, T, K]; v [H, T, V]; g [H, T] natural-log gate (per key: [H, T,
+K]); beta [H, T]; states [H, K, V]. Gates are in log2 units inside, as in the kernels.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+CHUNK = 64
+LOG2E = math.log2(math.e)
+# the scalar-gate kernel's floor of a natural-log gate (cula.sm90.scalar_gates.GATE_FLOOR)
+GATE_FLOOR = -200.0
+
+
+def bf16(x: torch.Tensor) -> torch.Tensor:
+    """An operand as a wgmma reads it: rounded to bf16, computed on in fp32."""
+    return x.to(torch.bfloat16).float()
+
+
+def scalar_gate_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor | None,
+    scale: float,
+    h0: torch.Tensor | None = None,
+    delta_rule: bool = True,
+    gate_floor: float | None = GATE_FLOOR,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scalar-gate kernel on one sequence: ``(o [H, T, V] fp32, final state [H, K, V] fp32)``.
+
+    Per chunk: G = cumsum(max(g, floor)) log2(e); A = strict_tril(beta_i (K K^T)_ij 2^(G_i - G_j)) and P =
+    tril(scale (Q K^T)_ij 2^(G_i - G_j)) from bf16 q, k; Tinv = (I + A)^-1 in fp32, a bf16 operand; the state a bf16
+    operand of its products; Y = beta (V - 2^G (K S)) and V_new = Tinv Y (bf16 operands); O = scale 2^G (Q S) +
+    P V_new; S <- 2^G_last S + K^T (V_new 2^(G_last - G)). Without the delta rule V_new = V. ``gate_floor`` None
+    leaves the gates as given (-inf then gives NaN: the reason for the floor)."""
+    H, T, K = q.shape
+    V = v.shape[-1]
+    q, k, v = bf16(q), bf16(k), bf16(v)
+    S = torch.zeros(H, K, V, dtype=torch.float32, device=q.device) if h0 is None else h0.float().clone()
+    o = torch.empty(H, T, V, dtype=torch.float32, device=q.device)
+    g = g.float() if gate_floor is None else g.float().clamp_min(gate_floor)
+    for c0 in range(0, T, CHUNK):
+        c1 = min(c0 + CHUNK, T)
+        L = c1 - c0
+        qc, kc, vc = q[:, c0:c1], k[:, c0:c1], v[:, c0:c1]
+        G = torch.cumsum(g[:, c0:c1], dim=1) * LOG2E  # [H, L]
+        diff = G[:, :, None] - G[:, None, :]  # G_i - G_j
+        lower = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+        # masks as selects: the masked entries' factors may overflow and never reach a product
+        decay = torch.where(lower, torch.exp2(torch.where(lower, diff, 0.0)), 0.0)
+        P = bf16(scale * (qc @ kc.transpose(1, 2)) * decay)
+        S_op = bf16(S)
+        fac_start = torch.exp2(G)[..., None]  # 2^G_i
+        if delta_rule:
+            strict = lower & ~torch.eye(L, dtype=torch.bool, device=q.device)
+            b = beta[:, c0:c1].float()
+            A = torch.where(strict, b[:, :, None] * (kc @ kc.transpose(1, 2)) * decay, 0.0)
+            eye = torch.eye(L, dtype=torch.float32, device=q.device)
+            Tinv = bf16(torch.linalg.solve_triangular(eye + A, eye.expand(H, L, L), upper=False))
+            Y = bf16(b[..., None] * (vc - fac_start * (kc @ S_op)))
+            v_new = Tinv @ Y
+        else:
+            v_new = vc
+        o[:, c0:c1] = scale * fac_start * (qc @ S_op) + P @ bf16(v_new)
+        G_last = G[:, -1:]
+        fac_end = torch.exp2(G_last - G)[..., None]  # 2^(G_last - G_j)
+        S = torch.exp2(G_last)[..., None] * S + kc.transpose(1, 2) @ bf16(v_new * fac_end)
+    return o, S
+
+
+def halves_scores(x: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+    """KDA's intra-chunk scores (x the chunk's q or k, k its keys, G their per-key cumulative gates in log2 units, all
+    [C, K]): sum_k x_ik k_jk 2^(G_ik - G_jk) for j <= i, as its kernel makes them: the columns in two 32-token
+    halves with reference tokens 16 and 48, L_i = x_i 2^(G_i - G_r) and R_j = k_j 2^(G_r - G_j) as bf16 operands
+    (rows before a half's block are zero against it). Finite only while every gate >= -5 (``safe_gate``)."""
+    C = x.shape[0]
+    half = C // 2
+    out = torch.zeros(C, C, dtype=torch.float32, device=x.device)
+    for h in range(2):
+        r = h * half + half // 2
+        cols = slice(h * half, (h + 1) * half)
+        rows = torch.arange(C, device=x.device) >= h * half
+        left = torch.where(rows[:, None], x.float() * torch.exp2(G - G[r]), 0.0)
+        right = k[cols].float() * torch.exp2(G[r] - G[cols])
+        out[:, cols] = bf16(left) @ bf16(right).T
+    return out.tril()
+
+
+def block_scores(x: torch.Tensor, k: torch.Tensor, G: torch.Tensor, block: int = 16) -> torch.Tensor:
+    """The same scores by ``block``-token blocks: a block of rows I against an earlier block of columns J takes the
+    first token r of I as reference, L_i = x_i 2^(G_i - G_r) and R_j = k_j 2^(G_r - G_j), both at most the raw
+    values (G does not increase along the chunk), as bf16 operands; a diagonal block is summed in fp32 with its
+    exponents G_i - G_j <= 0. No bound on the gate: a factor only underflows where the true product does."""
+    C = x.shape[0]
+    x, k = x.float(), k.float()
+    out = torch.zeros(C, C, dtype=torch.float32, device=x.device)
+    for i0 in range(0, C, block):
+        rows = slice(i0, i0 + block)
+        if i0 > 0:
+            left = x[rows] * torch.exp2(G[rows] - G[i0])
+            right = k[:i0] * torch.exp2(G[i0] - G[:i0])
+            out[rows, :i0] = bf16(left) @ bf16(right).T
+        diff = G[rows, None, :] - G[None, rows, :]  # [i, j, K]
+        lower = torch.ones(block, block, dtype=torch.bool, device=x.device).tril()[..., None]
+        factor = torch.where(lower, torch.exp2(torch.where(lower, diff, 0.0)), 0.0)
+        out[rows, rows] = (bf16(x[rows])[:, None, :] * bf16(k[rows])[None, :, :] * factor).sum(-1)
+    return out.tril()

@@ -1,0 +1,105 @@
+"""The SM90 kernels' chunk arithmetic emulated on the CPU (cula.ops.chunk_emulation) against fp64: the scalar-gate
+kernel with and without the delta rule, its gate floor, and the two schemes for per-key-gate intra-chunk scores."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cula
+from cula.ops import chunk_emulation as emu
+
+H, D = 2, 64
+
+
+def rel_rmse(x, ref):
+    return ((x.double() - ref.double()).pow(2).mean().sqrt() / ref.double().pow(2).mean().sqrt()).item()
+
+
+def inputs(T, delta_rule):
+    q = torch.randn(H, T, D)
+    k = F.normalize(torch.randn(H, T, D), dim=-1) if delta_rule else torch.randn(H, T, D) * D**-0.5
+    v = torch.randn(H, T, D)
+    g = F.logsigmoid(torch.randn(H, T) + 3.0)
+    beta = torch.rand(H, T)
+    h0 = torch.randn(H, D, D) * 0.1
+    return q, k, v, g, beta, h0
+
+
+def fp64_reference(q, k, v, g, beta, h0, delta_rule, scale):
+    """cuLA's reference backend in fp64 on the bf16-rounded inputs the kernel reads: (o [H, T, V], state)."""
+    to = lambda x: x.double()[None].transpose(1, 2).contiguous()  # noqa: E731 - [H, T, ...] -> [1, T, H, ...]
+    q64, k64, v64 = (to(emu.bf16(x)) for x in (q, k, v))
+    if delta_rule:
+        o, ht = cula.gdn.chunk_gated_delta_rule(
+            q64, k64, v64, to(g), to(beta), scale=scale, initial_state=h0.double()[None], output_final_state=True
+        )
+    else:
+        o, ht = cula.lightning.chunk_simple_gla(
+            q64, k64, v64, g=to(g), scale=scale, initial_state=h0.double()[None], output_final_state=True
+        )
+    return o[0].transpose(0, 1), ht[0]
+
+
+@pytest.mark.parametrize("delta_rule", [True, False])
+@pytest.mark.parametrize("T", [1, 63, 130, 300])
+def test_scalar_gate_kernel_arithmetic_is_within_bf16_error(delta_rule, T):
+    """Rel RMSE of o and the final state <= 0.005 (the GPU tests' bound; the kernels measure ~0.0033), per head."""
+    q, k, v, g, beta, h0 = inputs(T, delta_rule)
+    scale = D**-0.5
+    o, ht = emu.scalar_gate_forward(q, k, v, g, beta, scale, h0, delta_rule)
+    o_ref, ht_ref = fp64_reference(q, k, v, g, beta, h0, delta_rule, scale)
+    for h in range(H):
+        assert rel_rmse(o[h], o_ref[h]) <= 0.005 and rel_rmse(ht[h], ht_ref[h]) <= 0.005
+
+
+@pytest.mark.parametrize("delta_rule", [True, False])
+def test_the_gate_floor_makes_minus_inf_exact(delta_rule):
+    """-inf, -1e30 and -300 gates: with the kernel's floor the answer is the recurrence's; without it, NaN."""
+    q, k, v, g, beta, h0 = inputs(200, delta_rule)
+    g[:, 3] = float("-inf")
+    g[0, 70] = -1e30
+    g[1, 130] = -300.0
+    scale = D**-0.5
+    o, ht = emu.scalar_gate_forward(q, k, v, g, beta, scale, h0, delta_rule)
+    o_ref, ht_ref = fp64_reference(q, k, v, g, beta, h0, delta_rule, scale)
+    assert torch.isfinite(o_ref).all()
+    assert rel_rmse(o, o_ref) <= 0.005 and rel_rmse(ht, ht_ref) <= 0.005
+    o_raw, _ = emu.scalar_gate_forward(q, k, v, g, beta, scale, h0, delta_rule, gate_floor=None)
+    assert not torch.isfinite(o_raw).all()
+
+
+def exact_scores(x, k, G):
+    """sum_k x_ik k_jk 2^(G_ik - G_jk) for j <= i, in fp64."""
+    diff = G.double()[:, None, :] - G.double()[None, :, :]
+    lower = torch.ones(x.shape[0], x.shape[0], dtype=torch.bool).tril()[..., None]
+    factor = torch.where(lower, torch.exp2(torch.where(lower, diff, 0.0)), 0.0)
+    return (emu.bf16(x).double()[:, None, :] * emu.bf16(k).double()[None, :, :] * factor).sum(-1)
+
+
+def per_key_chunk(low, spikes=False):
+    C, K = 64, 128
+    x, k = torch.randn(C, K), torch.randn(C, K) * K**-0.5
+    g = torch.rand(C, K) * low  # natural-log gates in [low, 0]
+    if spikes:
+        g[5] = -1e4
+        g[40, :64] = float("-inf")
+    G = torch.cumsum(g.clamp_min(emu.GATE_FLOOR), dim=0) * emu.LOG2E
+    return x, k, G
+
+
+def test_kdas_halves_hold_to_the_safe_gate_bound_only():
+    """KDA's two reference tokens: within bf16 error for gates >= -5 (FLA's safe_gate); past it the factors
+    overflow bf16 (why the kernel serves only safe_gate calls)."""
+    x, k, G = per_key_chunk(-5.0)
+    assert rel_rmse(emu.halves_scores(x, k, G), exact_scores(x, k, G)) <= 0.005
+    x, k, G = per_key_chunk(-8.0)
+    assert not torch.isfinite(emu.halves_scores(x, k, G)).all()
+
+
+@pytest.mark.parametrize("low, spikes", [(-5.0, False), (-20.0, False), (-1.0, True)])
+def test_block_scores_need_no_gate_bound(low, spikes):
+    """16-token blocks against their first token: within bf16 error for any gate, -inf and -1e4 included."""
+    x, k, G = per_key_chunk(low, spikes)
+    scores = emu.block_scores(x, k, G)
+    assert torch.isfinite(scores).all()
+    assert rel_rmse(scores, exact_scores(x, k, G)) <= 0.005
