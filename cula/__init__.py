@@ -9,11 +9,13 @@ import os
 from cula import gdn, gla, kda, lightning
 from cula.dispatch import BackendUnavailableError, Decision, explain, last_decision
 from cula.fla_backend import register_with_fla
+from cula.ops.context_parallel import build_cp_context
 
 __version__ = "0.1.0"
 __all__ = [
     "BackendUnavailableError",
     "Decision",
+    "build_cp_context",
     "explain",
     "gdn",
     "gla",

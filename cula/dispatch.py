@@ -127,6 +127,8 @@ class Op:
         fp64 = [n for n, t in args.items() if isinstance(t, torch.Tensor) and t.dtype == torch.float64]
         if fp64:
             return (False, f"float64 {', '.join(fp64)}: FLA's Triton kernels compute in fp32 / bf16"), None
+        if args.get("cp_context") is not None and (args.get("initial_state") is not None or args["output_final_state"]):
+            return (False, "FLA 0.6.0 takes no initial_state / output_final_state with cp_context"), None
         pooled = validation.pooled(args)
         target = self.fla_pool_target if pooled else self.fla_target
         if target is None:
@@ -277,7 +279,7 @@ def chunk_fwd_kernel_declines(args: dict[str, Any]) -> Verdict | None:
     if requires_grad(args):
         return False, "inputs require grad: forward-only kernel (backward kernel not landed)"
     if args.get("cp_context") is not None:
-        return False, "context parallelism (cp_context) is served by FLA only"
+        return False, "context parallelism (cp_context): FLA serves it on CUDA, the reference backend elsewhere"
     if args.get("chunk_size", 64) != 64:
         return False, f"chunk_size={args['chunk_size']}: the kernel uses 64"
     return None

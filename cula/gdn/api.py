@@ -17,10 +17,12 @@ from cula.dispatch import (
     kernel_vs_fla,
 )
 from cula.gdn import reference
+from cula.ops import context_parallel
 from cula.ops.gates import kernel_gdn_gate
 
 
 def _validate_chunk(args: dict[str, Any]) -> None:
+    context_parallel.validate(args)  # first: it sets the call's cu_seqlens
     validation.head_first(args, refused_in_any_form=True)
     validation.chunk_size(args, (16, 32, 64), "GDN")
     B, T, H, HV, K, V, N = validation.common(args, allow_gva=True)

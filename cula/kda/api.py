@@ -10,11 +10,12 @@ import torch
 from cula import validation
 from cula.dispatch import CuteKernel, Op, bind, call_args, chunk_fwd_kernel_declines, kernel_vs_fla
 from cula.kda import reference
-from cula.ops import state_pool
+from cula.ops import context_parallel, state_pool
 from cula.ops.gates import kernel_kda_gate
 
 
 def _validate_chunk(args: dict[str, Any]) -> None:
+    context_parallel.validate(args)  # first: it sets the call's cu_seqlens
     validation.chunk_size(args, (32, 64), "KDA")
     B, T, H, HV, K, V, N = _validate_common(args)
     validation.per_head("beta", args["beta"], B, T, HV)

@@ -34,7 +34,7 @@ recurrence does. Everything is differentiable by autograd and device-agnostic; f
 import torch
 
 from cula import validation
-from cula.ops import state_pool
+from cula.ops import context_parallel, state_pool
 
 CHUNK_SIZE = 64
 # the fused-recurrent entry points walk sequences this short token by token (decode, speculative steps)
@@ -293,10 +293,9 @@ def linear_attn_call(
     """`linear_attn_ref` for an entry point's bound arguments ``args``: scale, states and varlen offsets (as
     validation read them) come from there, the transformed inputs from the caller; ``recurrent`` for the
     fused-recurrent entry points. A call with a state pool reads and writes it through `state_pool.serve` (and
-    returns the pool as its state when writing in place). Arguments that change results and that the reference
+    returns the pool as its state when writing in place); a call with ``cp_context`` runs its rank's part
+    (`context_parallel.forward`). Arguments that change results and that the reference
     cannot honour raise NotImplementedError."""
-    if args.get("cp_context") is not None:
-        raise NotImplementedError("cula reference: `cp_context` (context parallelism) is not supported")
     if args.get("return_intermediate_states"):
         raise NotImplementedError("cula reference: `return_intermediate_states=True` is not supported")
     cu_seqlens = args["cu_seqlens"]
@@ -309,6 +308,16 @@ def linear_attn_call(
             cu_seqlens=offsets, reverse=reverse, recurrent=recurrent, token_states=token_states,
         )  # fmt: skip
 
+    if args.get("cp_context") is not None:
+
+        def run_tokens(lo, hi, v, initial_state, offsets):
+            part = [None if x is None else x[:, lo:hi] for x in (q, k, g, gv, beta)]
+            return linear_attn_ref(
+                *part[:2], v, g=part[2], gv=part[3], beta=part[4], scale=args["scale"], initial_state=initial_state,
+                output_final_state=True, cu_seqlens=offsets, recurrent=recurrent,
+            )  # fmt: skip
+
+        return context_parallel.forward(args, run_tokens)
     if validation.pooled(args):
         return state_pool.serve(args, offsets, lambda h0, token_states: run(h0, True, token_states))
     return run(args["initial_state"], args["output_final_state"])
