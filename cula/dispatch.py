@@ -11,6 +11,11 @@ backend and raises `BackendUnavailableError` with the reason when it cannot serv
 
 ``explain(fn, *args, **kwargs)`` says which backend would serve a call and why the others were passed over;
 ``last_decision(fn)`` says which one served the calling thread's most recent call. ``CULA_LOG_DISPATCH=1`` logs every decision.
+
+A training call (a tensor argument requires grad) goes to a kernel only when the kernel has a backward
+(`BackwardKernel`). Chunk entry points run their chosen backend through their ``torch.library`` ops
+(:mod:`cula.custom_ops`) when autograd or ``torch.compile`` needs them. While compiling, decisions are taken once, as
+the graph is made: the environment is read then, and the decision is logged then.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any
 import torch
 
 from cula import validation
+from cula.custom_ops import REFERENCE
 from cula.devices import FlaTime, KernelTime, times_for
 
 logger = logging.getLogger("cula.dispatch")
@@ -60,12 +66,30 @@ class Decision:
         return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class BackwardKernel:
+    """The training half of a chunk kernel, run through its entry point's custom ops (:mod:`cula.custom_ops`).
+
+    - ``forward(args) -> (o, final_state or None, residuals)``: the kernel's forward, also returning what
+      ``run`` reads (per-chunk state checkpoints, gate cumsums, ...), as a list of tensors;
+    - ``residuals_like(args)``: empty tensors of the shapes, dtypes and devices ``forward`` returns as residuals
+      (the forward op's fake implementation: ``args`` hold fake tensors there);
+    - ``run(args, residuals, grad_o, grad_final_state or None) -> {name: gradient}``: a gradient for every tensor
+      argument present with a floating dtype.
+    """
+
+    forward: Callable[[dict[str, Any]], tuple]
+    residuals_like: Callable[[dict[str, Any]], list[torch.Tensor]]
+    run: Callable[..., dict[str, torch.Tensor]]
+
+
 @dataclass
 class CuteKernel:
     """A CuTe DSL kernel registered for one compute-capability major (9 = SM90, 10 = SM100).
 
     ``faster_than_fla`` (optional) estimates whether the kernel beats FLA on a call it supports; when it says no
     and FLA can serve the call, dispatch hands the call to FLA (unless ``CULA_BACKEND=cute`` forces the kernel).
+    ``backward`` (optional): without one the kernel is forward only, and training calls go to the next backend.
     """
 
     name: str
@@ -73,6 +97,7 @@ class CuteKernel:
     supports: SupportsFn
     run: Callable[[dict[str, Any]], Any]
     faster_than_fla: SupportsFn | None = None
+    backward: BackwardKernel | None = None
 
 
 @dataclass
@@ -87,6 +112,7 @@ class Op:
     # FLA's function that serves calls with a state pool (FLA's public ops leave the pool arguments unread), if any
     fla_pool_target: str | None = None
     kernels: list[CuteKernel] = field(default_factory=list)
+    library: Any = None  # the entry point's custom ops (cula.custom_ops.ChunkOps), through which its backends run
     _local: threading.local = field(default_factory=threading.local, repr=False, compare=False)
 
     @property
@@ -99,7 +125,18 @@ class Op:
         self._local.last = decision
 
     def register_kernel(self, kernel: CuteKernel) -> None:
+        if kernel.backward is not None and self.library is None:
+            raise ValueError(
+                f"{kernel.name} has a backward, but {self.name} has no custom ops for autograd to reach it"
+            )
         self.kernels = [k for k in self.kernels if k.name != kernel.name] + [kernel]
+
+    def kernel(self, name: str) -> CuteKernel:
+        """The registered kernel called ``name``."""
+        for kernel in self.kernels:
+            if kernel.name == name:
+                return kernel
+        raise KeyError(f"{self.name} has no kernel {name!r}")
 
     # -- backends ---------------------------------------------------------------------------------------------
     def _cute(self, args: dict[str, Any], forced: bool = False) -> tuple[Verdict, Callable | None]:
@@ -107,15 +144,19 @@ class Op:
         if not q.is_cuda:
             return (False, f"tensors are on {q.device.type}, CuTe DSL kernels need CUDA"), None
         major, minor = torch.cuda.get_device_capability(q.device)
+        training = requires_grad(args)
         reasons = []
         for kernel in self.kernels:
             if kernel.arch_major != major:
+                continue
+            if training and kernel.backward is None:
+                reasons.append(f"{kernel.name}: inputs require grad and the kernel has no backward (forward only)")
                 continue
             ok, why = kernel.supports(args)
             if ok and not forced and kernel.faster_than_fla is not None and self._fla(args)[0][0]:
                 ok, why = kernel.faster_than_fla(args)
             if ok:
-                return (True, f"{kernel.name} on sm_{major}{minor}"), kernel.run
+                return (True, f"{kernel.name} on sm_{major}{minor}"), self._runner(args, kernel.name, kernel.run)
             reasons.append(f"{kernel.name}: {why}")
         if not reasons:
             return (False, f"no CuTe DSL kernel for sm_{major}{minor}"), None
@@ -148,7 +189,20 @@ class Op:
         return (True, f"FLA Triton {target}"), lambda a: _call_fla(fn, _without_pool_args(a))
 
     def _torch(self, args: dict[str, Any]) -> tuple[Verdict, Callable | None]:
-        return (True, "PyTorch reference backend"), self.reference
+        return (True, "PyTorch reference backend"), self._runner(args, REFERENCE, self.reference)
+
+    def _runner(self, args: dict[str, Any], implementation: str, direct: Callable) -> Callable:
+        """How a chosen cuLA backend runs: through the custom ops where a compiled graph must hold the call as one
+        node, or where autograd needs their backward (a kernel's training call; the reference is plain autograd);
+        directly otherwise, which spares the ops' dispatch (about 20 us) and keeps the reference's own autograd (no
+        recomputation, double backward)."""
+        through_ops = torch.compiler.is_compiling() or (implementation != REFERENCE and requires_grad(args))
+        # the ops' schemas hold no state pool and no cp_context: such calls run their backend directly
+        special = validation.pooled(args) or args.get("cp_context") is not None
+        if self.library is None or not through_ops or special:
+            return direct
+        save_residuals = requires_grad(args)
+        return lambda a: self.library(a, implementation, save_residuals)
 
     def decide(self, args: dict[str, Any]) -> tuple[Decision, Callable]:
         forced = os.environ.get(ENV_BACKEND, "").strip().lower()
@@ -171,8 +225,16 @@ class Op:
         decision, run = self.decide(args)
         self.last = decision
         if os.environ.get(ENV_LOG, "0") not in ("", "0"):
-            logger.warning("%s", decision)
+            _log_decision(str(decision))
         return run(args)
+
+
+@torch.compiler.assume_constant_result
+def _log_decision(text: str) -> bool:
+    """Logs a decision; while compiling, once as the graph is made (a graph cannot log, and its calls repeat that
+    decision)."""
+    logger.warning("%s", text)
+    return True
 
 
 _OPS: dict[Callable, Op] = {}
@@ -272,12 +334,9 @@ def call_args(local_vars: dict[str, Any]) -> dict[str, Any]:
 
 
 def chunk_fwd_kernel_declines(args: dict[str, Any]) -> Verdict | None:
-    """What every forward-only chunk kernel declines: training calls, context parallelism, chunk sizes but 64, state
-    pools."""
+    """What every chunk kernel declines: state pools, context parallelism, chunk sizes but 64."""
     if validation.pooled(args):
         return False, "state pool (ssm_state_indices / inplace_final_state): the kernel reads states by sequence"
-    if requires_grad(args):
-        return False, "inputs require grad: forward-only kernel (backward kernel not landed)"
     if args.get("cp_context") is not None:
         return False, "context parallelism (cp_context): FLA serves it on CUDA, the reference backend elsewhere"
     if args.get("chunk_size", 64) != 64:
@@ -299,6 +358,10 @@ def kernel_vs_fla(args: dict[str, Any], op: str, kernel: str) -> Verdict:
     q, v, cu_seqlens = args["q"], args["v"], args["cu_seqlens"]
     if cu_seqlens is None:
         lengths = [q.shape[1]] * q.shape[0]
+    elif torch.compiler.is_compiling():
+        # a graph cannot hold offsets read from the device: as many sequences, of equal length
+        N = cu_seqlens.shape[0] - 1
+        lengths = [q.shape[1] // N] * N
     else:
         offsets = validation.host_offsets(cu_seqlens, args.get("cu_seqlens_cpu"))
         lengths = [b - a for a, b in zip(offsets, offsets[1:], strict=False)]

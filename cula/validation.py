@@ -149,9 +149,9 @@ def _check_offsets(name: str, offsets: list[int], T: int) -> None:
         raise ValueError(f"`{name}` must be non-decreasing, got {offsets}")
 
 
-def cu_seqlens_(cu_seqlens, B: int, T: int, cu_seqlens_cpu=None) -> list[int] | None:
+def cu_seqlens_(cu_seqlens, B: int, T: int, cu_seqlens_cpu=None, read: bool = True) -> list[int] | None:
     """cu_seqlens: int32/int64 [N+1], starts at 0, non-decreasing, ends at T; only with B == 1. Returns the
-    offsets as Python ints (None without cu_seqlens).
+    offsets as Python ints (None without cu_seqlens, or with ``read=False``: the tensors' metadata checked only).
 
     With the host copy ``cu_seqlens_cpu`` (FLA's argument) both are checked and must agree: a kernel indexes
     tokens with the device tensor and plans its launch with the host one. The device tensor is read once per
@@ -168,6 +168,8 @@ def cu_seqlens_(cu_seqlens, B: int, T: int, cu_seqlens_cpu=None) -> list[int] | 
     tensor("cu_seqlens_cpu", cu_seqlens_cpu, 1, (torch.int32, torch.int64), optional=True)
     if cu_seqlens_cpu is not None and tuple(cu_seqlens_cpu.shape) != tuple(cu_seqlens.shape):
         raise ValueError(f"`cu_seqlens_cpu` must have the shape of `cu_seqlens`, got {tuple(cu_seqlens_cpu.shape)}")
+    if not read:
+        return None
     host = None if cu_seqlens_cpu is None else cu_seqlens_cpu.tolist()
     capturing = _capturing(cu_seqlens)
     device = None
@@ -455,13 +457,15 @@ def common(args: dict, allow_gva: bool, token_slots: bool = False) -> tuple[int,
     """Checks shared by every op: q/k/v, scale, cu_seqlens and initial_state (or the state pool: `state_pool`, with
     ``token_slots`` for the fused-recurrent ops). Returns B, T, H, HV, K, V, N.
 
-    For ops that take ``cu_seqlens_cpu``, fills it in from the offsets read here when the caller left it out."""
+    For ops that take ``cu_seqlens_cpu``, fills it in from the offsets read here when the caller left it out.
+    While compiling, the offsets' values are not read (a graph cannot hold values read from the device): what reads
+    them as the call runs checks them (the custom ops, :mod:`cula.custom_ops`; the reference)."""
     B, T, H, HV, K, V = qkv(args["q"], args["k"], args["v"], allow_gva)
     scale(args.get("scale"))
     flags(args)
     cu_seqlens = args.get("cu_seqlens")
-    offsets = cu_seqlens_(cu_seqlens, B, T, args.get("cu_seqlens_cpu"))
-    N = B if offsets is None else len(offsets) - 1
+    offsets = cu_seqlens_(cu_seqlens, B, T, args.get("cu_seqlens_cpu"), read=not torch.compiler.is_compiling())
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     if offsets is not None and "cu_seqlens_cpu" in args and args["cu_seqlens_cpu"] is None:
         # hand the host copy on, so that later steps (the GDN time model, FLA) do not copy the offsets again
         args["cu_seqlens_cpu"] = torch.tensor(offsets, dtype=cu_seqlens.dtype)

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from cula import validation
+from cula.custom_ops import ChunkOps
 from cula.dispatch import (
     CuteKernel,
     Op,
@@ -110,6 +111,14 @@ CHUNK = bind(
         fla_supports=fla_gated_backward_ok,
     ),
     chunk_gated_delta_rule,
+)
+CHUNK.library = ChunkOps(
+    CHUNK,
+    "gdn_chunk",
+    "Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float? scale=None, Tensor? initial_state=None, "
+    "bool output_final_state=False, bool use_qk_l2norm_in_kernel=False, bool use_beta_sigmoid_in_kernel=False, "
+    "bool allow_neg_eigval=False, bool state_v_first=False, Tensor? cu_seqlens=None, Tensor? cu_seqlens_cpu=None, "
+    "bool use_gate_in_kernel=False, Tensor? A_log=None, Tensor? dt_bias=None",
 )
 RECURRENT = bind(
     Op(

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from cula import validation
+from cula.custom_ops import ChunkOps
 from cula.dispatch import Op, bind, call_args
 from cula.gla import reference
 
@@ -63,6 +64,12 @@ def fused_recurrent_gla(
 
 
 CHUNK = bind(Op("gla.chunk_gla", "fla.ops.gla:chunk_gla", reference.chunk_gla, _validate), chunk_gla)
+CHUNK.library = ChunkOps(
+    CHUNK,
+    "gla_chunk",
+    "Tensor q, Tensor k, Tensor v, Tensor g, float? scale=None, Tensor? initial_state=None, "
+    "bool output_final_state=False, bool state_v_first=False, Tensor? cu_seqlens=None, Tensor? cu_seqlens_cpu=None",
+)
 RECURRENT = bind(
     Op(
         "gla.fused_recurrent_gla", "fla.ops.gla:fused_recurrent_gla", reference.fused_recurrent_gla, _validate_recurrent

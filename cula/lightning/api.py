@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from cula import validation
+from cula.custom_ops import ChunkOps
 from cula.dispatch import CuteKernel, Op, bind, call_args, chunk_fwd_kernel_declines, fla_gated_backward_ok
 from cula.lightning import reference
 
@@ -130,6 +131,13 @@ CHUNK_SIMPLE_GLA = bind(
     ),
     chunk_simple_gla,
 )
+CHUNK_SIMPLE_GLA.library = ChunkOps(
+    CHUNK_SIMPLE_GLA,
+    "simple_gla_chunk",
+    "Tensor q, Tensor k, Tensor v, Tensor? g=None, Tensor? g_gamma=None, float? scale=None, "
+    "Tensor? initial_state=None, bool output_final_state=False, bool state_v_first=False, Tensor? cu_seqlens=None, "
+    "Tensor? cu_seqlens_cpu=None",
+)
 RECURRENT_SIMPLE_GLA = bind(
     Op(
         "lightning.fused_recurrent_simple_gla",
@@ -147,6 +155,12 @@ CHUNK_LIGHTNING = bind(
         _validate_chunk_lightning,
     ),
     chunk_lightning_attn,
+)
+CHUNK_LIGHTNING.library = ChunkOps(
+    CHUNK_LIGHTNING,
+    "lightning_chunk",
+    "Tensor q, Tensor k, Tensor v, int layer_idx, int num_layers, float? scale=None, Tensor? initial_state=None, "
+    "bool output_final_state=False, Tensor? cu_seqlens=None",
 )
 RECURRENT_LIGHTNING = bind(
     Op(

@@ -287,19 +287,25 @@ def linear_attn_ref(
     return o, (S.transpose(-1, -2) if state_v_first else S).contiguous()
 
 
+def refuse_unsupported(args: dict) -> None:
+    """NotImplementedError for the arguments of an entry point that change results and that the reference cannot
+    honour."""
+    if args.get("return_intermediate_states"):
+        raise NotImplementedError("cula reference: `return_intermediate_states=True` is not supported")
+
+
 def linear_attn_call(
     args: dict, q, k, g=None, gv=None, beta=None, recurrent: bool = False, reverse: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`linear_attn_ref` for an entry point's bound arguments ``args``: scale, states and varlen offsets (as
-    validation read them) come from there, the transformed inputs from the caller; ``recurrent`` for the
-    fused-recurrent entry points. A call with a state pool reads and writes it through `state_pool.serve` (and
-    returns the pool as its state when writing in place); a call with ``cp_context`` runs its rank's part
-    (`context_parallel.forward`). Arguments that change results and that the reference
-    cannot honour raise NotImplementedError."""
-    if args.get("return_intermediate_states"):
-        raise NotImplementedError("cula reference: `return_intermediate_states=True` is not supported")
+    """`linear_attn_ref` for an entry point's bound arguments ``args``: scale, states and varlen offsets (checked as
+    they are read: a compiled call's validation leaves them unread) come from there, the transformed inputs from the
+    caller; ``recurrent`` for the fused-recurrent entry points. Arguments that change results and that the reference
+    cannot honour raise NotImplementedError (:func:`refuse_unsupported`)."""
+    refuse_unsupported(args)
     cu_seqlens = args["cu_seqlens"]
-    offsets = None if cu_seqlens is None else validation.host_offsets(cu_seqlens, args.get("cu_seqlens_cpu"))
+    offsets = (
+        None if cu_seqlens is None else validation.cu_seqlens_(cu_seqlens, *q.shape[:2], args.get("cu_seqlens_cpu"))
+    )
 
     def run(initial_state, output_final_state, token_states=False):
         return linear_attn_ref(

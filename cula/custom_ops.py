@@ -1,0 +1,189 @@
+"""The ``torch.library`` custom ops of the chunk entry points: a ``torch.compile``d model holds a cuLA call as one
+graph node (no graph break), and autograd reaches the backward of the backend that served the forward.
+
+Each chunk entry point has two ops (``Op.library``), on tensors and scalar options only (the entry point's
+parameters that its backends read, in its order and with its defaults), and a keyword ``implementation`` naming what
+serves the call as dispatch chose it: ``"reference"`` (the PyTorch reference backend, any device) or a
+:class:`~cula.dispatch.CuteKernel`'s name.
+
+- ``cula::<name>_fwd(..., *, str implementation, bool save_residuals) -> (o, final_state, residuals)``:
+  o ``[B, T, HV, V]`` in q's dtype; final_state ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``) in
+  fp32 (fp64 for fp64 inputs), or None without ``output_final_state``; residuals: with ``save_residuals`` (a
+  training call) what the kernel's backward reads (its :class:`~cula.dispatch.BackwardKernel`), else none. The
+  reference saves nothing.
+- ``cula::<name>_bwd(residuals, grad_o, grad_final_state, ..., *, str implementation) -> Tensor?[]``: one gradient
+  per tensor parameter (contiguous), None where the argument is absent or integer. The reference recomputes its
+  forward under autograd (:func:`reference_grads`).
+
+The forward's autograd formula calls the backward op, so a compiled backward holds it as one node too. The varlen
+offsets are checked on the host as an op runs: a compiled call's validation cannot read them
+(:func:`cula.validation.common`).
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from cula import validation
+from cula.ops.delta_rule_ref import refuse_unsupported
+
+if TYPE_CHECKING:
+    from cula.dispatch import Op
+
+REFERENCE = "reference"
+
+
+class ChunkOps:
+    """The forward and backward ops of one chunk entry point ``op``: ``cula::<name>_fwd`` and ``cula::<name>_bwd``
+    with ``params`` (schema text) as their parameters. Calling it runs the forward op on bound arguments."""
+
+    def __init__(self, op: Op, name: str, params: str):
+        self.op = op
+        parsed = torch._C.parse_schema(f"cula::{name}({params}) -> ()").arguments
+        self.names = [a.name for a in parsed]
+        self.defaults = {a.name: a.default_value for a in parsed if a.has_default_value()}
+        optional_tensor = torch._C.OptionalType(torch._C.TensorType.get())
+        self.tensors = [a.name for a in parsed if a.type.isSubtypeOf(optional_tensor)]  # Tensor and Tensor?
+        self.forward = torch.library.custom_op(
+            f"cula::{name}_fwd",
+            self._forward,
+            mutates_args=(),
+            schema=f"({params}, *, str implementation, bool save_residuals) "
+            "-> (Tensor o, Tensor? final_state, Tensor[] residuals)",
+        )
+        self.backward = torch.library.custom_op(
+            f"cula::{name}_bwd",
+            self._backward,
+            mutates_args=(),
+            schema=f"(Tensor[] residuals, Tensor grad_o, Tensor? grad_final_state, {params}, *, str implementation) "
+            "-> Tensor?[]",
+        )
+        self.forward.register_fake(self._forward_fake)
+        self.backward.register_fake(self._backward_fake)
+        self.forward.register_autograd(self._autograd_backward, setup_context=self._setup_context)
+
+    def __call__(
+        self, args: dict[str, Any], implementation: str, save_residuals: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(o, final_state or None)`` of the forward op on an entry point's bound arguments ``args``."""
+        if implementation == REFERENCE:
+            refuse_unsupported(args)  # arguments the op does not take, which the reference would refuse
+        values = [args.get(name, self.defaults.get(name)) for name in self.names]
+        o, final_state, _ = self.forward(*values, implementation=implementation, save_residuals=save_residuals)
+        return o, final_state
+
+    def _bind(self, values: tuple) -> dict[str, Any]:
+        # an op's implementation receives only the arguments its caller passed: the rest take their defaults
+        return {**self.defaults, **dict(zip(self.names, values, strict=False))}
+
+    # -- forward --------------------------------------------------------------------------------------------------
+    def _forward(self, *values, implementation: str, save_residuals: bool):
+        args = self._bind(values)
+        _check_offsets(args)
+        if implementation == REFERENCE:
+            o, final_state = self.op.reference(args)
+            return o, final_state, []
+        kernel = self.op.kernel(implementation)
+        if save_residuals:
+            o, final_state, residuals = kernel.backward.forward(args)
+            return o, final_state, list(residuals)
+        o, final_state = kernel.run(args)
+        return o, final_state, []
+
+    def _forward_fake(self, *values, implementation: str, save_residuals: bool):
+        args = self._bind(values)
+        q, v, cu_seqlens = args["q"], args["v"], args.get("cu_seqlens")
+        B, T, H, K = q.shape
+        HV, V = v.shape[2], v.shape[3]
+        final_state = None
+        if args["output_final_state"]:
+            N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+            shape = (N, HV, V, K) if args.get("state_v_first") else (N, HV, K, V)
+            final_state = q.new_empty(shape, dtype=torch.promote_types(q.dtype, torch.float32))
+        residuals = []
+        if save_residuals and implementation != REFERENCE:
+            residuals = list(self.op.kernel(implementation).backward.residuals_like(args))
+        return q.new_empty(B, T, HV, V), final_state, residuals
+
+    # -- backward -------------------------------------------------------------------------------------------------
+    def _backward(self, residuals, grad_o, grad_final_state, *values, implementation: str):
+        args = self._bind(values)
+        if implementation == REFERENCE:
+            grads = reference_grads(self.op.reference, args, self._differentiable(args), grad_o, grad_final_state)
+        else:
+            grads = self.op.kernel(implementation).backward.run(args, list(residuals), grad_o, grad_final_state)
+        return [None if grads.get(name) is None else grads[name].contiguous() for name in self.tensors]
+
+    def _backward_fake(self, residuals, grad_o, grad_final_state, *values, implementation: str):
+        args = self._bind(values)
+        differentiable = self._differentiable(args)
+        return [args[name].new_empty(args[name].shape) if name in differentiable else None for name in self.tensors]
+
+    def _differentiable(self, args: dict[str, Any]) -> list[str]:
+        """The tensor arguments that get a gradient: those present with a floating dtype."""
+        return [n for n in self.tensors if args.get(n) is not None and args[n].is_floating_point()]
+
+    # -- autograd -------------------------------------------------------------------------------------------------
+    def _setup_context(self, ctx, inputs, keyword_only_inputs, output):
+        args = self._bind(inputs)
+        _, _, residuals = output
+        ctx.mark_non_differentiable(*residuals)
+        ctx.save_for_backward(*(args[n] for n in self.tensors), *residuals)
+        ctx.options = {n: value for n, value in args.items() if n not in self.tensors}
+        ctx.implementation = keyword_only_inputs["implementation"]
+
+    def _autograd_backward(self, ctx, grad_o, grad_final_state, grad_residuals):
+        saved = ctx.saved_tensors
+        tensors = dict(zip(self.tensors, saved[: len(self.tensors)], strict=True))
+        args = {**ctx.options, **tensors}
+        values = [args[name] for name in self.names]
+        grads = self.backward(
+            list(saved[len(self.tensors) :]), grad_o, grad_final_state, *values, implementation=ctx.implementation
+        )
+        by_name = dict(zip(self.tensors, grads, strict=True))
+        # the dispatcher drops trailing arguments equal to their defaults: one gradient per argument passed
+        return tuple(by_name.get(name) for name in self.names)[: len(ctx.needs_input_grad)]
+
+
+def _check_offsets(args: dict[str, Any]) -> None:
+    """The varlen offsets checked (as validation checks them) and their host copy handed on, as the op runs."""
+    cu_seqlens = args.get("cu_seqlens")
+    if cu_seqlens is None:
+        return
+    B, T = args["q"].shape[:2]
+    offsets = validation.cu_seqlens_(cu_seqlens, B, T, args.get("cu_seqlens_cpu"))
+    if "cu_seqlens_cpu" in args and args["cu_seqlens_cpu"] is None:
+        args["cu_seqlens_cpu"] = torch.tensor(offsets, dtype=cu_seqlens.dtype)
+
+
+def _eager_dispatch_keys() -> tuple[torch._C.DispatchKeySet, torch._C.DispatchKeySet]:
+    """The thread-local (included, excluded) dispatch keys of plain eager code, c10's defaults: autograd on, autocast
+    off."""
+    keys, key_set = torch._C.DispatchKey, torch._C.DispatchKeySet
+    autocast = [key_set(key) for name, key in keys.__members__.items() if name.startswith("Autocast")]
+    return key_set(keys.BackendSelect) | key_set(keys.ADInplaceOrView), functools.reduce(operator.or_, autocast)
+
+
+EAGER_DISPATCH_KEYS = _eager_dispatch_keys()
+
+
+def reference_grads(reference, args: dict[str, Any], names: list[str], grad_o, grad_final_state) -> dict:
+    """Gradients of the arguments ``names`` through ``reference`` (an entry point's reference, on its bound
+    arguments ``args``), its forward recomputed under autograd; zeros for an argument the call does not use.
+
+    An op's implementation runs below autograd, and under a TorchDispatchMode (opcheck's, FlopCounterMode) below
+    every key above the mode's: the recomputation runs with the keys of plain eager code, as torch's own leaf
+    functions do (``torch._higher_order_ops.invoke_leaf_function``)."""
+    with torch._C._ForceDispatchKeyGuard(*EAGER_DISPATCH_KEYS), torch.enable_grad():
+        inputs = [args[n].detach().requires_grad_() for n in names]
+        o, final_state = reference({**args, **dict(zip(names, inputs, strict=True))})
+        outputs, cotangents = [o], [grad_o]
+        if final_state is not None and grad_final_state is not None:
+            outputs.append(final_state)
+            cotangents.append(grad_final_state)
+        grads = torch.autograd.grad(outputs, inputs, cotangents, allow_unused=True)
+    return {n: torch.zeros_like(x) if g is None else g for n, x, g in zip(names, inputs, grads, strict=True)}

@@ -1,0 +1,423 @@
+"""The chunk entry points' torch.library custom ops (cula.custom_ops) on the CPU: opcheck, fake shapes, gradients
+through the ops, torch.compile(fullgraph=True) without graph breaks, and dispatch of training calls to kernels with
+and without a backward."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from functorch.compile import make_boxed_func
+from test_api import FakeCuda, gdn_args
+from torch._dynamo.backends.common import aot_autograd
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import cula
+from cula import custom_ops, dispatch
+from cula.dispatch import BackwardKernel, CuteKernel
+
+ENTRY_POINTS = {
+    "gdn": cula.gdn.chunk_gated_delta_rule,
+    "kda": cula.kda.chunk_kda,
+    "gla": cula.gla.chunk_gla,
+    "simple_gla": cula.lightning.chunk_simple_gla,
+    "lightning": cula.lightning.chunk_lightning_attn,
+}
+FORWARD_OPS = {
+    "gdn": torch.ops.cula.gdn_chunk_fwd,
+    "kda": torch.ops.cula.kda_chunk_fwd,
+    "gla": torch.ops.cula.gla_chunk_fwd,
+    "simple_gla": torch.ops.cula.simple_gla_chunk_fwd,
+    "lightning": torch.ops.cula.lightning_chunk_fwd,
+}
+BACKWARD_OPS = {name: getattr(torch.ops.cula, f"{name}_chunk_bwd") for name in FORWARD_OPS}
+
+
+def inputs(variant, T=9, H=1, HV=None, K=4, V=3, dtype=torch.float64, lengths=None, initial_state=False, **options):
+    """The tensors and options of a call of ``variant`` (an entry point's keyword arguments): q, k [1 or B, T, H, K],
+    v [.., HV, V] and the variant's gates; ``lengths`` packs sequences of these lengths (varlen, B = 1)."""
+    HV = HV or H
+    B = 2 if lengths is None else 1
+    if lengths is not None:
+        T = sum(lengths)
+    q = torch.randn(B, T, H, K, dtype=dtype)
+    k = F.normalize(torch.randn(B, T, H, K, dtype=dtype), dim=-1)
+    args = {"q": q, "k": k, "v": torch.randn(B, T, HV, V, dtype=dtype)}
+    if variant in ("gdn", "kda"):
+        args["g"] = F.logsigmoid(torch.randn(B, T, HV, *((K,) if variant == "kda" else ()), dtype=dtype))
+        args["beta"] = torch.rand(B, T, HV, dtype=dtype)
+    elif variant == "gla":
+        args["g"] = F.logsigmoid(torch.randn(B, T, H, K, dtype=dtype))
+    elif variant == "simple_gla":
+        args["g"] = F.logsigmoid(torch.randn(B, T, H, dtype=dtype))
+        args["g_gamma"] = -torch.rand(H, dtype=dtype)
+    else:
+        args.update(layer_idx=1, num_layers=4)
+    N = B
+    if lengths is not None:
+        args["cu_seqlens"] = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+        N = len(lengths)
+    if initial_state:
+        shape = (N, HV, V, K) if options.get("state_v_first") else (N, HV, K, V)
+        args["initial_state"] = torch.randn(shape, dtype=dtype)
+    args.update(options)
+    return args
+
+
+def requiring_grad(args: dict) -> dict:
+    return {
+        n: x.requires_grad_() if isinstance(x, torch.Tensor) and x.is_floating_point() else x for n, x in args.items()
+    }
+
+
+# variant, call options: fixed length and varlen, initial state, state_v_first, GVA, in-kernel transforms
+CASES = [
+    ("gdn", {}),
+    ("gdn", {"lengths": [4, 0, 7], "initial_state": True, "output_final_state": True}),
+    ("gdn", {"initial_state": True, "state_v_first": True, "output_final_state": True}),
+    ("gdn", {"H": 1, "HV": 2, "output_final_state": True}),
+    (
+        "gdn",
+        {
+            "use_gate_in_kernel": True,
+            "A_log": torch.rand(1, dtype=torch.float64),
+            "dt_bias": torch.rand(1, dtype=torch.float64),
+            "use_qk_l2norm_in_kernel": True,
+            "use_beta_sigmoid_in_kernel": True,
+            "allow_neg_eigval": True,
+        },
+    ),  # fmt: skip
+    ("kda", {"lengths": [5, 4], "initial_state": True, "state_v_first": True, "output_final_state": True}),
+    ("kda", {"H": 1, "HV": 2, "initial_state": True, "output_final_state": True}),
+    (
+        "kda",
+        {
+            "use_gate_in_kernel": True,
+            "lower_bound": -5.0,
+            "A_log": torch.rand(1, dtype=torch.float64),
+            "dt_bias": torch.rand(4, dtype=torch.float64),
+            "output_final_state": True,
+        },
+    ),  # fmt: skip
+    ("gla", {"initial_state": True, "output_final_state": True}),
+    ("gla", {"lengths": [6, 3], "initial_state": True, "state_v_first": True, "output_final_state": True}),
+    ("simple_gla", {"initial_state": True, "output_final_state": True}),
+    ("simple_gla", {"lengths": [2, 7], "state_v_first": True, "output_final_state": True}),
+    ("lightning", {"initial_state": True, "output_final_state": True}),
+    ("lightning", {"lengths": [3, 6], "initial_state": True, "output_final_state": True}),
+]
+CASE_IDS = [f"{variant}-{'-'.join(options) or 'plain'}" for variant, options in CASES]
+# varlen or in-kernel transforms: one case or two per variant
+GRADCHECK = [
+    (case, id_) for case, id_ in zip(CASES, CASE_IDS, strict=True) if {"lengths", "use_gate_in_kernel"} & set(case[1])
+]
+
+
+def op_call(variant, args):
+    """(positional tensors q, k, v; keyword arguments) of the forward op for an entry point's arguments."""
+    rest = {n: x for n, x in args.items() if n not in ("q", "k", "v")}
+    return (args["q"], args["k"], args["v"]), rest
+
+
+@pytest.mark.parametrize("variant,options", CASES, ids=CASE_IDS)
+def test_opcheck(variant, options):
+    """Schema, autograd registration, fake implementation against the real one, AOT dispatch with dynamic shapes (its
+    backward included) of both ops, the forward's inputs requiring grad (the backward's never do)."""
+    args = inputs(variant, **options)
+    tensors, rest = op_call(variant, args)
+    o, final_state, _ = FORWARD_OPS[variant](*tensors, **rest, implementation="reference", save_residuals=False)
+    grad_final_state = None if final_state is None else torch.randn_like(final_state)
+    backward = ([], torch.randn_like(o), grad_final_state, *tensors)
+    torch.library.opcheck(BACKWARD_OPS[variant].default, backward, {**rest, "implementation": "reference"})
+    tensors, rest = op_call(variant, requiring_grad(args))
+    kwargs = {**rest, "implementation": "reference", "save_residuals": True}
+    torch.library.opcheck(FORWARD_OPS[variant].default, tensors, kwargs)
+
+
+@pytest.mark.parametrize("variant,options", [c for c, _ in GRADCHECK], ids=[i for _, i in GRADCHECK])
+def test_gradcheck_through_the_ops(variant, options):
+    args = inputs(variant, **options)
+    names = [n for n, x in args.items() if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    op = FORWARD_OPS[variant]
+
+    def call(*tensors):
+        o, final_state, _ = op(**{**args, **dict(zip(names, tensors, strict=True))}, implementation="reference",
+                               save_residuals=True)  # fmt: skip
+        return o if final_state is None else (o, final_state)
+
+    assert torch.autograd.gradcheck(call, [args[n].requires_grad_() for n in names], fast_mode=True)
+
+
+@pytest.mark.parametrize(
+    "variant,options,N,state",
+    [
+        ("gdn", {"output_final_state": True}, 2, "KV"),
+        ("gdn", {"lengths": [4, 5, 0], "output_final_state": True, "state_v_first": True}, 3, "VK"),
+        ("kda", {"H": 1, "HV": 2, "output_final_state": True, "state_v_first": True}, 2, "VK"),
+        ("gla", {"lengths": [9], "output_final_state": True}, 1, "KV"),
+        ("simple_gla", {}, 2, None),
+        ("lightning", {"output_final_state": True}, 2, "KV"),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_fake_shapes(variant, options, N, state, dtype):
+    """Under FakeTensorMode the ops give o [B, T, HV, V] in q's dtype, the final state [N, HV, K, V] (V-first:
+    [N, HV, V, K]) in fp32 (fp64 for fp64 inputs) or None, and one gradient per floating tensor argument, as the
+    real ops do."""
+    args = inputs(variant, K=4, V=3, dtype=dtype, **options)
+    real = FORWARD_OPS[variant](**args, implementation="reference", save_residuals=False)
+    with FakeTensorMode() as mode:
+        fake_args = {n: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for n, x in args.items()}
+        o, final_state, residuals = FORWARD_OPS[variant](**fake_args, implementation="reference", save_residuals=True)
+        grads = BACKWARD_OPS[variant](
+            [], o, final_state, **fake_args, implementation="reference"
+        )  # fmt: skip
+    B, T, H, K = args["q"].shape
+    HV, V = args["v"].shape[2:]
+    assert (o.shape, o.dtype, residuals) == ((B, T, HV, V), dtype, [])
+    assert (real[0].shape, real[0].dtype) == (o.shape, o.dtype)
+    if state is None:
+        assert final_state is None and real[1] is None
+    else:
+        expected = (N, HV, K, V) if state == "KV" else (N, HV, V, K)
+        state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        assert (final_state.shape, final_state.dtype) == (expected, state_dtype)
+        assert (real[1].shape, real[1].dtype, real[1].stride()) == (expected, state_dtype, final_state.stride())
+    names = custom_ops_of(variant).tensors
+    for name, grad in zip(names, grads, strict=True):
+        x = args.get(name)
+        if x is None or not x.is_floating_point():
+            assert grad is None, name
+        else:
+            assert (grad.shape, grad.dtype) == (x.shape, x.dtype), name
+
+
+def test_reference_backward_runs_under_a_dispatch_mode():
+    """The ops' implementations run below every key above a TorchDispatchMode's (FlopCounterMode here): the
+    reference's backward recomputes its forward under autograd all the same."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    args = requiring_grad(inputs("gdn", lengths=[3, 6], initial_state=True, output_final_state=True))
+    with FlopCounterMode(display=False):
+        o, final_state, _ = FORWARD_OPS["gdn"](**args, implementation="reference", save_residuals=True)
+        (o.sum() + final_state.sum()).backward()
+    expected = requiring_grad({n: x.detach().clone() if isinstance(x, torch.Tensor) else x for n, x in args.items()})
+    o, final_state = cula.gdn.chunk_gated_delta_rule(**expected)
+    (o.sum() + final_state.sum()).backward()
+    for n in ("q", "k", "v", "g", "beta", "initial_state"):
+        torch.testing.assert_close(args[n].grad, expected[n].grad, msg=n)
+
+
+def custom_ops_of(variant) -> custom_ops.ChunkOps:
+    return dispatch.op_of(ENTRY_POINTS[variant]).library
+
+
+# -- torch.compile ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_compiler():
+    """Dynamo's caches emptied: the tests compile functions of one code object, which it recompiles only so often."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def recording_backend():
+    """An AOTAutograd backend (eager kernels, as ``aot_eager``) recording the ops of its forward and backward
+    graphs."""
+    seen = {"forward": [], "backward": []}
+
+    def compiler(kind):
+        def compile_graph(gm, example_inputs):
+            seen[kind] += [n.target for n in gm.graph.nodes if n.op == "call_function"]
+            return make_boxed_func(gm.forward)
+
+        return compile_graph
+
+    return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward")), seen
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+@pytest.mark.parametrize("variant", list(ENTRY_POINTS))
+def test_compiled_entry_point_matches_eager(variant, varlen, training, fresh_compiler):
+    """torch.compile(fullgraph=True) raises on a graph break; the graph holds the entry point as its forward op (and
+    its backward op), and gives the eager results and gradients (eager: the reference under plain autograd)."""
+    options = {"lengths": [7, 13]} if varlen else {"T": 20}
+    args = inputs(variant, H=2, K=16, V=8, dtype=torch.float32, initial_state=True, **options)
+    tensors = [n for n, x in args.items() if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    fn = ENTRY_POINTS[variant]
+
+    def loss(**kwargs):
+        o, final_state = fn(**kwargs, output_final_state=True)
+        return (o * o).sum() + final_state.sum()
+
+    backend, seen = recording_backend()
+    compiled_args = {n: x.clone().requires_grad_(training) if n in tensors else x for n, x in args.items()}
+    eager_args = {n: x.clone().requires_grad_(training) if n in tensors else x for n, x in args.items()}
+    compiled = torch.compile(loss, backend=backend, fullgraph=True)(**compiled_args)
+    eager = loss(**eager_args)
+    torch.testing.assert_close(compiled, eager)
+    assert FORWARD_OPS[variant].default in seen["forward"]
+    assert cula.last_decision(fn).backend == "torch"
+    if training:
+        compiled.backward()
+        eager.backward()
+        assert BACKWARD_OPS[variant].default in seen["backward"]
+        for n in tensors:
+            torch.testing.assert_close(compiled_args[n].grad, eager_args[n].grad, msg=n)
+
+
+def test_compiled_call_checks_the_offsets_as_it_runs(fresh_compiler):
+    """Validation cannot read cu_seqlens while compiling: the op checks it when the compiled call runs."""
+    fn = torch.compile(lambda **kw: cula.gdn.chunk_gated_delta_rule(**kw)[0], backend="aot_eager", fullgraph=True)
+    args = inputs("gdn", lengths=[5, 4], dtype=torch.float32)
+    fn(**args)
+    with pytest.raises(ValueError, match="must start at 0 and end at T=9"):
+        fn(**{**args, "cu_seqlens": torch.tensor([0, 5, 10])})
+
+
+def test_ops_check_the_offsets_whatever_serves_them(gdn_kernels):
+    """A kernel's host path reads the offsets unchecked: the op checks them before any implementation runs."""
+    unchecked = CuteKernel("unchecked", 9, lambda a: (True, ""), lambda a: (torch.zeros_like(a["v"]), None))
+    gdn_kernels.register_kernel(unchecked)
+    args = inputs("gdn", lengths=[5, 4], dtype=torch.float32)
+    FORWARD_OPS["gdn"](**args, implementation="unchecked", save_residuals=False)
+    args["cu_seqlens"] = torch.tensor([0, 10, 9])
+    with pytest.raises(ValueError, match="must be non-decreasing"):
+        FORWARD_OPS["gdn"](**args, implementation="unchecked", save_residuals=False)
+
+
+def test_compiled_call_logs_its_decision_once(monkeypatch, caplog, fresh_compiler):
+    """CULA_LOG_DISPATCH=1 logs a compiled call's decision as its graph is made, without breaking it."""
+    monkeypatch.setenv(dispatch.ENV_LOG, "1")
+    fn = torch.compile(lambda **kw: cula.gla.chunk_gla(**kw)[0], backend="aot_eager", fullgraph=True)
+    args = inputs("gla", dtype=torch.float32)
+    with caplog.at_level(logging.WARNING, logger="cula.dispatch"):
+        fn(**args)
+        fn(**args)
+    assert [r.getMessage().splitlines()[0] for r in caplog.records if r.name == "cula.dispatch"] == [
+        "gla.chunk_gla: served by 'torch' (PyTorch reference backend)"
+    ]
+
+
+def test_kernel_time_model_reads_no_offsets_while_compiling(monkeypatch):
+    """While compiling, the kernel-versus-FLA estimate takes the call's sequences as of equal length."""
+    FakeCuda(monkeypatch, (9, 0))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    import types
+
+    seen = []
+
+    class KernelSpy:
+        def ms(self, lengths, HV, sms):
+            seen.append(lengths)
+            return 0.0
+
+    times = types.SimpleNamespace(label="test", kernels={"gdn": KernelSpy()}, fla={"gdn": dispatch.FlaTime(1.0, 0.1)})
+    monkeypatch.setattr(dispatch, "times_for", lambda device: times)
+    args = {"q": torch.empty(1, 4096, 2, 64), "v": torch.empty(1, 4096, 4, 64)}
+    args["cu_seqlens"] = torch.empty(5, dtype=torch.int64, device="meta")  # reading it would raise
+    assert dispatch.kernel_vs_fla(args, "gdn", "gdn") == (True, "")
+    assert seen == [[1024] * 4]
+
+
+# -- training calls and kernels with a backward -------------------------------------------------------------------
+
+
+def trainable_kernel(name, calls):
+    """A kernel whose forward and backward are the reference's, saving the gate's cumulative sum as a residual and
+    recording its calls in ``calls``."""
+    reference = dispatch.op_of(cula.gdn.chunk_gated_delta_rule).reference
+
+    def forward(args):
+        calls.append("forward")
+        o, final_state = reference(args)
+        return o, final_state, [args["g"].float().cumsum(1)]
+
+    def residuals_like(args):
+        return [args["g"].new_empty(args["g"].shape, dtype=torch.float32)]
+
+    def backward(args, residuals, grad_o, grad_final_state):
+        calls.append("backward")
+        torch.testing.assert_close(residuals[0], args["g"].float().cumsum(1))
+        names = [n for n in ("q", "k", "v", "g", "beta", "initial_state") if args.get(n) is not None]
+        return custom_ops.reference_grads(reference, args, names, grad_o, grad_final_state)
+
+    def inference(args):
+        calls.append("inference")
+        return reference(args)
+
+    accept = lambda args: (True, "")  # noqa: E731
+    return CuteKernel(name, 9, accept, inference, backward=BackwardKernel(forward, residuals_like, backward))
+
+
+@pytest.fixture
+def gdn_kernels(monkeypatch):
+    """The GDN entry point's kernel table, emptied for the test."""
+    op = dispatch.op_of(cula.gdn.chunk_gated_delta_rule)
+    monkeypatch.setattr(op, "kernels", [])
+    return op
+
+
+def test_opcheck_with_a_kernel_saving_residuals(gdn_kernels):
+    calls = []
+    gdn_kernels.register_kernel(trainable_kernel("saving", calls))
+    args = requiring_grad(inputs("gdn", lengths=[3, 6], initial_state=True, output_final_state=True))
+    tensors, rest = op_call("gdn", args)
+    torch.library.opcheck(
+        FORWARD_OPS["gdn"].default, tensors, {**rest, "implementation": "saving", "save_residuals": True}
+    )
+    assert "forward" in calls and "backward" in calls
+
+
+def test_training_call_goes_to_a_kernel_only_with_a_backward(monkeypatch, gdn_kernels):
+    FakeCuda(monkeypatch, (9, 0))
+    monkeypatch.setattr(dispatch, "fla_function", lambda target: None)
+    fn = cula.gdn.chunk_gated_delta_rule
+    calls = []
+    gdn_kernels.register_kernel(CuteKernel("forward_only", 9, lambda a: (True, ""), lambda a: "forward only"))
+    args = gdn_args(initial_state=torch.randn(1, 4, 16, 8), output_final_state=True)
+    assert cula.explain(fn, **args).backend == "cute"
+    args["q"].requires_grad_(True)
+    decision = cula.explain(fn, **args)
+    assert decision.backend == "fla"
+    assert "forward_only: inputs require grad and the kernel has no backward" in dict(decision.rejected)["cute"]
+    monkeypatch.setenv(dispatch.ENV_BACKEND, "cute")
+    with pytest.raises(cula.BackendUnavailableError, match="has no backward"):
+        fn(**args)
+    monkeypatch.delenv(dispatch.ENV_BACKEND)
+
+    gdn_kernels.register_kernel(trainable_kernel("trainable", calls))
+    decision = cula.explain(fn, **args)
+    assert (decision.backend, decision.reason) == ("cute", "trainable on sm_90")
+    # a training call runs through the ops: the kernel's saving forward, then its backward
+    args = requiring_grad(args)
+    o, final_state = fn(**args)
+    (o.square().sum() + final_state.sum()).backward()
+    assert calls == ["forward", "backward"]
+    monkeypatch.setenv(dispatch.ENV_BACKEND, "torch")
+    expected = requiring_grad({n: x.detach().clone() if isinstance(x, torch.Tensor) else x for n, x in args.items()})
+    o_ref, final_ref = fn(**expected)
+    (o_ref.square().sum() + final_ref.sum()).backward()
+    assert cula.last_decision(fn).backend == "torch"
+    for n in ("q", "k", "v", "g", "beta", "initial_state"):
+        torch.testing.assert_close(args[n].grad, expected[n].grad, msg=n)
+
+
+def test_inference_call_runs_the_kernel_directly(monkeypatch, gdn_kernels):
+    """Without autograd or a compiler to serve, a kernel with a backward runs as a forward-only one: no residuals."""
+    FakeCuda(monkeypatch, (9, 0))
+    calls = []
+    gdn_kernels.register_kernel(trainable_kernel("trainable", calls))
+    cula.gdn.chunk_gated_delta_rule(**gdn_args())
+    assert calls == ["inference"]
+
+
+def test_a_backward_needs_the_custom_ops():
+    op = dispatch.Op("test.op", "fla.ops.gla:chunk_gla", lambda a: None, lambda a: None)
+    with pytest.raises(ValueError, match="no custom ops"):
+        op.register_kernel(trainable_kernel("trainable", []))
