@@ -48,19 +48,19 @@ class ChunkOps:
         self.defaults = {a.name: a.default_value for a in parsed if a.has_default_value()}
         optional_tensor = torch._C.OptionalType(torch._C.TensorType.get())
         self.tensors = [a.name for a in parsed if a.type.isSubtypeOf(optional_tensor)]  # Tensor and Tensor?
-        self.forward = torch.library.custom_op(
-            f"cula::{name}_fwd",
+
+        def define(suffix, fn, schema):
+            return torch.library.custom_op(f"cula::{name}_{suffix}", fn, mutates_args=(), schema=schema)
+
+        self.forward = define(
+            "fwd",
             self._forward,
-            mutates_args=(),
-            schema=f"({params}, *, str implementation, bool save_residuals) "
-            "-> (Tensor o, Tensor? final_state, Tensor[] residuals)",
+            f"({params}, *, str implementation, bool save_residuals) -> (Tensor o, Tensor? final_state, Tensor[] residuals)",
         )
-        self.backward = torch.library.custom_op(
-            f"cula::{name}_bwd",
+        self.backward = define(
+            "bwd",
             self._backward,
-            mutates_args=(),
-            schema=f"(Tensor[] residuals, Tensor grad_o, Tensor? grad_final_state, {params}, *, str implementation) "
-            "-> Tensor?[]",
+            f"(Tensor[] residuals, Tensor grad_o, Tensor? grad_final_state, {params}, *, str implementation) -> Tensor?[]",
         )
         self.forward.register_fake(self._forward_fake)
         self.backward.register_fake(self._backward_fake)
