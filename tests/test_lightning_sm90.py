@@ -21,12 +21,10 @@ def make_inputs(B, T, H, D=128, gate="g", device="cuda"):
     return q, k, v, g, g_gamma
 
 
-def reference(q, k, v, g, g_gamma, scale, h0, cu, state_v_first, monkeypatch):
-    """cuLA's reference backend on the same inputs in fp64: (o, final state [N, H, K, V])."""
+def reference(q, k, v, g, g_gamma, scale, h0, cu, monkeypatch):
+    """cuLA's reference backend on the same inputs in fp64 (h0 [N, H, K, V]): (o, final state [N, H, K, V])."""
     monkeypatch.setenv("CULA_BACKEND", "torch")
     f64 = [None if x is None else x.double() for x in (q, k, v, g, g_gamma, h0)]
-    if h0 is not None and state_v_first:
-        f64[5] = f64[5].transpose(-1, -2).contiguous()
     o, ht = cula.lightning.chunk_simple_gla(
         *f64[:5], scale=scale, initial_state=f64[5], output_final_state=True, cu_seqlens=cu, state_v_first=False
     )
@@ -55,7 +53,7 @@ def run_case(monkeypatch, B, T, H, D=128, gate="g", cu=None, h0=False, state_v_f
     if state_v_first:
         ht = ht.transpose(-1, -2)
     cu_ref = None if cu is None else cu_t.long()
-    o_ref, ht_ref = reference(q, k, v, g, g_gamma, scale, init, cu_ref, False, monkeypatch)
+    o_ref, ht_ref = reference(q, k, v, g, g_gamma, scale, init, cu_ref, monkeypatch)
     assert_matches(o, ht, o_ref, ht_ref, cu)
 
 
@@ -91,12 +89,12 @@ def test_public_entry_points(monkeypatch):
     q, k, v, g, _ = make_inputs(B, T, H, D)
     o, ht = cula.lightning.chunk_simple_gla(q, k, v, g=g, output_final_state=True)
     assert cula.last_decision(cula.lightning.chunk_simple_gla).backend == "cute"
-    o_ref, ht_ref = reference(q, k, v, g, None, D**-0.5, None, None, False, monkeypatch)
+    o_ref, ht_ref = reference(q, k, v, g, None, D**-0.5, None, None, monkeypatch)
     assert_matches(o, ht, o_ref, ht_ref)
     o, ht = cula.lightning.chunk_lightning_attn(q, k, v, layer_idx=3, num_layers=8, output_final_state=True)
     assert cula.last_decision(cula.lightning.chunk_lightning_attn).backend == "cute"
     gamma = cula.lightning.reference.lightning_g_gamma(H, 3, 8, q.device)
-    o_ref, ht_ref = reference(q, k, v, None, gamma, D**-0.5, None, None, False, monkeypatch)
+    o_ref, ht_ref = reference(q, k, v, None, gamma, D**-0.5, None, None, monkeypatch)
     assert_matches(o, ht, o_ref, ht_ref)
 
 
@@ -117,5 +115,5 @@ def test_gates_far_below_zero(monkeypatch, split):
     h0 = torch.randn(2, 2, 128, 128, device=q.device) * 0.1
     o, ht = chunk_simple_gla_fwd_sm90(q, k, v, g, None, None, h0, True, cu_t, False, torch.tensor(cu), split)
     torch.cuda.synchronize()
-    o_ref, ht_ref = reference(q, k, v, g, None, 128**-0.5, h0, cu_t.long(), False, monkeypatch)
+    o_ref, ht_ref = reference(q, k, v, g, None, 128**-0.5, h0, cu_t.long(), monkeypatch)
     assert_matches(o, ht, o_ref, ht_ref, cu)

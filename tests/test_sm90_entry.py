@@ -284,3 +284,19 @@ def test_the_sanitizer_workload_is_valid_calls():
         seen.update({"state_v_first"} if call.get("state_v_first") else set())
         seen.add(op)
     assert seen == {"0-token", "1-token", "GVA", "D=64", "state_v_first", "gdn", "kda", "simple_gla"}
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_the_simple_gla_kernel_launches_without_the_delta_rule(monkeypatch, split):
+    """Every launch of simple GLA's SM90 entry, unsplit and in each split pass, asks for the kernel without the
+    delta rule (its config is the compile cache's key)."""
+    from cula.lightning.chunk_fwd_sm90 import chunk_simple_gla_fwd_sm90
+
+    configs = []
+    monkeypatch.setattr(entry, "launch", lambda kernel, call, config, t, scale: configs.append(config))
+    props = type("P", (), {"multi_processor_count": 132, "name": "NVIDIA H200"})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: props)
+    q, k, v, g, _ = inputs(1, 2100, 2, 2, per_key=False)
+    chunk_simple_gla_fwd_sm90(q, k, v, g, None, None, None, False, None, False, None, split)
+    assert configs and all(not c.delta_rule for c in configs)
+    assert {c.mode for c in configs} == ({"full", "transition", "correction"} if split else {"full"})

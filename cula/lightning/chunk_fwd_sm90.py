@@ -39,10 +39,13 @@ def supports(q, k, v, g=None, g_gamma=None, initial_state=None, cu_seqlens=None,
 
 
 def token_gate(g: torch.Tensor | None, g_gamma: torch.Tensor | None, v: torch.Tensor) -> torch.Tensor:
-    """The kernel's log gate, fp32 [B, T, H]: ``g`` plus ``g_gamma`` per head (zero where both are None)."""
-    gate = torch.zeros(v.shape[:3], dtype=torch.float32, device=v.device) if g is None else g.float()
-    if g_gamma is not None:
-        gate = gate + g_gamma.float()
+    """The kernel's log gate, fp32 [B, T, H]: ``g`` plus ``g_gamma`` per head (zero where both are None), made in
+    one pass over the tokens."""
+    if g is None and g_gamma is None:
+        return torch.zeros(v.shape[:3], dtype=torch.float32, device=v.device)
+    if g is None:
+        return g_gamma.float().expand(v.shape[:3]).contiguous()
+    gate = g.float() if g_gamma is None else g.float() + g_gamma.float()
     return gate.contiguous()
 
 
@@ -53,20 +56,22 @@ def split_cost(call: entry.ChunkCall) -> segment_split.SplitCost:
 
 
 def compile_simple_gla_fwd_sm90(arch="sm_90a", *, state_v_first=False, keep_artifacts=False, **config):
-    """The kernel for ``config`` (:class:`cula.sm90.chunk_fwd.ChunkFwdConfig` fields but ``delta_rule``), compiled on
-    any machine for ``arch``."""
-    cfg = ChunkFwdConfig(**config, delta_rule=False)
+    """The kernel for ``config`` (:class:`cula.sm90.chunk_fwd.ChunkFwdConfig` fields; ``delta_rule`` is False),
+    compiled on any machine for ``arch``."""
+    cfg = ChunkFwdConfig(**{**config, "delta_rule": False})
     # beta's slot is never read: fp32, as the gate that fills it at launch
     fake = entry.fake_args(cfg.head_dim, True, state_v_first, per_key_gate=False)
     return runtime.compile_kernel(ScalarGateChunkFwdSm90(cfg), fake, arch, keep_artifacts)
 
 
-def _compile(arch, config: ChunkFwdConfig, beta_fp32: bool, state_v_first: bool):
-    options = {k: v for k, v in config.__dict__.items() if k != "delta_rule"}
-    return compile_simple_gla_fwd_sm90(arch, state_v_first=state_v_first, **options)
-
-
-SIMPLE_GLA_SM90 = entry.ChunkKernel("simple_gla", _compile, split_cost=split_cost)
+SIMPLE_GLA_SM90 = entry.ChunkKernel(
+    "simple_gla",
+    lambda arch, config, beta_fp32, state_v_first: compile_simple_gla_fwd_sm90(
+        arch, state_v_first=state_v_first, **config.__dict__
+    ),
+    split_cost=split_cost,
+    delta_rule=False,
+)
 
 
 def chunk_simple_gla_fwd_sm90(

@@ -76,7 +76,8 @@ class ChunkKernel:
     - ``gate_args(call, tensors)``: the variant's arguments after ``scale``.
     - ``split_cost(call)``: the planner's costs of its split passes (``cached``: the passes save and load Tinv and P).
     - ``workspaces(ranges, chunks, HV, D, device)``: its further split workspaces, or None.
-    - ``options(call)``: its compile-time options beyond :class:`ChunkFwdConfig` (part of the cache key)."""
+    - ``options(call)``: its compile-time options beyond :class:`ChunkFwdConfig` (part of the cache key).
+    - ``delta_rule``: its recurrence (:attr:`ChunkFwdConfig.delta_rule`), in every launch's config."""
 
     name: str
     compile: Callable[..., Any]
@@ -84,6 +85,7 @@ class ChunkKernel:
     split_cost: Callable[[ChunkCall], segment_split.SplitCost] = lambda call: segment_split.UNCACHED
     workspaces: Callable[..., dict] | None = None
     options: Callable[[ChunkCall], dict] = field(default=lambda call: {})
+    delta_rule: bool = True
 
 
 def cached_zeros(device, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -174,7 +176,9 @@ def chunk_fwd(kernel: ChunkKernel, call: ChunkCall) -> tuple[torch.Tensor, torch
         cu = call.cu_seqlens if call.cu_seqlens.dtype == torch.int32 else call.cu_seqlens.to(torch.int32)
         starts, ends = cu[:-1], cu[1:]
     h0 = call.initial_state.contiguous() if call.initial_state is not None else None
-    config = ChunkFwdConfig(K, starts is not None, h0 is not None, qk_l2norm=call.qk_l2norm)
+    config = ChunkFwdConfig(
+        K, starts is not None, h0 is not None, qk_l2norm=call.qk_l2norm, delta_rule=kernel.delta_rule
+    )
     launch(
         kernel, call, config, LaunchTensors(call.q, call.k, call.v, call.g, call.beta, o, h0, ht, starts, ends), scale
     )
@@ -210,7 +214,7 @@ def _split(kernel: ChunkKernel, call: ChunkCall, plan: Plan, o: torch.Tensor, sc
                 saved["w"] = torch.empty(shape, dtype=torch.bfloat16, device=call.q.device)
                 if kernel.workspaces is not None:
                     saved["more"] = kernel.workspaces(starts.numel(), chunks, HV, K, call.q.device)
-        config = ChunkFwdConfig(K, True, h0_ is not None, mode, intra, call.qk_l2norm)
+        config = ChunkFwdConfig(K, True, h0_ is not None, mode, intra, call.qk_l2norm, kernel.delta_rule)
         tensors = LaunchTensors(*flat[:6], h0_, ht_, starts, ends, saved.get("w"), saved.get("more"))
         launch(kernel, flat_call, config, tensors, scale)
         return ht_
