@@ -20,6 +20,7 @@ from cula.dispatch import (
 from cula.gdn import reference
 from cula.ops import context_parallel
 from cula.ops.gates import kernel_gdn_gate
+from cula.recurrent.plan import recurrent_kernel
 
 
 def _validate_chunk(args: dict[str, Any]) -> None:
@@ -158,3 +159,21 @@ def _sm90_run(args: dict[str, Any]):
 
 
 CHUNK.register_kernel(CuteKernel("gdn.chunk_fwd_sm90", 9, _sm90_supports, _sm90_run, _sm90_faster_than_fla))
+
+
+def _recurrent_gates(args: dict[str, Any]):
+    """A fused-recurrent GDN call's gates for the token-by-token kernel: scalar g (activated in the kernel with
+    ``use_gate_in_kernel``), per-key gk, per-value gv, the delta rule with beta (ones when None)."""
+    from cula.recurrent.plan import Gates
+
+    gate_in_kernel = bool(args.get("use_gate_in_kernel")) and args["g"] is not None
+    return Gates(
+        g=args["g"], g_kind="gdn" if gate_in_kernel else "log", gk=args["gk"], gv=args["gv"], delta_rule=True,
+        beta=args["beta"], beta_sigmoid=bool(args["use_beta_sigmoid_in_kernel"]),
+        neg_eigval=bool(args["allow_neg_eigval"]), qk_l2norm=bool(args["use_qk_l2norm_in_kernel"]),
+        A_log=args.get("A_log"), dt_bias=args.get("dt_bias"),
+    )  # fmt: skip
+
+
+for _major in (9, 10):
+    RECURRENT.register_kernel(recurrent_kernel("gdn.fused_recurrent", _recurrent_gates, _major))

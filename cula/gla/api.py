@@ -10,6 +10,7 @@ from cula import validation
 from cula.custom_ops import ChunkOps
 from cula.dispatch import Op, bind, call_args
 from cula.gla import reference
+from cula.recurrent.plan import recurrent_kernel
 
 
 def _validate(args: dict[str, Any], token_slots: bool = False) -> None:
@@ -76,3 +77,14 @@ RECURRENT = bind(
     ),
     fused_recurrent_gla,
 )
+
+
+def _recurrent_gates(args: dict[str, Any]):
+    """A fused-recurrent GLA call's gates for the token-by-token kernel: per-key gk and per-value gv, no delta rule."""
+    from cula.recurrent.plan import Gates
+
+    return Gates(gk=args["gk"], gv=args["gv"])
+
+
+for _major in (9, 10):
+    RECURRENT.register_kernel(recurrent_kernel("gla.fused_recurrent", _recurrent_gates, _major))

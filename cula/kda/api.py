@@ -13,6 +13,7 @@ from cula.dispatch import CuteKernel, Op, bind, call_args, chunk_fwd_kernel_decl
 from cula.kda import reference
 from cula.ops import context_parallel, state_pool
 from cula.ops.gates import kernel_kda_gate
+from cula.recurrent.plan import recurrent_kernel
 
 
 def _validate_chunk(args: dict[str, Any]) -> None:
@@ -173,3 +174,23 @@ def _sm90_faster_than_fla(args: dict[str, Any]) -> tuple[bool, str]:
 
 
 CHUNK.register_kernel(CuteKernel("kda.chunk_fwd_sm90", 9, _sm90_supports, _sm90_run, _sm90_faster_than_fla))
+
+
+def _recurrent_gates(args: dict[str, Any]):
+    """A fused-recurrent KDA call's gates for the token-by-token kernel: the per-key g (FLA's gate applied in the
+    kernel with ``use_gate_in_kernel``: the bounded form whenever ``lower_bound`` is set), the delta rule with beta."""
+    from cula.recurrent.plan import Gates
+
+    kind = "log"
+    if args.get("use_gate_in_kernel"):
+        kind = "kda_softplus" if args.get("lower_bound") is None else "kda_sigmoid"
+    return Gates(
+        gk=args["g"], gk_kind=kind, delta_rule=True, beta=args["beta"],
+        beta_sigmoid=bool(args["use_beta_sigmoid_in_kernel"]), neg_eigval=bool(args["allow_neg_eigval"]),
+        qk_l2norm=bool(args["use_qk_l2norm_in_kernel"]), A_log=args.get("A_log"), dt_bias=args.get("dt_bias"),
+        lower_bound=args.get("lower_bound"),
+    )  # fmt: skip
+
+
+for _major in (9, 10):
+    RECURRENT.register_kernel(recurrent_kernel("kda.fused_recurrent", _recurrent_gates, _major))

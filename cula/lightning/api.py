@@ -11,6 +11,7 @@ from cula import validation
 from cula.custom_ops import ChunkOps
 from cula.dispatch import CuteKernel, Op, bind, call_args, chunk_fwd_kernel_declines, fla_gated_backward_ok
 from cula.lightning import reference
+from cula.recurrent.plan import recurrent_kernel
 
 
 def _validate_chunk_simple_gla(args: dict[str, Any]) -> None:
@@ -205,3 +206,17 @@ def _sm90_run(args: dict[str, Any]):
 
 for _op in (CHUNK_SIMPLE_GLA, CHUNK_LIGHTNING):
     _op.register_kernel(CuteKernel("lightning.chunk_fwd_sm90", 9, _sm90_supports, _sm90_run))
+
+
+def _recurrent_gates(args: dict[str, Any]):
+    """A fused-recurrent simple GLA or Lightning call's gates for the token-by-token kernel: the scalar g and the
+    per-head g_gamma (Lightning's from its layer), no delta rule."""
+    from cula.recurrent.plan import Gates
+
+    g, g_gamma = _sm90_gates(args)
+    return Gates(g=g, g_gamma=g_gamma)
+
+
+for _op in (RECURRENT_SIMPLE_GLA, RECURRENT_LIGHTNING):
+    for _major in (9, 10):
+        _op.register_kernel(recurrent_kernel("lightning.fused_recurrent", _recurrent_gates, _major))

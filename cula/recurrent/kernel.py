@@ -1,0 +1,438 @@
+"""The token-by-token forward of every variant (decode, speculative verify, FLA's ``fused_recurrent_*`` ops) as one
+SIMT kernel whose gates, delta rule and state handling are compile-time choices (:class:`RecurrentConfig`).
+
+Per token t of a sequence, with the state S (K x V, fp32 in registers), the key factor a_t (per-key gate ``gk``,
+activated in the kernel from FLA's raw KDA gate when asked), the value factor c_t (per-value gate ``gv``) and the
+scalar factor e_t (per-token ``g``, GDN's gate activated in the kernel when asked, times the per-head ``g_gamma``):
+
+    S_d = diag(exp(a_t)) S diag(exp(c_t)) exp(e_t)
+    u   = beta_t (v_t - S_d^T k_t)            (delta rule; else u = v_t)
+    S   = S_d + k_t u^T
+    o_t = scale S^T q_t = scale (S_d^T q_t + u (k_t . q_t))
+
+so that both reductions over K (S_d^T k and S_d^T q) read the decayed state once, and k . q comes with the token's
+staging (q and k L2-normalised there when asked).
+
+A CTA holds one (sequence, value head, block of ``BLOCK_V`` value columns) with 128 threads; each thread holds
+``rows`` x 4 state elements, the 4 contiguous in memory so that they move as one vector:
+
+- K-first storage (``[.., K, V]``): thread t holds value columns 4 (t % 8) .. + 3 of key rows t // 8 + 16 i. The
+  sums over K add its rows, then the lanes of its column (shuffles), then the four warps (shared memory).
+- V-first storage (``[.., V, K]``): thread t holds key columns 4 (t % (K / 4)) .. + 3 of value rows
+  t // (K / 4) + (512 / K) i. The sums over K add its 4 elements, then the K / 4 lanes of its row (shuffles).
+
+States: read from ``h0[slot]`` (an initial-state tensor, slot = sequence, or a pool: slot = ``indices[n, 0]``, or
+``indices[n, accepted[n] - 1]``; a negative slot is padding: its outputs are zeros and nothing is written), written
+to ``ht[n]`` (fp32) or back to the pool in place: after the last token to the read slot, or after each token t to
+``indices[n, t]`` where that is not negative (``token_slots``, for a verify's rollback).
+
+Shapes: q, k [B, T, H, K]; v, o [B, T, HV, V]; g, beta [B, T, HV]; gk [B, T, HV, K]; gv [B, T, HV, V]; g_gamma and
+A_log [HV]; dt_bias [HV] (GDN) or [HV * K] (KDA); h0 [slots, HV, K, V] and ht [N, HV, K, V] as (K, V) views of their
+storage; indices [N, S] and accepted [N] int32 / int64; cu_seqlens [N + 1] (varlen: B == 1). GVA: value head hv
+reads q/k head hv // (HV / H). Unused tensors are small dummies that the kernel does not read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+
+from cula.ops.gates import L2NORM_EPS
+
+THREADS = 128
+WARPS = THREADS // 32
+BLOCK_V = 32  # value columns (K-first) or value rows (V-first) per CTA
+VEC = 4  # contiguous state elements per thread and row
+SUPPORTED_DIMS = (64, 128)
+SOFTPLUS_THRESHOLD = 20.0  # torch's softplus: x itself above it
+
+DTYPES = {
+    "bfloat16": cutlass.BFloat16,
+    "float16": cutlass.Float16,
+    "float32": cutlass.Float32,
+    "int32": cutlass.Int32,
+    "int64": cutlass.Int64,
+}
+G_KINDS = ("none", "log", "gdn")  # per-token scalar gate: absent, a log gate, GDN's -exp(A_log) softplus(g + dt_bias)
+GK_KINDS = ("none", "log", "kda_softplus", "kda_sigmoid")  # per-key gate; KDA's two in-kernel forms
+BETA_KINDS = ("none", "one", "given")  # no delta rule; the delta rule with beta = 1 (GDN without beta); given
+FINALS = ("none", "ht", "inplace")
+
+
+@dataclass(frozen=True)
+class RecurrentConfig:
+    """The kernel's compile-time choices; dtypes by torch name."""
+
+    head_k: int = 128
+    head_v: int = 128
+    state_v_first: bool = False
+    io_dtype: str = "bfloat16"  # q, k, v and o
+    state_dtype: str = "float32"  # h0 (the pool)
+    g: str = "none"
+    g_dtype: str = "float32"
+    gamma: bool = False
+    gk: str = "none"
+    gk_dtype: str = "float32"
+    gv: bool = False
+    gv_dtype: str = "float32"
+    beta: str = "none"
+    beta_dtype: str = "float32"
+    beta_sigmoid: bool = False
+    neg_eigval: bool = False  # beta doubled after its sigmoid (FLA's allow_neg_eigval)
+    qk_l2norm: bool = False
+    is_varlen: bool = False
+    cu_dtype: str = "int32"
+    has_initial_state: bool = False
+    indices: str = "none"  # the pool's slot table's dtype, or none (slot = sequence)
+    accepted: str = "none"  # num_accepted_tokens' dtype, or none
+    token_slots: bool = False
+    final: str = "none"
+
+    def __post_init__(self):
+        assert self.head_k in SUPPORTED_DIMS and self.head_v in SUPPORTED_DIMS, self
+        assert self.g in G_KINDS and self.gk in GK_KINDS and self.beta in BETA_KINDS and self.final in FINALS, self
+        assert self.beta != "none" or not (self.beta_sigmoid or self.qk_l2norm), self
+        assert self.indices == "none" or self.has_initial_state, self
+        assert not self.token_slots or (self.final == "inplace" and self.indices != "none"), self
+        assert self.accepted == "none" or self.indices != "none", self
+
+    @property
+    def delta_rule(self) -> bool:
+        return self.beta != "none"
+
+
+class RecurrentFwd:
+    """One CTA per (value block, value head, sequence), :data:`THREADS` threads (module docstring)."""
+
+    def __init__(self, config: RecurrentConfig):
+        self.cfg = config
+        self.K, self.V = config.head_k, config.head_v
+        if config.state_v_first:
+            self.lanes_per_row = self.K // VEC  # the lanes that share one value row
+            self.row_step = THREADS // self.lanes_per_row
+        else:
+            self.lanes_per_row = BLOCK_V // VEC  # the lanes of one key row's value block
+            self.row_step = THREADS // self.lanes_per_row
+        # V-first: the xor distances between the lanes of a value row
+        self.row_shuffles = tuple(1 << j for j in reversed(range(self.lanes_per_row.bit_length() - 1)))
+        rows_total = BLOCK_V if config.state_v_first else self.K
+        self.rows = rows_total // self.row_step  # state rows per thread
+
+    # ---------------------------------------------------------------- host side
+    @cute.jit
+    def __call__(
+        self, q, k, v, o, g, gamma, gk, gv, beta, a_log, dt_bias, h0, ht, indices, accepted, cu_seqlens,
+        scale: cutlass.Float32, lower_bound: cutlass.Float32, stream,
+    ):  # fmt: skip
+        HV = v.shape[2]
+        N = cu_seqlens.shape[0] - 1 if cutlass.const_expr(self.cfg.is_varlen) else q.shape[0]
+        self.kernel(
+            q, k, v, o, g, gamma, gk, gv, beta, a_log, dt_bias, h0, ht, indices, accepted, cu_seqlens, scale,
+            lower_bound,
+        ).launch(grid=(self.V // BLOCK_V, HV, N), block=(THREADS, 1, 1), stream=stream)  # fmt: skip
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(
+        self, mQ, mK, mV, mO, mG, mGamma, mGk, mGv, mBeta, mALog, mDtBias, mH0, mHt, mIdx, mAcc, mCu,
+        scale: cutlass.Float32, lower_bound: cutlass.Float32,
+    ):  # fmt: skip
+        cfg = self.cfg
+        K = self.K
+        f32 = cutlass.Float32
+        tidx, _, _ = cute.arch.thread_idx()
+        vblk, hv, n = cute.arch.block_idx()
+        warp = tidx // 32
+        lane = tidx % 32
+        HV = mV.shape[2]
+        h = hv // (HV // mQ.shape[2])
+
+        # the sequence: batch row, first token, length
+        b = n
+        tok0 = cutlass.Int32(0)
+        seqlen = cutlass.Int32(mQ.shape[1])
+        if cutlass.const_expr(cfg.is_varlen):
+            b = cutlass.Int32(0)
+            tok0 = cutlass.Int32(mCu[n])
+            seqlen = cutlass.Int32(mCu[n + 1]) - tok0
+        # the state's slot: the sequence, or the pool's table entry (negative: padding)
+        slot = cutlass.Int64(n)
+        if cutlass.const_expr(cfg.indices != "none"):
+            col = cutlass.Int32(0)
+            if cutlass.const_expr(cfg.accepted != "none"):
+                col = cutlass.Int32(mAcc[n]) - 1
+            slot = cutlass.Int64(mIdx[n, col])
+        live = slot >= 0
+
+        smem = cutlass.memory.SmemAllocator()
+        # the token's q, k (raw) and key factors exp(a_t), double-buffered by token parity
+        sQ = smem.allocate_tensor(f32, cute.make_layout((K, 2)), byte_alignment=16)
+        sK = smem.allocate_tensor(f32, cute.make_layout((K, 2)), byte_alignment=16)
+        sKf = smem.allocate_tensor(f32, cute.make_layout((K, 2)), byte_alignment=16)
+        # per warp: sum q^2, sum k^2, sum q k
+        sSums = smem.allocate_tensor(f32, cute.make_layout((WARPS, 3, 2)), byte_alignment=16)
+        # K-first: per warp, the partial S_d^T k | S_d^T q of the block's columns
+        sRed = smem.allocate_tensor(f32, cute.make_layout((WARPS, 2, BLOCK_V, 2)), byte_alignment=16)
+
+        state = cute.make_rmem_tensor(cute.make_layout((self.rows, VEC), stride=(VEC, 1)), f32)
+        state.fill(0.0)
+        if cutlass.const_expr(cfg.has_initial_state):
+            if live:
+                self.load_state(state, mH0, slot, hv, vblk, tidx)
+
+        for t in cutlass.range(seqlen, unroll=1):
+            par = t % 2
+            tok = tok0 + t
+            self.stage_token(mQ, mK, mGk, mALog, mDtBias, lower_bound, sQ, sK, sKf, sSums, b, tok, h, hv, par, tidx)
+            cute.arch.barrier()
+            sq, sk, sqk = f32(0.0), f32(0.0), f32(0.0)
+            for w in cutlass.range_constexpr(K // 32):
+                sq = sq + sSums[w, 0, par]
+                sk = sk + sSums[w, 1, par]
+                sqk = sqk + sSums[w, 2, par]
+            rq, rk = f32(1.0), f32(1.0)
+            if cutlass.const_expr(cfg.qk_l2norm):
+                rq = cute.math.rsqrt(sq + f32(L2NORM_EPS))
+                rk = cute.math.rsqrt(sk + f32(L2NORM_EPS))
+            kq = sqk * rq * rk
+            decay = self.scalar_factor(mG, mGamma, mALog, mDtBias, b, tok, hv)
+            beta = self.token_beta(mBeta, b, tok, hv)
+            if cutlass.const_expr(cfg.state_v_first):
+                self.step_v_first(
+                    state, mV, mO, mGv, sQ, sK, sKf, b, tok, hv, vblk, par, tidx, rq, rk, kq, decay, beta, scale, slot
+                )
+            else:
+                self.step_k_first(
+                    state, mV, mO, mGv, sQ, sK, sKf, sRed, b, tok, hv, vblk, par, tidx, warp, lane, rq, rk, kq,
+                    decay, beta, scale, slot,
+                )  # fmt: skip
+            if cutlass.const_expr(cfg.token_slots):
+                to = cutlass.Int64(mIdx[n, t])
+                if live:
+                    if to >= 0:
+                        self.store_state(state, mH0, to, hv, vblk, tidx)
+
+        if cutlass.const_expr(cfg.final == "ht"):
+            self.store_state(state, mHt, cutlass.Int64(n), hv, vblk, tidx)
+        elif cutlass.const_expr(cfg.final == "inplace" and not cfg.token_slots):
+            if live:
+                if seqlen > 0:
+                    self.store_state(state, mH0, slot, hv, vblk, tidx)
+
+    # ---------------------------------------------------------------- the state's elements
+    @cute.jit
+    def state_vector(self, mS, slot, hv, vblk, tidx, i: cutlass.Constexpr):
+        """Thread ``tidx``'s row ``i`` of the CTA's block of ``mS[slot, hv]`` (a (K, V) view): VEC contiguous
+        elements."""
+        r = tidx // self.lanes_per_row + self.row_step * i
+        c = tidx % self.lanes_per_row
+        if cutlass.const_expr(self.cfg.state_v_first):
+            return cute.local_tile(mS[slot, hv, None, vblk * BLOCK_V + r], (VEC,), (c,))
+        return cute.local_tile(mS[slot, hv, r, None], (VEC,), (vblk * (BLOCK_V // VEC) + c,))
+
+    @cute.jit
+    def load_state(self, state, mS, slot, hv, vblk, tidx):
+        for i in cutlass.range_constexpr(self.rows):
+            vec = cute.make_rmem_tensor(cute.make_layout(VEC), mS.element_type)
+            cute.autovec_copy(self.state_vector(mS, slot, hv, vblk, tidx, i), vec)
+            for e in cutlass.range_constexpr(VEC):
+                state[i, e] = vec[e].to(cutlass.Float32)
+
+    @cute.jit
+    def store_state(self, state, mS, slot, hv, vblk, tidx):
+        for i in cutlass.range_constexpr(self.rows):
+            vec = cute.make_rmem_tensor(cute.make_layout(VEC), mS.element_type)
+            for e in cutlass.range_constexpr(VEC):
+                vec[e] = state[i, e].to(mS.element_type)
+            cute.autovec_copy(vec, self.state_vector(mS, slot, hv, vblk, tidx, i))
+
+    # ---------------------------------------------------------------- a token's inputs
+    @cute.jit
+    def stage_token(self, mQ, mK, mGk, mALog, mDtBias, lower_bound, sQ, sK, sKf, sSums, b, tok, h, hv, par, tidx):
+        """Threads 0 .. K - 1: key channel ``tidx``'s q, k and key factor into column ``par`` of the shared
+        vectors; each warp's sums of q^2, k^2 and q k into ``sSums``."""
+        f32 = cutlass.Float32
+        if tidx < self.K:
+            qx = mQ[b, tok, h, tidx].to(f32)
+            kx = mK[b, tok, h, tidx].to(f32)
+            sQ[tidx, par] = qx
+            sK[tidx, par] = kx
+            if cutlass.const_expr(self.cfg.gk != "none"):
+                a = self.key_gate(mGk[b, tok, hv, tidx].to(f32), mALog, mDtBias, lower_bound, hv, tidx)
+                sKf[tidx, par] = cute.math.exp(a)
+            sums = (qx * qx, kx * kx, qx * kx)
+            for j in cutlass.range_constexpr(3):
+                x = sums[j]
+                for off in (16, 8, 4, 2, 1):
+                    x = x + cute.arch.shuffle_sync_bfly(x, offset=off)
+                if tidx % 32 == 0:
+                    sSums[tidx // 32, j, par] = x
+
+    @cute.jit
+    def key_gate(self, x, mALog, mDtBias, lower_bound, hv, ch):
+        """The per-key log gate from ``gk``'s value ``x`` at key channel ``ch``."""
+        kind = self.cfg.gk
+        a = x
+        if cutlass.const_expr(kind != "log"):
+            y = x + mDtBias[hv * self.K + ch]
+            rate = cute.math.exp(mALog[hv])
+            if cutlass.const_expr(kind == "kda_softplus"):
+                a = -rate * _softplus(y)
+            else:
+                a = lower_bound * _sigmoid(rate * y)
+        return a
+
+    @cute.jit
+    def scalar_factor(self, mG, mGamma, mALog, mDtBias, b, tok, hv):
+        """exp of the token's scalar log gate: ``g`` (GDN's activation applied when asked) plus ``g_gamma``."""
+        f32 = cutlass.Float32
+        e = f32(0.0)
+        if cutlass.const_expr(self.cfg.g != "none"):
+            x = mG[b, tok, hv].to(f32)
+            if cutlass.const_expr(self.cfg.g == "gdn"):
+                x = -cute.math.exp(mALog[hv]) * _softplus(x + mDtBias[hv])
+            e = e + x
+        if cutlass.const_expr(self.cfg.gamma):
+            e = e + mGamma[hv]
+        return cute.math.exp(e)
+
+    @cute.jit
+    def token_beta(self, mBeta, b, tok, hv):
+        f32 = cutlass.Float32
+        cfg = self.cfg
+        beta = f32(1.0)
+        if cutlass.const_expr(cfg.beta == "given"):
+            beta = mBeta[b, tok, hv].to(f32)
+        if cutlass.const_expr(cfg.beta_sigmoid):
+            beta = _sigmoid(beta)
+            if cutlass.const_expr(cfg.neg_eigval):
+                beta = beta * f32(2.0)
+        return beta
+
+    # ---------------------------------------------------------------- one token's step
+    @cute.jit
+    def step_k_first(
+        self, state, mV, mO, mGv, sQ, sK, sKf, sRed, b, tok, hv, vblk, par, tidx, warp, lane, rq, rk, kq, decay,
+        beta, scale, slot,
+    ):  # fmt: skip
+        """K-first: thread rows are key rows, its VEC elements value columns (module docstring)."""
+        f32 = cutlass.Float32
+        cfg = self.cfg
+        c = tidx % self.lanes_per_row
+        col0 = vblk * BLOCK_V + VEC * c
+        colf = cute.make_rmem_tensor(cute.make_layout(VEC), f32)
+        for e in cutlass.range_constexpr(VEC):
+            colf[e] = decay
+            if cutlass.const_expr(cfg.gv):
+                colf[e] = decay * cute.math.exp(mGv[b, tok, hv, col0 + e].to(f32))
+        sk_part = cute.make_rmem_tensor(cute.make_layout(VEC), f32)
+        sq_part = cute.make_rmem_tensor(cute.make_layout(VEC), f32)
+        sk_part.fill(0.0)
+        sq_part.fill(0.0)
+        for i in cutlass.range_constexpr(self.rows):
+            r = tidx // self.lanes_per_row + self.row_step * i
+            kr = sK[r, par] * rk
+            qr = sQ[r, par] * rq
+            for e in cutlass.range_constexpr(VEC):
+                f = colf[e]
+                if cutlass.const_expr(cfg.gk != "none"):
+                    f = f * sKf[r, par]
+                s = state[i, e] * f
+                state[i, e] = s
+                sk_part[e] = sk_part[e] + s * kr
+                sq_part[e] = sq_part[e] + s * qr
+        # the lanes of a column differ in bits 3 and 4; then the warps through shared memory
+        for e in cutlass.range_constexpr(VEC):
+            for off in (8, 16):
+                sk_part[e] = sk_part[e] + cute.arch.shuffle_sync_bfly(sk_part[e], offset=off)
+                sq_part[e] = sq_part[e] + cute.arch.shuffle_sync_bfly(sq_part[e], offset=off)
+        if lane < self.lanes_per_row:
+            for e in cutlass.range_constexpr(VEC):
+                sRed[warp, 0, VEC * c + e, par] = sk_part[e]
+                sRed[warp, 1, VEC * c + e, par] = sq_part[e]
+        cute.arch.barrier()
+        u = cute.make_rmem_tensor(cute.make_layout(VEC), f32)
+        out = cute.make_rmem_tensor(cute.make_layout(VEC), mO.element_type)
+        v_vec = cute.make_rmem_tensor(cute.make_layout(VEC), mV.element_type)
+        cute.autovec_copy(cute.local_tile(mV[b, tok, hv, None], (VEC,), (col0 // VEC,)), v_vec)
+        for e in cutlass.range_constexpr(VEC):
+            s_k = f32(0.0)
+            s_q = f32(0.0)
+            for w in cutlass.range_constexpr(WARPS):
+                s_k = s_k + sRed[w, 0, VEC * c + e, par]
+                s_q = s_q + sRed[w, 1, VEC * c + e, par]
+            ue = v_vec[e].to(f32)
+            if cutlass.const_expr(cfg.delta_rule):
+                ue = beta * (ue - s_k)
+            u[e] = ue
+            oe = scale * (s_q + ue * kq)
+            if slot < 0:
+                oe = f32(0.0)
+            out[e] = oe.to(mO.element_type)
+        if tidx < self.lanes_per_row:
+            cute.autovec_copy(out, cute.local_tile(mO[b, tok, hv, None], (VEC,), (col0 // VEC,)))
+        for i in cutlass.range_constexpr(self.rows):
+            r = tidx // self.lanes_per_row + self.row_step * i
+            kr = sK[r, par] * rk
+            for e in cutlass.range_constexpr(VEC):
+                state[i, e] = state[i, e] + kr * u[e]
+
+    @cute.jit
+    def step_v_first(
+        self, state, mV, mO, mGv, sQ, sK, sKf, b, tok, hv, vblk, par, tidx, rq, rk, kq, decay, beta, scale, slot
+    ):
+        """V-first: thread rows are value rows, its VEC elements key columns (module docstring)."""
+        f32 = cutlass.Float32
+        cfg = self.cfg
+        c = tidx % self.lanes_per_row
+        kf = cute.make_rmem_tensor(cute.make_layout(VEC), f32)
+        kk = cute.make_rmem_tensor(cute.make_layout(VEC), f32)
+        qq = cute.make_rmem_tensor(cute.make_layout(VEC), f32)
+        for e in cutlass.range_constexpr(VEC):
+            ch = VEC * c + e
+            kk[e] = sK[ch, par] * rk
+            qq[e] = sQ[ch, par] * rq
+            kf[e] = decay
+            if cutlass.const_expr(cfg.gk != "none"):
+                kf[e] = decay * sKf[ch, par]
+        for i in cutlass.range_constexpr(self.rows):
+            vr = vblk * BLOCK_V + tidx // self.lanes_per_row + self.row_step * i
+            f = f32(1.0)
+            if cutlass.const_expr(cfg.gv):
+                f = cute.math.exp(mGv[b, tok, hv, vr].to(f32))
+            s_k = f32(0.0)
+            s_q = f32(0.0)
+            for e in cutlass.range_constexpr(VEC):
+                s = state[i, e] * kf[e] * f
+                state[i, e] = s
+                s_k = s_k + s * kk[e]
+                s_q = s_q + s * qq[e]
+            for off in self.row_shuffles:
+                s_k = s_k + cute.arch.shuffle_sync_bfly(s_k, offset=off)
+                s_q = s_q + cute.arch.shuffle_sync_bfly(s_q, offset=off)
+            ue = mV[b, tok, hv, vr].to(f32)
+            if cutlass.const_expr(cfg.delta_rule):
+                ue = beta * (ue - s_k)
+            oe = scale * (s_q + ue * kq)
+            if slot < 0:
+                oe = f32(0.0)
+            if c == 0:
+                mO[b, tok, hv, vr] = oe.to(mO.element_type)
+            for e in cutlass.range_constexpr(VEC):
+                state[i, e] = state[i, e] + kk[e] * ue
+
+
+@cute.jit
+def _softplus(x):
+    """torch's softplus: log(1 + e^x), x itself above the threshold."""
+    y = x
+    if x <= cutlass.Float32(SOFTPLUS_THRESHOLD):
+        y = cute.math.log1p(cute.math.exp(x))
+    return y
+
+
+@cute.jit
+def _sigmoid(x):
+    return cutlass.Float32(1.0) / (cutlass.Float32(1.0) + cute.math.exp(-x))
