@@ -102,7 +102,6 @@ def run_row(variant: str, N: int, H: int, D: int, kind: str) -> dict:
 
         fla_call = None
     os.environ["CULA_BACKEND"] = "cute"
-    os.environ["CULA_RECURRENT_KERNEL"] = "1"
     o_cula = cula_call()[0].clone()
     row["cula_eager_ms"] = bench(cula_call)[1]
     row["cula_graph_ms"] = graph_ms(cula_call)

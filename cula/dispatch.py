@@ -334,13 +334,33 @@ def call_args(local_vars: dict[str, Any]) -> dict[str, Any]:
 
 
 def chunk_fwd_kernel_declines(args: dict[str, Any]) -> Verdict | None:
-    """What every chunk kernel declines: state pools, context parallelism, chunk sizes but 64."""
-    if validation.pooled(args):
-        return False, "state pool (ssm_state_indices / inplace_final_state): the kernel reads states by sequence"
+    """What every chunk kernel declines: the state pools of :func:`pool_declines`, context parallelism, chunk sizes
+    but 64."""
+    declined = pool_declines(args)
+    if declined:
+        return declined
     if args.get("cp_context") is not None:
         return False, "context parallelism (cp_context): FLA serves it on CUDA, the reference backend elsewhere"
     if args.get("chunk_size", 64) != 64:
         return False, f"chunk_size={args['chunk_size']}: the kernel uses 64"
+    return None
+
+
+def pool_declines(args: dict[str, Any]) -> Verdict | None:
+    """What a chunk kernel declines of a state pool: padding (negative slots: the kernel would still write their
+    outputs), index values it cannot see (while a CUDA graph is captured), a pool that is not fp32 or not contiguous
+    (its rows are read and written in place)."""
+    if not validation.pooled(args):
+        return None
+    indices, pool = args.get("ssm_state_indices"), args["initial_state"]
+    if pool.dtype != torch.float32 or not pool.is_contiguous():
+        return False, "state pool: the chunk kernels read and write contiguous fp32 pools"
+    if indices is not None:
+        table = validation.host_indices(indices)
+        if table is None:
+            return False, "state pool: its index values cannot be read while a CUDA graph is captured"
+        if bool((table < 0).any()):
+            return False, "state pool with padding (negative slots): the reference serves it (zero outputs)"
     return None
 
 

@@ -10,7 +10,6 @@ import torch.nn.functional as F
 
 import cula
 from cula import dispatch
-from cula.recurrent import plan
 
 GDN = cula.gdn.fused_recurrent_gated_delta_rule
 KDA = cula.kda.fused_recurrent_kda
@@ -78,19 +77,10 @@ class FakeSm90:
 @pytest.mark.parametrize("cc", [(9, 0), (10, 0)])
 def test_each_fused_recurrent_entry_point_picks_the_kernel(monkeypatch, variant, cc):
     FakeSm90(monkeypatch, cc)
-    monkeypatch.setenv(plan.ENV_SWITCH, "1")
     decision = cula.explain(ENTRY[variant], **make_args(variant))
     prefix = "lightning" if variant == "simple_gla" else variant
     assert decision.backend == "cute"
     assert decision.reason.startswith(f"{prefix}.fused_recurrent_sm{cc[0]}0 on sm_{cc[0]}0")
-
-
-def test_the_kernel_is_opt_in_until_its_gpu_tests_have_run(monkeypatch):
-    FakeSm90(monkeypatch)
-    monkeypatch.delenv(plan.ENV_SWITCH, raising=False)
-    decision = cula.explain(GDN, **make_args("gdn"))
-    assert decision.backend == "fla"
-    assert f"opt-in ({plan.ENV_SWITCH}=1)" in dict(decision.rejected)["cute"]
 
 
 @pytest.mark.parametrize(
@@ -105,7 +95,6 @@ def test_the_kernel_is_opt_in_until_its_gpu_tests_have_run(monkeypatch):
 )
 def test_what_the_kernel_declines_and_why(monkeypatch, variant, change, why):
     FakeSm90(monkeypatch)
-    monkeypatch.setenv(plan.ENV_SWITCH, "1")
     change = dict(change)
     extra = {"reverse": change.pop("reverse")} if "reverse" in change else {}
     per_value = change.pop("beta_per_value", False)
@@ -226,12 +215,11 @@ def rel_rmse(a, b):
     return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
-def run_both(monkeypatch, fn, args, pooled_name=None):
+def run_both(monkeypatch, fn, args):
     """The call on the kernel and on the reference, each on its own copy of the initial state / pool."""
     out = {}
     for backend in ("cute", "torch"):
         monkeypatch.setenv("CULA_BACKEND", backend)
-        monkeypatch.setenv(plan.ENV_SWITCH, "1")
         call = dict(args)
         if call.get("initial_state") is not None:
             call["initial_state"] = call["initial_state"].clone()

@@ -18,20 +18,24 @@ from cula.sm90 import entry
 def reference_launch(kernel, call, config, t, scale):
     """What a launch does: each sequence (a batch row, or a token range of row 0) from h0 (zero; identity for
     "transition"), v = 0 unless "full"; o written ("full"), added to ("correction") or left; final states to ht
-    (stored V-first when the call asks)."""
+    (stored V-first when the call asks); with ``state_slots`` the states' rows are the pool's slots."""
     B, T, HV, V = t.v.shape
     K = t.q.shape[-1]
     rows = [(b, 0, T) for b in range(B)]
     if t.starts is not None:
         rows = [(0, int(s), int(e)) for s, e in zip(t.starts, t.ends, strict=True)]
     svf = call.state_v_first
+    h0_rows = ht_rows = list(range(len(rows)))
+    if config.state_slots != "none":  # a state pool's rows
+        h0_rows = [int(x) for x in t.slots]
+        ht_rows = h0_rows if config.state_slots == "read_write" else ht_rows
     for n, (b, s, e) in enumerate(rows):
         Vd = V if config.mode != "transition" else K
         vv = t.v[b : b + 1, s:e] if config.mode == "full" else torch.zeros(1, e - s, HV, Vd, dtype=t.v.dtype)
         if config.mode == "transition":
             start = torch.eye(K).expand(1, HV, K, K)
         elif t.h0 is not None:
-            start = (t.h0[n].transpose(-1, -2) if svf else t.h0[n])[None]
+            start = (t.h0[h0_rows[n]].transpose(-1, -2) if svf else t.h0[h0_rows[n]])[None]
         else:
             start = None
         o_n, ht_n = linear_attn_ref(
@@ -42,7 +46,7 @@ def reference_launch(kernel, call, config, t, scale):
             t.o[b, s:e] = o_n[0].to(t.o.dtype)
         elif config.mode == "correction":
             t.o[b, s:e] = (t.o[b, s:e].float() + o_n[0]).to(t.o.dtype)
-        t.ht[n] = ht_n[0].transpose(-1, -2) if svf else ht_n[0]
+        t.ht[ht_rows[n]] = ht_n[0].transpose(-1, -2) if svf else ht_n[0]
 
 
 def kernel_with(split_cost=UNCACHED, workspaces=None):
@@ -300,3 +304,58 @@ def test_the_simple_gla_kernel_launches_without_the_delta_rule(monkeypatch, spli
     chunk_simple_gla_fwd_sm90(q, k, v, g, None, None, None, False, None, False, None, split)
     assert configs and all(not c.delta_rule for c in configs)
     assert {c.mode for c in configs} == ({"full", "transition", "correction"} if split else {"full"})
+
+
+@pytest.mark.parametrize("inplace", [True, False])
+@pytest.mark.parametrize("state_v_first", [False, True])
+def test_a_pooled_call_reads_and_writes_its_slots_in_one_launch(launches, inplace, state_v_first):
+    """A state pool through the host path: one unsplit launch whose states are the pool's rows by slot (written back
+    in place, or fp32 final states by sequence), as the reference backend serves the same pooled call."""
+    import cula
+
+    q, k, v, g, beta = inputs(1, 300, 1, 2, per_key=False)
+    cu, slots = torch.tensor([0, 70, 71, 300]), torch.tensor([5, 0, 2])
+    pool = torch.randn(6, 2, 32, 32) * 0.1
+    pool_kernel, pool_ref = pool.clone(), pool.clone()
+    call = entry.ChunkCall(
+        q, k, v, g, beta, None, pool_kernel, not inplace, cu, state_v_first, state_slots=slots, inplace=inplace
+    )
+    o, state = entry.chunk_fwd(kernel_with(), call)
+    ((config, t),) = launches
+    assert (config.mode, config.state_slots) == ("full", "read_write" if inplace else "read")
+    assert t.slots.dtype == torch.int32 and t.h0 is pool_kernel and (t.ht is pool_kernel) == inplace
+    o_ref, state_ref = cula.gdn.chunk_gated_delta_rule(
+        q, k, v, g, beta, initial_state=pool_ref, output_final_state=not inplace, cu_seqlens=cu,
+        state_v_first=state_v_first, ssm_state_indices=slots, inplace_final_state=inplace,
+    )  # fmt: skip
+    assert (o.float() - o_ref.float()).abs().max() <= 1e-2
+    assert torch.allclose(state, state_ref, atol=1e-5)
+    if inplace:
+        assert state is pool_kernel and torch.equal(pool_kernel[[1, 3, 4]], pool[[1, 3, 4]])
+    else:
+        assert torch.equal(pool_kernel, pool)
+
+
+@pytest.mark.parametrize("indices,backend,why", [([4, 0, 2], "cute", None), ([4, -1, 2], "torch", "padding")])
+def test_the_chunk_kernels_take_pools_without_padding(monkeypatch, indices, backend, why):
+    import cula
+    from cula import dispatch
+
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(dispatch, "fla_function", lambda target: None)
+    q, k, v, g, beta = inputs(3, 64, 2, 4, per_key=False, D=128)
+    for fn, gate in ((cula.gdn.chunk_gated_delta_rule, g), (cula.lightning.chunk_simple_gla, g[:, :, :2].contiguous())):
+        extra = {"beta": beta} if fn is cula.gdn.chunk_gated_delta_rule else {}
+        vv = v if extra else v[:, :, :2].contiguous()
+        pool = torch.zeros(6, vv.shape[2], 128, 128)
+        decision = cula.explain(
+            fn, q, k, vv, gate, **extra, initial_state=pool, ssm_state_indices=torch.tensor(indices)
+        )
+        assert decision.backend == backend, decision
+        if why:
+            assert why in dict(decision.rejected)["cute"]
+        bf16_pool = cula.explain(
+            fn, q, k, vv, gate, **extra, initial_state=pool.bfloat16(), ssm_state_indices=torch.tensor([4, 0, 2])
+        )
+        assert bf16_pool.backend == "torch"

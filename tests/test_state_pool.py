@@ -434,9 +434,9 @@ def test_pools_fla_cannot_take_go_to_the_reference_with_the_reason(monkeypatch):
     )
     assert decision.backend == "torch"
     assert "fused_recurrent_gated_delta_rule takes no ssm_state_indices" in dict(decision.rejected)["fla"]
-    decision = cula.explain(CHUNK["kda"], **kda_call(ssm_state_indices=indices))
+    decision = cula.explain(CHUNK["kda"], **kda_call(ssm_state_indices=torch.tensor([4, -1, 2])))
     rejected = dict(decision.rejected)
-    assert decision.backend == "torch" and "state pool" in rejected["cute"] and "chunk_kda takes no" in rejected["fla"]
+    assert decision.backend == "torch" and "padding" in rejected["cute"] and "chunk_kda takes no" in rejected["fla"]
     monkeypatch.setenv("CULA_BACKEND", "fla")
     with pytest.raises(cula.BackendUnavailableError, match="takes no ssm_state_indices"):
         FUSED["gdn"](**inputs("gdn", 3, 1), initial_state=new_pool("gdn", 6), ssm_state_indices=indices)
@@ -512,6 +512,7 @@ def gpu_kda_call(N: int, T: int, slots: int, pool_dtype, HV=8, D=128) -> dict:
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_kda_pool_through_fla_matches_the_reference(monkeypatch, pool_dtype, state_tol, layout):
+    monkeypatch.setenv("CULA_BACKEND", "fla")  # cuLA's own kernel serves these calls first (tests/test_recurrent.py)
     N, slots = 16, 80
     T = 1 if layout == "decode" else 4
     args = gpu_kda_call(N, T, slots, pool_dtype)
@@ -535,13 +536,73 @@ def test_gpu_kda_pool_through_fla_matches_the_reference(monkeypatch, pool_dtype,
 
 @pytest.mark.gpu
 @needs_gpu
-def test_gpu_padded_pool_is_served_by_the_reference():
-    """Padding (FLA's kernel would read and write outside the pool) goes to the reference, on the GPU."""
+@pytest.mark.parametrize("backend", ["cute", "auto"])
+def test_gpu_padded_pool(monkeypatch, backend):
+    """Padding: cuLA's kernel serves it (zero outputs, nothing read or written); without the kernel the reference
+    does (FLA's kernel would read and write outside the pool)."""
+    if backend == "auto":
+        monkeypatch.setattr(FUSED["kda"].cula_op, "kernels", [])
     args = gpu_kda_call(8, 1, 12, torch.float32)
     args["ssm_state_indices"] = torch.tensor([3, -1, 0, 7, -1, 11, 5, 2], device="cuda")
     pool = args["initial_state"]
     before = pool.clone()
     o, _ = FUSED["kda"](**args)
     decision = cula.last_decision(FUSED["kda"])
-    assert decision.backend == "torch" and "padding" in dict(decision.rejected)["fla"]
+    if backend == "cute":
+        assert decision.backend == "cute"
+    else:
+        assert decision.backend == "torch" and "padding" in dict(decision.rejected)["fla"]
     assert not o[[1, 4]].any() and torch.equal(pool[[1, 4, 6, 8, 9, 10]], before[[1, 4, 6, 8, 9, 10]])
+
+
+CHUNK_GPU = {"gdn": CHUNK["gdn"], "kda": CHUNK["kda"], "simple_gla": CHUNK["simple_gla"]}
+
+
+def gpu_chunk_call(variant: str, lengths: list[int], slots: int, D: int = 128) -> dict:
+    """bf16 varlen inputs of a chunk op (GVA for the delta rule) and an fp32 pool of ``slots``."""
+    dev, T, Hq = "cuda", sum(lengths), 2
+    HV = 4 if variant in ("gdn", "kda") else Hq
+    x = {
+        "q": torch.randn(1, T, Hq, D, device=dev).bfloat16(),
+        "k": F.normalize(torch.randn(1, T, Hq, D, device=dev), dim=-1).bfloat16(),
+        "v": torch.randn(1, T, HV, D, device=dev).bfloat16(),
+        "cu_seqlens": torch.tensor([0, *lengths], device=dev).cumsum(0),
+        "initial_state": torch.randn(slots, HV, D, D, device=dev) * 0.1,
+    }
+    if variant == "gdn":
+        x.update(g=F.logsigmoid(torch.randn(1, T, HV, device=dev) + 3), beta=torch.rand(1, T, HV, device=dev))
+    elif variant == "kda":
+        x.update(g=-torch.rand(1, T, HV, D, device=dev) * 2, beta=torch.rand(1, T, HV, device=dev))
+        x.update(safe_gate=True, lower_bound=-5.0)
+    else:
+        x.update(g=F.logsigmoid(torch.randn(1, T, HV, device=dev) + 3))
+    return x
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("variant", list(CHUNK_GPU))
+@pytest.mark.parametrize("inplace", [True, False])
+def test_gpu_chunk_kernels_read_and_write_the_pool(monkeypatch, variant, inplace):
+    """Prefill on a pool: the chunk kernel reads each sequence's state from its slot and writes it back in place (or
+    returns fp32 final states), against the reference on the same inputs; slots not named stay bit for bit."""
+    fn, lengths, slots = CHUNK_GPU[variant], [70, 1, 130, 64], 9
+    x = gpu_chunk_call(variant, lengths, slots)
+    x["ssm_state_indices"] = torch.tensor([5, 0, 8, 2], dtype=torch.int32, device="cuda")
+    if not inplace:
+        x.update(inplace_final_state=False, output_final_state=True)
+    before = x["initial_state"].clone()
+    o, state = fn(**x)
+    assert cula.last_decision(fn).backend == "cute", cula.last_decision(fn)
+    monkeypatch.setenv("CULA_BACKEND", "torch")
+    o_ref, state_ref = fn(**{**x, "initial_state": before.clone()})
+    assert rel(o, o_ref) <= 5e-3
+    starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    for n in range(len(lengths)):
+        assert rel(o[:, starts[n] : starts[n + 1]], o_ref[:, starts[n] : starts[n + 1]]) <= 5e-3, n
+    if inplace:
+        assert state is x["initial_state"]
+        assert rel(state[[5, 0, 8, 2]], state_ref[[5, 0, 8, 2]]) <= 5e-3
+        assert torch.equal(state[[1, 3, 4, 6, 7]], before[[1, 3, 4, 6, 7]])
+    else:
+        assert rel(state, state_ref) <= 5e-3 and torch.equal(x["initial_state"], before)

@@ -181,10 +181,11 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
     # ---------------------------------------------------------------- host side
     @cute.jit
     def __call__(
-        self, q, k, v, g, beta, o, h0, ht, starts, ends, w, scale, a_log, dt_bias, lower_bound, wb, wd, stream
+        self, q, k, v, g, beta, o, h0, ht, starts, ends, w, slots, scale, a_log, dt_bias, lower_bound, wb, wd, stream
     ):
         self.launch(
-            ChunkTensors(q, k, v, g, beta, o, h0, ht, starts, ends, w), scale, (a_log, dt_bias, lower_bound, wb, wd),
+            ChunkTensors(q, k, v, g, beta, o, h0, ht, starts, ends, w, slots), scale,
+            (a_log, dt_bias, lower_bound, wb, wd),
             stream,
         )  # fmt: skip
 
@@ -977,6 +978,7 @@ entry.register_checked(
         "[D=64]": (120, 0),
         "[correction]": (28, 0),
         "[fixed length]": (6, 0),
+        "[pool]": (30, 0),
         "[gate in kernel, D=64, qk_l2norm]": (66, 0),
         "[gate in kernel, intra load, correction]": (8, 0),
         "[gate in kernel, qk_l2norm, bf16 beta, fixed length]": (8, 0),

@@ -196,11 +196,12 @@ def _sm90_supports(args: dict[str, Any]) -> tuple[bool, str]:
 
 def _sm90_run(args: dict[str, Any]):
     from cula.lightning.chunk_fwd_sm90 import chunk_simple_gla_fwd_sm90
+    from cula.sm90.entry import pool_fields
 
     g, g_gamma = _sm90_gates(args)
     return chunk_simple_gla_fwd_sm90(
         args["q"], args["k"], args["v"], g, g_gamma, args["scale"], args["initial_state"], args["output_final_state"],
-        args["cu_seqlens"], args.get("state_v_first", False), args.get("cu_seqlens_cpu"),
+        args["cu_seqlens"], args.get("state_v_first", False), args.get("cu_seqlens_cpu"), **pool_fields(args),
     )  # fmt: skip
 
 

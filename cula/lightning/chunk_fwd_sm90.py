@@ -89,14 +89,18 @@ def chunk_simple_gla_fwd_sm90(
     split=None,
     out=None,
     final_state_out=None,
+    state_slots=None,
+    inplace=False,
 ):
     """Simple GLA chunked forward on SM90: q, k, v [B, T, H, D] bf16; g [B, T, H] and / or g_gamma [H] log gates
-    (either may be None); the rest as :class:`cula.sm90.entry.ChunkCall`. Returns ``(o, final_state or None)``."""
+    (either may be None); the rest as :class:`cula.sm90.entry.ChunkCall`. Returns ``(o, final_state, the pool, or
+    None)``."""
     gate = token_gate(g, g_gamma, v)
     # beta's slot carries the gate too: never read without the delta rule, it gives the launch its [B, T, HV]
     call = entry.ChunkCall(
         q.contiguous(), k.contiguous(), v.contiguous(), gate, gate, scale, initial_state, output_final_state,
-        cu_seqlens, state_v_first, out, final_state_out, cu_seqlens_cpu, split,
+        cu_seqlens, state_v_first, out, final_state_out, cu_seqlens_cpu, split, state_slots=state_slots,
+        inplace=inplace,
     )  # fmt: skip
     return entry.chunk_fwd(SIMPLE_GLA_SM90, call)
 
@@ -107,6 +111,7 @@ entry.register_checked(
     {
         "": {"is_varlen": True, "has_initial_state": True},
         "[fixed length]": {},
+        "[pool, read only]": {"has_initial_state": True, "state_slots": "read"},
         "[D=64]": {"head_dim": 64, "is_varlen": True, "has_initial_state": True},
         "[transition]": {"is_varlen": True, "mode": "transition"},
         "[correction]": {"is_varlen": True, "mode": "correction"},

@@ -85,7 +85,7 @@ def run(args: dict[str, Any], gates: Gates) -> tuple[torch.Tensor, torch.Tensor 
         ht = torch.empty((N, HV, V, K) if v_first else (N, HV, K, V), dtype=torch.float32, device=dev)
     indices, accepted = args.get("ssm_state_indices"), args.get("num_accepted_tokens")
     if indices is not None:
-        indices = indices.view(N, -1)
+        indices = indices.reshape(N, -1)
     state_dummy = cached_zeros(dev, (1, 1, V, K) if v_first else (1, 1, K, V), torch.float32)
     g_dummy = (1, 1, 1)
     launch_args = (
@@ -136,6 +136,10 @@ CHECKED_CONFIGS = {
         "gk": "log", "gv": True, "is_varlen": True, "cu_dtype": "int64", "has_initial_state": True, "final": "ht",
     },
     "[lightning, fp16]": {"io_dtype": "float16", "gamma": True, "final": "ht"},
+    "[kda, bf16 pool]": {
+        "gk": "log", "beta": "given", "qk_l2norm": True, "state_dtype": "bfloat16", "has_initial_state": True,
+        "indices": "int32", "final": "inplace",
+    },
 }  # fmt: skip
 
 runtime.register_kernel(

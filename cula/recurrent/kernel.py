@@ -14,12 +14,14 @@ so that both reductions over K (S_d^T k and S_d^T q) read the decayed state once
 staging (q and k L2-normalised there when asked).
 
 A CTA holds one (sequence, value head, block of ``BLOCK_V`` value columns) with 128 threads; each thread holds
-``rows`` x 4 state elements, the 4 contiguous in memory so that they move as one vector:
+``rows`` x ``vec`` state elements, the ``vec`` contiguous in memory so that they move as one 16-byte vector (vec = 4
+for fp32 states, 8 for bf16), with L = 32 / vec (K-first) or K / vec (V-first) lanes per row:
 
-- K-first storage (``[.., K, V]``): thread t holds value columns 4 (t % 8) .. + 3 of key rows t // 8 + 16 i. The
-  sums over K add its rows, then the lanes of its column (shuffles), then the four warps (shared memory).
-- V-first storage (``[.., V, K]``): thread t holds key columns 4 (t % (K / 4)) .. + 3 of value rows
-  t // (K / 4) + (512 / K) i. The sums over K add its 4 elements, then the K / 4 lanes of its row (shuffles).
+- K-first storage (``[.., K, V]``): thread t holds value columns vec (t % L) .. + vec - 1 of key rows
+  t // L + (128 / L) i. The sums over K add its rows, then the lanes of its column (shuffles), then the four warps
+  (shared memory).
+- V-first storage (``[.., V, K]``): thread t holds key columns vec (t % L) .. + vec - 1 of value rows
+  t // L + (128 / L) i. The sums over K add its vec elements, then the L lanes of its row (shuffles).
 
 States: read from ``h0[slot]`` (an initial-state tensor, slot = sequence, or a pool: slot = ``indices[n, 0]``, or
 ``indices[n, accepted[n] - 1]``; a negative slot is padding: its outputs are zeros and nothing is written), written
@@ -44,7 +46,6 @@ from cula.ops.gates import L2NORM_EPS
 THREADS = 128
 WARPS = THREADS // 32
 BLOCK_V = 32  # value columns (K-first) or value rows (V-first) per CTA
-VEC = 4  # contiguous state elements per thread and row
 SUPPORTED_DIMS = (64, 128)
 SOFTPLUS_THRESHOLD = 20.0  # torch's softplus: x itself above it
 
@@ -109,14 +110,16 @@ class RecurrentFwd:
     def __init__(self, config: RecurrentConfig):
         self.cfg = config
         self.K, self.V = config.head_k, config.head_v
+        # contiguous state elements per thread and row: 16 bytes, one vector access
+        self.vec = 16 // (4 if config.state_dtype == "float32" else 2)
         if config.state_v_first:
-            self.lanes_per_row = self.K // VEC  # the lanes that share one value row
-            self.row_step = THREADS // self.lanes_per_row
+            self.lanes_per_row = self.K // self.vec  # the lanes that share one value row
         else:
-            self.lanes_per_row = BLOCK_V // VEC  # the lanes of one key row's value block
-            self.row_step = THREADS // self.lanes_per_row
-        # V-first: the xor distances between the lanes of a value row
+            self.lanes_per_row = BLOCK_V // self.vec  # the lanes of one key row's value block
+        self.row_step = THREADS // self.lanes_per_row
+        # the xor distances between the lanes of a value row (V-first), of a value column (K-first)
         self.row_shuffles = tuple(1 << j for j in reversed(range(self.lanes_per_row.bit_length() - 1)))
+        self.column_shuffles = tuple(d for d in (1, 2, 4, 8, 16) if d >= self.lanes_per_row)
         rows_total = BLOCK_V if config.state_v_first else self.K
         self.rows = rows_total // self.row_step  # state rows per thread
 
@@ -176,7 +179,7 @@ class RecurrentFwd:
         # K-first: per warp, the partial S_d^T k | S_d^T q of the block's columns
         sRed = smem.allocate_tensor(f32, cute.make_layout((WARPS, 2, BLOCK_V, 2)), byte_alignment=16)
 
-        state = cute.make_rmem_tensor(cute.make_layout((self.rows, VEC), stride=(VEC, 1)), f32)
+        state = cute.make_rmem_tensor(cute.make_layout((self.rows, self.vec), stride=(self.vec, 1)), f32)
         state.fill(0.0)
         if cutlass.const_expr(cfg.has_initial_state):
             if live:
@@ -224,27 +227,27 @@ class RecurrentFwd:
     # ---------------------------------------------------------------- the state's elements
     @cute.jit
     def state_vector(self, mS, slot, hv, vblk, tidx, i: cutlass.Constexpr):
-        """Thread ``tidx``'s row ``i`` of the CTA's block of ``mS[slot, hv]`` (a (K, V) view): VEC contiguous
+        """Thread ``tidx``'s row ``i`` of the CTA's block of ``mS[slot, hv]`` (a (K, V) view): ``vec`` contiguous
         elements."""
         r = tidx // self.lanes_per_row + self.row_step * i
         c = tidx % self.lanes_per_row
         if cutlass.const_expr(self.cfg.state_v_first):
-            return cute.local_tile(mS[slot, hv, None, vblk * BLOCK_V + r], (VEC,), (c,))
-        return cute.local_tile(mS[slot, hv, r, None], (VEC,), (vblk * (BLOCK_V // VEC) + c,))
+            return cute.local_tile(mS[slot, hv, None, vblk * BLOCK_V + r], (self.vec,), (c,))
+        return cute.local_tile(mS[slot, hv, r, None], (self.vec,), (vblk * (BLOCK_V // self.vec) + c,))
 
     @cute.jit
     def load_state(self, state, mS, slot, hv, vblk, tidx):
         for i in cutlass.range_constexpr(self.rows):
-            vec = cute.make_rmem_tensor(cute.make_layout(VEC), mS.element_type)
+            vec = cute.make_rmem_tensor(cute.make_layout(self.vec), mS.element_type)
             cute.autovec_copy(self.state_vector(mS, slot, hv, vblk, tidx, i), vec)
-            for e in cutlass.range_constexpr(VEC):
+            for e in cutlass.range_constexpr(self.vec):
                 state[i, e] = vec[e].to(cutlass.Float32)
 
     @cute.jit
     def store_state(self, state, mS, slot, hv, vblk, tidx):
         for i in cutlass.range_constexpr(self.rows):
-            vec = cute.make_rmem_tensor(cute.make_layout(VEC), mS.element_type)
-            for e in cutlass.range_constexpr(VEC):
+            vec = cute.make_rmem_tensor(cute.make_layout(self.vec), mS.element_type)
+            for e in cutlass.range_constexpr(self.vec):
                 vec[e] = state[i, e].to(mS.element_type)
             cute.autovec_copy(vec, self.state_vector(mS, slot, hv, vblk, tidx, i))
 
@@ -317,25 +320,25 @@ class RecurrentFwd:
         self, state, mV, mO, mGv, sQ, sK, sKf, sRed, b, tok, hv, vblk, par, tidx, warp, lane, rq, rk, kq, decay,
         beta, scale, slot,
     ):  # fmt: skip
-        """K-first: thread rows are key rows, its VEC elements value columns (module docstring)."""
+        """K-first: thread rows are key rows, its self.vec elements value columns (module docstring)."""
         f32 = cutlass.Float32
         cfg = self.cfg
         c = tidx % self.lanes_per_row
-        col0 = vblk * BLOCK_V + VEC * c
-        colf = cute.make_rmem_tensor(cute.make_layout(VEC), f32)
-        for e in cutlass.range_constexpr(VEC):
+        col0 = vblk * BLOCK_V + self.vec * c
+        colf = cute.make_rmem_tensor(cute.make_layout(self.vec), f32)
+        for e in cutlass.range_constexpr(self.vec):
             colf[e] = decay
             if cutlass.const_expr(cfg.gv):
                 colf[e] = decay * cute.math.exp(mGv[b, tok, hv, col0 + e].to(f32))
-        sk_part = cute.make_rmem_tensor(cute.make_layout(VEC), f32)
-        sq_part = cute.make_rmem_tensor(cute.make_layout(VEC), f32)
+        sk_part = cute.make_rmem_tensor(cute.make_layout(self.vec), f32)
+        sq_part = cute.make_rmem_tensor(cute.make_layout(self.vec), f32)
         sk_part.fill(0.0)
         sq_part.fill(0.0)
         for i in cutlass.range_constexpr(self.rows):
             r = tidx // self.lanes_per_row + self.row_step * i
             kr = sK[r, par] * rk
             qr = sQ[r, par] * rq
-            for e in cutlass.range_constexpr(VEC):
+            for e in cutlass.range_constexpr(self.vec):
                 f = colf[e]
                 if cutlass.const_expr(cfg.gk != "none"):
                     f = f * sKf[r, par]
@@ -343,26 +346,26 @@ class RecurrentFwd:
                 state[i, e] = s
                 sk_part[e] = sk_part[e] + s * kr
                 sq_part[e] = sq_part[e] + s * qr
-        # the lanes of a column differ in bits 3 and 4; then the warps through shared memory
-        for e in cutlass.range_constexpr(VEC):
-            for off in (8, 16):
+        # over the lanes of a column, then the warps through shared memory
+        for e in cutlass.range_constexpr(self.vec):
+            for off in self.column_shuffles:
                 sk_part[e] = sk_part[e] + cute.arch.shuffle_sync_bfly(sk_part[e], offset=off)
                 sq_part[e] = sq_part[e] + cute.arch.shuffle_sync_bfly(sq_part[e], offset=off)
         if lane < self.lanes_per_row:
-            for e in cutlass.range_constexpr(VEC):
-                sRed[warp, 0, VEC * c + e, par] = sk_part[e]
-                sRed[warp, 1, VEC * c + e, par] = sq_part[e]
+            for e in cutlass.range_constexpr(self.vec):
+                sRed[warp, 0, self.vec * c + e, par] = sk_part[e]
+                sRed[warp, 1, self.vec * c + e, par] = sq_part[e]
         cute.arch.barrier()
-        u = cute.make_rmem_tensor(cute.make_layout(VEC), f32)
-        out = cute.make_rmem_tensor(cute.make_layout(VEC), mO.element_type)
-        v_vec = cute.make_rmem_tensor(cute.make_layout(VEC), mV.element_type)
-        cute.autovec_copy(cute.local_tile(mV[b, tok, hv, None], (VEC,), (col0 // VEC,)), v_vec)
-        for e in cutlass.range_constexpr(VEC):
+        u = cute.make_rmem_tensor(cute.make_layout(self.vec), f32)
+        out = cute.make_rmem_tensor(cute.make_layout(self.vec), mO.element_type)
+        v_vec = cute.make_rmem_tensor(cute.make_layout(self.vec), mV.element_type)
+        cute.autovec_copy(cute.local_tile(mV[b, tok, hv, None], (self.vec,), (col0 // self.vec,)), v_vec)
+        for e in cutlass.range_constexpr(self.vec):
             s_k = f32(0.0)
             s_q = f32(0.0)
             for w in cutlass.range_constexpr(WARPS):
-                s_k = s_k + sRed[w, 0, VEC * c + e, par]
-                s_q = s_q + sRed[w, 1, VEC * c + e, par]
+                s_k = s_k + sRed[w, 0, self.vec * c + e, par]
+                s_q = s_q + sRed[w, 1, self.vec * c + e, par]
             ue = v_vec[e].to(f32)
             if cutlass.const_expr(cfg.delta_rule):
                 ue = beta * (ue - s_k)
@@ -372,26 +375,26 @@ class RecurrentFwd:
                 oe = f32(0.0)
             out[e] = oe.to(mO.element_type)
         if tidx < self.lanes_per_row:
-            cute.autovec_copy(out, cute.local_tile(mO[b, tok, hv, None], (VEC,), (col0 // VEC,)))
+            cute.autovec_copy(out, cute.local_tile(mO[b, tok, hv, None], (self.vec,), (col0 // self.vec,)))
         for i in cutlass.range_constexpr(self.rows):
             r = tidx // self.lanes_per_row + self.row_step * i
             kr = sK[r, par] * rk
-            for e in cutlass.range_constexpr(VEC):
+            for e in cutlass.range_constexpr(self.vec):
                 state[i, e] = state[i, e] + kr * u[e]
 
     @cute.jit
     def step_v_first(
         self, state, mV, mO, mGv, sQ, sK, sKf, b, tok, hv, vblk, par, tidx, rq, rk, kq, decay, beta, scale, slot
     ):
-        """V-first: thread rows are value rows, its VEC elements key columns (module docstring)."""
+        """V-first: thread rows are value rows, its self.vec elements key columns (module docstring)."""
         f32 = cutlass.Float32
         cfg = self.cfg
         c = tidx % self.lanes_per_row
-        kf = cute.make_rmem_tensor(cute.make_layout(VEC), f32)
-        kk = cute.make_rmem_tensor(cute.make_layout(VEC), f32)
-        qq = cute.make_rmem_tensor(cute.make_layout(VEC), f32)
-        for e in cutlass.range_constexpr(VEC):
-            ch = VEC * c + e
+        kf = cute.make_rmem_tensor(cute.make_layout(self.vec), f32)
+        kk = cute.make_rmem_tensor(cute.make_layout(self.vec), f32)
+        qq = cute.make_rmem_tensor(cute.make_layout(self.vec), f32)
+        for e in cutlass.range_constexpr(self.vec):
+            ch = self.vec * c + e
             kk[e] = sK[ch, par] * rk
             qq[e] = sQ[ch, par] * rq
             kf[e] = decay
@@ -404,7 +407,7 @@ class RecurrentFwd:
                 f = cute.math.exp(mGv[b, tok, hv, vr].to(f32))
             s_k = f32(0.0)
             s_q = f32(0.0)
-            for e in cutlass.range_constexpr(VEC):
+            for e in cutlass.range_constexpr(self.vec):
                 s = state[i, e] * kf[e] * f
                 state[i, e] = s
                 s_k = s_k + s * kk[e]
@@ -420,7 +423,7 @@ class RecurrentFwd:
                 oe = f32(0.0)
             if c == 0:
                 mO[b, tok, hv, vr] = oe.to(mO.element_type)
-            for e in cutlass.range_constexpr(VEC):
+            for e in cutlass.range_constexpr(self.vec):
                 state[i, e] = state[i, e] + kk[e] * ue
 
 

@@ -7,7 +7,6 @@ is imported on the first call a kernel serves.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +63,8 @@ def supports(args: dict[str, Any], gates: Gates) -> tuple[bool, str]:
     h0 = args.get("initial_state")
     if h0 is not None and h0.dtype not in _STATE_DTYPES:
         return False, f"initial_state dtype {h0.dtype}: fp32 or bf16"
+    if h0 is not None and not h0.is_contiguous():
+        return False, "initial_state (the pool) is not contiguous: the kernel writes it in place by slot"
     if gates.beta is not None and gates.beta.dim() != 3:
         return False, "beta per value channel [B, T, HV, V]: the kernel takes one beta per head and token"
     for name, t in (("g", gates.g), ("gk", gates.gk), ("gv", gates.gv), ("beta", gates.beta)):
@@ -115,17 +116,11 @@ def config_for(args: dict[str, Any], gates: Gates) -> dict[str, Any]:
     }
 
 
-# Until its GPU tests have passed on a machine, the kernel serves calls only when this is set to 1.
-ENV_SWITCH = "CULA_RECURRENT_KERNEL"
-
-
 def recurrent_kernel(prefix: str, gates_of: Callable[[dict[str, Any]], Gates], arch_major: int) -> CuteKernel:
     """The kernel as a variant's fused-recurrent backend on compute capability ``arch_major`` (named
     ``<prefix>_sm<major>0``): ``gates_of`` maps the call's bound arguments onto :class:`Gates`."""
 
     def kernel_supports(args):
-        if os.environ.get(ENV_SWITCH, "0") != "1":
-            return False, f"the token-by-token kernel is opt-in ({ENV_SWITCH}=1) until its GPU tests have run"
         return supports(args, gates_of(args))
 
     def kernel_run(args):

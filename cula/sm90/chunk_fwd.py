@@ -24,7 +24,8 @@ Split passes (:mod:`cula.ops.segment_split`): ``mode`` "transition" runs v = 0 f
 
 Shapes (torch order): q, k [B, T, H, D] bf16; v, o [B, T, HV, D] bf16; beta [B, T, HV] bf16 / fp32; states
 [N, HV, K, V] fp32 (a transposed view for ``state_v_first`` storage); varlen: B == 1 and int32 token ranges
-``starts`` / ``ends`` [N]; the split workspace [ranges, rows, HV, C] bf16. GVA: value head hv reads q/k head
+``starts`` / ``ends`` [N]; the split workspace [ranges, rows, HV, C] bf16; a state pool's rows ``slots`` [N] int32
+(``state_slots``; h0 is then the pool [slots, HV, K, V], and ht too when it is updated in place). GVA: value head hv reads q/k head
 hv // (HV / H). D = K = V = 64 or 128.
 """
 
@@ -45,6 +46,7 @@ from cula.sm90.state_chain import StateChain
 CHUNK = 64
 MODES = ("full", "transition", "correction")
 INTRA = ("none", "save", "load")
+STATE_SLOTS = ("none", "read", "read_write")
 A_STRIDE = 68  # padded fp32 row of A^T: 16-byte aligned rows, conflict-free stores from the accumulator
 
 
@@ -61,6 +63,9 @@ class ChunkFwdConfig:
     qk_l2norm: bool = False
     # the delta rule (beta, the K S product, the solve: GDN, KDA); without it V_new = V (simple GLA, Lightning)
     delta_rule: bool = True
+    # a state pool: "read" takes sequence n's initial state from h0 row slots[n] (final states to ht row n),
+    # "read_write" also writes its final state to row slots[n] of ht (the pool itself, updated in place)
+    state_slots: str = "none"
 
     def __post_init__(self):
         assert self.mode in MODES and (self.mode == "full" or self.is_varlen), self
@@ -68,6 +73,8 @@ class ChunkFwdConfig:
         assert self.intra in INTRA, self
         assert self.intra != "save" or self.mode == "full", self
         assert self.intra != "load" or self.mode != "full", self
+        assert self.state_slots in STATE_SLOTS, self
+        assert self.state_slots == "none" or (self.has_initial_state and self.mode == "full"), self
 
     @property
     def start(self) -> str:
@@ -101,6 +108,7 @@ class ChunkTensors(NamedTuple):
     starts: cute.Tensor
     ends: cute.Tensor
     w: cute.Tensor
+    slots: cute.Tensor
 
 
 class Tma(NamedTuple):
@@ -127,6 +135,7 @@ class Common(NamedTuple):
     ht: cute.Tensor
     starts: cute.Tensor
     ends: cute.Tensor
+    slots: cute.Tensor  # a state pool's row per sequence (int32 [N]), or a dummy
     H: cutlass.Int32
     T: cutlass.Int32
     scale: cutlass.Float32
@@ -151,9 +160,11 @@ class Sequence(NamedTuple):
     tok0: cutlass.Int32  # first token in the row
     seqlen: cutlass.Int32
     n_chunks: cutlass.Int32
-    n: cutlass.Int32  # sequence (or range) index: the states' row
+    n: cutlass.Int32  # sequence (or range) index
     hv: cutlass.Int32  # value head
     h: cutlass.Int32  # q / k head
+    h0_row: object  # the initial state's row: n, or its slot in a state pool
+    ht_row: object  # the final state's row: n, or its slot in a pool updated in place
 
 
 class Smem(NamedTuple):
@@ -280,7 +291,7 @@ class ChunkFwdSm90:
             mma.tiled_mma(C, C),
             mma.tiled_mma(C, D, b_major="MN"),
             tma_q, tma_k, tma_v, tma_o, tma_w,
-            t.beta, t.o, t.h0, t.ht, t.starts, t.ends, t.q.shape[2], t.q.shape[1], scale,
+            t.beta, t.o, t.h0, t.ht, t.starts, t.ends, t.slots, t.q.shape[2], t.q.shape[1], scale,
             tile_qk, tile_qk_mn, tile_v, tile_v_mn, tile_o, tile_o_mn, tile_tp,
         )  # fmt: skip
         gate_params, gate_fields = self.gate_host(t, gate_args, tile_qk, tile_v)
@@ -308,7 +319,12 @@ class ChunkFwdSm90:
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         HV = c.beta.shape[2]
         b, tok0, seqlen, n_chunks = sequence.sequence_bounds(n, c.T, c.starts, c.ends, self.cfg.is_varlen, self.C)
-        seq = Sequence(b, tok0, seqlen, n_chunks, n, hv, hv // (HV // c.H))
+        h0_row = ht_row = n
+        if cutlass.const_expr(self.cfg.state_slots != "none"):
+            h0_row = c.slots[n]
+            if cutlass.const_expr(self.cfg.state_slots == "read_write"):
+                ht_row = h0_row
+        seq = Sequence(b, tok0, seqlen, n_chunks, n, hv, hv // (HV // c.H), h0_row, ht_row)
 
         st = cutlass.memory.SmemAllocator().allocate(self.storage)
         sQK = st.sQK.get_tensor(c.tile_qk.outer, swizzle=c.tile_qk.inner)
@@ -360,7 +376,7 @@ class ChunkFwdSm90:
             writes = swg == 0
         chain = StateChain(c.mma_cc, c.mma_state, stid % 128, row_block, C, self.split_values)
         acc_s, cST = chain.new_state(D)
-        state.init_state(acc_s, cST, c.h0, seq.n, seq.hv, 64 * row_block, cfg.start)
+        state.init_state(acc_s, cST, c.h0, seq.h0_row, seq.hv, 64 * row_block, cfg.start)
         cCC = chain.token_coordinates()
         state_threads = self.layout.threads_of(WarpGroupRole.STATE)
         tOs, tOg = tiles.tma_chunk_tiles(c.o.atom, c.o.tensor[None, None, seq.hv, seq.b], seq.tok0, smem.sO)
@@ -425,4 +441,4 @@ class ChunkFwdSm90:
         if cutlass.const_expr(cfg.make_o):
             stager.finish(c.o_plain, seq.b, seq.hv, seq.tok0, seq.seqlen, seq.n_chunks, stid)
         if writes:
-            state.store_state(acc_s, cST, c.ht, seq.n, seq.hv, 64 * row_block)
+            state.store_state(acc_s, cST, c.ht, seq.ht_row, seq.hv, 64 * row_block)

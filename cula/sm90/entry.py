@@ -28,7 +28,9 @@ class ChunkCall(NamedTuple):
     [N + 1] (B == 1) and optionally its host copy. ``out`` / ``final_state_out``: preallocated outputs. ``split``:
     force sequence splitting on (True: a cut per 16 chunks) or off (False); None lets the planner decide.
     ``qk_l2norm``: q and k L2-normalised in the kernel. ``gate``: KDA's ``(A_log, dt_bias, lower_bound)`` when g is
-    raw and the kernel activates it."""
+    raw and the kernel activates it. A state pool (:mod:`cula.ops.state_pool`; ``initial_state`` is the pool):
+    ``state_slots`` [N] int32 / int64, every slot non-negative (padding is not served), the rows sequences read their
+    states from (None: row n); ``inplace``: the final states written back to those rows, and the pool returned."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -46,6 +48,8 @@ class ChunkCall(NamedTuple):
     split: bool | None = None
     qk_l2norm: bool = False
     gate: tuple | None = None
+    state_slots: torch.Tensor | None = None
+    inplace: bool = False
 
 
 class LaunchTensors(NamedTuple):
@@ -65,6 +69,7 @@ class LaunchTensors(NamedTuple):
     ends: torch.Tensor | None = None
     w: torch.Tensor | None = None
     workspaces: dict | None = None
+    slots: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -72,7 +77,7 @@ class ChunkKernel:
     """A variant's SM90 chunk forward as the host path sees it.
 
     - ``compile(arch, config, beta_fp32, state_v_first, **options)``: the compiled kernel, called as ``(q, k, v, g,
-      beta, o, h0, ht, starts, ends, w, scale, *gate_args)``.
+      beta, o, h0, ht, starts, ends, w, slots, scale, *gate_args)``.
     - ``gate_args(call, tensors)``: the variant's arguments after ``scale``.
     - ``split_cost(call)``: the planner's costs of its split passes (``cached``: the passes save and load Tinv and P).
     - ``workspaces(ranges, chunks, HV, D, device)``: its further split workspaces, or None.
@@ -121,8 +126,8 @@ def launch(kernel: ChunkKernel, call: ChunkCall, config: ChunkFwdConfig, t: Laun
     w = cached_zeros(dev, (1, 2 * CHUNK, t.v.shape[2], CHUNK), torch.bfloat16) if t.w is None else t.w
     fn(
         t.q, t.k, t.v, t.g, t.beta, t.o, ht if h0 is None else h0, ht,
-        ranges if t.starts is None else t.starts, ranges if t.ends is None else t.ends, w, float(scale),
-        *kernel.gate_args(call, t),
+        ranges if t.starts is None else t.starts, ranges if t.ends is None else t.ends, w,
+        ranges if t.slots is None else t.slots, float(scale), *kernel.gate_args(call, t),
     )  # fmt: skip
 
 
@@ -144,8 +149,8 @@ def plan_call(kernel: ChunkKernel, call: ChunkCall) -> Plan:
         offsets = [b * T for b in range(B + 1)]
     else:
         offsets = validation.host_offsets(call.cu_seqlens, call.cu_seqlens_cpu)
-    if call.split is False:
-        return Plan(offsets, None)
+    if call.split is False or call.state_slots is not None or call.inplace:
+        return Plan(offsets, None)  # a pool's states are read and written by the one launch
     lengths = [e - s for s, e in zip(offsets[:-1], offsets[1:], strict=True)]
     if call.split:
         cuts = [list(range(CHUNK * 16, n, CHUNK * 16)) for n in lengths]
@@ -168,20 +173,28 @@ def chunk_fwd(kernel: ChunkKernel, call: ChunkCall) -> tuple[torch.Tensor, torch
     if plan.cuts is not None:
         return o, _split(kernel, call, plan, o, scale)
     state_shape = (N, HV, V, K) if call.state_v_first else (N, HV, K, V)
-    ht = call.final_state_out
+    ht = call.initial_state if call.inplace else call.final_state_out
     if ht is None:
         ht = torch.empty(state_shape, dtype=torch.float32, device=call.q.device)
     starts = ends = None
     if call.cu_seqlens is not None:
         cu = call.cu_seqlens if call.cu_seqlens.dtype == torch.int32 else call.cu_seqlens.to(torch.int32)
         starts, ends = cu[:-1], cu[1:]
-    h0 = call.initial_state.contiguous() if call.initial_state is not None else None
+    h0 = call.initial_state
+    if h0 is not None and not call.inplace:
+        h0 = h0.contiguous()
+    slots, state_slots = call.state_slots, "none"
+    if slots is not None:
+        slots = slots if slots.dtype == torch.int32 else slots.to(torch.int32)
+        state_slots = "read_write" if call.inplace else "read"
     config = ChunkFwdConfig(
-        K, starts is not None, h0 is not None, qk_l2norm=call.qk_l2norm, delta_rule=kernel.delta_rule
-    )
-    launch(
-        kernel, call, config, LaunchTensors(call.q, call.k, call.v, call.g, call.beta, o, h0, ht, starts, ends), scale
-    )
+        K, starts is not None, h0 is not None, qk_l2norm=call.qk_l2norm, delta_rule=kernel.delta_rule,
+        state_slots=state_slots,
+    )  # fmt: skip
+    tensors = LaunchTensors(call.q, call.k, call.v, call.g, call.beta, o, h0, ht, starts, ends, slots=slots)
+    launch(kernel, call, config, tensors, scale)
+    if call.inplace:
+        return o, call.initial_state
     return o, (ht if call.output_final_state else None)
 
 
@@ -242,8 +255,16 @@ def run_bound(kernel: ChunkKernel, args: dict, g: torch.Tensor, gate: tuple | No
         args["q"].contiguous(), args["k"].contiguous(), args["v"].contiguous(), g.contiguous(), kernel_beta(args),
         args["scale"], args["initial_state"], args["output_final_state"], args["cu_seqlens"], args["state_v_first"],
         cu_seqlens_cpu=args.get("cu_seqlens_cpu"), qk_l2norm=bool(args["use_qk_l2norm_in_kernel"]), gate=gate,
+        **pool_fields(args),
     )  # fmt: skip
     return chunk_fwd(kernel, call)
+
+
+def pool_fields(args: dict) -> dict:
+    """A pooled call's :class:`ChunkCall` fields (``state_slots``, ``inplace``), or none."""
+    if not validation.pooled(args):
+        return {}
+    return {"state_slots": args.get("ssm_state_indices"), "inplace": bool(args.get("inplace_final_state"))}
 
 
 def supports_qkv(q, k, v, beta, initial_state, cu_seqlens, dims) -> tuple[bool, str]:
@@ -278,12 +299,12 @@ def supports_qkv(q, k, v, beta, initial_state, cu_seqlens, dims) -> tuple[bool, 
 
 def fake_args(D: int, beta_fp32: bool, state_v_first: bool, per_key_gate: bool, raw_gate: bool = False) -> tuple:
     """Fake arguments for compiling a chunk kernel, in its launch order ``q, k, v, g, beta, o, h0, ht, starts, ends,
-    w, scale[, a_log, dt_bias, lower_bound, wb, wd], stream``: q, k [B, T, H, D], v and o [B, T, HV, D] bf16; g
+    w, slots, scale[, a_log, dt_bias, lower_bound, wb, wd], stream``: q, k [B, T, H, D], v and o [B, T, HV, D] bf16; g
     [B, T, HV] fp32, or with ``per_key_gate`` [B, T, HV, D] (fp32, bf16 when ``raw_gate``: activated by the kernel)
     followed by the gate's parameters (A_log [HV] and dt_bias [HV * D] fp32, lower_bound) and the B-tile workspaces
     (wb [ranges, rows, HV, D] bf16, wd [ranges, chunks, HV, D] fp32); beta fp32 or bf16; the states (N, HV, K, V)
     fp32, stored [N, HV, V, K] (K contiguous) with ``state_v_first``; int32 token ranges; the split passes' workspace
-    [ranges, rows, HV, 64] bf16. Batch, length, head and range counts symbolic."""
+    [ranges, rows, HV, 64] bf16; a state pool's int32 rows. Batch, length, head and range counts symbolic."""
     import cutlass
 
     sym = runtime.sym_int
@@ -318,6 +339,7 @@ def fake_args(D: int, beta_fp32: bool, state_v_first: bool, per_key_gate: bool, 
         runtime.fake_tensor(cutlass.Int32, (n_ranges,), align=4),
         runtime.fake_tensor(cutlass.Int32, (n_ranges,), align=4),
         runtime.fake_tensor(bf16, (sym(), sym(), HV, 64)),
+        runtime.fake_tensor(cutlass.Int32, (sym(),), align=4),
         f32(1.0),
         *gate_params,
         runtime.fake_stream(),
@@ -329,6 +351,7 @@ def fake_args(D: int, beta_fp32: bool, state_v_first: bool, per_key_gate: bool, 
 CHECKED_CONFIGS = {
     "": {"is_varlen": True, "has_initial_state": True},
     "[fixed length]": {},
+    "[pool]": {"is_varlen": True, "has_initial_state": True, "state_slots": "read_write"},
     "[qk_l2norm]": {"is_varlen": True, "has_initial_state": True, "qk_l2norm": True},
     "[D=64]": {"head_dim": 64, "is_varlen": True, "has_initial_state": True},
     "[transition]": {"is_varlen": True, "mode": "transition"},

@@ -140,8 +140,8 @@ class ScalarGateChunkFwdSm90(ChunkFwdSm90):
 
     # ---------------------------------------------------------------- host side
     @cute.jit
-    def __call__(self, q, k, v, g, beta, o, h0, ht, starts, ends, w, scale, stream):
-        self.launch(ChunkTensors(q, k, v, g, beta, o, h0, ht, starts, ends, w), scale, (), stream)
+    def __call__(self, q, k, v, g, beta, o, h0, ht, starts, ends, w, slots, scale, stream):
+        self.launch(ChunkTensors(q, k, v, g, beta, o, h0, ht, starts, ends, w, slots), scale, (), stream)
 
     def gate_host(self, t: ChunkTensors, gate_args: tuple, tile_qk, tile_v):
         C, slots = self.C, self.qk_stages
