@@ -4,7 +4,8 @@
     python scripts/sanitize_kernels.py [--list]
 
 Shapes: odd lengths (1, 63, 65, 130), varlen with 0- and 1-token sequences, GVA, initial states, state_v_first,
-D = 64 and 128, long sequences split across CTAs. Each call's outputs are checked finite; the sanitizer judges the
+D = 64 and 128, long sequences split across CTAs; and the token-by-token kernel on pools (padding, verify slots),
+varlen and both state layouts. Each call's outputs are checked finite; the sanitizer judges the
 memory accesses. Prints one line per call and exits non-zero if an output was not finite.
 """
 
@@ -63,7 +64,8 @@ def inputs(op: str, B, T, H, HV, D, lengths, h0, device):
 
 
 def calls(device: str):
-    """``(op, shape name, entry point, keyword arguments)`` for every kernel and shape."""
+    """``(op, shape name, entry point, keyword arguments)`` for every kernel and shape: the chunk kernels on
+    :data:`SHAPES`, then the token-by-token kernel (:func:`decode_calls`)."""
     from benchmarks.run import entry_points
 
     for op in ("gdn", "kda", "simple_gla"):
@@ -75,6 +77,54 @@ def calls(device: str):
                 if h0:
                     call["initial_state"] = call["initial_state"].transpose(-1, -2).contiguous()
             yield op, name, fn, call
+    yield from decode_calls(device)
+
+
+def decode_calls(device: str):
+    """The fused-recurrent entry points on the token-by-token kernel: a bf16 pool with padding, a verify with
+    per-token slots and accepted counts (KDA's gate in the kernel), varlen with 0- and 1-token sequences and V-first
+    states (GLA), D = 64 (Lightning)."""
+    import torch
+    import torch.nn.functional as F
+
+    import cula
+
+    def qkv(B, T, H, HV, D):
+        return {
+            "q": torch.randn(B, T, H, D, device=device).bfloat16(),
+            "k": F.normalize(torch.randn(B, T, H, D, device=device), dim=-1).bfloat16(),
+            "v": torch.randn(B, T, HV, D, device=device).bfloat16(),
+        }
+
+    x = qkv(4, 1, 2, 4, 128)
+    pool = (torch.randn(6, 4, 128, 128, device=device) * 0.1).bfloat16()
+    idx = torch.tensor([3, -1, 0, 5], dtype=torch.int32, device=device)
+    x.update(g=F.logsigmoid(torch.randn(4, 1, 4, device=device)), beta=torch.rand(4, 1, 4, device=device))
+    yield "gdn_decode", "bf16 pool, padding", cula.gdn.fused_recurrent_gated_delta_rule, {
+        **x, "initial_state": pool, "ssm_state_indices": idx, "use_qk_l2norm_in_kernel": True,
+    }  # fmt: skip
+    x = qkv(2, 3, 2, 4, 128)
+    x.update(g=torch.randn(2, 3, 4, 128, device=device).bfloat16(), beta=torch.rand(2, 3, 4, device=device))
+    yield "kda_decode", "verify, gate in kernel", cula.kda.fused_recurrent_kda, {
+        **x, "initial_state": torch.randn(6, 4, 128, 128, device=device) * 0.1,
+        "ssm_state_indices": torch.tensor([[0, 1, 2], [3, -1, 4]], device=device),
+        "num_accepted_tokens": torch.tensor([1, 2], device=device), "use_gate_in_kernel": True,
+        "A_log": torch.zeros(4, device=device), "lower_bound": -5.0,
+    }  # fmt: skip
+    lengths = [1, 0, 3]
+    x = qkv(1, 4, 2, 2, 128)
+    x.update(
+        gk=F.logsigmoid(torch.randn(1, 4, 2, 128, device=device)),
+        gv=F.logsigmoid(torch.randn(1, 4, 2, 128, device=device)),
+    )
+    yield "gla_decode", "varlen 1,0,3, V-first", cula.gla.fused_recurrent_gla, {
+        **x, "cu_seqlens": torch.tensor([0, *lengths], device=device).cumsum(0),
+        "initial_state": torch.randn(3, 2, 128, 128, device=device) * 0.1, "state_v_first": True,
+        "output_final_state": True,
+    }  # fmt: skip
+    yield "lightning_decode", "D=64", cula.lightning.fused_recurrent_lightning_attn, {
+        **qkv(2, 2, 2, 2, 64), "layer_idx": 1, "num_layers": 4, "output_final_state": True,
+    }  # fmt: skip
 
 
 def main() -> int:
@@ -93,7 +143,7 @@ def main() -> int:
     for op, name, fn, call in calls("cuda"):
         o, ht = fn(**call)
         torch.cuda.synchronize()
-        finite = bool(torch.isfinite(o).all()) and bool(torch.isfinite(ht).all())
+        finite = bool(torch.isfinite(o).all()) and bool(torch.isfinite(ht.float()).all())
         bad += not finite
         print(f"{op:<10} {name:<24} {'finite' if finite else 'NOT FINITE'}", flush=True)
     return 1 if bad else 0

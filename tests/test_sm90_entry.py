@@ -287,7 +287,8 @@ def test_the_sanitizer_workload_is_valid_calls():
         seen.update({"D=64"} if call["q"].shape[-1] == 64 else set())
         seen.update({"state_v_first"} if call.get("state_v_first") else set())
         seen.add(op)
-    assert seen == {"0-token", "1-token", "GVA", "D=64", "state_v_first", "gdn", "kda", "simple_gla"}
+    decode = {"gdn_decode", "kda_decode", "gla_decode", "lightning_decode"}
+    assert seen == {"0-token", "1-token", "GVA", "D=64", "state_v_first", "gdn", "kda", "simple_gla", *decode}
 
 
 @pytest.mark.parametrize("split", [False, True])
