@@ -91,6 +91,7 @@ def test_each_fused_recurrent_entry_point_picks_the_kernel(monkeypatch, variant,
         ("kda", {"V": 256}, "V=256"),
         ("gdn", {"dtype": torch.float64}, "q, k, v dtypes"),
         ("kda", {"beta_per_value": True}, "beta per value channel"),
+        ("gla", {"lengths": [1] * 65536}, "65536 sequences"),
     ],
 )
 def test_what_the_kernel_declines_and_why(monkeypatch, variant, change, why):
@@ -250,12 +251,12 @@ def check(kernel, ref, lengths, tol_o=1e-3, tol_state=1e-3):
 @gpu
 @needs_gpu
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("K,V", [(64, 64), (128, 128), (128, 64), (64, 128)])
 @pytest.mark.parametrize("v_first", [False, True])
-def test_gpu_fixed_length_with_initial_state(monkeypatch, variant, D, v_first):
+def test_gpu_fixed_length_with_initial_state(monkeypatch, variant, K, V, v_first):
     if variant == "lightning" and v_first:
         pytest.skip("FLA's fused_recurrent_lightning_attn has no state_v_first")
-    args = make_args(variant, B=3, T=5, K=D, V=D, device="cuda")
+    args = make_args(variant, B=3, T=5, K=K, V=V, device="cuda")
     args["initial_state"] = torch.randn(state_shape(args, v_first=v_first), device="cuda") * 0.1
     args["output_final_state"] = True
     if v_first:

@@ -17,6 +17,7 @@ from cula import validation
 from cula.dispatch import CuteKernel
 
 SUPPORTED_DIMS = (64, 128)
+MAX_SEQUENCES = 65535  # CUDA's limit on a launch grid's z size: sequence n is grid row n
 _IO_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
 _TORCH_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -56,6 +57,10 @@ def supports(args: dict[str, Any], gates: Gates) -> tuple[bool, str]:
         return False, f"head dims K={K}, V={V}: the kernel takes {SUPPORTED_DIMS}"
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _IO_DTYPES:
         return False, f"q, k, v dtypes {q.dtype}, {k.dtype}, {v.dtype}: one of bf16, fp16, fp32 for all three"
+    cu = args.get("cu_seqlens")
+    sequences = q.shape[0] if cu is None else cu.shape[0] - 1
+    if sequences > MAX_SEQUENCES:
+        return False, f"{sequences} sequences: the launch grid takes at most {MAX_SEQUENCES} (one CTA row each)"
     if args.get("reverse", False):
         return False, "reverse=True: the kernel walks sequences forward"
     if args.get("cp_context") is not None:
