@@ -334,7 +334,7 @@ def fake_args(D: int, beta_fp32: bool, state_v_first: bool, per_key_gate: bool, 
         # joined at once, so the load's whole latency is waited where it is issued
         runtime.fake_tensor(f32 if beta_fp32 else bf16, (B, T, HV), align=4 if beta_fp32 else 2),
         runtime.fake_tensor(bf16, (B, T, HV, D)),
-        runtime.fake_tensor(f32, (N, HV, D, D), state_order),
+        runtime.fake_tensor(f32, (sym(), HV, D, D), state_order),  # h0: N rows, or a pool's slots
         runtime.fake_tensor(f32, (N, HV, D, D), state_order),
         runtime.fake_tensor(cutlass.Int32, (n_ranges,), align=4),
         runtime.fake_tensor(cutlass.Int32, (n_ranges,), align=4),
