@@ -42,6 +42,8 @@ logger = logging.getLogger("cula.dispatch")
 BACKENDS = ("cute", "fla", "torch")
 ENV_BACKEND = "CULA_BACKEND"
 ENV_LOG = "CULA_LOG_DISPATCH"
+# Kernels compiled for an architecture but never run on its hardware (SM100 here) serve calls only when this is 1.
+ENV_UNTESTED = "CULA_UNTESTED_KERNELS"
 
 Verdict = tuple[bool, str]
 SupportsFn = Callable[[dict[str, Any]], Verdict]
@@ -90,6 +92,8 @@ class CuteKernel:
     ``faster_than_fla`` (optional) estimates whether the kernel beats FLA on a call it supports; when it says no
     and FLA can serve the call, dispatch hands the call to FLA (unless ``CULA_BACKEND=cute`` forces the kernel).
     ``backward`` (optional): without one the kernel is forward only, and training calls go to the next backend.
+    ``hardware_tested``: False for a kernel only compiled for its architecture, never run there (no such GPU
+    reachable): it serves calls only with ``CULA_UNTESTED_KERNELS=1``.
     """
 
     name: str
@@ -98,6 +102,7 @@ class CuteKernel:
     run: Callable[[dict[str, Any]], Any]
     faster_than_fla: SupportsFn | None = None
     backward: BackwardKernel | None = None
+    hardware_tested: bool = True
 
 
 @dataclass
@@ -151,6 +156,11 @@ class Op:
                 continue
             if training and kernel.backward is None:
                 reasons.append(f"{kernel.name}: inputs require grad and the kernel has no backward (forward only)")
+                continue
+            if not kernel.hardware_tested and os.environ.get(ENV_UNTESTED, "0") != "1":
+                reasons.append(
+                    f"{kernel.name}: compiled for sm_{major}{minor}, never run on one ({ENV_UNTESTED}=1 serves it)"
+                )
                 continue
             ok, why = kernel.supports(args)
             if ok and not forced and kernel.faster_than_fla is not None and self._fla(args)[0][0]:

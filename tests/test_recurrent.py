@@ -76,11 +76,21 @@ class FakeSm90:
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("cc", [(9, 0), (10, 0)])
 def test_each_fused_recurrent_entry_point_picks_the_kernel(monkeypatch, variant, cc):
+    """SM90 serves it; on SM100, where it only compiled, FLA does unless CULA_UNTESTED_KERNELS=1 asks for it."""
     FakeSm90(monkeypatch, cc)
-    decision = cula.explain(ENTRY[variant], **make_args(variant))
     prefix = "lightning" if variant == "simple_gla" else variant
+    name = f"{prefix}.fused_recurrent_sm{cc[0]}0"
+    if cc[0] == 10:
+        decision = cula.explain(ENTRY[variant], **make_args(variant))
+        assert decision.backend == "fla"
+        assert (
+            dict(decision.rejected)["cute"] == f"{name}: compiled for sm_100, never run on one "
+            "(CULA_UNTESTED_KERNELS=1 serves it)"
+        )
+        monkeypatch.setenv("CULA_UNTESTED_KERNELS", "1")
+    decision = cula.explain(ENTRY[variant], **make_args(variant))
     assert decision.backend == "cute"
-    assert decision.reason.startswith(f"{prefix}.fused_recurrent_sm{cc[0]}0 on sm_{cc[0]}0")
+    assert decision.reason.startswith(f"{name} on sm_{cc[0]}0")
 
 
 @pytest.mark.parametrize(

@@ -133,4 +133,6 @@ def recurrent_kernel(prefix: str, gates_of: Callable[[dict[str, Any]], Gates], a
 
         return run(args, gates_of(args))
 
-    return CuteKernel(f"{prefix}_sm{arch_major}0", arch_major, kernel_supports, kernel_run)
+    # run on Hopper GPUs; on Blackwell only compiled (dispatch serves it there on request: CULA_UNTESTED_KERNELS=1)
+    tested = arch_major == 9
+    return CuteKernel(f"{prefix}_sm{arch_major}0", arch_major, kernel_supports, kernel_run, hardware_tested=tested)
