@@ -54,6 +54,11 @@ def inputs(op: str, B, T, H, HV, D, lengths, h0, device):
         args["g"] = torch.rand(B, T, HV, D, device=device) * -5.0
         args["beta"] = torch.rand(B, T, HV, device=device)
         args.update(safe_gate=True, lower_bound=-5.0)
+    elif op == "gla":  # one value head per q/k head, a per-key gate with a reset (the direct scores) mid-call
+        args["v"] = torch.randn(B, T, H, D, device=device).bfloat16()
+        args["g"] = F.logsigmoid(torch.randn(B, T, H, D, device=device) + 3.0)
+        args["g"][:, T // 2] = float("-inf")
+        HV = H
     else:  # simple GLA: one value head per q/k head
         args["v"] = torch.randn(B, T, H, D, device=device).bfloat16()
         args["g"] = F.logsigmoid(torch.randn(B, T, H, device=device) + 3.0)
@@ -68,7 +73,7 @@ def calls(device: str):
     :data:`SHAPES`, then the token-by-token kernel (:func:`decode_calls`)."""
     from benchmarks.run import entry_points
 
-    for op in ("gdn", "kda", "simple_gla"):
+    for op in ("gdn", "kda", "simple_gla", "gla"):
         fn = entry_points(op)[0]
         for name, B, T, H, HV, D, lengths, h0, state_v_first in SHAPES:
             call = inputs(op, B, T, H, HV, D, lengths, h0, device)
@@ -139,6 +144,7 @@ def main() -> int:
     import torch
 
     os.environ["CULA_BACKEND"] = "cute"
+    os.environ["CULA_UNTESTED_KERNELS"] = "1"  # the kernels that have not run on a GPU before (GLA's) too
     bad = 0
     for op, name, fn, call in calls("cuda"):
         o, ht = fn(**call)

@@ -103,3 +103,50 @@ def test_block_scores_need_no_gate_bound(low, spikes):
     scores = emu.block_scores(x, k, G)
     assert torch.isfinite(scores).all()
     assert rel_rmse(scores, exact_scores(x, k, G)) <= 0.005
+
+
+def gla_fp64(q, k, v, g, h0, scale):
+    """cuLA's reference backend (chunk_gla) in fp64 on the bf16-rounded q, k, v: (o [H, T, V], state [H, K, V])."""
+    to = lambda x: x.double()[None].transpose(1, 2).contiguous()  # noqa: E731 - [H, T, ...] -> [1, T, H, ...]
+    o, ht = cula.gla.chunk_gla(
+        *(to(emu.bf16(x)) for x in (q, k, v)), to(g), scale=scale, initial_state=h0.double()[None],
+        output_final_state=True,
+    )  # fmt: skip
+    return o[0].transpose(0, 1), ht[0]
+
+
+@pytest.mark.parametrize(
+    "gates,steep",
+    [("layer", "none"), ("-5", "none"), ("-20", "all"), ("spikes", "some"), ("-inf", "some")],
+)
+def test_the_gla_kernel_arithmetic_is_exact_for_any_gate(gates, steep):
+    """The GLA kernel's scheme (KDA's halves where a chunk's decay allows, each score directly where it does not)
+    within bf16 error of the fp64 recurrence, per sequence, from FLA's layer gates to -inf."""
+    T, K = 300, 128
+    gen = torch.Generator().manual_seed(7)
+    q, k = torch.randn(H, T, K, generator=gen), torch.randn(H, T, K, generator=gen) * K**-0.5
+    v, h0 = torch.randn(H, T, K, generator=gen), torch.randn(H, K, K, generator=gen) * 0.1
+    g = {
+        "layer": F.logsigmoid(torch.randn(H, T, K, generator=gen) * 4) / 16,  # FLA's GLA layer: normalizer 16
+        "-5": -5 * torch.rand(H, T, K, generator=gen),
+        "-20": -20 * torch.rand(H, T, K, generator=gen),
+    }.get(gates)
+    if g is None:
+        g = F.logsigmoid(torch.randn(H, T, K, generator=gen) + 3)
+        g[0, 100, :32] = -1e4 if gates == "spikes" else float("-inf")
+        g[1, 250] = -300.0 if gates == "spikes" else float("-inf")
+    scale = K**-0.5
+    o, ht, n_steep = emu.key_gate_forward(q, k, v, g, scale, h0)
+    o_ref, ht_ref = gla_fp64(q, k, v, g, h0, scale)
+    chunks = H * -(-T // emu.CHUNK)
+    assert {"none": n_steep == 0, "all": n_steep == chunks, "some": 0 < n_steep < chunks}[steep], n_steep
+    assert torch.isfinite(o_ref).all()
+    for h in range(H):
+        assert rel_rmse(o[h], o_ref[h]) <= 0.005 and rel_rmse(ht[h], ht_ref[h]) <= 0.005, h
+
+
+def test_the_gla_kernels_safe_span_is_the_emulations():
+    pytest.importorskip("cutlass")
+    from cula.gla.chunk_fwd_sm90 import GATE_FLOOR, SAFE_SPAN
+
+    assert (SAFE_SPAN, GATE_FLOOR) == (emu.GLA_SAFE_SPAN, emu.GATE_FLOOR)

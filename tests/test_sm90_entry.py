@@ -39,8 +39,9 @@ def reference_launch(kernel, call, config, t, scale):
         else:
             start = None
         o_n, ht_n = linear_attn_ref(
-            t.q[b : b + 1, s:e], t.k[b : b + 1, s:e], vv, g=t.g[b : b + 1, s:e], beta=t.beta[b : b + 1, s:e],
-            scale=scale, initial_state=start, output_final_state=True,
+            t.q[b : b + 1, s:e], t.k[b : b + 1, s:e], vv, g=t.g[b : b + 1, s:e],
+            beta=t.beta[b : b + 1, s:e] if config.delta_rule else None, scale=scale, initial_state=start,
+            output_final_state=True,
         )  # fmt: skip
         if config.mode == "full":
             t.o[b, s:e] = o_n[0].to(t.o.dtype)
@@ -288,7 +289,8 @@ def test_the_sanitizer_workload_is_valid_calls():
         seen.update({"state_v_first"} if call.get("state_v_first") else set())
         seen.add(op)
     decode = {"gdn_decode", "kda_decode", "gla_decode", "lightning_decode"}
-    assert seen == {"0-token", "1-token", "GVA", "D=64", "state_v_first", "gdn", "kda", "simple_gla", *decode}
+    chunk = {"gdn", "kda", "simple_gla", "gla"}
+    assert seen == {"0-token", "1-token", "GVA", "D=64", "state_v_first", *chunk, *decode}
 
 
 @pytest.mark.parametrize("split", [False, True])
@@ -360,3 +362,19 @@ def test_the_chunk_kernels_take_pools_without_padding(monkeypatch, indices, back
             fn, q, k, vv, gate, **extra, initial_state=pool.bfloat16(), ssm_state_indices=torch.tensor([4, 0, 2])
         )
         assert bf16_pool.backend == "torch"
+
+
+def test_gla_runs_whole_sequences_without_the_delta_rule(launches):
+    """GLA's host path: one launch without the delta rule (beta's slot unread), never split, as the reference
+    backend's chunk_gla on the same inputs."""
+    import cula
+    from cula.gla.chunk_fwd_sm90 import chunk_gla_fwd_sm90
+
+    q, k, v, g, _ = inputs(1, 2300, 2, 2, per_key=True)
+    cu = torch.tensor([0, 1, 2100, 2100, 2300])
+    h0 = torch.randn(4, 2, 32, 32) * 0.1
+    o, ht = chunk_gla_fwd_sm90(q, k, v, g, None, h0, True, cu)
+    ((config, _),) = launches
+    assert (config.delta_rule, config.mode, config.intra) == (False, "full", "none")
+    o_ref, ht_ref = cula.gla.chunk_gla(q, k, v, g, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    assert (o.float() - o_ref.float()).abs().max() <= 1e-2 and torch.allclose(ht, ht_ref, atol=1e-4)

@@ -8,7 +8,7 @@ import torch
 
 from cula import validation
 from cula.custom_ops import ChunkOps
-from cula.dispatch import Op, bind, call_args
+from cula.dispatch import CuteKernel, Op, bind, call_args, chunk_fwd_kernel_declines
 from cula.gla import reference
 from cula.recurrent.plan import recurrent_kernel
 
@@ -88,3 +88,27 @@ def _recurrent_gates(args: dict[str, Any]):
 
 for _major in (9, 10):
     RECURRENT.register_kernel(recurrent_kernel("gla.fused_recurrent", _recurrent_gates, _major))
+
+
+def _sm90_supports(args: dict[str, Any]) -> tuple[bool, str]:
+    declined = chunk_fwd_kernel_declines(args)
+    if declined:
+        return declined
+    from cula.gla import chunk_fwd_sm90  # imports the CuTe DSL: only on an SM90 device
+
+    return chunk_fwd_sm90.supports(
+        args["q"], args["k"], args["v"], args["g"], args["initial_state"], args["cu_seqlens"]
+    )
+
+
+def _sm90_run(args: dict[str, Any]):
+    from cula.gla.chunk_fwd_sm90 import chunk_gla_fwd_sm90
+
+    return chunk_gla_fwd_sm90(
+        args["q"], args["k"], args["v"], args["g"], args["scale"], args["initial_state"], args["output_final_state"],
+        args["cu_seqlens"], args.get("state_v_first", False), args.get("cu_seqlens_cpu"),
+    )  # fmt: skip
+
+
+# written and compile-checked, never run on a GPU yet: served only with CULA_UNTESTED_KERNELS=1
+CHUNK.register_kernel(CuteKernel("gla.chunk_fwd_sm90", 9, _sm90_supports, _sm90_run, hardware_tested=False))

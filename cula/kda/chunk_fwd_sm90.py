@@ -159,6 +159,8 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
     # Y and V_new enter their products as bf16 hi + lo pairs: the state and O then keep ~16 bits of them (a single
     # bf16 rounding there costs about 2e-3 relative error in the state)
     split_values = True
+    # a floor on the natural-log gate (None: the gate as given, >= -5 by FLA's safe_gate)
+    gate_floor = None
 
     def __init__(self, config, gate_in_kernel: bool = False):
         self.gate_in_kernel = gate_in_kernel
@@ -581,6 +583,8 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
                 gv[tt] = sGin[t0 + 8 * tb + tt, ch].to(f32)
             for tt in cutlass.range_constexpr(8):
                 x = gv[tt] * _LOG2E
+                if cutlass.const_expr(self.gate_floor is not None):
+                    x = cute.arch.fmax(x, f32(self.gate_floor * _LOG2E))
                 if cutlass.const_expr(self.gate_in_kernel):
                     neg_a, dt, lb = gate
                     e = cute.math.exp2(neg_a * (gv[tt] + dt), fastmath=True)

@@ -6,7 +6,9 @@ checked against the fp64 recurrence on a CPU, and a new scheme tried before it i
   or without it (simple GLA, Lightning).
 - :func:`halves_scores`: KDA's intra-chunk scores with a per-key gate, against two reference tokens (its kernel).
 - :func:`block_scores`: the same scores by 16-token blocks whose operands never exceed the raw q and k (no bound on
-  the gate): the scheme for a per-key gate without FLA's ``safe_gate`` promise (GLA).
+  the gate).
+- :func:`gla_scores`, :func:`key_gate_forward`: the GLA kernel (:mod:`cula.gla.chunk_fwd_sm90`): KDA's halves where
+  no operand's exponent passes ``GLA_SAFE_SPAN``, else each score summed directly.
 
 Shapes: one sequence per call, heads first: q, k [H, T, K]; v [H, T, V]; g [H, T] natural-log gate (per key: [H, T,
 K]); beta [H, T]; states [H, K, V]. Gates are in log2 units inside, as in the kernels.
@@ -20,8 +22,10 @@ import torch
 
 CHUNK = 64
 LOG2E = math.log2(math.e)
-# the scalar-gate kernel's floor of a natural-log gate (cula.sm90.scalar_gates.GATE_FLOOR)
+# the scalar-gate kernel's floor of a natural-log gate (cula.sm90.scalar_gates.GATE_FLOOR), the GLA kernel's too
 GATE_FLOOR = -200.0
+# the widest exponent (log2 units) of KDA's two-reference operands with which the GLA kernel uses them
+GLA_SAFE_SPAN = 116.0
 
 
 def bf16(x: torch.Tensor) -> torch.Tensor:
@@ -119,3 +123,53 @@ def block_scores(x: torch.Tensor, k: torch.Tensor, G: torch.Tensor, block: int =
         factor = torch.where(lower, torch.exp2(torch.where(lower, diff, 0.0)), 0.0)
         out[rows, rows] = (bf16(x[rows])[:, None, :] * bf16(k[rows])[None, :, :] * factor).sum(-1)
     return out.tril()
+
+
+def gla_scores(x: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The GLA kernel's intra-chunk scores (unscaled; x, k, G [C, K] as :func:`halves_scores`, G flat past the
+    sequence end): KDA's halves where no operand's exponent (G_start - G_r, G_r - G_end of each half) passes
+    GLA_SAFE_SPAN in any key channel, else every score summed directly in fp32 from bf16 x and k with factors <= 1.
+    Returns ``(scores, whether the chunk was steep)``."""
+    half = x.shape[0] // 2
+    widest = max(
+        float(
+            torch.maximum(G[h * half] - G[h * half + half // 2], G[h * half + half // 2] - G[h * half + half - 1]).max()
+        )
+        for h in range(2)
+    )
+    if widest <= GLA_SAFE_SPAN:
+        return halves_scores(x, k, G), False
+    diff = G[:, None, :] - G[None, :, :]
+    lower = torch.ones(x.shape[0], x.shape[0], dtype=torch.bool, device=x.device).tril()[..., None]
+    factor = torch.where(lower, torch.exp2(torch.where(lower, diff, 0.0)), 0.0)
+    return (bf16(x)[:, None, :] * bf16(k)[None, :, :] * factor).sum(-1), True
+
+
+def key_gate_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, scale: float, h0: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The GLA kernel on one sequence (g [H, T, K] natural-log per-key gate): ``(o [H, T, V] fp32, final state
+    [H, K, V] fp32, the number of steep chunks)``. Per chunk: G = cumsum(max(g, floor)) log2(e) over the chunk's
+    tokens; P = bf16(scale :func:`gla_scores`); O = scale (Q 2^G) S + P V and S <- 2^G_last S + (K 2^(G_last - G))^T
+    V with bf16 operands (Q 2^G, K 2^(G_last - G), the state, V, P) and fp32 accumulation."""
+    H, T, K = q.shape
+    V = v.shape[-1]
+    S = torch.zeros(H, K, V, dtype=torch.float32, device=q.device) if h0 is None else h0.float().clone()
+    o = torch.empty(H, T, V, dtype=torch.float32, device=q.device)
+    steep = 0
+    for c0 in range(0, T, CHUNK):
+        c1 = min(c0 + CHUNK, T)
+        qc, kc, vc = bf16(q[:, c0:c1]), bf16(k[:, c0:c1]), bf16(v[:, c0:c1])
+        G = torch.cumsum(g[:, c0:c1].float().clamp_min(GATE_FLOOR), dim=1) * LOG2E  # [H, L, K]
+        pad = CHUNK - (c1 - c0)  # the kernel's scan adds nothing past the sequence end
+        G_full = torch.cat([G, G[:, -1:].expand(H, pad, K)], dim=1) if pad else G
+        for h in range(H):
+            xq = torch.cat([qc[h], qc.new_zeros(pad, K)]) if pad else qc[h]
+            xk = torch.cat([kc[h], kc.new_zeros(pad, K)]) if pad else kc[h]
+            scores, was_steep = gla_scores(xq, xk, G_full[h])
+            steep += was_steep
+            P = bf16(scale * scores)[: c1 - c0, : c1 - c0]
+            o[h, c0:c1] = scale * (bf16(qc[h] * torch.exp2(G[h])) @ bf16(S[h])) + P @ vc[h]
+        G_last = G[:, -1:]  # [H, 1, K]
+        S = torch.exp2(G_last.transpose(1, 2)) * S + bf16(kc * torch.exp2(G_last - G)).transpose(1, 2) @ vc
+    return o, S, steep
