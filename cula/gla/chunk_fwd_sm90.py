@@ -14,13 +14,13 @@ What goes: beta, A, the solve, the hi + lo split of V_new (V is exact in bf16).
 The intra-chunk scores P: KDA makes them against two reference tokens, L_i = q_i 2^(G_i - G_r) and R_j = k_j
 2^(G_r - G_j) (r = 16 for the columns of the first 32-token half, 48 for the second). Their exponents are at most
 the decay between a half's reference and its ends, so the operands are exact up to bf16 rounding while that is at
-most 2^116 for every key channel (what FLA's KDA promises with g >= -5, and what GLA's layers give in practice):
+most 2^108 for every key channel (what FLA's KDA promises with g >= -5, and what GLA's layers give in practice):
 then warpgroup h makes half h of P with one wgmma. A chunk with a steeper half (the prep role records each channel's
 widest exponent, ``sSpan``) makes P directly instead: every entry j <= i summed over the keys in fp32 with
 2^(G_ik - G_jk) <= 1, on all state threads (slower; exact for any gate, -inf included).
 
-Long sequences are not split (one CTA walks a sequence); pools and the rest as the family's host path. Shapes as
-:mod:`cula.sm90.chunk_fwd`: q, k, v [B, T, H, D] bf16, g [B, T, H, D] fp32; beta's slot carries an unread
+Long sequences are not split (one CTA walks a sequence); pools and the rest as the family's host path. The gate must be <= 0 (GLA's log gates are): the halves'
+exponents are bounded from the ends of each half. Shapes as :mod:`cula.sm90.chunk_fwd`: q, k, v [B, T, H, D] bf16, g [B, T, H, D] fp32; beta's slot carries an unread
 [B, T, H] fp32 tensor.
 """
 
@@ -44,8 +44,8 @@ from cula.sm90.roles import Barrier, WarpGroupRole
 SUPPORTED_DIMS = (64, 128)
 GATE_FLOOR = -200.0  # natural log, as the scalar-gate kernel's
 # the largest exponent (log2 units) of a two-reference operand with which the scores stay exact up to bf16 rounding:
-# factors within 2^-116 .. 2^116 are bf16 normals (KDA's bound, g >= -5 over 16 tokens)
-SAFE_SPAN = 116.0
+# within 2^-108 a left factor flushed to zero (the fast exp2 flushes below 2^-126) drops less than 2^-18 of a score
+SAFE_SPAN = 108.0
 EXPONENT_CAP = 124.0  # above SAFE_SPAN, below bf16's largest exponent
 
 
@@ -111,7 +111,8 @@ class GLAChunkFwdSm90(kda.KDAChunkFwdSm90):
         """KDA's scan, then each key channel's largest exponent against a half's reference token, the larger of
         G_start - G_r and G_r - G_end over both halves (by the channel's last-part thread: the rows of the other
         part are final for it after the scan's barrier)."""
-        super().scan_gates(gs, slot, L, t, gate)
+        # (named: the DSL turns a bare super() in a jit method into super(self.__class__, self))
+        kda.KDAChunkFwdSm90.scan_gates(self, gs, slot, L, t, gate)
         ch = t % self.D
         Hf = self.half
         if t // self.D == self.scan_parts - 1:
