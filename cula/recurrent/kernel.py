@@ -46,6 +46,8 @@ from cula.ops.gates import L2NORM_EPS
 THREADS = 128
 WARPS = THREADS // 32
 BLOCK_V = 32  # value columns (K-first) or value rows (V-first) per CTA
+# contiguous state elements per thread and row, one vector access (16 bytes of fp32 state; 8 elements of a bf16 state,
+# 16 bytes, measured slower than 4 on an H100: 0.288-0.299 against 0.267-0.269 ms at N = 256)
 VEC = 4
 SUPPORTED_DIMS = (64, 128)
 SOFTPLUS_THRESHOLD = 20.0  # torch's softplus: x itself above it
@@ -111,13 +113,10 @@ class RecurrentFwd:
     def __init__(self, config: RecurrentConfig):
         self.cfg = config
         self.K, self.V = config.head_k, config.head_v
-        # contiguous state elements per thread and row, one vector access (16 bytes of fp32 state; for bf16 states 8
-        # elements, 16 bytes, measured slower than 4 on an H100: 0.288-0.299 against 0.267-0.269 ms at N = 256)
-        self.vec = VEC
         if config.state_v_first:
-            self.lanes_per_row = self.K // self.vec  # the lanes that share one value row
+            self.lanes_per_row = self.K // VEC  # the lanes that share one value row
         else:
-            self.lanes_per_row = BLOCK_V // self.vec  # the lanes of one key row's value block
+            self.lanes_per_row = BLOCK_V // VEC  # the lanes of one key row's value block
         self.row_step = THREADS // self.lanes_per_row
         # the xor distances between the lanes of a value row (V-first), of a value column (K-first)
         self.row_shuffles = tuple(1 << j for j in reversed(range(self.lanes_per_row.bit_length() - 1)))
@@ -181,7 +180,7 @@ class RecurrentFwd:
         # K-first: per warp, the partial S_d^T k | S_d^T q of the block's columns
         sRed = smem.allocate_tensor(f32, cute.make_layout((WARPS, 2, BLOCK_V, 2)), byte_alignment=16)
 
-        state = cute.make_rmem_tensor(cute.make_layout((self.rows, self.vec), stride=(self.vec, 1)), f32)
+        state = cute.make_rmem_tensor(cute.make_layout((self.rows, VEC), stride=(VEC, 1)), f32)
         state.fill(0.0)
         if cutlass.const_expr(cfg.has_initial_state):
             if live:
@@ -229,27 +228,27 @@ class RecurrentFwd:
     # ---------------------------------------------------------------- the state's elements
     @cute.jit
     def state_vector(self, mS, slot, hv, vblk, tidx, i: cutlass.Constexpr):
-        """Thread ``tidx``'s row ``i`` of the CTA's block of ``mS[slot, hv]`` (a (K, V) view): ``vec`` contiguous
+        """Thread ``tidx``'s row ``i`` of the CTA's block of ``mS[slot, hv]`` (a (K, V) view): VEC contiguous
         elements."""
         r = tidx // self.lanes_per_row + self.row_step * i
         c = tidx % self.lanes_per_row
         if cutlass.const_expr(self.cfg.state_v_first):
-            return cute.local_tile(mS[slot, hv, None, vblk * BLOCK_V + r], (self.vec,), (c,))
-        return cute.local_tile(mS[slot, hv, r, None], (self.vec,), (vblk * (BLOCK_V // self.vec) + c,))
+            return cute.local_tile(mS[slot, hv, None, vblk * BLOCK_V + r], (VEC,), (c,))
+        return cute.local_tile(mS[slot, hv, r, None], (VEC,), (vblk * (BLOCK_V // VEC) + c,))
 
     @cute.jit
     def load_state(self, state, mS, slot, hv, vblk, tidx):
         for i in cutlass.range_constexpr(self.rows):
-            vec = cute.make_rmem_tensor(cute.make_layout(self.vec), mS.element_type)
+            vec = cute.make_rmem_tensor(cute.make_layout(VEC), mS.element_type)
             cute.autovec_copy(self.state_vector(mS, slot, hv, vblk, tidx, i), vec)
-            for e in cutlass.range_constexpr(self.vec):
+            for e in cutlass.range_constexpr(VEC):
                 state[i, e] = vec[e].to(cutlass.Float32)
 
     @cute.jit
     def store_state(self, state, mS, slot, hv, vblk, tidx):
         for i in cutlass.range_constexpr(self.rows):
-            vec = cute.make_rmem_tensor(cute.make_layout(self.vec), mS.element_type)
-            for e in cutlass.range_constexpr(self.vec):
+            vec = cute.make_rmem_tensor(cute.make_layout(VEC), mS.element_type)
+            for e in cutlass.range_constexpr(VEC):
                 vec[e] = state[i, e].to(mS.element_type)
             cute.autovec_copy(vec, self.state_vector(mS, slot, hv, vblk, tidx, i))
 
@@ -322,25 +321,25 @@ class RecurrentFwd:
         self, state, mV, mO, mGv, sQ, sK, sKf, sRed, b, tok, hv, vblk, par, tidx, warp, lane, rq, rk, kq, decay,
         beta, scale, slot,
     ):  # fmt: skip
-        """K-first: thread rows are key rows, its self.vec elements value columns (module docstring)."""
+        """K-first: thread rows are key rows, its VEC elements value columns (module docstring)."""
         f32 = cutlass.Float32
         cfg = self.cfg
         c = tidx % self.lanes_per_row
-        col0 = vblk * BLOCK_V + self.vec * c
-        colf = cute.make_rmem_tensor(cute.make_layout(self.vec), f32)
-        for e in cutlass.range_constexpr(self.vec):
+        col0 = vblk * BLOCK_V + VEC * c
+        colf = cute.make_rmem_tensor(cute.make_layout(VEC), f32)
+        for e in cutlass.range_constexpr(VEC):
             colf[e] = decay
             if cutlass.const_expr(cfg.gv):
                 colf[e] = decay * cute.math.exp(mGv[b, tok, hv, col0 + e].to(f32))
-        sk_part = cute.make_rmem_tensor(cute.make_layout(self.vec), f32)
-        sq_part = cute.make_rmem_tensor(cute.make_layout(self.vec), f32)
+        sk_part = cute.make_rmem_tensor(cute.make_layout(VEC), f32)
+        sq_part = cute.make_rmem_tensor(cute.make_layout(VEC), f32)
         sk_part.fill(0.0)
         sq_part.fill(0.0)
         for i in cutlass.range_constexpr(self.rows):
             r = tidx // self.lanes_per_row + self.row_step * i
             kr = sK[r, par] * rk
             qr = sQ[r, par] * rq
-            for e in cutlass.range_constexpr(self.vec):
+            for e in cutlass.range_constexpr(VEC):
                 f = colf[e]
                 if cutlass.const_expr(cfg.gk != "none"):
                     f = f * sKf[r, par]
@@ -349,25 +348,25 @@ class RecurrentFwd:
                 sk_part[e] = sk_part[e] + s * kr
                 sq_part[e] = sq_part[e] + s * qr
         # over the lanes of a column, then the warps through shared memory
-        for e in cutlass.range_constexpr(self.vec):
+        for e in cutlass.range_constexpr(VEC):
             for off in self.column_shuffles:
                 sk_part[e] = sk_part[e] + cute.arch.shuffle_sync_bfly(sk_part[e], offset=off)
                 sq_part[e] = sq_part[e] + cute.arch.shuffle_sync_bfly(sq_part[e], offset=off)
         if lane < self.lanes_per_row:
-            for e in cutlass.range_constexpr(self.vec):
-                sRed[warp, 0, self.vec * c + e, par] = sk_part[e]
-                sRed[warp, 1, self.vec * c + e, par] = sq_part[e]
+            for e in cutlass.range_constexpr(VEC):
+                sRed[warp, 0, VEC * c + e, par] = sk_part[e]
+                sRed[warp, 1, VEC * c + e, par] = sq_part[e]
         cute.arch.barrier()
-        u = cute.make_rmem_tensor(cute.make_layout(self.vec), f32)
-        out = cute.make_rmem_tensor(cute.make_layout(self.vec), mO.element_type)
-        v_vec = cute.make_rmem_tensor(cute.make_layout(self.vec), mV.element_type)
-        cute.autovec_copy(cute.local_tile(mV[b, tok, hv, None], (self.vec,), (col0 // self.vec,)), v_vec)
-        for e in cutlass.range_constexpr(self.vec):
+        u = cute.make_rmem_tensor(cute.make_layout(VEC), f32)
+        out = cute.make_rmem_tensor(cute.make_layout(VEC), mO.element_type)
+        v_vec = cute.make_rmem_tensor(cute.make_layout(VEC), mV.element_type)
+        cute.autovec_copy(cute.local_tile(mV[b, tok, hv, None], (VEC,), (col0 // VEC,)), v_vec)
+        for e in cutlass.range_constexpr(VEC):
             s_k = f32(0.0)
             s_q = f32(0.0)
             for w in cutlass.range_constexpr(WARPS):
-                s_k = s_k + sRed[w, 0, self.vec * c + e, par]
-                s_q = s_q + sRed[w, 1, self.vec * c + e, par]
+                s_k = s_k + sRed[w, 0, VEC * c + e, par]
+                s_q = s_q + sRed[w, 1, VEC * c + e, par]
             ue = v_vec[e].to(f32)
             if cutlass.const_expr(cfg.delta_rule):
                 ue = beta * (ue - s_k)
@@ -377,26 +376,26 @@ class RecurrentFwd:
                 oe = f32(0.0)
             out[e] = oe.to(mO.element_type)
         if tidx < self.lanes_per_row:
-            cute.autovec_copy(out, cute.local_tile(mO[b, tok, hv, None], (self.vec,), (col0 // self.vec,)))
+            cute.autovec_copy(out, cute.local_tile(mO[b, tok, hv, None], (VEC,), (col0 // VEC,)))
         for i in cutlass.range_constexpr(self.rows):
             r = tidx // self.lanes_per_row + self.row_step * i
             kr = sK[r, par] * rk
-            for e in cutlass.range_constexpr(self.vec):
+            for e in cutlass.range_constexpr(VEC):
                 state[i, e] = state[i, e] + kr * u[e]
 
     @cute.jit
     def step_v_first(
         self, state, mV, mO, mGv, sQ, sK, sKf, b, tok, hv, vblk, par, tidx, rq, rk, kq, decay, beta, scale, slot
     ):
-        """V-first: thread rows are value rows, its self.vec elements key columns (module docstring)."""
+        """V-first: thread rows are value rows, its VEC elements key columns (module docstring)."""
         f32 = cutlass.Float32
         cfg = self.cfg
         c = tidx % self.lanes_per_row
-        kf = cute.make_rmem_tensor(cute.make_layout(self.vec), f32)
-        kk = cute.make_rmem_tensor(cute.make_layout(self.vec), f32)
-        qq = cute.make_rmem_tensor(cute.make_layout(self.vec), f32)
-        for e in cutlass.range_constexpr(self.vec):
-            ch = self.vec * c + e
+        kf = cute.make_rmem_tensor(cute.make_layout(VEC), f32)
+        kk = cute.make_rmem_tensor(cute.make_layout(VEC), f32)
+        qq = cute.make_rmem_tensor(cute.make_layout(VEC), f32)
+        for e in cutlass.range_constexpr(VEC):
+            ch = VEC * c + e
             kk[e] = sK[ch, par] * rk
             qq[e] = sQ[ch, par] * rq
             kf[e] = decay
@@ -409,7 +408,7 @@ class RecurrentFwd:
                 f = cute.math.exp(mGv[b, tok, hv, vr].to(f32))
             s_k = f32(0.0)
             s_q = f32(0.0)
-            for e in cutlass.range_constexpr(self.vec):
+            for e in cutlass.range_constexpr(VEC):
                 s = state[i, e] * kf[e] * f
                 state[i, e] = s
                 s_k = s_k + s * kk[e]
@@ -425,7 +424,7 @@ class RecurrentFwd:
                 oe = f32(0.0)
             if c == 0:
                 mO[b, tok, hv, vr] = oe.to(mO.element_type)
-            for e in cutlass.range_constexpr(self.vec):
+            for e in cutlass.range_constexpr(VEC):
                 state[i, e] = state[i, e] + kk[e] * ue
 
 
