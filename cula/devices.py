@@ -17,8 +17,8 @@ from cula.ops import segment_split
 from cula.ops.segment_split import SplitCost
 
 OPS = ("gdn", "kda")
-# The SM90 kernels' time models: GDN without and with q/k L2 norm in the kernel, KDA.
-KERNELS = ("gdn", "gdn_l2norm", "kda")
+# The SM90 kernels' time models: GDN without and with q/k L2 norm in the kernel, KDA, GLA.
+KERNELS = ("gdn", "gdn_l2norm", "kda", "gla")
 
 
 @dataclass(frozen=True)
@@ -119,10 +119,15 @@ H200 = DeviceTimes(
 # H200's 3.7 was fitted to (there ~0.94 ms in that run, 0.896 ms in the H200's JSON). Its split passes were not timed
 # apart: the H200's fractions of a chunk. (The model runs 14-24 % under the N=20 mixes and B1 T65536 H8, which spent
 # 40-64 % of their time issuing the call on the host.)
+# GLA (benchmarks/results/h100_gla_fwd.json): 5.6 us per chunk from B2 T16384 H64 (1.432 ms over 256 chunks per CTA
+# in one wave). Its split passes are uncached and were not timed apart; estimated from what they skip: a correction
+# pass makes no P (~70 % of a chunk), a transition pass neither P nor output (~50 %); GDN's link, fixed and wave costs.
+H100_GLA_CHUNK_US = 5.6
+H100_GLA_SPLIT = SplitCost.from_us(H100_GLA_CHUNK_US, 3.9, 2.8, 0.5, fixed=25, wave=7)
 H100_SXM = DeviceTimes(
     "H100 SXM",
     fla={"gdn": FlaTime(ns_per_token_head=2.05, min_ms=H200_FLA_GDN.min_ms, chunk_us=1.86)},
-    kernels={"gdn": KernelTime(3.57, H200_GDN_SPLIT)},
+    kernels={"gdn": KernelTime(3.57, H200_GDN_SPLIT), "gla": KernelTime(H100_GLA_CHUNK_US, H100_GLA_SPLIT)},
 )
 
 TABLE = {"NVIDIA H200": H200, "NVIDIA H100 80GB HBM3": H100_SXM}

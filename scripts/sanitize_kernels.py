@@ -1,7 +1,7 @@
 """Every SM90 chunk kernel once on each awkward shape, through the public entry points with the kernel forced
 (``CULA_BACKEND=cute``): the workload that ``scripts/gpu_check.sh`` runs under compute-sanitizer (``SANITIZE=1``).
 
-    python scripts/sanitize_kernels.py [--list]
+    python scripts/sanitize_kernels.py [--list] [--op gla gla_decode ...]
 
 Shapes: odd lengths (1, 63, 65, 130), varlen with 0- and 1-token sequences, GVA, initial states, state_v_first,
 D = 64 and 128, long sequences split across CTAs; and the token-by-token kernel on pools (padding, verify slots),
@@ -135,6 +135,9 @@ def decode_calls(device: str):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--list", action="store_true", help="print the shapes and exit")
+    parser.add_argument(
+        "--op", nargs="+", help="only these kernels' calls (gdn, kda, simple_gla, gla, gdn_decode, ...)"
+    )
     args = parser.parse_args()
     if args.list:
         for shape in SHAPES:
@@ -147,6 +150,8 @@ def main() -> int:
     os.environ["CULA_UNTESTED_KERNELS"] = "1"  # the kernels that have not run on a GPU before (GLA's) too
     bad = 0
     for op, name, fn, call in calls("cuda"):
+        if args.op and op not in args.op:
+            continue
         o, ht = fn(**call)
         torch.cuda.synchronize()
         finite = bool(torch.isfinite(o).all()) and bool(torch.isfinite(ht.float()).all())

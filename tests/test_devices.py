@@ -81,7 +81,9 @@ def faster_than_fla(op: str, args: dict) -> tuple[bool, str]:
 def test_rows_are_found_by_exact_device_name(gpu):
     gpu(H200)
     times = devices.times_for(0)
-    assert times.label == "H200" and times.fla == devices.H200.fla and times.kernels == devices.H200.kernels
+    assert times.label == "H200" and times.fla == devices.H200.fla
+    # GLA, not measured on the H200, from the default
+    assert times.kernels == {**devices.H200.kernels, "gla": devices.DEFAULT.kernels["gla"]}
     gpu(H100)
     times = devices.times_for(0)
     assert times.label == "H100 SXM"
@@ -202,3 +204,22 @@ def test_explain_names_the_time_model(gpu):
     decision = cula.explain(cula.gdn.chunk_gated_delta_rule, **args)
     assert decision.backend == "fla", decision
     assert "FLA expected faster" in dict(decision.rejected)["cute"] and "H200 time model" in str(decision)
+
+
+def test_gla_splits_one_long_sequence_and_leaves_full_waves_whole(gpu):
+    """GLA's split costs (H100 row; the default on the H200): one 65536-token sequence over 8 heads is cut, two
+    16384-token sequences over 64 heads (128 CTAs, one wave) are walked whole."""
+    from cula.gla.chunk_fwd_sm90 import GLA_SM90
+    from cula.sm90.entry import ChunkCall, plan_call
+
+    def cuts(lengths, HV):
+        args = call_args("kda", lengths, HV)  # per-key gates, as GLA's
+        tensors = (args[n] for n in ("q", "k", "v", "g", "beta"))
+        call = ChunkCall(*tensors, cu_seqlens=args["cu_seqlens"], cu_seqlens_cpu=args["cu_seqlens_cpu"])
+        return plan_call(GLA_SM90, call).cuts
+
+    for name in (H100, H200):
+        gpu(name)
+        (long,) = cuts([65536], 8)
+        assert len(long) >= 8 and all(c % 64 == 0 for c in long), long
+        assert cuts([16384] * 2, 64) is None

@@ -40,7 +40,7 @@ def reference(q, k, v, g, scale, h0, cu, monkeypatch):
     return o, ht
 
 
-def run_case(monkeypatch, B, T, H, D=128, gates="layer", cu=None, h0=False, state_v_first=False):
+def run_case(monkeypatch, B, T, H, D=128, gates="layer", cu=None, h0=False, state_v_first=False, split=None):
     from cula.gla.chunk_fwd_sm90 import chunk_gla_fwd_sm90, supports
 
     q, k, v, g = make_inputs(B, T, H, D, gates)
@@ -52,7 +52,7 @@ def run_case(monkeypatch, B, T, H, D=128, gates="layer", cu=None, h0=False, stat
     init_arg = init.transpose(-1, -2).contiguous() if (h0 and state_v_first) else init
     scale = D**-0.5
     cu_cpu = None if cu is None else torch.tensor(cu)
-    o, ht = chunk_gla_fwd_sm90(q, k, v, g, scale, init_arg, True, cu_t, state_v_first, cu_cpu)
+    o, ht = chunk_gla_fwd_sm90(q, k, v, g, scale, init_arg, True, cu_t, state_v_first, cu_cpu, split=split)
     torch.cuda.synchronize()
     if state_v_first:
         ht = ht.transpose(-1, -2)
@@ -77,6 +77,15 @@ def test_varlen_initial_state(monkeypatch, state_v_first, gates):
 @pytest.mark.parametrize("gates", ["layer", "steep"])
 def test_head_dim_64(monkeypatch, gates):
     run_case(monkeypatch, 2, 333, 2, D=64, gates=gates, h0=True)
+
+
+@pytest.mark.parametrize("gates", ["layer", "resets"])
+@pytest.mark.parametrize("state_v_first", [False, True])
+def test_split_passes(monkeypatch, gates, state_v_first):
+    """Long sequences cut every 16 chunks (forced): the first, transition and correction passes and the start chain,
+    varlen with a 1-token sequence and initial states."""
+    cu = [0, 2100, 2101, 5101]
+    run_case(monkeypatch, 1, 5101, 2, gates=gates, cu=cu, h0=True, state_v_first=state_v_first, split=True)
 
 
 def test_public_entry_point(monkeypatch):

@@ -19,9 +19,11 @@ then warpgroup h makes half h of P with one wgmma. A chunk with a steeper half (
 widest exponent, ``sSpan``) makes P directly instead: every entry j <= i summed over the keys in fp32 with
 2^(G_ik - G_jk) <= 1, on all state threads (slower; exact for any gate, -inf included).
 
-Long sequences are not split (one CTA walks a sequence); pools and the rest as the family's host path. The gate must be <= 0 (GLA's log gates are): the halves'
-exponents are bounded from the ends of each half. Shapes as :mod:`cula.sm90.chunk_fwd`: q, k, v [B, T, H, D] bf16, g [B, T, H, D] fp32; beta's slot carries an unread
-[B, T, H] fp32 tensor.
+Long sequences are split across CTAs by the family's uncached passes (:func:`cula.ops.segment_split.split_forward`):
+the later passes make no P (V_new is zero there: a transition pass makes no output, a correction pass adds the first
+pass's), so their P tile is cleared once. The gate must be <= 0 (GLA's log gates are): the halves' exponents are
+bounded from the ends of each half. Shapes as :mod:`cula.sm90.chunk_fwd`: q, k, v [B, T, H, D] bf16, g [B, T, H, D]
+fp32; beta's slot carries an unread [B, T, H] fp32 tensor.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ import torch
 from cutlass.cute.nvgpu import warp as warp_ops
 from cutlass.cute.nvgpu import warpgroup
 
-from cula import runtime
+from cula import devices, runtime
 from cula.kda import chunk_fwd_sm90 as kda
+from cula.ops import segment_split
 from cula.sm90 import entry, mma
 from cula.sm90.chunk_fwd import ChainInputs, ChunkFwdConfig
 from cula.sm90.roles import Barrier, WarpGroupRole
@@ -78,14 +81,15 @@ class ValueChainGates(kda.KeyChainGates):
 
 
 class GLAChunkFwdSm90(kda.KDAChunkFwdSm90):
-    """GLA on KDA's kernel (module docstring); ``config.delta_rule`` is False, one pass (mode "full")."""
+    """GLA on KDA's kernel (module docstring); ``config.delta_rule`` is False, the split passes uncached."""
 
     split_values = False
     gate_floor = GATE_FLOOR
 
     def __init__(self, config: ChunkFwdConfig):
-        assert not config.delta_rule and config.mode == "full" and config.intra == "none", config
+        assert not config.delta_rule and config.intra == "none", config
         super().__init__(config, gate_in_kernel=False)
+        self.makes_scores = config.mode == "full"
 
     # ---------------------------------------------------------------- host side
     def gate_host(self, t, gate_args, tile_qk, tile_v):
@@ -126,24 +130,33 @@ class GLAChunkFwdSm90(kda.KDAChunkFwdSm90):
     # ---------------------------------------------------------------- state warpgroups
     @cute.jit
     def before_chunks(self, smem, stid):
-        pass  # no Tinv
+        """No Tinv. A correction pass multiplies its zero V_new by the P tile it never makes: zeros there, not what
+        shared memory held (0 x NaN); ordered before the products by the first intra step's barrier."""
+        if cutlass.const_expr(self.cfg.mode == "correction"):
+            nt = self.layout.threads_of(WarpGroupRole.STATE)
+            sP = smem.sTP[None, None, 1, 0]
+            for idx in cutlass.range(stid, self.C * self.C, nt, unroll=1):
+                sP[idx // self.C, idx % self.C] = cutlass.BFloat16(0.0)
 
     @cute.jit
     def intra_step(self, p, smem, gs, rings, states, seq, chunk, stid, swarp):
-        """P of the chunk into its shared tile: by halves (warpgroup h: columns of half h) where every channel's
-        halves are safe, else directly (all state threads)."""
+        """P of the chunk into its shared tile (the first pass only): by halves (warpgroup h: columns of half h) where
+        every channel's halves are safe, else directly (all state threads)."""
         nt = self.layout.threads_of(WarpGroupRole.STATE)
         sP = smem.sTP[None, None, 1, 0]
         rings.r.consumer_wait(states.chunk)
         rings.qkg.consumer_wait(states.chunk)
-        if self.chunk_is_steep(gs, chunk % 2):
-            self.direct_scores(p, smem, gs, sP, stid, nt)
-        else:
-            if stid // 128 == 0:
-                self.half_scores(p, smem, gs, sP, stid % 128, 0)
+        if cutlass.const_expr(self.makes_scores):
+            if self.chunk_is_steep(gs, chunk % 2):
+                self.direct_scores(p, smem, gs, sP, stid, nt)
             else:
-                self.half_scores(p, smem, gs, sP, stid % 128, 1)
-        # q, k, G and R of the chunk are no longer read here: the prep role may load the next chunk's
+                if stid // 128 == 0:
+                    self.half_scores(p, smem, gs, sP, stid % 128, 0)
+                else:
+                    self.half_scores(p, smem, gs, sP, stid % 128, 1)
+        # q, k, G and R of the chunk are no longer read here: the prep role may load the next chunk's (one lane per
+        # warp releases q | k | G: the direct scores' lanes diverge, so the warp converges first)
+        cute.arch.sync_warp()
         rings.qkg.consumer_release(states.chunk)
         rings.r.consumer_release(states.chunk)
         cute.arch.fence_proxy("async.shared", space="cta")
@@ -263,26 +276,33 @@ def compile_gla_fwd_sm90(arch="sm_90a", *, state_v_first=False, keep_artifacts=F
     return runtime.compile_kernel(GLAChunkFwdSm90(cfg), fake, arch, keep_artifacts)
 
 
+def split_cost(call: entry.ChunkCall) -> segment_split.SplitCost:
+    """The split passes' costs on the call's GPU (:func:`cula.devices.times_for`)."""
+    return devices.times_for(call.q.device).kernels["gla"].split
+
+
 GLA_SM90 = entry.ChunkKernel(
     "gla",
     lambda arch, config, beta_fp32, state_v_first: compile_gla_fwd_sm90(
         arch, state_v_first=state_v_first, **config.__dict__
     ),
     gate_args=kda.gate_args,
+    split_cost=split_cost,
     delta_rule=False,
 )
 
 
 def chunk_gla_fwd_sm90(
     q, k, v, g, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, state_v_first=False,
-    cu_seqlens_cpu=None,
+    cu_seqlens_cpu=None, split=None,
 ):  # fmt: skip
     """GLA chunked forward on SM90: q, k, v [B, T, H, D] bf16, g [B, T, H, D] per-key log gate; the rest as
-    :class:`cula.sm90.entry.ChunkCall`. Returns ``(o, final_state or None)``."""
+    :class:`cula.sm90.entry.ChunkCall` (``split``: None lets the planner split long sequences). Returns ``(o,
+    final_state or None)``."""
     unread_beta = torch.empty(v.shape[:3], dtype=torch.float32, device=v.device)
     call = entry.ChunkCall(
         q.contiguous(), k.contiguous(), v.contiguous(), g.float().contiguous(), unread_beta, scale, initial_state,
-        output_final_state, cu_seqlens, state_v_first, cu_seqlens_cpu=cu_seqlens_cpu, split=False,
+        output_final_state, cu_seqlens, state_v_first, cu_seqlens_cpu=cu_seqlens_cpu, split=split,
     )  # fmt: skip
     return entry.chunk_fwd(GLA_SM90, call)
 
@@ -294,5 +314,8 @@ entry.register_checked(
         "": {"is_varlen": True, "has_initial_state": True},
         "[fixed length]": {},
         "[D=64]": {"head_dim": 64, "is_varlen": True, "has_initial_state": True},
+        "[transition]": {"is_varlen": True, "mode": "transition"},
+        "[correction]": {"is_varlen": True, "mode": "correction"},
+        "[D=64, correction]": {"head_dim": 64, "is_varlen": True, "mode": "correction"},
     },
 )

@@ -378,8 +378,11 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
             rings.b.producer_acquire(b_p)
             self.build_b_tiles(gs, sK3, sQ3, L, t)
             cute.arch.fence_proxy("async.shared", space="cta")
+            # every prep thread's reads of the chunk (G_last above all) are done before any of them scans the next:
+            # one lane per warp releases the tiles below, which orders its own reads only (racecheck found the
+            # next scan's G_last stores racing this chunk's loads)
+            cute.arch.barrier(barrier_id=Barrier.PRODUCER, number_of_threads=self.prep_threads)
             if cutlass.const_expr(save):
-                cute.arch.barrier(barrier_id=Barrier.PRODUCER, number_of_threads=self.prep_threads)
                 if pwarp == 0:
                     self.save_b_tiles(p, b_tiles, chunk)
             rings.b.producer_commit(b_p)
