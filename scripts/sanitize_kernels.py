@@ -147,7 +147,7 @@ def main() -> int:
     import torch
 
     os.environ["CULA_BACKEND"] = "cute"
-    os.environ["CULA_UNTESTED_KERNELS"] = "1"  # the kernels that have not run on a GPU before (GLA's) too
+    os.environ["CULA_UNTESTED_KERNELS"] = "1"  # a kernel not yet run on this architecture too
     bad = 0
     for op, name, fn, call in calls("cuda"):
         if args.op and op not in args.op:

@@ -549,6 +549,7 @@ def test_dispatch_by_compute_capability(monkeypatch, cc):
         CHUNK_KDA: {**qkv, "g": torch.zeros(B, T, H, D), "beta": torch.ones(B, T, H), "safe_gate": True},
         cula.lightning.chunk_simple_gla: {**qkv, "g": torch.zeros(B, T, H)},
         cula.lightning.chunk_lightning_attn: {**qkv, "layer_idx": 0, "num_layers": 2},
+        cula.gla.chunk_gla: {**qkv, "g": -torch.rand(B, T, H, D)},
     }
     for fn, args in calls.items():
         decision = cula.explain(fn, **args)
@@ -557,19 +558,3 @@ def test_dispatch_by_compute_capability(monkeypatch, cc):
         else:
             assert decision.backend == "fla", decision
             assert dict(decision.rejected)["cute"] == f"no CuTe DSL kernel for sm_{cc[0]}{cc[1]}"
-
-
-def test_the_gla_kernel_waits_for_its_first_gpu_run(monkeypatch):
-    """GLA's SM90 kernel is compiled but has not run on a GPU: FLA serves its calls, and explain says how to opt in."""
-    FakeCuda(monkeypatch, (9, 0))
-    monkeypatch.setattr(dispatch, "fla_function", lambda target: None)
-    B, T, H, D = 1, 70, 2, 128
-    args = {n: torch.randn(B, T, H, D).bfloat16() for n in ("q", "k", "v")}
-    args["g"] = -torch.rand(B, T, H, D)
-    decision = cula.explain(cula.gla.chunk_gla, **args)
-    assert decision.backend == "fla"
-    assert dict(decision.rejected)["cute"] == (
-        "gla.chunk_fwd_sm90: compiled for sm_90, never run on one (CULA_UNTESTED_KERNELS=1 serves it)"
-    )
-    monkeypatch.setenv("CULA_UNTESTED_KERNELS", "1")
-    assert cula.explain(cula.gla.chunk_gla, **args).reason == "gla.chunk_fwd_sm90 on sm_90"

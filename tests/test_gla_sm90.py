@@ -89,8 +89,7 @@ def test_split_passes(monkeypatch, gates, state_v_first):
 
 
 def test_public_entry_point(monkeypatch):
-    """chunk_gla served by the kernel once opted in (it has not run on a GPU before), against the reference."""
-    monkeypatch.setenv("CULA_UNTESTED_KERNELS", "1")
+    """chunk_gla served by the kernel, against the reference."""
     q, k, v, g = make_inputs(2, 777, 4)
     o, ht = cula.gla.chunk_gla(q, k, v, g, output_final_state=True)
     assert cula.last_decision(cula.gla.chunk_gla).backend == "cute"

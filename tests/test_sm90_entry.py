@@ -78,7 +78,9 @@ def launches(monkeypatch):
 
     monkeypatch.setattr(entry, "launch", launch)
     monkeypatch.setattr(
-        torch.cuda, "get_device_properties", lambda d=None: type("P", (), {"multi_processor_count": 132})
+        torch.cuda,
+        "get_device_properties",
+        lambda d=None: type("P", (), {"multi_processor_count": 132, "name": "NVIDIA H200"}),
     )
     return seen
 
@@ -364,17 +366,18 @@ def test_the_chunk_kernels_take_pools_without_padding(monkeypatch, indices, back
         assert bf16_pool.backend == "torch"
 
 
-def test_gla_runs_whole_sequences_without_the_delta_rule(launches):
-    """GLA's host path: one launch without the delta rule (beta's slot unread), never split, as the reference
-    backend's chunk_gla on the same inputs."""
+@pytest.mark.parametrize("split", [False, True])
+def test_gla_runs_without_the_delta_rule_whole_or_split(launches, split):
+    """GLA's host path without the delta rule (beta's slot unread): one launch, or (forced) the uncached split passes
+    (first, transition, correction), as the reference backend's chunk_gla on the same inputs."""
     import cula
     from cula.gla.chunk_fwd_sm90 import chunk_gla_fwd_sm90
 
     q, k, v, g, _ = inputs(1, 2300, 2, 2, per_key=True)
     cu = torch.tensor([0, 1, 2100, 2100, 2300])
     h0 = torch.randn(4, 2, 32, 32) * 0.1
-    o, ht = chunk_gla_fwd_sm90(q, k, v, g, None, h0, True, cu)
-    ((config, _),) = launches
-    assert (config.delta_rule, config.mode, config.intra) == (False, "full", "none")
+    o, ht = chunk_gla_fwd_sm90(q, k, v, g, None, h0, True, cu, split=split)
+    modes = ["full", "transition", "correction"] if split else ["full"]
+    assert [(c.delta_rule, c.mode, c.intra) for c, _ in launches] == [(False, m, "none") for m in modes]
     o_ref, ht_ref = cula.gla.chunk_gla(q, k, v, g, initial_state=h0, output_final_state=True, cu_seqlens=cu)
     assert (o.float() - o_ref.float()).abs().max() <= 1e-2 and torch.allclose(ht, ht_ref, atol=1e-4)

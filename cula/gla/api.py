@@ -110,5 +110,4 @@ def _sm90_run(args: dict[str, Any]):
     )  # fmt: skip
 
 
-# written and compile-checked, never run on a GPU yet: served only with CULA_UNTESTED_KERNELS=1
-CHUNK.register_kernel(CuteKernel("gla.chunk_fwd_sm90", 9, _sm90_supports, _sm90_run, hardware_tested=False))
+CHUNK.register_kernel(CuteKernel("gla.chunk_fwd_sm90", 9, _sm90_supports, _sm90_run))
