@@ -78,3 +78,55 @@ class FlashInferGDN:
         """FlashInfer's outputs in FLA's conventions: ``(o [B, T, HV, V], final state [N, HV, K, V])``."""
         B, T = args["q"].shape[:2]
         return o.reshape(B, T, *o.shape[1:]), state.transpose(-1, -2)
+
+
+@dataclass
+class FlashInferGDNDecode:
+    """FlashInfer's GDN decode (``flashinfer.gdn_decode.gated_delta_rule_decode_pretranspose``; on SM90 its CuTe DSL
+    kernels: fp32 states by its legacy kernel, bf16 states by its bf16 fast path) on a state pool ``[slots, HV, V,
+    K]`` read and written in place by ``initial_state_indices``, one token per sequence. Its gate is in the op:
+    g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b), with q / k L2-normalised: what cuLA's
+    ``fused_recurrent_gated_delta_rule`` computes with ``use_gate_in_kernel``, ``use_beta_sigmoid_in_kernel``,
+    ``use_qk_l2norm_in_kernel`` and ``state_v_first`` (:meth:`cula_arguments`). ``decode`` is FlashInfer's function
+    or anything with its contract (the CPU tests pass a stand-in)."""
+
+    decode: Callable
+
+    @classmethod
+    def load(cls) -> FlashInferGDNDecode | None:
+        """The adapter, or None where FlashInfer's decode is not importable (``tools/flashinfer_decode_kit.py``
+        adds it to the GPU machine's kit)."""
+        try:
+            from flashinfer.gdn_decode import gated_delta_rule_decode_pretranspose
+        except Exception:  # any import failure means: no FlashInfer column
+            return None
+        return cls(gated_delta_rule_decode_pretranspose)
+
+    @staticmethod
+    def declines(q: torch.Tensor, pool: torch.Tensor) -> str:
+        """Why FlashInfer's decode cannot take this call ("" if it can)."""
+        K, V = q.shape[-1], pool.shape[-2]
+        if pool.dtype == torch.bfloat16 and (K, V) != (128, 128):
+            return "FlashInfer's bf16-state decode takes K = V = 128 only"
+        if pool.dtype == torch.float32 and (K < 128 or V < 128 or V % 8):
+            return "FlashInfer's fp32-state decode takes K, V >= 128 (V a multiple of 8)"
+        return ""
+
+    def call(self, gate: dict, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """One decode step: ``gate`` holds q, k, v [N, 1, H, D], a, b [N, 1, HV], A_log, dt_bias [HV]; ``pool``
+        [slots, HV, V, K] updated in place. Returns o [N, 1, HV, V]."""
+        o, _ = self.decode(
+            gate["q"], gate["k"], gate["v"], None, gate["A_log"], gate["a"], gate["dt_bias"], gate["b"],
+            use_qk_l2norm=True, initial_state=pool, initial_state_indices=slots,
+        )  # fmt: skip
+        return o
+
+    @staticmethod
+    def cula_arguments(gate: dict, pool: torch.Tensor, slots: torch.Tensor) -> dict:
+        """The same step as keyword arguments of ``cula.gdn.fused_recurrent_gated_delta_rule``."""
+        return {
+            "q": gate["q"], "k": gate["k"], "v": gate["v"], "g": gate["a"], "beta": gate["b"],
+            "use_gate_in_kernel": True, "A_log": gate["A_log"], "dt_bias": gate["dt_bias"],
+            "use_beta_sigmoid_in_kernel": True, "use_qk_l2norm_in_kernel": True, "state_v_first": True,
+            "initial_state": pool, "ssm_state_indices": slots,
+        }  # fmt: skip

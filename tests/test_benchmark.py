@@ -338,3 +338,71 @@ def test_flashinfer_adapter_round_trip(lengths):
         assert bench.rel_rmse(o, expected[0]) < 1e-5 and bench.rel_rmse(s, expected[1]) < 1e-5
     assert "D = 128" in FlashInferGDN.declines({**args, "q": args["q"][..., :64]})
     assert "L2 norm" in peer.declines({**args, "use_qk_l2norm_in_kernel": True})
+
+
+def _flashinfer_decode_stand_in(q, k, v, state, A_log, a, dt_bias, b, use_qk_l2norm, initial_state,
+                                initial_state_indices):  # fmt: skip
+    """FlashInfer's GDN decode contract written out in fp64 (its documentation: g = -exp(A_log) softplus(a +
+    dt_bias), beta = sigmoid(b), q and k L2-normalised, scale K^-0.5, the pool [slots, HV, V, K] updated in place
+    at the indexed slots); returns (o [N, 1, HV, V], the pool)."""
+    F = bench.torch.nn.functional
+    assert state is None and use_qk_l2norm and q.shape[1] == 1
+    K = q.shape[-1]
+    qn, kn = F.normalize(q[:, 0].double(), dim=-1), F.normalize(k[:, 0].double(), dim=-1)
+    g = -A_log.double().exp() * F.softplus(a[:, 0].double() + dt_bias.double())  # [N, HV]
+    beta = b[:, 0].double().sigmoid()
+    S = initial_state[initial_state_indices.long()].double() * g.exp()[..., None, None]  # [N, HV, V, K]
+    u = beta[..., None] * (v[:, 0].double() - (S @ kn[..., None])[..., 0])
+    S = S + u[..., None] * kn[..., None, :]
+    o = (S @ (qn * K**-0.5)[..., None])[..., 0]
+    initial_state[initial_state_indices.long()] = S.to(initial_state.dtype)
+    return o[:, None].to(q.dtype), initial_state
+
+
+def test_flashinfer_decode_adapter_is_culas_gated_call():
+    """The decode column's two calls compute the same step: FlashInfer's contract (a stand-in in fp64) and the
+    keyword arguments the adapter gives cuLA's fused_recurrent_gated_delta_rule (its reference on the CPU), from the
+    same pool, in outputs and in the pool's slots; untouched slots stay as they were."""
+    from benchmarks.peers import FlashInferGDNDecode
+
+    torch = bench.torch
+    gen = torch.Generator().manual_seed(0)
+    N, H, D, slots_total = 3, 2, 128, 5
+    gate = {n: torch.randn(N, 1, H, D, generator=gen).bfloat16() for n in ("q", "k", "v")}
+    gate.update(a=torch.randn(N, 1, H, generator=gen).bfloat16(), b=torch.randn(N, 1, H, generator=gen).bfloat16())
+    gate.update(A_log=torch.rand(H, generator=gen), dt_bias=torch.randn(H, generator=gen))
+    pool = torch.randn(slots_total, H, D, D, generator=gen) * 0.1
+    pool[..., 0, 1] = 1.0  # not symmetric: a layout mix-up shows
+    slots = torch.tensor([4, 0, 2], dtype=torch.int32)
+    peer = FlashInferGDNDecode(_flashinfer_decode_stand_in)
+    assert peer.declines(gate["q"], pool) == ""
+    pool_fi, pool_cula = pool.clone(), pool.clone()
+    o_fi = peer.call(gate, pool_fi, slots)
+    o_cula, returned = cula.gdn.fused_recurrent_gated_delta_rule(**peer.cula_arguments(gate, pool_cula, slots))
+    assert returned is pool_cula
+    assert bench.rel_rmse(o_cula.float(), o_fi.float()) < 1e-3
+    assert bench.rel_rmse(pool_cula[slots.long()], pool_fi[slots.long()]) < 1e-4
+    assert torch.equal(pool_cula[[1, 3]], pool[[1, 3]]) and not torch.equal(pool_cula[4], pool[4])
+    assert "K = V = 128" in peer.declines(gate["q"][..., :64], pool.bfloat16()[..., :64, :64])
+
+
+def test_decode_table_names_each_rows_peer():
+    """The decode table's peer columns read FLA's times on FLA's rows and FlashInfer's on FlashInfer's."""
+    from benchmarks import decode
+
+    base = {"variant": "gdn", "N": 256, "H": 32, "D": 128, "cula_eager_ms": 0.5, "cula_graph_ms": 0.4}
+    rows = [
+        {**base, "call": "plain", "fla_eager_ms": 0.6, "fla_graph_ms": 0.44, "cula_state_TBps": 2.7},
+        {
+            **base,
+            "call": "flashinfer fp32",
+            "flashinfer_eager_ms": 0.5,
+            "flashinfer_graph_ms": 0.6,
+            "o_rel_rmse_vs_flashinfer": 1e-5,
+            "cula_state_TBps": 2.7,
+        },  # fmt: skip
+        {**base, "call": "flashinfer bf16", "cula_state_TBps": 2.0, "note": "FlashInfer's decode not importable"},
+    ]
+    lines = decode.markdown({"gpu": "H100"}, rows).splitlines()[-3:]
+    assert "| 0.440 | 1.10 |" in lines[0] and "| 0.600 | 1.50 | 2.70 | 0.00001 |" in lines[1]
+    assert lines[2].endswith("| - | - | - | 2.00 | - | FlashInfer's decode not importable |")
