@@ -23,6 +23,15 @@ PANELS = [
 ]
 
 
+def log_axis_range(values: list[float]) -> tuple[float, float] | None:
+    """None where a log axis suits these positive values; else the linear range that replaces it. Within about a
+    decade a log axis labels its minor ticks, which overlap, and a linear range fitted to close values labels digits
+    that overlap: from zero instead, where a few ticks read the level."""
+    if not values or max(values) >= 20 * min(values):
+        return None
+    return 0.0, 1.15 * max(values)
+
+
 def write_plot(rows: list[dict], path: Path, title: str) -> str:
     """Draws ``rows`` (the JSON's rows) into the PNG ``path``; returns what it did, for the run's log and table."""
     try:
@@ -49,9 +58,12 @@ def write_plot(rows: list[dict], path: Path, title: str) -> str:
                 bars = ax.barh(at, values, height=height, label=legend)
                 ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=2)
         finite = [r[f] for r in rows for f, _ in drawn if r.get(f) is not None and r[f] > 0]
-        if scale == "log" and finite and max(finite) < 20 * min(finite):
-            # within about a decade a log axis labels its minor ticks, which overlap: linear, in scientific notation
+        if scale == "log" and log_axis_range(finite) is not None:
+            from matplotlib.ticker import MaxNLocator
+
             ax.set_xscale("linear")
+            ax.set_xlim(*log_axis_range(finite))
+            ax.xaxis.set_major_locator(MaxNLocator(4))
             ax.ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
         if not drawn:
             ax.text(0.5, 0.5, "not measured in this run", transform=ax.transAxes, ha="center", color="gray")

@@ -406,3 +406,10 @@ def test_decode_table_names_each_rows_peer():
     lines = decode.markdown({"gpu": "H100"}, rows).splitlines()[-3:]
     assert "| 0.440 | 1.10 |" in lines[0] and "| 0.600 | 1.50 | 2.70 | 0.00001 |" in lines[1]
     assert lines[2].endswith("| - | - | - | 2.00 | - | FlashInfer's decode not importable |")
+
+
+def test_error_axis_is_log_across_decades_and_linear_from_zero_otherwise():
+    from benchmarks.plot import log_axis_range
+
+    assert log_axis_range([1e-5, 3e-3]) is None and log_axis_range([]) is None
+    assert log_axis_range([3.63e-3, 3.65e-3]) == (0.0, 1.15 * 3.65e-3)
