@@ -52,7 +52,13 @@ def run_case(monkeypatch, B, T, H, D=128, gates="layer", cu=None, h0=False, stat
     init_arg = init.transpose(-1, -2).contiguous() if (h0 and state_v_first) else init
     scale = D**-0.5
     cu_cpu = None if cu is None else torch.tensor(cu)
-    o, ht = chunk_gla_fwd_sm90(q, k, v, g, scale, init_arg, True, cu_t, state_v_first, cu_cpu, split=split)
+    # NaN-poisoned outputs: every element the kernel should write must be written
+    o_out = torch.full_like(v, float("nan"))
+    ht_out = torch.full((N, H, D, D), float("nan"), device=q.device)
+    o, ht = chunk_gla_fwd_sm90(
+        q, k, v, g, scale, init_arg, True, cu_t, state_v_first, cu_cpu, split=split, out=o_out, final_state_out=ht_out
+    )
+    assert o is o_out and ht is ht_out
     torch.cuda.synchronize()
     if state_v_first:
         ht = ht.transpose(-1, -2)
