@@ -280,16 +280,17 @@ def supports(q, k, v, g, initial_state=None, cu_seqlens=None) -> tuple[bool, str
 
 
 def compile_gla_fwd_sm90(arch="sm_90a", *, state_v_first=False, keep_artifacts=False, **config):
-    """The GLA chunk kernel for ``config`` (:class:`cula.sm90.chunk_fwd.ChunkFwdConfig` fields; no delta rule, one
-    pass), compiled on any machine for ``arch``."""
+    """The GLA chunk kernel for ``config`` (:class:`cula.sm90.chunk_fwd.ChunkFwdConfig` fields; no delta rule,
+    intra "none"), compiled on any machine for ``arch``."""
     cfg = ChunkFwdConfig(**{**config, "delta_rule": False})
     fake = entry.fake_args(cfg.head_dim, True, state_v_first, per_key_gate=True)
     return runtime.compile_kernel(GLAChunkFwdSm90(cfg), fake, arch, keep_artifacts)
 
 
 def split_cost(call: entry.ChunkCall) -> segment_split.SplitCost:
-    """The split passes' costs on the call's GPU (:func:`cula.devices.times_for`)."""
-    return devices.times_for(call.q.device).kernels["gla"].split
+    """The split passes' costs on the call's GPU (:func:`cula.devices.times_for`), uncached: the kernel saves no
+    intra-chunk matrices (its later passes make none)."""
+    return devices.times_for(call.q.device).kernels["gla"].split._replace(cached=False)
 
 
 GLA_SM90 = entry.ChunkKernel(

@@ -1,4 +1,4 @@
-"""Splitting long sequences across CTAs for the fused delta-rule chunk kernels (GDN, KDA).
+"""Splitting long sequences across CTAs for the fused chunk kernels (GDN, KDA, GLA, simple GLA).
 
 A fused kernel runs one CTA per (sequence, value head) and walks its chunks in series, so a few long sequences
 with few heads leave most SMs idle (B1 T65536 H8 runs 8 CTAs). The recurrence is affine in the state: over a
