@@ -95,6 +95,7 @@ class GLAChunkFwdSm90(kda.KDAChunkFwdSm90):
 
     split_values = False
     gate_floor = GATE_FLOOR
+    zeroes_v_tail = False  # V_new is selected past the sequence end in registers (ValueChainGates)
 
     def __init__(self, config: ChunkFwdConfig):
         assert not config.delta_rule and config.intra == "none", config

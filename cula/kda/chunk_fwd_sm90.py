@@ -159,6 +159,7 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
     # Y and V_new enter their products as bf16 hi + lo pairs: the state and O then keep ~16 bits of them (a single
     # bf16 rounding there costs about 2e-3 relative error in the state)
     split_values = True
+    zeroes_v_tail = True  # Y = beta (V - ...) with beta = 0 past the sequence end: V must be finite there
     # a floor on the natural-log gate (None: the gate as given, >= -5 by FLA's safe_gate)
     gate_floor = None
 
@@ -357,6 +358,7 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
             L = cutlass.min(seq.seqlen - chunk * C, C)
             slot = chunk % 2
             rings.qkg.consumer_wait(qkg_c)
+            self.zero_k_tail(sK3[None, None, 0], L, t)
             beta_next = self.stage_beta(gs.sBeta, beta_next, c.beta, seq, chunk, slot, t)
             self.scan_gates(gs, slot, L, t, gate)
             if cutlass.const_expr(cfg.qk_l2norm):
@@ -540,6 +542,23 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
         return mBeta[seq.b, seq.tok0 + t, seq.hv]
 
     @cute.jit
+    def zero_k_tail(self, sK, L, t):
+        """When the chunk ends its sequence early, the k tile's rows ``L`` .. C - 1 (in a varlen call the next
+        sequence's tokens, NaN included) zeroed by the prep threads before anything reads them: every product that
+        masks those tokens by a zero factor (beta in A and Y, the B tiles) then stays finite. Ordered for the prep
+        role by a barrier, for the state warpgroups by ring ``r``, for the stage's next TMA write by the fence before
+        ring ``b``'s commit (``L`` is the same on every prep thread). A fixed-length call needs none: its tiles end at
+        the tensor's bound, where TMA fills zeros."""
+        if cutlass.const_expr(not self.cfg.is_varlen):
+            return
+        if L < self.C:
+            for idx in cutlass.range(t, self.C * self.D, self.prep_threads, unroll=1):
+                row = idx // self.D
+                if row >= L:
+                    sK[row, idx % self.D] = cutlass.BFloat16(0.0)
+            cute.arch.barrier(barrier_id=Barrier.PRODUCER, number_of_threads=self.prep_threads)
+
+    @cute.jit
     def scan_gates(self, gs, slot, L, t, gate):
         """G = inclusive cumsum of the chunk's gates over its tokens, in log2 units, into ``sG`` (C, D) fp32; G_last
         into ``sGl`` and 2^G_last into column ``slot`` of ``sDec`` per key channel. Thread t scans channel t % D over
@@ -694,6 +713,7 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
                         kx = kx * nk[jj]
                     eg = [cute.math.exp2(g2[jj][0, e], fastmath=True) for e in range(2)]
                     for e in cutlass.range_constexpr(2):
+                        # selects past the sequence end: the tile's rows there are the next sequence's (NaN too)
                         kg2[0, e] = kx[e] * eg[e]
                         kd = f32(0.0)
                         if j < L:
@@ -793,7 +813,7 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
         if wg == 0:
             for i in cutlass.range_constexpr(cute.size(acc0)):
                 ra, ja = cH[i]
-                bi = gs.sBeta[ra, slot]  # 0 past the sequence end
+                bi = gs.sBeta[ra, slot]  # 0 past the sequence end (k is zero there: zero_k_tail)
                 va = f32(0.0)
                 if ja < ra:
                     va = acc0[i] * bi

@@ -199,6 +199,9 @@ class ChunkFwdSm90:
     tp_stages = 1
     o_stages = 1
     split_values = False  # Y and V_new as bf16 hi + lo pairs (StateChain)
+    # the v tile's rows past the sequence end zeroed in shared memory once it lands (zero_tail_rows): where the chain
+    # multiplies them by zero factors, which would keep a NaN of the next sequence's tokens
+    zeroes_v_tail = False
 
     def __init__(self, config: ChunkFwdConfig):
         assert config.head_dim in (64, 128), config.head_dim
@@ -251,6 +254,20 @@ class ChunkFwdSm90:
 
     def before_chunk_end(self, p: Params, smem: Smem, gsmem, seq: Sequence, chunk, warp):
         """The state warpgroups' last step of a chunk before its closing barrier (nothing by default)."""
+
+    @cute.jit
+    def zero_tail_rows(self, sV, valid, stid, nt: cutlass.Constexpr):
+        """Rows ``valid`` .. C - 1 of a landed (C, D) tile zeroed by the ``nt`` state threads when the chunk ends its
+        sequence early (in a varlen call they hold the next sequence's tokens), fenced for the stage's next TMA write
+        and ordered for its readers by a barrier among the state threads (``valid`` is the same on all of them). A
+        fixed-length call needs none: its tiles end at the tensor's bound, where TMA fills zeros."""
+        if valid < self.C:
+            for idx in cutlass.range(stid, self.C * self.D, nt, unroll=1):
+                row = idx // self.D
+                if row >= valid:
+                    sV[row, idx % self.D] = cutlass.BFloat16(0.0)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=Barrier.STATE, number_of_threads=nt)
 
     def gate_smem(self, st, p: Params):
         raise NotImplementedError
@@ -401,6 +418,8 @@ class ChunkFwdSm90:
             ins = self.chain_inputs(p, smem, gsmem, rings, states, seq, chunk)
             if cutlass.const_expr(cfg.v_from is not None):
                 rings.v.consumer_wait(v_state)
+            if cutlass.const_expr(self.zeroes_v_tail and cfg.v_from == "v" and cfg.is_varlen):
+                self.zero_tail_rows(smem.sV[None, None, v_state.index], seq.seqlen - chunk * C, stid, state_threads)
             acc_k, acc_o = chain.project(acc_s, cST, ins.sK, ins.sQ, ins.gates, cfg.make_o, cfg.delta_rule)
             if cutlass.const_expr(cfg.delta_rule):
                 rY, rY_lo = chain.delta(acc_k, smem.sV_mn[None, None, v_state.index], ins.gates, cCC, cfg.v_from == "v")
