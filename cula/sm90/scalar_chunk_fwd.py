@@ -121,6 +121,7 @@ class ScalarGateChunkFwdSm90(ChunkFwdSm90):
     """The scalar-gate kernel (module docstring)."""
 
     qk_stages = 3  # the intra role reads up to two chunks ahead of the state warpgroups
+    zeroes_v_tail = True  # Y = beta (V - ...) and simple GLA's V_new = V meet zero factors past the sequence end
     tp_stages = 2
     o_stages = 2
 
@@ -198,7 +199,7 @@ class ScalarGateChunkFwdSm90(ChunkFwdSm90):
         if warp == 0:
             self.load_warp(p, smem, rings, seq)
         elif warp == 1:
-            self.gate_warp(p, gsmem, rings, seq)
+            self.gate_warp(p, smem, gsmem, rings, seq)
         elif cutlass.const_expr(self.cfg.qk_l2norm):
             self.norm_warps(smem, gsmem, rings, seq, warp - 2)
 
@@ -240,26 +241,48 @@ class ScalarGateChunkFwdSm90(ChunkFwdSm90):
                 tp_p.advance()
 
     @cute.jit
-    def gate_warp(self, p, gs, rings, seq):
+    def gate_warp(self, p, smem, gs, rings, seq):
         """Chunk c's gates scanned into gate slot c % 3 once that slot is free (the loads are issued before the wait);
-        with qk_l2norm the norms folded in once the norm warps have them."""
+        with qk_l2norm the norms folded in once the norm warps have them. In a varlen call, once the chunk's q | k
+        stage has landed, its k rows past the sequence end are zeroed (:meth:`zero_k_tail`) before the slot is
+        published: every reader of the stage (the intra and state roles) waits for the slot first."""
         lane = cute.arch.lane_idx()
         mG, mBeta = p.gate.g, p.common.beta
         gG = mG[seq.b, None, seq.hv]
         gBeta = mBeta[seq.b, None, seq.hv] if cutlass.const_expr(self.cfg.delta_rule) else None
         g_p = pipeline.producer_start(self.qk_stages)
         norm_c = pipeline.consumer_start(self.qk_stages)
+        qk_seen = pipeline.consumer_start(self.qk_stages)  # waited on, not released (the stage's readers release it)
         for chunk in cutlass.range(seq.n_chunks, unroll=1):
             raw = scalar_gates.load_gates(gG, gBeta, seq.tok0, seq.seqlen, chunk, lane, self.C)
             rings.gate.producer_acquire(g_p)
             scalar_gates.publish_gates(gs.sG, gs.sBeta, gs.sFac, g_p.index, raw, chunk, seq.seqlen, lane, self.C)
+            valid = cutlass.min(seq.seqlen - chunk * self.C, self.C)
             if cutlass.const_expr(self.cfg.qk_l2norm):
                 rings.norm.consumer_wait(norm_c)
-                self.publish_norm_gates(gs, g_p.index, lane)
+                self.publish_norm_gates(gs, g_p.index, lane, valid)
                 rings.norm.consumer_release(norm_c)
                 norm_c.advance()
+            if cutlass.const_expr(self.cfg.is_varlen):
+                # after the norm warps' reads of the stage (their norms are in)
+                rings.qk.consumer_wait(qk_seen)
+                self.zero_k_tail(smem.sQK[None, None, 1, qk_seen.index], valid, lane)
+                qk_seen.advance()
             rings.gate.producer_commit(g_p)
             g_p.advance()
+
+    @cute.jit
+    def zero_k_tail(self, sK, valid, lane):
+        """When the chunk ends its sequence early, rows ``valid`` .. C - 1 of its k tile (in a varlen call the next
+        sequence's tokens, NaN included) zeroed by the gate warp's lanes and fenced for the wgmmas that read it and
+        the stage's next TMA write: the products that mask those tokens by zero factors (beta, 2^(G_last - G)) then
+        stay finite. A fixed-length call needs none: its tiles end at the tensor's bound, where TMA fills zeros."""
+        if valid < self.C:
+            for idx in cutlass.range(lane, self.C * self.D, 32, unroll=1):
+                row = idx // self.D
+                if row >= valid:
+                    sK[row, idx % self.D] = cutlass.BFloat16(0.0)
+            cute.arch.fence_proxy("async.shared", space="cta")
 
     @cute.jit
     def norm_warps(self, smem, gs, rings, seq, which):
@@ -288,16 +311,19 @@ class ScalarGateChunkFwdSm90(ChunkFwdSm90):
             qk_seen.advance()
 
     @cute.jit
-    def publish_norm_gates(self, gs, s, lane):
+    def publish_norm_gates(self, gs, s, lane, valid):
         """qk_l2norm, the gate warp: 1 / ||q|| and 1 / ||k|| folded into gate slot s for its two tokens per lane. Norm
         column 0 becomes G - log2 ||q|| (P's rows), 2 beta / ||k|| (A's rows), 3 G + log2 ||k|| (A's and P's
         columns; column 1 keeps 1 / ||k||); the state's factors become 2^G / ||q|| (O), 2^(G_last - G) / ||k|| (the
         update) and 2^G / ||k|| (Y). Rows past the sequence end (zeros) get 1 / sqrt(eps): finite, and their beta
-        and last factor are zero."""
+        and last factor are zero; in a varlen call they hold the next sequence's tokens, so their norms are taken as 1
+        (a select: those norms may be NaN) for the rows ``valid`` .. C - 1."""
         sG, sBeta, sFac, sNorm = gs
         for half in cutlass.range_constexpr(2):
             t = lane + 32 * half
-            inv_q, inv_k = sNorm[t, s, 0], sNorm[t, s, 1]
+            inv_q, inv_k = cutlass.Float32(1.0), cutlass.Float32(1.0)
+            if t < valid:
+                inv_q, inv_k = sNorm[t, s, 0], sNorm[t, s, 1]
             G, two_g = sG[t, s], sFac[t, s, 0]
             sNorm[t, s, 0] = G + cute.math.log2(inv_q, fastmath=True)
             sNorm[t, s, 2] = sBeta[t, s] * inv_k
