@@ -278,10 +278,9 @@ class ScalarGateChunkFwdSm90(ChunkFwdSm90):
         the stage's next TMA write: the products that mask those tokens by zero factors (beta, 2^(G_last - G)) then
         stay finite. A fixed-length call needs none: its tiles end at the tensor's bound, where TMA fills zeros."""
         if valid < self.C:
-            for idx in cutlass.range(lane, self.C * self.D, 32, unroll=1):
-                row = idx // self.D
-                if row >= valid:
-                    sK[row, idx % self.D] = cutlass.BFloat16(0.0)
+            # only the rows past the end: the first of them starts at element valid x D
+            for idx in cutlass.range(valid * self.D + lane, self.C * self.D, 32, unroll=1):
+                sK[idx // self.D, idx % self.D] = cutlass.BFloat16(0.0)
             cute.arch.fence_proxy("async.shared", space="cta")
 
     @cute.jit
@@ -314,10 +313,11 @@ class ScalarGateChunkFwdSm90(ChunkFwdSm90):
     def publish_norm_gates(self, gs, s, lane, valid):
         """qk_l2norm, the gate warp: 1 / ||q|| and 1 / ||k|| folded into gate slot s for its two tokens per lane. Norm
         column 0 becomes G - log2 ||q|| (P's rows), 2 beta / ||k|| (A's rows), 3 G + log2 ||k|| (A's and P's
-        columns; column 1 keeps 1 / ||k||); the state's factors become 2^G / ||q|| (O), 2^(G_last - G) / ||k|| (the
-        update) and 2^G / ||k|| (Y). Rows past the sequence end (zeros) get 1 / sqrt(eps): finite, and their beta
-        and last factor are zero; in a varlen call they hold the next sequence's tokens, so their norms are taken as 1
-        (a select: those norms may be NaN) for the rows ``valid`` .. C - 1."""
+        columns; column 1 keeps the raw 1 / ||k||, read by no one); the state's factors become 2^G / ||q|| (O),
+        2^(G_last - G) / ||k|| (the update) and 2^G / ||k|| (Y). The rows past the sequence end (``valid`` .. C - 1:
+        zeros, or in a varlen call the next sequence's tokens, whose norms may be NaN) take both norms as 1, by a
+        select: their beta and last factor are zero, and their other factors reach only masked entries and rows
+        that are not stored."""
         sG, sBeta, sFac, sNorm = gs
         for half in cutlass.range_constexpr(2):
             t = lane + 32 * half
