@@ -72,20 +72,11 @@ class GLAGateSmem(NamedTuple):
 
 @dataclass(frozen=True)
 class ValueChainGates(kda.KeyChainGates):
-    """GLA's gate in the state chain: KDA's, with V_new = V entering the update as one bf16 operand (exact), zero
-    past the sequence end (a select: the next sequence's v there may hold anything, NaN included, and 0 x NaN in
-    the products would reach this sequence)."""
-
-    valid: object  # the chunk's tokens in the sequence: the tile's later rows are the next sequence's
+    """GLA's gate in the state chain: KDA's, with V_new = V entering the update as one bf16 operand (exact; zero past
+    the sequence end, where the state warpgroups zero the v tile's rows: ``zeroes_v_tail``)."""
 
     @cute.jit
     def update(self, acc_vn, cCC):
-        for i in cutlass.range_constexpr(cute.size(acc_vn)):
-            _, j = cCC[i]
-            vn = cutlass.Float32(0.0)
-            if j < self.valid:
-                vn = acc_vn[i]
-            acc_vn[i] = vn
         rVn = mma.acc_to_operand(acc_vn)
         return rVn, None, rVn
 
@@ -95,7 +86,6 @@ class GLAChunkFwdSm90(kda.KDAChunkFwdSm90):
 
     split_values = False
     gate_floor = GATE_FLOOR
-    zeroes_v_tail = False  # V_new is selected past the sequence end in registers (ValueChainGates)
 
     def __init__(self, config: ChunkFwdConfig):
         assert not config.delta_rule and config.intra == "none", config
@@ -262,8 +252,7 @@ class GLAChunkFwdSm90(kda.KDAChunkFwdSm90):
     @cute.jit
     def chain_inputs(self, p, smem, gs, rings, states, seq, chunk):
         rings.b.consumer_wait(states.chunk)
-        valid = cutlass.min(seq.seqlen - chunk * self.C, self.C)
-        gates = ValueChainGates(gs.sBeta, gs.sDec, chunk % 2, p.common.scale, valid)
+        gates = ValueChainGates(gs.sBeta, gs.sDec, chunk % 2, p.common.scale)
         return ChainInputs(gs.sXG[None, None, 0], gs.sXG[None, None, 1], gs.sKD, gates)
 
 

@@ -358,7 +358,8 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
             L = cutlass.min(seq.seqlen - chunk * C, C)
             slot = chunk % 2
             rings.qkg.consumer_wait(qkg_c)
-            self.zero_k_tail(sK3[None, None, 0], L, t)
+            if cutlass.const_expr(cfg.is_varlen):
+                self.zero_k_tail(sK3[None, None, 0], L, t)
             beta_next = self.stage_beta(gs.sBeta, beta_next, c.beta, seq, chunk, slot, t)
             self.scan_gates(gs, slot, L, t, gate)
             if cutlass.const_expr(cfg.qk_l2norm):
@@ -549,13 +550,8 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
         role by a barrier, for the state warpgroups by ring ``r``, for the stage's next TMA write by the fence before
         ring ``b``'s commit (``L`` is the same on every prep thread). A fixed-length call needs none: its tiles end at
         the tensor's bound, where TMA fills zeros."""
-        if cutlass.const_expr(not self.cfg.is_varlen):
-            return
         if L < self.C:
-            for idx in cutlass.range(t, self.C * self.D, self.prep_threads, unroll=1):
-                row = idx // self.D
-                if row >= L:
-                    sK[row, idx % self.D] = cutlass.BFloat16(0.0)
+            tiles.zero_rows_from(sK, L, t, self.prep_threads)
             cute.arch.barrier(barrier_id=Barrier.PRODUCER, number_of_threads=self.prep_threads)
 
     @cute.jit
@@ -713,7 +709,6 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
                         kx = kx * nk[jj]
                     eg = [cute.math.exp2(g2[jj][0, e], fastmath=True) for e in range(2)]
                     for e in cutlass.range_constexpr(2):
-                        # selects past the sequence end: the tile's rows there are the next sequence's (NaN too)
                         kg2[0, e] = kx[e] * eg[e]
                         kd = f32(0.0)
                         if j < L:

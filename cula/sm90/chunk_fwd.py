@@ -262,10 +262,7 @@ class ChunkFwdSm90:
         and ordered for its readers by a barrier among the state threads (``valid`` is the same on all of them). A
         fixed-length call needs none: its tiles end at the tensor's bound, where TMA fills zeros."""
         if valid < self.C:
-            for idx in cutlass.range(stid, self.C * self.D, nt, unroll=1):
-                row = idx // self.D
-                if row >= valid:
-                    sV[row, idx % self.D] = cutlass.BFloat16(0.0)
+            tiles.zero_rows_from(sV, valid, stid, nt)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=Barrier.STATE, number_of_threads=nt)
 

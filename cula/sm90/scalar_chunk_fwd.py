@@ -278,9 +278,7 @@ class ScalarGateChunkFwdSm90(ChunkFwdSm90):
         the stage's next TMA write: the products that mask those tokens by zero factors (beta, 2^(G_last - G)) then
         stay finite. A fixed-length call needs none: its tiles end at the tensor's bound, where TMA fills zeros."""
         if valid < self.C:
-            # only the rows past the end: the first of them starts at element valid x D
-            for idx in cutlass.range(valid * self.D + lane, self.C * self.D, 32, unroll=1):
-                sK[idx // self.D, idx % self.D] = cutlass.BFloat16(0.0)
+            tiles.zero_rows_from(sK, valid, lane, 32)
             cute.arch.fence_proxy("async.shared", space="cta")
 
     @cute.jit

@@ -58,3 +58,17 @@ def row_sum_squares(tile, row, blk0, n_blk: cutlass.Constexpr):
         for e in cutlass.range_constexpr(8):
             acc = acc + x[e] * x[e]
     return acc
+
+
+@cute.jit
+def zero_rows_from(tile, first, tid, num_threads: cutlass.Constexpr):
+    """Rows ``first`` .. of the bf16 (rows x D) shared-memory ``tile`` (swizzle allowed) set to zero by
+    ``num_threads`` threads (``tid`` in [0, num_threads)): the rows of a sequence's last chunk that belong to the
+    next sequence. The caller fences and synchronises for the tile's readers."""
+    rows, D = cute.size(tile, mode=[0]), cute.size(tile, mode=[1])
+    # the whole tile walked, the earlier rows skipped by a predicate: a loop that starts at row ``first`` instead
+    # made ptxas spill more in KDA's kernel (PERF.md, "Compiler lessons")
+    for idx in cutlass.range(tid, rows * D, num_threads, unroll=1):
+        row = idx // D
+        if row >= first:
+            tile[row, idx % D] = cutlass.BFloat16(0.0)
