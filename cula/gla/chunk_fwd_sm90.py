@@ -221,15 +221,7 @@ class GLAChunkFwdSm90(kda.KDAChunkFwdSm90):
         st_p = cute.make_tiled_copy_C(
             cute.make_copy_atom(warp_ops.StMatrix8x8x16bOp(transpose=False, num_matrices=4), bf16), mma_half
         )
-        thr_stp = st_p.get_slice(wtid)
-        p_frag = cute.make_rmem_tensor(acc.layout, bf16)
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            rp, jp = cH[i]
-            vp = f32(0.0)
-            if jp + half * Hf <= rp:  # a select: a masked entry's value never reaches P
-                vp = acc[i] * c.scale
-            p_frag[i] = vp.to(bf16)
-        cute.copy(st_p, thr_stp.retile(p_frag), thr_stp.partition_D(cute.local_tile(sP, (C, Hf), (0, half))))
+        kda.store_score_half(acc, cH, half, c.scale, st_p, st_p.get_slice(wtid), sP)
 
     @cute.jit
     def direct_scores(self, p, smem, gs, sP, stid, nt):

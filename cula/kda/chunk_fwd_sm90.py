@@ -826,15 +826,7 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
             )
             thr_stp = st_p.get_slice(wtid)
             for half, acc in enumerate((acc0, acc1)):
-                p_frag = cute.make_rmem_tensor(acc.layout, bf16)
-                for i in cutlass.range_constexpr(cute.size(acc)):
-                    rp, jp = cH[i]
-                    vp = f32(0.0)
-                    if jp + half * Hf <= rp:
-                        vp = acc[i] * c.scale
-                    p_frag[i] = vp.to(bf16)
-                sP_half = cute.local_tile(sP, (C, Hf), (0, half))
-                cute.copy(st_p, thr_stp.retile(p_frag), thr_stp.partition_D(sP_half))
+                store_score_half(acc, cH, half, c.scale, st_p, thr_stp, sP)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=Barrier.STATE, number_of_threads=nt)
         if swarp < 2:
@@ -875,6 +867,23 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
         if cutlass.const_expr(self.cfg.intra == "save"):
             if swarp == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+@cute.jit
+def store_score_half(acc, cH, half: cutlass.Constexpr, scale, st_p, thr_stp, sP):
+    """Half ``half`` of the intra-chunk scores P (C x C bf16 ``sP``): the (C x C/2) accumulator ``acc`` (coordinates
+    ``cH``) scaled where its column lies on or below the diagonal, else zero (a select: a masked entry's value never
+    reaches P), stored by the stmatrix copy ``st_p`` (this thread's slice ``thr_stp``)."""
+    C = cute.size(sP, mode=[0])
+    Hf = C // 2
+    p_frag = cute.make_rmem_tensor(acc.layout, cutlass.BFloat16)
+    for i in cutlass.range_constexpr(cute.size(acc)):
+        rp, jp = cH[i]
+        vp = cutlass.Float32(0.0)
+        if jp + half * Hf <= rp:
+            vp = acc[i] * scale
+        p_frag[i] = vp.to(cutlass.BFloat16)
+    cute.copy(st_p, thr_stp.retile(p_frag), thr_stp.partition_D(cute.local_tile(sP, (C, Hf), (0, half))))
 
 
 # -------------------------------------------------------------------- host side: KDA's place in the SM90 path
