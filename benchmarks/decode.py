@@ -114,7 +114,7 @@ def run_row(variant: str, N: int, H: int, D: int, kind: str) -> dict:
             return cula_fn(**cula_args)
 
         fi = FlashInferGDNDecode.load()
-        fla_call = None
+        peer_call = None
         peer = "flashinfer"
         if fi is None:
             row["note"] = "FlashInfer's decode not importable (tools/flashinfer_decode_kit.py adds it to the kit)"
@@ -122,7 +122,7 @@ def run_row(variant: str, N: int, H: int, D: int, kind: str) -> dict:
             row["note"] = fi.declines(gate["q"], pool_fi)
         else:
 
-            def fla_call():
+            def peer_call():
                 return (fi.call(gate, pool_fi, slots),)
 
     elif kind == "plain":
@@ -131,7 +131,7 @@ def run_row(variant: str, N: int, H: int, D: int, kind: str) -> dict:
         def cula_call():
             return cula_fn(**args, initial_state=h0, output_final_state=True)
 
-        def fla_call():
+        def peer_call():
             return fla_fn(**args, initial_state=h0, output_final_state=True)
 
     else:
@@ -142,15 +142,15 @@ def run_row(variant: str, N: int, H: int, D: int, kind: str) -> dict:
         def cula_call():
             return cula_fn(**args, initial_state=pool, ssm_state_indices=slots)
 
-        fla_call = None
+        peer_call = None
     os.environ["CULA_BACKEND"] = "cute"
     o_cula = cula_call()[0].clone()
     row["cula_eager_ms"] = bench(cula_call)[1]
     row["cula_graph_ms"] = graph_ms(cula_call)
-    if fla_call is not None:
-        o_peer = fla_call()[0]
-        row[f"{peer}_eager_ms"] = bench(fla_call)[1]
-        row[f"{peer}_graph_ms"] = graph_ms(fla_call)
+    if peer_call is not None:
+        o_peer = peer_call()[0]
+        row[f"{peer}_eager_ms"] = bench(peer_call)[1]
+        row[f"{peer}_graph_ms"] = graph_ms(peer_call)
         row[f"o_rel_rmse_vs_{peer}"] = rel_rmse(o_cula, o_peer)
     best = row["cula_graph_ms"] or row["cula_eager_ms"]
     row["cula_state_TBps"] = traffic / (best * 1e-3) / 1e12
