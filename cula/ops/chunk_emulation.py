@@ -7,6 +7,7 @@ checked against the fp64 recurrence on a CPU, and a new scheme tried before it i
 - :func:`halves_scores`: KDA's intra-chunk scores with a per-key gate, against two reference tokens (its kernel).
 - :func:`block_scores`: the same scores by 16-token blocks whose operands never exceed the raw q and k (no bound on
   the gate).
+- :func:`direct_scores`: each score summed directly over the keys (exact for any gate).
 - :func:`gla_scores`, :func:`key_gate_forward`: the GLA kernel (:mod:`cula.gla.chunk_fwd_sm90`): KDA's halves where
   no operand's exponent passes ``GLA_SAFE_SPAN``, else each score summed directly.
 
@@ -104,6 +105,15 @@ def halves_scores(x: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> torch.Te
     return out.tril()
 
 
+def direct_scores(x: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+    """sum_k x_ik k_jk 2^(G_ik - G_jk) for j <= i (else zero; x, k, G [n, K]), each entry summed in fp32 from bf16 x
+    and k with its factors <= 1 (exact for any gate): the masked factors are selects, never computed."""
+    diff = G[:, None, :] - G[None, :, :]  # [i, j, K]
+    lower = torch.ones(x.shape[0], x.shape[0], dtype=torch.bool, device=x.device).tril()[..., None]
+    factor = torch.where(lower, torch.exp2(torch.where(lower, diff, 0.0)), 0.0)
+    return (bf16(x)[:, None, :] * bf16(k)[None, :, :] * factor).sum(-1)
+
+
 def block_scores(x: torch.Tensor, k: torch.Tensor, G: torch.Tensor, block: int = 16) -> torch.Tensor:
     """The same scores by ``block``-token blocks: a block of rows I against an earlier block of columns J takes the
     first token r of I as reference, L_i = x_i 2^(G_i - G_r) and R_j = k_j 2^(G_r - G_j), both at most the raw
@@ -118,10 +128,7 @@ def block_scores(x: torch.Tensor, k: torch.Tensor, G: torch.Tensor, block: int =
             left = x[rows] * torch.exp2(G[rows] - G[i0])
             right = k[:i0] * torch.exp2(G[i0] - G[:i0])
             out[rows, :i0] = bf16(left) @ bf16(right).T
-        diff = G[rows, None, :] - G[None, rows, :]  # [i, j, K]
-        lower = torch.ones(block, block, dtype=torch.bool, device=x.device).tril()[..., None]
-        factor = torch.where(lower, torch.exp2(torch.where(lower, diff, 0.0)), 0.0)
-        out[rows, rows] = (bf16(x[rows])[:, None, :] * bf16(k[rows])[None, :, :] * factor).sum(-1)
+        out[rows, rows] = direct_scores(x[rows], k[rows], G[rows])
     return out.tril()
 
 
@@ -139,10 +146,7 @@ def gla_scores(x: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> tuple[torch
     )
     if widest <= GLA_SAFE_SPAN:
         return halves_scores(x, k, G), False
-    diff = G[:, None, :] - G[None, :, :]
-    lower = torch.ones(x.shape[0], x.shape[0], dtype=torch.bool, device=x.device).tril()[..., None]
-    factor = torch.where(lower, torch.exp2(torch.where(lower, diff, 0.0)), 0.0)
-    return (bf16(x)[:, None, :] * bf16(k)[None, :, :] * factor).sum(-1), True
+    return direct_scores(x, k, G), True
 
 
 def key_gate_forward(
