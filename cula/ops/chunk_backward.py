@@ -1,0 +1,117 @@
+"""The chunked backward of gated linear attention (GLA, simple GLA, Lightning): the plan the SM90 backward follows,
+in PyTorch on any device, bf16 where the kernels round (their wgmma operands: token tiles, state checkpoints, scores)
+and fp32 elsewhere, so that it can be checked against the fp64 recurrence's autograd on a CPU.
+
+Per sequence and value head, chunks of C = 64 tokens, G the cumulative natural-log gate inside a chunk (per key; a
+scalar gate is the same value on every key), G_L its last row, S_c the state at chunk c's start and dS'_c the
+gradient of the state at its end (that is, of S_{c+1}):
+
+1. states, walking forward:   S_{c+1}  = diag(e^G_L) S_c + (K * e^(G_L - G))^T V          (S_0 = h0)
+2. state gradients, backward: dS'_{c-1} = diag(e^G_L) dS'_c + scale (Q * e^G)^T dO         (dS'_last = dht)
+   and dh0 = the last value of that walk (the gradient of S_0).
+3. each chunk on its own, with Gamma_ijk = e^(G_ik - G_jk) for j <= i (zero above the diagonal, by a select):
+       P  = scale sum_k Q_ik K_jk Gamma_ijk                        (the forward's scores)
+       dP = dO V^T, lower triangle
+       dQ = scale e^G * (dO S_c^T) + scale sum_j dP_ij Gamma_ij * K_j
+       dK = e^(G_L - G) * (V dS'_c^T) + scale sum_i dP_ij Gamma_ij * Q_i
+       dV = (K * e^(G_L - G)) dS'_c + P^T dO
+4. the gate: every product carries e^(G_s - G_j) over the tokens between a key j and a query s, so g_t's gradient
+   sums the products of the pairs j < t <= s. Chunk by chunk (t in chunk c):
+       dg_t = sum_{s >= t in c} (q_s * dq_s - k_s * dk_s) + sum_{j in c} k_j * dk_j^inter + e^G_L * sum_v (S_c * dS'_c)
+   per key, dk^inter the part of dk through dS'_c: the pairs inside the chunk cancel in the first sum, those that
+   leave it are counted once by the chunk's constant (the last two terms, the gradient of S_{c+1} with respect to
+   its decay). Summed over the whole sequence from its end instead (with S_T * dht as the constant), the pairs
+   spanning chunks cancel between products rounded through different checkpoints and leave errors of several
+   percent. A scalar gate sums dg over the keys, a per-head constant (g_gamma, Lightning) over the tokens too. Gates
+   below the floor (-200) take no gradient: their factors are zero in fp32.
+
+Passes 1 and 2 are the forward kernel's state walk (forward, or backward over the chunks with (q, do) in place of
+(k, v) and the factor e^G in place of e^(G_L - G)); passes 3 and 4 are parallel over chunks.
+
+Shapes: one sequence per call, heads first: q, k [H, T, K]; v, do [H, T, V]; g [H, T] (scalar) or [H, T, K]
+(per key) natural-log; h0, dht [H, K, V].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cula.ops.chunk_emulation import CHUNK, GATE_FLOOR, bf16
+
+
+def _chunk_gates(g: torch.Tensor, c0: int, c1: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(G [H, L, K], G_L [H, 1, K])``: the chunk's cumulative gate and its last row."""
+    G = torch.cumsum(g[:, c0:c1], dim=1)
+    return G, G[:, -1:]
+
+
+def state_walk(k, v, g, h0=None) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Pass 1: ``(the state at each chunk's start, the final state)`` (``g`` [H, T, K] floored)."""
+    H, T, K = k.shape
+    S = k.new_zeros(H, K, v.shape[-1], dtype=torch.float32) if h0 is None else h0.float().clone()
+    starts = []
+    for c0 in range(0, T, CHUNK):
+        starts.append(S)
+        G, G_L = _chunk_gates(g, c0, min(c0 + CHUNK, T))
+        gated_k = bf16(k[:, c0 : c0 + CHUNK] * torch.exp(G_L - G))
+        S = torch.exp(G_L).transpose(1, 2) * S + gated_k.transpose(1, 2) @ bf16(v[:, c0 : c0 + CHUNK])
+    return starts, S
+
+
+def state_gradient_walk(q, do, g, scale, dht=None) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Pass 2: ``(the gradient of the state at each chunk's end, dh0)``."""
+    H, T, K = q.shape
+    dS = q.new_zeros(H, K, do.shape[-1], dtype=torch.float32) if dht is None else dht.float().clone()
+    n_chunks = -(-T // CHUNK)
+    ends = [None] * n_chunks
+    for c in reversed(range(n_chunks)):
+        c0 = c * CHUNK
+        ends[c] = dS
+        G, G_L = _chunk_gates(g, c0, min(c0 + CHUNK, T))
+        gated_q = bf16(scale * q[:, c0 : c0 + CHUNK] * torch.exp(G))
+        dS = torch.exp(G_L).transpose(1, 2) * dS + gated_q.transpose(1, 2) @ bf16(do[:, c0 : c0 + CHUNK])
+    return ends, dS
+
+
+def chunk_gradients(q, k, v, do, g, S, dS_end, scale) -> tuple[torch.Tensor, ...]:
+    """Passes 3 and 4 on one chunk (q, k [H, L, K], v, do [H, L, V], g [H, L, K] floored; S its start state, dS_end
+    the gradient at its end): ``(dq, dk, dv, dg)``."""
+    L = q.shape[1]
+    G, G_L = _chunk_gates(g, 0, L)
+    lower = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()[None, :, :, None]
+    diff = G[:, :, None, :] - G[:, None, :, :]  # [H, i, j, K]
+    gamma = torch.where(lower, torch.exp(torch.where(lower, diff, 0.0)), 0.0)
+    q, k, v, do = bf16(q), bf16(k), bf16(v), bf16(do)
+    P = bf16(scale * torch.einsum("hik,hjk,hijk->hij", q, k, gamma))
+    dP = torch.where(lower[..., 0], do @ v.transpose(1, 2), 0.0)
+    dq = scale * torch.exp(G) * (do @ bf16(S).transpose(1, 2)) + scale * torch.einsum("hij,hijk,hjk->hik", dP, gamma, k)
+    dS_op = bf16(dS_end)
+    dk_inter = torch.exp(G_L - G) * (v @ dS_op.transpose(1, 2))
+    dk = dk_inter + scale * torch.einsum("hij,hijk,hik->hjk", dP, gamma, q)
+    dv = bf16(k * torch.exp(G_L - G)) @ dS_op + P.transpose(1, 2) @ do
+    local = q * dq - k * dk
+    constant = (k * dk_inter).sum(1, keepdim=True) + torch.exp(G_L) * (bf16(S) * dS_op).sum(-1)[:, None, :]
+    dg = local.flip(1).cumsum(1).flip(1) + constant
+    return dq, dk, dv, dg
+
+
+def gated_backward(q, k, v, g, do, scale, h0=None, dht=None) -> dict[str, torch.Tensor]:
+    """The four passes on one sequence: ``{"dq", "dk", "dv", "dg" (g's shape), "dh0"}`` in fp32."""
+    H, T, K = q.shape
+    per_key = g.dim() == 3
+    g_raw = (g if per_key else g[..., None].expand(H, T, K)).float()
+    gk = g_raw.clamp_min(GATE_FLOOR)
+    starts, _ = state_walk(k, v, gk, h0)
+    ends, dh0 = state_gradient_walk(q, do, gk, scale, dht)
+    names = ("dq", "dk", "dv", "dg")
+    grads = {name: [] for name in names}
+    for c, c0 in enumerate(range(0, T, CHUNK)):
+        part = slice(c0, c0 + CHUNK)
+        chunk = chunk_gradients(q[:, part], k[:, part], v[:, part], do[:, part], gk[:, part], starts[c], ends[c], scale)
+        for name, x in zip(names, chunk, strict=True):
+            grads[name].append(x)
+    out = {name: torch.cat(parts, dim=1) for name, parts in grads.items()}
+    dg = torch.where(g_raw < GATE_FLOOR, 0.0, out["dg"])
+    out["dg"] = dg if per_key else dg.sum(-1)
+    out["dh0"] = dh0
+    return out
