@@ -83,6 +83,9 @@ class BackwardKernel:
     forward: Callable[[dict[str, Any]], tuple]
     residuals_like: Callable[[dict[str, Any]], list[torch.Tensor]]
     run: Callable[..., dict[str, torch.Tensor]]
+    # False until its GPU tests and its A/B against FLA have passed: it serves training calls only with
+    # CULA_UNTESTED_KERNELS=1
+    ready: bool = True
 
 
 @dataclass
@@ -154,8 +157,9 @@ class Op:
         for kernel in self.kernels:
             if kernel.arch_major != major:
                 continue
-            if training and kernel.backward is None:
-                reasons.append(f"{kernel.name}: inputs require grad and the kernel has no backward (forward only)")
+            declined = _backward_declines(kernel, args) if training else None
+            if declined:
+                reasons.append(f"{kernel.name}: {declined}")
                 continue
             if not kernel.hardware_tested and os.environ.get(ENV_UNTESTED, "0") != "1":
                 reasons.append(
@@ -309,6 +313,17 @@ def fla_function(target: str) -> Callable:
     """FLA's function ``module:name``."""
     module, name = target.split(":")
     return getattr(importlib.import_module(module), name)
+
+
+def _backward_declines(kernel: CuteKernel, args: dict[str, Any]) -> str | None:
+    """Why ``kernel`` cannot serve a training call (some tensor argument requires grad), or None."""
+    if kernel.backward is None:
+        return "inputs require grad and the kernel has no backward (forward only)"
+    if not kernel.backward.ready and os.environ.get(ENV_UNTESTED, "0") != "1":
+        return f"inputs require grad, and its backward is not ready: untested, or slower than FLA ({ENV_UNTESTED}=1 serves it)"
+    if validation.pooled(args):
+        return "inputs require grad with a state pool: the pool is written in place, outside autograd"
+    return None
 
 
 def requires_grad(args: dict[str, Any]) -> bool:

@@ -4,6 +4,7 @@ and without a backward."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -406,6 +407,25 @@ def test_training_call_goes_to_a_kernel_only_with_a_backward(monkeypatch, gdn_ke
     assert cula.last_decision(fn).backend == "torch"
     for n in ("q", "k", "v", "g", "beta", "initial_state"):
         torch.testing.assert_close(args[n].grad, expected[n].grad, msg=n)
+
+
+def test_a_backward_not_ready_serves_training_calls_only_when_asked(monkeypatch, gdn_kernels):
+    """A kernel whose backward is not ready (untested, or slower than FLA) keeps serving inference calls; training
+    calls go on to the next backend, with the reason, unless CULA_UNTESTED_KERNELS=1."""
+    FakeCuda(monkeypatch, (9, 0))
+    monkeypatch.setattr(dispatch, "fla_function", lambda target: None)
+    fn = cula.gdn.chunk_gated_delta_rule
+    kernel = trainable_kernel("opt_in", [])
+    kernel.backward = dataclasses.replace(kernel.backward, ready=False)
+    gdn_kernels.register_kernel(kernel)
+    args = gdn_args(initial_state=torch.randn(1, 4, 16, 8), output_final_state=True)
+    assert cula.explain(fn, **args).backend == "cute"
+    args["q"].requires_grad_(True)
+    decision = cula.explain(fn, **args)
+    assert decision.backend == "fla"
+    assert "opt_in: inputs require grad, and its backward is not ready" in dict(decision.rejected)["cute"]
+    monkeypatch.setenv(dispatch.ENV_UNTESTED, "1")
+    assert cula.explain(fn, **args).backend == "cute"
 
 
 def test_inference_call_runs_the_kernel_directly(monkeypatch, gdn_kernels):

@@ -9,7 +9,15 @@ import torch
 
 from cula import validation
 from cula.custom_ops import ChunkOps
-from cula.dispatch import CuteKernel, Op, bind, call_args, chunk_fwd_kernel_declines, fla_gated_backward_ok
+from cula.dispatch import (
+    BackwardKernel,
+    CuteKernel,
+    Op,
+    bind,
+    call_args,
+    chunk_fwd_kernel_declines,
+    fla_gated_backward_ok,
+)
 from cula.lightning import reference
 from cula.recurrent.plan import recurrent_kernel
 
@@ -205,8 +213,40 @@ def _sm90_run(args: dict[str, Any]):
     )  # fmt: skip
 
 
+def _sm90_training_forward(args: dict[str, Any]):
+    # the backward recomputes the states from the inputs the custom op saves: no residuals
+    o, final_state = _sm90_run(args)
+    return o, final_state, []
+
+
+def _sm90_backward(args: dict[str, Any], residuals: list, grad_o, grad_final_state) -> dict[str, torch.Tensor]:
+    """Gradients of every floating tensor argument present (:mod:`cula.lightning.chunk_bwd_sm90`)."""
+    from cula.lightning.chunk_bwd_sm90 import chunk_simple_gla_bwd_sm90
+    from cula.lightning.chunk_fwd_sm90 import token_gate
+
+    g, g_gamma = _sm90_gates(args)
+    q, k, v = args["q"], args["k"], args["v"]
+    dq, dk, dv, dgate, dh0 = chunk_simple_gla_bwd_sm90(
+        q, k, v, token_gate(g, g_gamma, v), grad_o, args["scale"], args["initial_state"], grad_final_state,
+        args["cu_seqlens"], args.get("cu_seqlens_cpu"), args.get("state_v_first", False),
+    )  # fmt: skip
+    grads = {"q": dq, "k": dk, "v": dv}
+    if args.get("g") is not None:
+        grads["g"] = dgate.to(args["g"].dtype)
+    if args.get("g_gamma") is not None:
+        # a per-head constant added to every token's gate
+        grads["g_gamma"] = dgate.sum((0, 1)).to(args["g_gamma"].dtype)
+    if args["initial_state"] is not None:
+        grads["initial_state"] = dh0
+    return grads
+
+
+# correct on an H100 (tests/test_lightning_sm90_backward.py), but its per-chunk gradients are PyTorch products: slower
+# than FLA's backward (PERF.md), so opt-in until a kernel makes them
+SM90_BACKWARD = BackwardKernel(_sm90_training_forward, lambda args: [], _sm90_backward, ready=False)
+
 for _op in (CHUNK_SIMPLE_GLA, CHUNK_LIGHTNING):
-    _op.register_kernel(CuteKernel("lightning.chunk_fwd_sm90", 9, _sm90_supports, _sm90_run))
+    _op.register_kernel(CuteKernel("lightning.chunk_fwd_sm90", 9, _sm90_supports, _sm90_run, backward=SM90_BACKWARD))
 
 
 def _recurrent_gates(args: dict[str, Any]):

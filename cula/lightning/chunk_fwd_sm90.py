@@ -60,7 +60,7 @@ def compile_simple_gla_fwd_sm90(arch="sm_90a", *, state_v_first=False, keep_arti
     compiled on any machine for ``arch``."""
     cfg = ChunkFwdConfig(**{**config, "delta_rule": False})
     # beta's slot is never read: fp32, as the gate that fills it at launch
-    fake = entry.fake_args(cfg.head_dim, True, state_v_first, per_key_gate=False)
+    fake = entry.fake_args(cfg.head_dim, True, state_v_first, per_key_gate=False, checkpoints=cfg.walk != "output")
     return runtime.compile_kernel(ScalarGateChunkFwdSm90(cfg), fake, arch, keep_artifacts)
 
 
@@ -115,5 +115,9 @@ entry.register_checked(
         "[D=64]": {"head_dim": 64, "is_varlen": True, "has_initial_state": True},
         "[transition]": {"is_varlen": True, "mode": "transition"},
         "[correction]": {"is_varlen": True, "mode": "correction"},
+        "[states walk]": {"is_varlen": True, "has_initial_state": True, "walk": "states"},
+        "[state-gradient walk]": {"is_varlen": True, "has_initial_state": True, "walk": "state_grads"},
+        "[state-gradient walk, fixed length]": {"walk": "state_grads"},
+        "[D=64, state-gradient walk]": {"head_dim": 64, "is_varlen": True, "walk": "state_grads"},
     },
 )

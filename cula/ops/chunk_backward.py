@@ -115,3 +115,53 @@ def gated_backward(q, k, v, g, do, scale, h0=None, dht=None) -> dict[str, torch.
     out["dg"] = dg if per_key else dg.sum(-1)
     out["dh0"] = dh0
     return out
+
+
+def checkpoint_rows(offsets: list[int], fixed_length: bool) -> list[int]:
+    """The first checkpoint row of each sequence (``offsets`` its token offsets in the flattened batch), as the
+    state walks number them (:func:`cula.sm90.sequence.checkpoint_row`): ``n ceil(T / C)`` for fixed-length
+    batch rows, ``offsets[n] // C + n`` for varlen sequences (distinct rows, within ``T // C + N``)."""
+    if fixed_length:
+        per_row = -(-(offsets[1] - offsets[0]) // CHUNK)
+        return [n * per_row for n in range(len(offsets) - 1)]
+    return [o // CHUNK + n for n, o in enumerate(offsets[:-1])]
+
+
+def chunk_token_index(offsets: list[int], fixed_length: bool, device=None) -> tuple[torch.Tensor, int]:
+    """``(index [rows, C], rows)``: the flattened token of each place of each checkpoint row, or the number of tokens
+    (a zero row appended to the gathered tensors) past a sequence's end and in rows no chunk takes."""
+    n_tokens = offsets[-1]
+    firsts = checkpoint_rows(offsets, fixed_length)
+    rows = firsts[-1] + -(-(offsets[-1] - offsets[-2]) // CHUNK) if firsts else 0
+    index = torch.full((max(rows, 1), CHUNK), n_tokens, dtype=torch.long)
+    place = torch.arange(CHUNK)
+    for first, start, end in zip(firsts, offsets[:-1], offsets[1:], strict=True):
+        for c in range(-(-(end - start) // CHUNK)):
+            tok = start + c * CHUNK + place
+            index[first + c] = torch.where(tok < end, tok, n_tokens)
+    return index.to(device), rows
+
+
+def scalar_chunk_gradients(q, k, v, do, g, S, dS_end, scale) -> tuple[torch.Tensor, ...]:
+    """Passes 3 and 4 for a scalar gate, batched over chunk rows: q, k, v, do [R, C, H, D] (zero past a sequence
+    end), g [R, C, H] floored (zero past the end), S and dS_end [R, H, V, K] (S^T, as the state walks store their
+    bf16 checkpoints). Returns ``(dq, dk, dv [R, C, H, D], dg [R, C, H])`` in fp32 (the gate's gradient per token)."""
+    C = q.shape[1]
+    G = g.float().cumsum(1)
+    G_L = G[:, -1:]
+    lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()[None, :, :, None]
+    diff = G[:, :, None, :] - G[:, None, :, :]  # [R, i, j, H]
+    gamma = torch.where(lower, torch.exp(torch.where(lower, diff, 0.0)), 0.0)
+    q, k, v, do, S, dS = (x.float() for x in (q, k, v, do, S, dS_end))
+    P = bf16(scale * torch.einsum("rihk,rjhk->rijh", q, k) * gamma)
+    dP_gamma = torch.where(lower, torch.einsum("rihv,rjhv->rijh", do, v), 0.0) * gamma
+    to_end = torch.exp(G_L - G)[..., None]
+    dq = scale * torch.exp(G)[..., None] * torch.einsum("rchv,rhvk->rchk", do, S)
+    dq = dq + scale * torch.einsum("rijh,rjhk->rihk", dP_gamma, k)
+    dk_inter = to_end * torch.einsum("rchv,rhvk->rchk", v, dS)
+    dk = dk_inter + scale * torch.einsum("rijh,rihk->rjhk", dP_gamma, q)
+    dv = torch.einsum("rchk,rhvk->rchv", bf16(k * to_end), dS) + torch.einsum("rijh,rihv->rjhv", P, do)
+    local = (q * dq - k * dk).sum(-1)
+    constant = (k * dk_inter).sum((1, 3)) + torch.exp(G_L[:, 0]) * (S * dS).sum((2, 3))
+    dg = local.flip(1).cumsum(1).flip(1) + constant[:, None]
+    return dq, dk, dv, dg

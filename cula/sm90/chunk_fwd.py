@@ -47,6 +47,11 @@ CHUNK = 64
 MODES = ("full", "transition", "correction")
 INTRA = ("none", "save", "load")
 STATE_SLOTS = ("none", "read", "read_write")
+# "output": the forward. The backward's state walks (cula.ops.chunk_backward, passes 1 and 2) make no output and
+# store a bf16 checkpoint of the state per chunk to the workspace: "states" the state at each chunk's start; "state_grads"
+# walks the chunks from the last with (q, do) in place of (k, v) and scale 2^G in place of 2^(G_last - G), storing
+# the gradient of the state at each chunk's end (h0 is then dht, and the final state dh0)
+WALKS = ("output", "states", "state_grads")
 A_STRIDE = 68  # padded fp32 row of A^T: 16-byte aligned rows, conflict-free stores from the accumulator
 
 
@@ -66,6 +71,7 @@ class ChunkFwdConfig:
     # a state pool: "read" takes sequence n's initial state from h0 row slots[n] (final states to ht row n),
     # "read_write" also writes its final state to row slots[n] of ht (the pool itself, updated in place)
     state_slots: str = "none"
+    walk: str = "output"
 
     def __post_init__(self):
         assert self.mode in MODES and (self.mode == "full" or self.is_varlen), self
@@ -75,6 +81,10 @@ class ChunkFwdConfig:
         assert self.intra != "load" or self.mode != "full", self
         assert self.state_slots in STATE_SLOTS, self
         assert self.state_slots == "none" or (self.has_initial_state and self.mode == "full"), self
+        assert self.walk in WALKS, self
+        assert self.walk == "output" or (
+            self.mode == "full" and self.intra == "none" and not self.delta_rule and self.state_slots == "none"
+        ), self
 
     @property
     def start(self) -> str:
@@ -86,7 +96,12 @@ class ChunkFwdConfig:
 
     @property
     def make_o(self) -> bool:
-        return self.mode != "transition"
+        return self.mode != "transition" and self.walk == "output"
+
+    @property
+    def reverse(self) -> bool:
+        """The chunks walked from the last to the first."""
+        return self.walk == "state_grads"
 
     @property
     def v_from(self) -> str | None:
@@ -131,6 +146,7 @@ class Common(NamedTuple):
     w: Tma  # the split workspace of Tinv and P (q's atom when unused)
     beta: cute.Tensor
     o_plain: cute.Tensor  # o as [B, T, HV, D], for the last chunk's masked stores
+    w_plain: cute.Tensor  # the workspace as given: the state walks' checkpoints [rows, HV, V, K] bf16
     h0: cute.Tensor
     ht: cute.Tensor
     starts: cute.Tensor
@@ -256,6 +272,15 @@ class ChunkFwdSm90:
         """The state warpgroups' last step of a chunk before its closing barrier (nothing by default)."""
 
     @cute.jit
+    def chunk_position(self, chunk, seq: Sequence):
+        """The place in its sequence of a role's ``chunk``-th chunk: the same, or counted from the end in the
+        reverse walk."""
+        pos = chunk
+        if cutlass.const_expr(self.cfg.reverse):
+            pos = seq.n_chunks - 1 - chunk
+        return pos
+
+    @cute.jit
     def zero_tail_rows(self, sV, valid, stid, nt: cutlass.Constexpr):
         """Rows ``valid`` .. C - 1 of a landed (C, D) tile zeroed by the ``nt`` state threads when the chunk ends its
         sequence early (in a varlen call they hold the next sequence's tokens), fenced for the stage's next TMA write
@@ -305,7 +330,7 @@ class ChunkFwdSm90:
             mma.tiled_mma(C, C),
             mma.tiled_mma(C, D, b_major="MN"),
             tma_q, tma_k, tma_v, tma_o, tma_w,
-            t.beta, t.o, t.h0, t.ht, t.starts, t.ends, t.slots, t.q.shape[2], t.q.shape[1], scale,
+            t.beta, t.o, t.w, t.h0, t.ht, t.starts, t.ends, t.slots, t.q.shape[2], t.q.shape[1], scale,
             tile_qk, tile_qk_mn, tile_v, tile_v_mn, tile_o, tile_o_mn, tile_tp,
         )  # fmt: skip
         gate_params, gate_fields = self.gate_host(t, gate_args, tile_qk, tile_v)
@@ -405,18 +430,23 @@ class ChunkFwdSm90:
         # Tinv and P come through a ring from the intra role or the workspace; an intra step makes them in place
         tp_ring = has_intra_role or cfg.intra == "load"
         self.before_chunks(smem, stid)
+        checkpoint0 = sequence.checkpoint_row(seq.n, seq.tok0, seq.n_chunks, cfg.is_varlen, C)
         for chunk in cutlass.range(seq.n_chunks, unroll=1):
+            pos = self.chunk_position(chunk, seq)
+            if cutlass.const_expr(cfg.walk != "output"):
+                if writes:
+                    state.store_checkpoint(acc_s, cST, c.w_plain, checkpoint0 + pos, seq.hv, 64 * row_block)
             if cutlass.const_expr(cfg.make_o and self.o_stages == 1):
                 stager.free()  # ordered for the others by the intra step's barriers, or this one
                 if cutlass.const_expr(tp_ring):
                     cute.arch.barrier(barrier_id=Barrier.STATE, number_of_threads=state_threads)
-            if cutlass.const_expr(not has_intra_role and cfg.intra != "load"):
+            if cutlass.const_expr(not has_intra_role and cfg.intra != "load" and cfg.walk == "output"):
                 self.intra_step(p, smem, gsmem, rings, states, seq, chunk, stid, swarp)
             ins = self.chain_inputs(p, smem, gsmem, rings, states, seq, chunk)
             if cutlass.const_expr(cfg.v_from is not None):
                 rings.v.consumer_wait(v_state)
             if cutlass.const_expr(self.zeroes_v_tail and cfg.v_from == "v" and cfg.is_varlen):
-                self.zero_tail_rows(smem.sV[None, None, v_state.index], seq.seqlen - chunk * C, stid, state_threads)
+                self.zero_tail_rows(smem.sV[None, None, v_state.index], seq.seqlen - pos * C, stid, state_threads)
             acc_k, acc_o = chain.project(acc_s, cST, ins.sK, ins.sQ, ins.gates, cfg.make_o, cfg.delta_rule)
             if cutlass.const_expr(cfg.delta_rule):
                 rY, rY_lo = chain.delta(acc_k, smem.sV_mn[None, None, v_state.index], ins.gates, cCC, cfg.v_from == "v")
@@ -451,7 +481,7 @@ class ChunkFwdSm90:
                 if writes:
                     stager.stage(acc_o, chunk)
                 stager.flush(chunk, seq.n_chunks)
-            elif cutlass.const_expr(not has_intra_role):
+            elif cutlass.const_expr(not has_intra_role and cfg.walk == "output"):
                 # the next intra step rewrites what this chunk's products read
                 cute.arch.barrier(barrier_id=Barrier.STATE, number_of_threads=state_threads)
         if cutlass.const_expr(cfg.make_o):

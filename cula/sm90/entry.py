@@ -297,14 +297,17 @@ def supports_qkv(q, k, v, beta, initial_state, cu_seqlens, dims) -> tuple[bool, 
     return True, ""
 
 
-def fake_args(D: int, beta_fp32: bool, state_v_first: bool, per_key_gate: bool, raw_gate: bool = False) -> tuple:
+def fake_args(
+    D: int, beta_fp32: bool, state_v_first: bool, per_key_gate: bool, raw_gate: bool = False, checkpoints: bool = False
+) -> tuple:
     """Fake arguments for compiling a chunk kernel, in its launch order ``q, k, v, g, beta, o, h0, ht, starts, ends,
     w, slots, scale[, a_log, dt_bias, lower_bound, wb, wd], stream``: q, k [B, T, H, D], v and o [B, T, HV, D] bf16; g
     [B, T, HV] fp32, or with ``per_key_gate`` [B, T, HV, D] (fp32, bf16 when ``raw_gate``: activated by the kernel)
     followed by the gate's parameters (A_log [HV] and dt_bias [HV * D] fp32, lower_bound) and the B-tile workspaces
     (wb [ranges, rows, HV, D] bf16, wd [ranges, chunks, HV, D] fp32); beta fp32 or bf16; the states (N, HV, K, V)
     fp32, stored [N, HV, V, K] (K contiguous) with ``state_v_first``; int32 token ranges; the split passes' workspace
-    [ranges, rows, HV, 64] bf16; a state pool's int32 rows. Batch, length, head and range counts symbolic."""
+    [ranges, rows, HV, 64] bf16, or with ``checkpoints`` the state walks' [rows, HV, D, D] bf16; a state pool's int32
+    rows. Batch, length, head and range counts symbolic."""
     import cutlass
 
     sym = runtime.sym_int
@@ -338,7 +341,7 @@ def fake_args(D: int, beta_fp32: bool, state_v_first: bool, per_key_gate: bool, 
         runtime.fake_tensor(f32, (N, HV, D, D), state_order),
         runtime.fake_tensor(cutlass.Int32, (n_ranges,), align=4),
         runtime.fake_tensor(cutlass.Int32, (n_ranges,), align=4),
-        runtime.fake_tensor(bf16, (sym(), sym(), HV, 64)),
+        runtime.fake_tensor(bf16, (sym(), HV, D, D) if checkpoints else (sym(), sym(), HV, 64)),
         runtime.fake_tensor(cutlass.Int32, (sym(),), align=4),
         f32(1.0),
         *gate_params,

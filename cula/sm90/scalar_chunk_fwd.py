@@ -82,6 +82,9 @@ class ScalarChainGates(ChainGates):
     s: object
     scale: object
     fac_y: int
+    # the update's factor column (1: 2^(G_last - G); 0: 2^G, the state-gradient walk) and its scale (that walk's)
+    fac_update: int = 1
+    update_scale: object = None
 
     @cute.jit
     def decay(self, acc_s, cST):
@@ -113,7 +116,10 @@ class ScalarChainGates(ChainGates):
         rVn = mma.acc_to_operand(acc_vn)
         for i in cutlass.range_constexpr(cute.size(acc_vn)):
             _, j = cCC[i]
-            acc_vn[i] = acc_vn[i] * self.gs.sFac[j, self.s, 1]
+            factor = self.gs.sFac[j, self.s, self.fac_update]
+            if cutlass.const_expr(self.update_scale is not None):
+                factor = factor * self.update_scale
+            acc_vn[i] = acc_vn[i] * factor
         return rVn, None, mma.acc_to_operand(acc_vn)
 
 
@@ -131,11 +137,14 @@ class ScalarGateChunkFwdSm90(ChunkFwdSm90):
         # and 2^G / ||k||, then the norm columns
         self.fac_cols = 3 if config.qk_l2norm else 2
         self.norm_cols = 4 if config.qk_l2norm else 0
-        self.intra_idle = config.intra == "load"
+        # the state walks make no P: no intra role, and only the k tile of each q | k stage is loaded
+        self.walks = config.walk != "output"
+        self.intra_idle = config.intra == "load" or self.walks
 
     def role_layout(self) -> RoleLayout:
         R = WarpGroupRole
-        roles = (R.PRODUCER, R.INTRA) + (R.STATE,) * (self.D // 64)
+        intra = () if self.cfg.walk != "output" else (R.INTRA,)
+        roles = (R.PRODUCER, *intra) + (R.STATE,) * (self.D // 64)
         # the state warpgroups peak at ~189 registers at D = 128
         return RoleLayout.make(roles, {R.PRODUCER: 24, R.INTRA: 104})
 
@@ -176,7 +185,10 @@ class ScalarGateChunkFwdSm90(ChunkFwdSm90):
         state_threads = self.layout.threads_of(WarpGroupRole.STATE)
         state_warps = state_threads // 32
         intra_threads = 0 if self.intra_idle else 128
-        qk = pipeline.tma_ring(st.ring_qk, self.qk_stages, 2 * C * D * 2, intra_threads // 32 + state_warps)
+        tiles_per_stage = 1 if self.walks else 2
+        qk = pipeline.tma_ring(
+            st.ring_qk, self.qk_stages, tiles_per_stage * C * D * 2, intra_threads // 32 + state_warps
+        )
         gate = pipeline.thread_ring(st.ring_gate, self.qk_stages, 32, intra_threads + state_threads)
         norm = None
         if cutlass.const_expr(cfg.qk_l2norm):
@@ -223,18 +235,18 @@ class ScalarGateChunkFwdSm90(ChunkFwdSm90):
         v_p = pipeline.producer_start(self.v_stages)
         tp_p = pipeline.producer_start(self.tp_stages)
         for chunk in cutlass.range(seq.n_chunks, unroll=1):
+            pos = self.chunk_position(chunk, seq)
             rings.qk.producer_acquire(qk_p)
             bar = rings.qk.producer_get_barrier(qk_p)
-            cute.copy(c.q.atom, tQg[None, chunk], tQs[None, qk_p.index], tma_bar_ptr=bar)
-            cute.copy(c.k.atom, tKg[None, chunk], tKs[None, qk_p.index], tma_bar_ptr=bar)
+            if cutlass.const_expr(not self.walks):
+                cute.copy(c.q.atom, tQg[None, pos], tQs[None, qk_p.index], tma_bar_ptr=bar)
+            cute.copy(c.k.atom, tKg[None, pos], tKs[None, qk_p.index], tma_bar_ptr=bar)
             qk_p.advance()
             if cutlass.const_expr(cfg.v_from is not None):
                 rings.v.producer_acquire(v_p)
-                cute.copy(
-                    c.v.atom, tVg[None, chunk], tVs[None, v_p.index], tma_bar_ptr=rings.v.producer_get_barrier(v_p)
-                )
+                cute.copy(c.v.atom, tVg[None, pos], tVs[None, v_p.index], tma_bar_ptr=rings.v.producer_get_barrier(v_p))
                 v_p.advance()
-            if cutlass.const_expr(self.intra_idle):
+            if cutlass.const_expr(cfg.intra == "load"):
                 rings.tp.producer_acquire(tp_p)
                 bar = rings.tp.producer_get_barrier(tp_p)
                 workspace.load_tinv_p(c.w.atom, tWg, tWs, chunk, tp_p.index, bar, cfg.make_o)
@@ -254,10 +266,11 @@ class ScalarGateChunkFwdSm90(ChunkFwdSm90):
         norm_c = pipeline.consumer_start(self.qk_stages)
         qk_seen = pipeline.consumer_start(self.qk_stages)  # waited on, not released (the stage's readers release it)
         for chunk in cutlass.range(seq.n_chunks, unroll=1):
-            raw = scalar_gates.load_gates(gG, gBeta, seq.tok0, seq.seqlen, chunk, lane, self.C)
+            pos = self.chunk_position(chunk, seq)
+            raw = scalar_gates.load_gates(gG, gBeta, seq.tok0, seq.seqlen, pos, lane, self.C)
             rings.gate.producer_acquire(g_p)
-            scalar_gates.publish_gates(gs.sG, gs.sBeta, gs.sFac, g_p.index, raw, chunk, seq.seqlen, lane, self.C)
-            valid = cutlass.min(seq.seqlen - chunk * self.C, self.C)
+            scalar_gates.publish_gates(gs.sG, gs.sBeta, gs.sFac, g_p.index, raw, pos, seq.seqlen, lane, self.C)
+            valid = cutlass.min(seq.seqlen - pos * self.C, self.C)
             if cutlass.const_expr(self.cfg.qk_l2norm):
                 rings.norm.consumer_wait(norm_c)
                 self.publish_norm_gates(gs, g_p.index, lane, valid)
@@ -466,6 +479,8 @@ class ScalarGateChunkFwdSm90(ChunkFwdSm90):
         rings.gate.consumer_wait(states.gate)
         s = states.qk.index
         gates = ScalarChainGates(gs, s, p.common.scale, 2 if self.cfg.qk_l2norm else 0)
+        if cutlass.const_expr(self.cfg.reverse):
+            gates = ScalarChainGates(gs, s, p.common.scale, 0, 0, p.common.scale)
         return ChainInputs(smem.sQK[None, None, 1, s], smem.sQK[None, None, 0, s], smem.sK_mn[None, None, s], gates)
 
     @cute.jit

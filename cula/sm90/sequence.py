@@ -16,3 +16,13 @@ def sequence_bounds(n, T, mStart, mEnd, is_varlen: cutlass.Constexpr, C: cutlass
         tok0 = cutlass.Int32(mStart[n])
         seqlen = cutlass.Int32(mEnd[n]) - tok0
     return b, tok0, seqlen, (seqlen + C - 1) // C
+
+
+@cute.jit
+def checkpoint_row(n, tok0, n_chunks, is_varlen: cutlass.Constexpr, C: cutlass.Constexpr):
+    """The workspace row of the first chunk of sequence ``n`` in the backward's state walks (one row per chunk):
+    ``n n_chunks`` for fixed-length rows; ``tok0 // C + n`` for varlen ones, distinct for every chunk of every
+    sequence within ``T // C + N`` rows (:func:`cula.ops.chunk_backward.checkpoint_rows`)."""
+    if cutlass.const_expr(is_varlen):
+        return tok0 // C + n
+    return n * n_chunks

@@ -35,3 +35,12 @@ def store_state(acc_s, cST, mHt, n, hv, row0):
     for i in cutlass.range_constexpr(cute.size(acc_s)):
         rf, kf = cST[i]
         mHt[n, hv, kf, row0 + rf] = acc_s[i]
+
+
+@cute.jit
+def store_checkpoint(acc_s, cST, mW, row, hv, row0):
+    """``acc_s`` rounded to bf16 into ``mW[row, hv]`` indexed (V, K): the backward's per-chunk checkpoints, stored as
+    the accumulator holds S^T."""
+    for i in cutlass.range_constexpr(cute.size(acc_s)):
+        rf, kf = cST[i]
+        mW[row, hv, row0 + rf, kf] = acc_s[i].to(cutlass.BFloat16)

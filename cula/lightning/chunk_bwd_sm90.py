@@ -1,0 +1,78 @@
+"""Simple GLA and Lightning Attention backward on SM90, the plan of :mod:`cula.ops.chunk_backward`:
+
+1. the state at each chunk's start, and 2. the gradient of the state at each chunk's end: the family's scalar-gate
+   kernel walking the chunks without output (``ChunkFwdConfig.walk`` "states" on (k, v), "state_grads" from the
+   last chunk on (q, do)), each storing a bf16 checkpoint per chunk ``[rows, H, V, K]``
+   (:func:`cula.ops.chunk_backward.checkpoint_rows`); the second walk's final state is dh0;
+3. and 4. dq, dk, dv and the gate's gradient per chunk, from the checkpoints: batched PyTorch products over the
+   chunk rows (:func:`cula.ops.chunk_backward.scalar_chunk_gradients`) until a kernel takes them over.
+
+Shapes: q, k, v, do [B, T, H, D] bf16; the gate fp32 [B, T, H] (:func:`cula.lightning.chunk_fwd_sm90.token_gate`);
+states [N, H, K, V] fp32 ([N, H, V, K] with ``state_v_first``). One value head per q / k head.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cula import validation
+from cula.lightning.chunk_fwd_sm90 import SIMPLE_GLA_SM90
+from cula.ops import chunk_backward
+from cula.ops.chunk_emulation import GATE_FLOOR
+from cula.sm90 import entry
+from cula.sm90.chunk_fwd import ChunkFwdConfig
+
+
+def state_walk(walk, x, y, gate, scale, start, cu_seqlens, rows, state_v_first):
+    """One walk of the scalar-gate kernel over (x, y) = (k, v) or (q, do): ``(checkpoints [rows, H, V, K] bf16, the
+    walk's final state)``; ``start`` the state it starts from (h0, or dht), or None for zero."""
+    B, T, H, D = x.shape
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    checkpoints = torch.empty(max(rows, 1), H, D, D, dtype=torch.bfloat16, device=x.device)
+    final = torch.empty(N, H, D, D, dtype=torch.float32, device=x.device)
+    starts = ends = None
+    if cu_seqlens is not None:
+        cu = cu_seqlens.to(torch.int32)
+        starts, ends = cu[:-1], cu[1:]
+    if start is not None:
+        start = start.contiguous()
+    config = ChunkFwdConfig(D, starts is not None, start is not None, delta_rule=False, walk=walk)
+    call = entry.ChunkCall(x, x, y, gate, gate, scale, state_v_first=state_v_first)
+    # o is never written in a walk: y stands in for it
+    tensors = entry.LaunchTensors(x, x, y, gate, gate, y, start, final, starts, ends, w=checkpoints)
+    entry.launch(SIMPLE_GLA_SM90, call, config, tensors, scale)
+    return checkpoints, final
+
+
+def chunk_simple_gla_bwd_sm90(q, k, v, gate, do, scale, initial_state, dht, cu_seqlens, cu_seqlens_cpu, state_v_first):
+    """Gradients of simple GLA's chunked forward with the kernel's fp32 token gate ``gate``: ``(dq, dk, dv, dgate
+    fp32 [B, T, H], dh0 or None)``; ``dht`` the gradient into the final state, or None."""
+    B, T, H, D = q.shape
+    scale = D**-0.5 if scale is None else scale
+    q, k, v, do = (x.contiguous() for x in (q, k, v, do))
+    fixed = cu_seqlens is None
+    offsets = [b * T for b in range(B + 1)] if fixed else validation.host_offsets(cu_seqlens, cu_seqlens_cpu)
+    index, rows = chunk_backward.chunk_token_index(offsets, fixed, q.device)
+    S, _ = state_walk("states", k, v, gate, scale, initial_state, cu_seqlens, rows, state_v_first)
+    dS, dh0 = state_walk("state_grads", q, do, gate, scale, dht, cu_seqlens, rows, state_v_first)
+    n_tokens = B * T
+
+    def by_chunk(x):
+        flat = x.reshape(n_tokens, *x.shape[2:])
+        return torch.cat([flat, flat.new_zeros(1, *flat.shape[1:])])[index]
+
+    floored = gate.clamp_min(GATE_FLOOR)
+    grads = chunk_backward.scalar_chunk_gradients(
+        *(by_chunk(x) for x in (q, k, v, do, floored)), S[: index.shape[0]], dS[: index.shape[0]], scale
+    )
+    valid = index < n_tokens
+    dq, dk, dv, dgate = (_to_tokens(x, index, valid, n_tokens, (B, T)) for x in grads)
+    dgate = torch.where(gate < GATE_FLOOR, 0.0, dgate)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dgate, (dh0 if initial_state is not None else None)
+
+
+def _to_tokens(x, index, valid, n_tokens, batch):
+    """Chunk rows ``[R, C, ...]`` back to ``[B, T, ...]``."""
+    out = x.new_zeros(n_tokens, *x.shape[2:])
+    out[index[valid]] = x[valid]
+    return out.view(*batch, *x.shape[2:])

@@ -1,0 +1,155 @@
+"""Simple GLA and Lightning backward on SM90 (cula.lightning.chunk_bwd_sm90): the scalar-gate kernel's two state
+walks against the chunked plan (cula.ops.chunk_backward), and every gradient of the public entry points, served by
+cuLA's backward, against the fp64 reference backend's autograd, per sequence and over the call."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from delta_rule_recurrence import needs_sm90, rel_rmse
+
+import cula
+from cula.ops import chunk_backward
+
+cutlass = pytest.importorskip("cutlass")
+pytestmark = [pytest.mark.gpu, needs_sm90]
+
+TOLERANCE = {"q": 0.008, "k": 0.008, "v": 0.008, "initial_state": 0.008, "g": 0.02, "g_gamma": 0.02}
+
+
+def offsets_of(lengths):
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    return offsets
+
+
+@pytest.mark.parametrize("walk", ["states", "state_grads"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_state_walks_store_the_plans_checkpoints(walk, D):
+    """Each checkpoint (and the walk's final state) of the kernel within bf16 rounding of the plan's, per sequence,
+    on a varlen batch with empty, one-token and odd sequences and a start state."""
+    from cula.lightning.chunk_bwd_sm90 import state_walk
+
+    torch.manual_seed(0)
+    lengths = [0, 1, 130, 64, 777]
+    offsets = offsets_of(lengths)
+    T, H, N = offsets[-1], 2, len(lengths)
+    x = torch.randn(1, T, H, D, device="cuda").bfloat16()
+    y = torch.randn(1, T, H, D, device="cuda").bfloat16()
+    gate = F.logsigmoid(torch.randn(1, T, H, device="cuda") + 3.0)
+    start = torch.randn(N, H, D, D, device="cuda") * 0.1
+    cu = torch.tensor(offsets, dtype=torch.int32, device="cuda")
+    _, rows = chunk_backward.chunk_token_index(offsets, False)
+    scale = 0.3
+    got, final = state_walk(walk, x, y, gate, scale, start, cu, rows, False)
+    torch.cuda.synchronize()
+    firsts = chunk_backward.checkpoint_rows(offsets, False)
+    for n, (s, e) in enumerate(zip(offsets[:-1], offsets[1:], strict=True)):
+        heads = lambda t, s=s, e=e: t[0, s:e].transpose(0, 1).double()  # noqa: E731
+        gk = heads(gate)[..., None].expand(H, e - s, D)
+        if walk == "states":
+            want, want_final = chunk_backward.state_walk(heads(x), heads(y), gk, start[n].double())
+        else:
+            want, want_final = chunk_backward.state_gradient_walk(heads(x), heads(y), gk, scale, start[n].double())
+        for c, ref in enumerate(want):
+            err = rel_rmse(got[firsts[n] + c].transpose(-1, -2), ref)
+            assert err <= 0.005, (n, c, err)
+        assert rel_rmse(final[n], want_final) <= 0.005, n
+
+
+def gradients(entry, inputs, extra, grad_o, grad_ht, backend, monkeypatch):
+    """The gradients of ``entry(**inputs, **extra)`` for the cotangents (grad_o, grad_ht) with ``backend`` forced
+    ("cute": the kernel's backward; "torch": the reference in fp64) and the decision taken."""
+    monkeypatch.setenv("CULA_BACKEND", backend)
+    monkeypatch.setenv("CULA_UNTESTED_KERNELS", "1")
+    leaves = {
+        n: (x.double() if backend == "torch" else x).detach().requires_grad_()
+        for n, x in inputs.items()
+        if x is not None
+    }
+    o, ht = entry(**leaves, **extra, output_final_state=True)
+    cotangents = [grad_o.to(o.dtype), grad_ht.to(ht.dtype)]
+    torch.autograd.backward([o, ht], cotangents)
+    decision = cula.last_decision(entry)
+    monkeypatch.delenv("CULA_BACKEND")
+    return {n: x.grad for n, x in leaves.items()}, decision
+
+
+def check_gradients(entry, inputs, extra, monkeypatch, lengths=None):
+    q = inputs["q"]
+    B, T, H, D = q.shape
+    N = B if lengths is None else len(lengths)
+    grad_o = torch.randn(B, T, H, D, device="cuda").bfloat16()
+    grad_ht = torch.randn(N, H, D, D, device="cuda") * 0.1
+    got, decision = gradients(entry, inputs, extra, grad_o, grad_ht, "cute", monkeypatch)
+    assert decision.backend == "cute", str(decision)
+    ref, _ = gradients(entry, inputs, extra, grad_o, grad_ht, "torch", monkeypatch)
+    bounds = [(b, 0, T) for b in range(B)] if lengths is None else []
+    if lengths is not None:
+        offsets = offsets_of(lengths)
+        bounds = [(0, s, e) for s, e in zip(offsets[:-1], offsets[1:], strict=True)]
+    for name, want in ref.items():
+        have = got[name]
+        assert have is not None and torch.isfinite(have).all(), name
+        tol = TOLERANCE[name]
+        if want.norm() == 0:
+            # a gradient that vanishes (one token without h0: its gate decays a zero state) is left as cancellation
+            # residue of the gate's chunk sums, far below the other gradients
+            assert have.abs().max() <= 1e-5 * max(got[n].abs().max() for n in ("q", "k", "v")), name
+            continue
+        assert rel_rmse(have, want) <= tol, (name, rel_rmse(have, want))
+        if name in ("q", "k", "v", "g"):
+            for n, (b, s, e) in enumerate(bounds):
+                if e > s:
+                    assert rel_rmse(have[b, s:e], want[b, s:e]) <= tol, (name, n, rel_rmse(have[b, s:e], want[b, s:e]))
+        elif name == "initial_state":
+            for n in range(N):
+                assert rel_rmse(have[n], want[n]) <= tol, (name, n)
+
+
+def simple_gla_inputs(B, T, H, D, gate, h0, N=None):
+    torch.manual_seed(T + D)
+    inputs = {
+        "q": torch.randn(B, T, H, D, device="cuda").bfloat16(),
+        "k": (torch.randn(B, T, H, D, device="cuda") * D**-0.5).bfloat16(),
+        "v": torch.randn(B, T, H, D, device="cuda").bfloat16(),
+        "g": F.logsigmoid(torch.randn(B, T, H, device="cuda") + 3.0) if gate in ("g", "both") else None,
+        "g_gamma": -torch.rand(H, device="cuda") * 0.2 if gate in ("g_gamma", "both") else None,
+        "initial_state": torch.randn(N or B, H, D, D, device="cuda") * 0.1 if h0 else None,
+    }
+    return inputs
+
+
+@pytest.mark.parametrize("T,gate,h0", [(1, "g", False), (65, "g", True), (1000, "both", True), (300, "g_gamma", False)])
+def test_simple_gla_gradients_fixed_length(monkeypatch, T, gate, h0):
+    check_gradients(cula.lightning.chunk_simple_gla, simple_gla_inputs(2, T, 2, 128, gate, h0), {}, monkeypatch)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_simple_gla_gradients_varlen(monkeypatch, D):
+    lengths = [0, 1, 130, 64, 777]
+    T = sum(lengths)
+    inputs = simple_gla_inputs(1, T, 2, D, "g", True, N=len(lengths))
+    cu = torch.tensor(offsets_of(lengths), device="cuda")
+    check_gradients(cula.lightning.chunk_simple_gla, inputs, {"cu_seqlens": cu}, monkeypatch, lengths)
+
+
+def test_simple_gla_gradients_state_v_first(monkeypatch):
+    inputs = simple_gla_inputs(2, 200, 2, 128, "g", True)
+    inputs["initial_state"] = inputs["initial_state"].transpose(-1, -2).contiguous()
+    check_gradients(cula.lightning.chunk_simple_gla, inputs, {"state_v_first": True}, monkeypatch)
+
+
+def test_lightning_gradients(monkeypatch):
+    inputs = simple_gla_inputs(2, 500, 4, 128, "none", True)
+    del inputs["g"], inputs["g_gamma"]
+    extra = {"layer_idx": 1, "num_layers": 4}
+    check_gradients(cula.lightning.chunk_lightning_attn, inputs, extra, monkeypatch)
+
+
+def test_steep_and_reset_gates(monkeypatch):
+    """Gates of -1e4 and -inf (a state reset): finite gradients, as the reference's."""
+    inputs = simple_gla_inputs(1, 400, 2, 128, "g", True)
+    inputs["g"][0, 100] = -1e4
+    inputs["g"][0, 250] = float("-inf")
+    check_gradients(cula.lightning.chunk_simple_gla, inputs, {}, monkeypatch)
