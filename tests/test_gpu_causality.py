@@ -94,6 +94,9 @@ def test_a_poisoned_sequence_leaves_its_neighbours_alone(op, monkeypatch):
         assert rel_rmse(ht[n], ht_ref[n]) <= 0.005, n
 
 
+# Known defect (issue 31), seen on an H100 in every kernel: P V and Tinv Y sum a later token's NaN into the earlier
+# rows of its chunk (a zero factor times NaN), as FLA's kernels do. Strict: a fix shows up as an unexpected pass.
+@pytest.mark.xfail(strict=True, reason="a NaN token reaches the earlier outputs of its chunk through P V / Tinv Y")
 @pytest.mark.parametrize("op", list(OPS))
 def test_a_poisoned_token_leaves_earlier_tokens_alone(op, monkeypatch):
     """A NaN at token 40 of sequence 0 (inside its first chunk) and at token 10 of sequence 1: the outputs of the
