@@ -107,6 +107,13 @@ def check_gradients(entry, inputs, extra, monkeypatch, lengths=None):
                 assert rel_rmse(have[n], want[n]) <= tol, (name, n)
 
 
+@pytest.fixture(params=["pytorch", "kernel"])
+def gradient_passes(request, monkeypatch):
+    """Passes 3 and 4 by PyTorch products, or by their kernel (CULA_CHUNK_GRADIENT_KERNEL=1)."""
+    monkeypatch.setenv("CULA_CHUNK_GRADIENT_KERNEL", "1" if request.param == "kernel" else "0")
+    return request.param
+
+
 def simple_gla_inputs(B, T, H, D, gate, h0, N=None):
     torch.manual_seed(T + D)
     inputs = {
@@ -121,12 +128,12 @@ def simple_gla_inputs(B, T, H, D, gate, h0, N=None):
 
 
 @pytest.mark.parametrize("T,gate,h0", [(1, "g", False), (65, "g", True), (1000, "both", True), (300, "g_gamma", False)])
-def test_simple_gla_gradients_fixed_length(monkeypatch, T, gate, h0):
+def test_simple_gla_gradients_fixed_length(gradient_passes, monkeypatch, T, gate, h0):
     check_gradients(cula.lightning.chunk_simple_gla, simple_gla_inputs(2, T, 2, 128, gate, h0), {}, monkeypatch)
 
 
 @pytest.mark.parametrize("D", [64, 128])
-def test_simple_gla_gradients_varlen(monkeypatch, D):
+def test_simple_gla_gradients_varlen(gradient_passes, monkeypatch, D):
     lengths = [0, 1, 130, 64, 777]
     T = sum(lengths)
     inputs = simple_gla_inputs(1, T, 2, D, "g", True, N=len(lengths))
@@ -134,20 +141,20 @@ def test_simple_gla_gradients_varlen(monkeypatch, D):
     check_gradients(cula.lightning.chunk_simple_gla, inputs, {"cu_seqlens": cu}, monkeypatch, lengths)
 
 
-def test_simple_gla_gradients_state_v_first(monkeypatch):
+def test_simple_gla_gradients_state_v_first(gradient_passes, monkeypatch):
     inputs = simple_gla_inputs(2, 200, 2, 128, "g", True)
     inputs["initial_state"] = inputs["initial_state"].transpose(-1, -2).contiguous()
     check_gradients(cula.lightning.chunk_simple_gla, inputs, {"state_v_first": True}, monkeypatch)
 
 
-def test_lightning_gradients(monkeypatch):
+def test_lightning_gradients(gradient_passes, monkeypatch):
     inputs = simple_gla_inputs(2, 500, 4, 128, "none", True)
     del inputs["g"], inputs["g_gamma"]
     extra = {"layer_idx": 1, "num_layers": 4}
     check_gradients(cula.lightning.chunk_lightning_attn, inputs, extra, monkeypatch)
 
 
-def test_steep_and_reset_gates(monkeypatch):
+def test_steep_and_reset_gates(gradient_passes, monkeypatch):
     """Gates of -1e4 and -inf (a state reset): finite gradients, as the reference's."""
     inputs = simple_gla_inputs(1, 400, 2, 128, "g", True)
     inputs["g"][0, 100] = -1e4

@@ -5,7 +5,8 @@
    last chunk on (q, do)), each storing a bf16 checkpoint per chunk ``[rows, H, V, K]``
    (:func:`cula.ops.chunk_backward.checkpoint_rows`); the second walk's final state is dh0;
 3. and 4. dq, dk, dv and the gate's gradient per chunk, from the checkpoints: batched PyTorch products over the
-   chunk rows (:func:`cula.ops.chunk_backward.scalar_chunk_gradients`) until a kernel takes them over.
+   chunk rows (:func:`cula.ops.chunk_backward.scalar_chunk_gradients`), or with ``CULA_CHUNK_GRADIENT_KERNEL=1`` the
+   kernel :class:`cula.sm90.scalar_chunk_bwd.ScalarGateChunkBwdSm90` (compile-checked, not yet run on a GPU).
 
 Shapes: q, k, v, do [B, T, H, D] bf16; the gate fp32 [B, T, H] (:func:`cula.lightning.chunk_fwd_sm90.token_gate`);
 states [N, H, K, V] fp32 ([N, H, V, K] with ``state_v_first``). One value head per q / k head.
@@ -13,14 +14,55 @@ states [N, H, K, V] fp32 ([N, H, V, K] with ``state_v_first``). One value head p
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from cula import validation
+from cula import runtime, validation
 from cula.lightning.chunk_fwd_sm90 import SIMPLE_GLA_SM90
 from cula.ops import chunk_backward
 from cula.ops.chunk_emulation import GATE_FLOOR
 from cula.sm90 import entry
 from cula.sm90.chunk_fwd import ChunkFwdConfig
+from cula.sm90.scalar_chunk_bwd import ScalarGateChunkBwdSm90
+
+# passes 3 and 4 by the kernel instead of PyTorch products (until its GPU tests have run)
+ENV_GRADIENT_KERNEL = "CULA_CHUNK_GRADIENT_KERNEL"
+
+
+def compile_chunk_gradients_sm90(arch="sm_90a", *, head_dim=128, is_varlen=False, keep_artifacts=False):
+    """The kernel of passes 3 and 4, compiled on any machine for ``arch``."""
+    import cutlass
+
+    sym, fake = runtime.sym_int, runtime.fake_tensor
+    B, T, H, rows = sym(), sym(), sym(), sym()
+    D = head_dim
+    bf16, f32 = cutlass.BFloat16, cutlass.Float32
+    tokens = [fake(bf16, (B, T, H, D)) for _ in range(4)]
+    args = (
+        *tokens, fake(f32, (B, T, H), align=4),
+        fake(bf16, (rows, H, D, D)), fake(bf16, (rows, H, D, D)), fake(cutlass.Int32, (rows, 2), align=4),
+        fake(bf16, (B, T, H, D)), fake(bf16, (B, T, H, D)), fake(bf16, (B, T, H, D)), fake(f32, (B, T, H), align=4),
+        f32(1.0), runtime.fake_stream(),
+    )  # fmt: skip
+    return runtime.compile_kernel(ScalarGateChunkBwdSm90(D, is_varlen), args, arch, keep_artifacts)
+
+
+def chunk_gradients_sm90(q, k, v, do, gate, S, dS, index, scale, is_varlen):
+    """Passes 3 and 4 by the kernel: ``(dq, dk, dv, dgate fp32 [B, T, H])``; ``index`` the chunk rows' tokens
+    (:func:`cula.ops.chunk_backward.chunk_token_index`)."""
+    B, T, H, D = q.shape
+    n_tokens = B * T
+    valid = (index < n_tokens).sum(1)
+    first = torch.where(valid > 0, index[:, 0], 0)
+    chunks = torch.stack([first, valid], 1).to(torch.int32).contiguous()
+    arch = runtime.device_arch(q.device)
+    key = ("simple_gla_chunk_bwd", D, is_varlen, arch)
+    fn = runtime.get_or_compile(key, lambda: compile_chunk_gradients_sm90(arch, head_dim=D, is_varlen=is_varlen))
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dgate = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
+    fn(q, k, v, do, gate, S, dS, chunks, dq, dk, dv, dgate, float(scale))
+    return dq, dk, dv, dgate
 
 
 def state_walk(walk, x, y, gate, scale, start, cu_seqlens, rows, state_v_first):
@@ -56,6 +98,10 @@ def chunk_simple_gla_bwd_sm90(q, k, v, gate, do, scale, initial_state, dht, cu_s
     S, _ = state_walk("states", k, v, gate, scale, initial_state, cu_seqlens, rows, state_v_first)
     dS, dh0 = state_walk("state_grads", q, do, gate, scale, dht, cu_seqlens, rows, state_v_first)
     n_tokens = B * T
+    if os.environ.get(ENV_GRADIENT_KERNEL, "0") == "1":
+        dq, dk, dv, dgate = chunk_gradients_sm90(q, k, v, do, gate, S, dS, index, scale, not fixed)
+        dgate = torch.where(gate < GATE_FLOOR, 0.0, dgate)
+        return dq, dk, dv, dgate, (dh0 if initial_state is not None else None)
 
     def by_chunk(x):
         flat = x.reshape(n_tokens, *x.shape[2:])
@@ -76,3 +122,10 @@ def _to_tokens(x, index, valid, n_tokens, batch):
     out = x.new_zeros(n_tokens, *x.shape[2:])
     out[index[valid]] = x[valid]
     return out.view(*batch, *x.shape[2:])
+
+
+entry.register_checked(
+    "simple_gla_chunk_bwd_sm90",
+    compile_chunk_gradients_sm90,
+    {"": {"is_varlen": True}, "[fixed length]": {}, "[D=64]": {"head_dim": 64, "is_varlen": True}},
+)

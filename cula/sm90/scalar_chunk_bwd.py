@@ -1,0 +1,360 @@
+"""Passes 3 and 4 of the gated linear backward for a scalar gate (simple GLA, Lightning; :mod:`cula.ops.chunk_backward`)
+on SM90: one CTA per (chunk, head) makes the chunk's dq, dk, dv and the gate's gradient from its tokens and the two
+state walks' checkpoints.
+
+Per chunk (C = 64 tokens, G the cumulative log2 gate, Gamma_ij = 2^(G_i - G_j) for j <= i < valid, zero elsewhere by a
+select; S^T and dS'^T the checkpoints, stored (V, K)):
+
+    dq = scale 2^G (dO S) + scale (dP Gamma) K                 dP   = dO V^T
+    dk = 2^(G_L - G) (V dS'^T) + scale (dP Gamma)^T Q           dP^T = V dO^T
+    dv = 2^(G_L - G) (K dS') + P^T dO                           P^T  = scale (K Q^T) Gamma^T
+    dg_t = sum_{s >= t} (q_s . dq_s - k_s . dk_s) + sum_j k_j . dk_j^inter + 2^G_L sum (S * dS')
+
+Three warpgroups, one output each (dq, dk, dv): each makes its (C x C) scores by a wgmma from shared memory, masks and
+gates them into a bf16 register operand, makes its inter-chunk part against a checkpoint, scales its rows and adds
+the intra-chunk product. Warp 0 issues the six TMA loads (q, k, v, do tiles (C, D); the checkpoints (D, D)) on one
+mbarrier and scans the gates; the warpgroups' row sums meet in shared memory, where warp 0 makes dg.
+
+Shapes: q, k, v, do, dq, dk, dv [B, T, H, D] bf16; g [B, T, H] fp32 (the kernel's floored token gate, natural log);
+dg [B, T, H] fp32; the checkpoints [rows, H, D, D] bf16 (S^T); ``chunks`` [rows, 2] int32: each row's first token in
+the flattened (B T) axis and its valid tokens (0: no chunk, the CTA exits). D = 64 or 128.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from cula.sm90 import mma, pipeline, scalar_gates, tiles
+
+CHUNK = 64
+WARPGROUPS = 3  # dq, dk, dv
+
+
+class Tensors(NamedTuple):
+    q: cute.Tensor
+    k: cute.Tensor
+    v: cute.Tensor
+    do: cute.Tensor
+    g: cute.Tensor
+    states: cute.Tensor  # S^T per chunk row
+    state_grads: cute.Tensor  # dS'^T per chunk row
+    chunks: cute.Tensor
+    dq: cute.Tensor
+    dk: cute.Tensor
+    dv: cute.Tensor
+    dg: cute.Tensor
+
+
+class Loads(NamedTuple):
+    """The TMA atoms and (T, D, heads, B) / (V, K, heads, rows) views of the six loaded tiles."""
+
+    q: tuple
+    k: tuple
+    v: tuple
+    do: tuple
+    states: tuple
+    state_grads: tuple
+
+
+class Params(NamedTuple):
+    loads: Loads
+    t: Tensors
+    scale: cutlass.Float32
+    tile_tok: object
+    tile_tok_mn: object
+    tile_state: object
+    tile_state_mn: object
+
+
+class ScalarGateChunkBwdSm90:
+    """The kernel (module docstring)."""
+
+    def __init__(self, head_dim: int, is_varlen: bool):
+        assert head_dim in (64, 128), head_dim
+        self.D = head_dim
+        self.C = CHUNK
+        self.is_varlen = is_varlen
+        self.threads = 128 * WARPGROUPS
+
+    # ---------------------------------------------------------------- host side
+    @cute.jit
+    def __call__(self, q, k, v, do, g, states, state_grads, chunks, dq, dk, dv, dg, scale, stream):
+        C, D = self.C, self.D
+        t = Tensors(q, k, v, do, g, states, state_grads, chunks, dq, dk, dv, dg)
+        tile_tok, tile_tok_mn = tiles.token_tiles(C, D, 1)
+        tile_state, tile_state_mn = tiles.token_tiles(D, D, 1)
+        load = cpasync.CopyBulkTensorTileG2SOp()
+
+        def atom(x, tile, shape):
+            return cpasync.make_tiled_tma_atom(load, tiles.tma_view(x), cute.slice_(tile, (None, None, 0)), shape)
+
+        loads = Loads(
+            atom(q, tile_tok, (C, D)), atom(k, tile_tok, (C, D)), atom(v, tile_tok, (C, D)),
+            atom(do, tile_tok, (C, D)), atom(states, tile_state, (D, D)), atom(state_grads, tile_state, (D, D)),
+        )  # fmt: skip
+        p = Params(loads, t, scale, tile_tok, tile_tok_mn, tile_state, tile_state_mn)
+        bf16, f32 = cutlass.BFloat16, cutlass.Float32
+        tok_bytes = cute.cosize(tile_tok)
+        fields = {
+            "ring": pipeline.ring_storage(1),
+            "sQ": cute.struct.Align[cute.struct.MemRange[bf16, tok_bytes], 1024],
+            "sK": cute.struct.Align[cute.struct.MemRange[bf16, tok_bytes], 1024],
+            "sV": cute.struct.Align[cute.struct.MemRange[bf16, tok_bytes], 1024],
+            "sDO": cute.struct.Align[cute.struct.MemRange[bf16, tok_bytes], 1024],
+            "sS": cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_state)], 1024],
+            "sDS": cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_state)], 1024],
+            "sG": cute.struct.MemRange[f32, C],
+            "sBeta": cute.struct.MemRange[f32, C],
+            "sFac": cute.struct.MemRange[f32, 2 * C],
+            # per row: q . dq, k . dk, k . dk^inter; per warp: its part of sum(S * dS')
+            "sRows": cute.struct.MemRange[f32, 3 * C],
+            "sWarps": cute.struct.MemRange[f32, 4 * WARPGROUPS],
+        }
+        self.storage = cute.struct(type("Storage", (), {"__annotations__": fields}))
+        self.kernel(p).launch(
+            grid=(q.shape[2], chunks.shape[0], 1),
+            block=(self.threads, 1, 1),
+            smem=self.storage.size_in_bytes(),
+            stream=stream,
+        )
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(self, p: Params):
+        C, D = self.C, self.D
+        t = p.t
+        tidx, _, _ = cute.arch.thread_idx()
+        h, row, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        first, valid = t.chunks[row, 0], t.chunks[row, 1]
+        T = t.q.shape[1]
+        b, t0 = first // T, first % T
+
+        st = cutlass.memory.SmemAllocator().allocate(self.storage)
+        sQ = st.sQ.get_tensor(p.tile_tok.outer, swizzle=p.tile_tok.inner)
+        sK = st.sK.get_tensor(p.tile_tok.outer, swizzle=p.tile_tok.inner)
+        sV = st.sV.get_tensor(p.tile_tok.outer, swizzle=p.tile_tok.inner)
+        sDO = st.sDO.get_tensor(p.tile_tok.outer, swizzle=p.tile_tok.inner)
+        sS = st.sS.get_tensor(p.tile_state.outer, swizzle=p.tile_state.inner)
+        sDS = st.sDS.get_tensor(p.tile_state.outer, swizzle=p.tile_state.inner)
+        sG = st.sG.get_tensor(cute.make_layout((C, 1)))
+        sBeta = st.sBeta.get_tensor(cute.make_layout((C, 1)))
+        sFac = st.sFac.get_tensor(cute.make_layout((C, 1, 2)))
+        sRows = st.sRows.get_tensor(cute.make_layout((C, 3)))
+        sWarps = st.sWarps.get_tensor(cute.make_layout(4 * WARPGROUPS))
+        loads = pipeline.tma_ring(st.ring, 1, 4 * C * D * 2 + 2 * D * D * 2, 4 * WARPGROUPS)
+        pipeline.rings_made()
+
+        if valid > 0:
+            if warp == 0:
+                self.issue_loads(p, loads, sQ, sK, sV, sDO, sS, sDS, b, t0, h, row)
+                raw = scalar_gates.load_gates(t.g[b, None, h], None, t0, valid, 0, lane, C)
+                scalar_gates.publish_gates(sG, sBeta, sFac, 0, raw, 0, valid, lane, C)
+            loaded = pipeline.consumer_start(1)
+            loads.consumer_wait(loaded)
+            if cutlass.const_expr(self.is_varlen):
+                # rows past the chunk's end hold the next sequence's tokens: zeroed before any product reads them
+                if valid < C:
+                    for tile in (sQ, sK, sV, sDO):
+                        tiles.zero_rows_from(tile[None, None, 0], valid, tidx, self.threads)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_threads()  # the gates and the zeroed rows
+            wg = warp // 4
+            wtid = tidx % 128
+            tiles_ = (sQ[None, None, 0], sK[None, None, 0], sV[None, None, 0], sDO[None, None, 0])
+            if wg == 0:
+                self.make_dq(p, tiles_, sS, sG, sFac, sRows, valid, wtid, b, t0, h)
+            elif wg == 1:
+                self.make_dk(p, tiles_, sDS, sG, sFac, sRows, valid, wtid, b, t0, h)
+            else:
+                self.make_dv(p, tiles_, sDS, sG, sFac, valid, wtid, b, t0, h)
+            self.state_product(sS, sDS, sWarps, tidx, warp, lane)
+            cute.arch.sync_threads()
+            if warp == 0:
+                self.gate_gradient(t, sG, sRows, sWarps, valid, lane, b, t0, h)
+
+    @cute.jit
+    def issue_loads(self, p, loads, sQ, sK, sV, sDO, sS, sDS, b, t0, h, row):
+        """Warp 0: the chunk's four token tiles from token t0 of batch row b, and its two checkpoints, on one
+        mbarrier."""
+        L = p.loads
+        fill = pipeline.producer_start(1)
+        loads.producer_acquire(fill)
+        bar = loads.producer_get_barrier(fill)
+        for (tma, view), smem_tile in zip((L.q, L.k, L.v, L.do), (sQ, sK, sV, sDO), strict=True):
+            tS, tG = tiles.tma_chunk_tiles(tma, view[None, None, h, b], t0, smem_tile)
+            cute.copy(tma, tG[None, 0], tS[None, 0], tma_bar_ptr=bar)
+        for (tma, view), smem_tile in zip((L.states, L.state_grads), (sS, sDS), strict=True):
+            tS, tG = tiles.tma_chunk_tiles(tma, view[None, None, h, row], 0, smem_tile)
+            cute.copy(tma, tG[None, 0], tS[None, 0], tma_bar_ptr=bar)
+
+    @cute.jit
+    def masked_scores(self, p, acc, cCC, sG, valid, transposed: cutlass.Constexpr, scale):
+        """A (C x C) score accumulator as a bf16 register operand: entry (i, j) (or (j, i), ``transposed``) times
+        ``scale`` 2^(G_i - G_j) where j <= i < valid, else zero by a select."""
+        g_r, _, g_c = scalar_gates.gates_at(cCC, sG, sG, sG, 0)
+        out = cute.make_rmem_tensor(acc.layout, cutlass.Float32)
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            r, c = cCC[e]
+            rr, kc = mma.acc_row_slot(e), mma.acc_col_slot(e)
+            x = cutlass.Float32(0.0)
+            if cutlass.const_expr(transposed):
+                if r <= c and c < valid:
+                    x = acc[e] * scale * cute.math.exp2(g_c[kc] - g_r[rr], fastmath=True)
+            else:
+                if c <= r and r < valid:
+                    x = acc[e] * scale * cute.math.exp2(g_r[rr] - g_c[kc], fastmath=True)
+            out[e] = x
+        return mma.acc_to_operand(out)
+
+    @cute.jit
+    def scores(self, p, sA, sB, wtid):
+        """A B^T for two (C, D) token tiles: an fp32 (C x C) accumulator and its coordinates."""
+        tiled = mma.tiled_mma(self.C, self.C, a_in_registers=False)
+        thr = tiled.get_slice(wtid)
+        acc = thr.make_fragment_C(thr.partition_shape_C((self.C, self.C)))
+        a = thr.make_fragment_A(thr.partition_A(sA))
+        bb = thr.make_fragment_B(thr.partition_B(sB))
+        warpgroup.fence()
+        mma.gemm(tiled, acc, a, bb, True)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        return acc, thr.partition_C(cute.make_identity_tensor((self.C, self.C)))
+
+    @cute.jit
+    def inter(self, b_major: cutlass.Constexpr, sA, sB, wtid):
+        """A B for a (C, D) token tile and a checkpoint view (``b_major`` "MN": read (K, V); "K": read (V, K)): an
+        fp32 (C x D) accumulator and its coordinates."""
+        tiled = mma.tiled_mma(self.C, self.D, b_major=b_major, a_in_registers=False)
+        thr = tiled.get_slice(wtid)
+        acc = thr.make_fragment_C(thr.partition_shape_C((self.C, self.D)))
+        a = thr.make_fragment_A(thr.partition_A(sA))
+        bb = thr.make_fragment_B(thr.partition_B(sB))
+        warpgroup.fence()
+        mma.gemm(tiled, acc, a, bb, True)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        return acc, thr.partition_C(cute.make_identity_tensor((self.C, self.D)))
+
+    @cute.jit
+    def add_intra(self, p, acc, r_scores, sB_mn, wtid):
+        """acc += (scores) B with the scores a bf16 register operand and B a token tile read (D, C)."""
+        tiled = mma.tiled_mma(self.C, self.D, b_major="MN")
+        thr = tiled.get_slice(wtid)
+        bb = thr.make_fragment_B(thr.partition_B(sB_mn))
+        warpgroup.fence()
+        mma.gemm(tiled, acc, r_scores, bb, False)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+
+    @cute.jit
+    def scale_rows(self, acc, cTD, sFac, col: cutlass.Constexpr, scale):
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            r, _ = cTD[e]
+            acc[e] = acc[e] * sFac[r, 0, col] * scale
+
+    @cute.jit
+    def row_dot(self, acc, cTD, sX, sRows, col: cutlass.Constexpr, wtid):
+        """sum_d x[i, d] acc[i, d] per row i to ``sRows[i, col]``: each thread's part, then its quad's (a row's
+        elements lie on the four lanes of a quad)."""
+        part = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
+        part.fill(0.0)
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            r, d = cTD[e]
+            part[mma.acc_row_slot(e)] = part[mma.acc_row_slot(e)] + sX[r, d].to(cutlass.Float32) * acc[e]
+        for rr in cutlass.range_constexpr(2):
+            x = part[rr]
+            x = x + cute.arch.shuffle_sync_bfly(x, 1)
+            x = x + cute.arch.shuffle_sync_bfly(x, 2)
+            r, _ = cTD[2 * rr]
+            if wtid % 4 == 0:
+                sRows[r, col] = x
+
+    @cute.jit
+    def store_rows(self, acc, cTD, mX, valid, b, t0, h):
+        """The (C x D) accumulator's rows before ``valid`` to ``mX[b, t0 + i, h]`` in mX's dtype."""
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            r, d = cTD[e]
+            if r < valid:
+                mX[b, t0 + r, h, d] = acc[e].to(mX.element_type)
+
+    @cute.jit
+    def make_dq(self, p, tiles_, sS, sG, sFac, sRows, valid, wtid, b, t0, h):
+        sQ, sK, sV, sDO = tiles_
+        acc_dp, cCC = self.scores(p, sDO, sV, wtid)
+        r_dp = self.masked_scores(p, acc_dp, cCC, sG, valid, False, p.scale)
+        acc, cTD = self.inter("MN", sDO, tiles.mn_view(sS, p.tile_state_mn)[None, None, 0], wtid)
+        self.scale_rows(acc, cTD, sFac, 0, p.scale)
+        self.add_intra(p, acc, r_dp, tiles.mn_view(sK, p.tile_tok_mn)[None, None, 0], wtid)
+        self.row_dot(acc, cTD, sQ, sRows, 0, wtid)
+        self.store_rows(acc, cTD, p.t.dq, valid, b, t0, h)
+
+    @cute.jit
+    def make_dk(self, p, tiles_, sDS, sG, sFac, sRows, valid, wtid, b, t0, h):
+        sQ, sK, sV, sDO = tiles_
+        acc_dpt, cCC = self.scores(p, sV, sDO, wtid)
+        r_dpt = self.masked_scores(p, acc_dpt, cCC, sG, valid, True, p.scale)
+        acc, cTD = self.inter("MN", sV, tiles.mn_view(sDS, p.tile_state_mn)[None, None, 0], wtid)
+        self.scale_rows(acc, cTD, sFac, 1, cutlass.Float32(1.0))
+        self.row_dot(acc, cTD, sK, sRows, 2, wtid)
+        self.add_intra(p, acc, r_dpt, tiles.mn_view(sQ, p.tile_tok_mn)[None, None, 0], wtid)
+        self.row_dot(acc, cTD, sK, sRows, 1, wtid)
+        self.store_rows(acc, cTD, p.t.dk, valid, b, t0, h)
+
+    @cute.jit
+    def make_dv(self, p, tiles_, sDS, sG, sFac, valid, wtid, b, t0, h):
+        sQ, sK, sV, sDO = tiles_
+        acc_pt, cCC = self.scores(p, sK, sQ, wtid)
+        r_pt = self.masked_scores(p, acc_pt, cCC, sG, valid, True, p.scale)
+        acc, cTD = self.inter("K", sK, sDS[None, None, 0], wtid)
+        self.scale_rows(acc, cTD, sFac, 1, cutlass.Float32(1.0))
+        self.add_intra(p, acc, r_pt, tiles.mn_view(sDO, p.tile_tok_mn)[None, None, 0], wtid)
+        self.store_rows(acc, cTD, p.t.dv, valid, b, t0, h)
+
+    @cute.jit
+    def state_product(self, sS, sDS, sWarps, tidx, warp, lane):
+        """sum (S * dS') over the two checkpoints (the same layout), each warp's part to ``sWarps[warp]``."""
+        D = self.D
+        x = cutlass.Float32(0.0)
+        for idx in cutlass.range(tidx, D * D, self.threads, unroll=1):
+            r, c = idx // D, idx % D
+            x = x + sS[r, c, 0].to(cutlass.Float32) * sDS[r, c, 0].to(cutlass.Float32)
+        for i in cutlass.range_constexpr(5):
+            x = x + cute.arch.shuffle_sync_bfly(x, 1 << i)
+        if lane == 0:
+            sWarps[warp] = x
+
+    @cute.jit
+    def gate_gradient(self, t, sG, sRows, sWarps, valid, lane, b, t0, h):
+        """Warp 0, two rows per lane: dg_i = sum_{s >= i} (q . dq - k . dk)_s + sum_j (k . dk^inter)_j
+        + 2^G_L sum (S * dS'), stored for the valid rows."""
+        C = self.C
+        f32 = cutlass.Float32
+        local_lo = sRows[lane, 0] - sRows[lane, 1]
+        local_hi = sRows[lane + 32, 0] - sRows[lane + 32, 1]
+        inter = sRows[lane, 2] + sRows[lane + 32, 2]
+        states = f32(0.0)
+        for w in cutlass.range_constexpr(4 * WARPGROUPS):
+            states = states + sWarps[w]
+        # inclusive prefix sums over the rows (lanes, then the upper half after the lower)
+        pre_lo, pre_hi = local_lo, local_hi
+        for i in cutlass.range_constexpr(5):
+            up_lo = cute.arch.shuffle_sync_up(pre_lo, 1 << i)
+            up_hi = cute.arch.shuffle_sync_up(pre_hi, 1 << i)
+            if lane >= (1 << i):
+                pre_lo = pre_lo + up_lo
+                pre_hi = pre_hi + up_hi
+        pre_hi = pre_hi + cute.arch.shuffle_sync(pre_lo, 31)
+        total = cute.arch.shuffle_sync(pre_hi, 31)
+        for i in cutlass.range_constexpr(5):
+            inter = inter + cute.arch.shuffle_sync_bfly(inter, 1 << i)
+        constant = inter + cute.math.exp2(sG[C - 1, 0], fastmath=True) * states
+        if lane < valid:
+            t.dg[b, t0 + lane, h] = total - pre_lo + local_lo + constant
+        if lane + 32 < valid:
+            t.dg[b, t0 + lane + 32, h] = total - pre_hi + local_hi + constant
