@@ -165,3 +165,115 @@ def scalar_chunk_gradients(q, k, v, do, g, S, dS_end, scale) -> tuple[torch.Tens
     constant = (k * dk_inter).sum((1, 3)) + torch.exp(G_L[:, 0]) * (S * dS).sum((2, 3))
     dg = local.flip(1).cumsum(1).flip(1) + constant[:, None]
     return dq, dk, dv, dg
+
+
+def _pair_factors(G: torch.Tensor, strict: bool) -> torch.Tensor:
+    """Gamma [H, i, j, K] = e^(G_i - G_j) for j < i (``strict``) or j <= i, else zero by a select."""
+    L = G.shape[1]
+    mask = torch.ones(L, L, dtype=torch.bool, device=G.device).tril(-1 if strict else 0)[None, :, :, None]
+    diff = G[:, :, None, :] - G[:, None, :, :]
+    return torch.where(mask, torch.exp(torch.where(mask, diff, 0.0)), 0.0)
+
+
+def delta_chunk_forward(q, k, v, beta, g, S, scale) -> dict[str, torch.Tensor]:
+    """The delta rule's chunk (GDN, KDA; g [H, L, K] per key, floored) from its start state S [H, K, V]: the WY
+    form's pieces the backward reads, with the output and the end state. Pair factors are selects of
+    e^(G_i - G_j), never e^-G alone (which overflows on steep gates)."""
+    G = torch.cumsum(g, dim=1)
+    E, G_L = torch.exp(G), G[:, -1:]
+    to_end = torch.exp(G_L - G)
+    gamma_a, gamma_p = _pair_factors(G, strict=True), _pair_factors(G, strict=False)
+    A = beta[..., None] * torch.einsum("hik,hjk,hijk->hij", k, k, gamma_a)
+    eye = torch.eye(q.shape[1], dtype=q.dtype, device=q.device)
+    Tinv = torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False)
+    W = Tinv @ (beta[..., None] * k * E)
+    U = Tinv @ (beta[..., None] * v)
+    v_new = U - W @ S
+    P = scale * torch.einsum("hik,hjk,hijk->hij", q, k, gamma_p)
+    o = scale * (q * E) @ S + P @ v_new
+    S_end = torch.exp(G_L).transpose(1, 2) * S + (k * to_end).transpose(1, 2) @ v_new
+    return dict(G=G, E=E, to_end=to_end, gamma_a=gamma_a, gamma_p=gamma_p, A=A, Tinv=Tinv, W=W, v_new=v_new, P=P, o=o,
+                S_end=S_end)  # fmt: skip
+
+
+def delta_chunk_backward(q, k, v, beta, f, S, dS_end, do, scale) -> dict[str, torch.Tensor]:
+    """The delta rule's chunk backward from its forward pieces ``f`` (:func:`delta_chunk_forward`), its start
+    state S, the gradient dS_end of its end state and dO: ``dq, dk, dv, dbeta, dG`` (the gradient of the chunk's
+    cumulative gate, per key) and ``dS`` (of its start state: the reverse walk's step).
+
+        dV_new = P^T dO + (K e^(G_L - G)) dS_end
+        dS     = e^G_L dS_end + scale (Q e^G)^T dO - W^T dV_new
+        dW = -dV_new S^T, dU = dV_new; W = T diag(beta) (K e^G), U = T diag(beta) V with T = (I + A)^-1:
+        dT = dW (beta K e^G)^T + dU (beta V)^T, dA = -T^T dT T^T on A's strict lower triangle.
+
+    Every pair factor e^(G_i - G_j) passes its gradient to G_i and minus it to G_j; the end factors e^(G_L - G_j)
+    and the state's decay e^G_L pass theirs to the last row (G_L)."""
+    G, E, to_end, Tinv, W, v_new = f["G"], f["E"], f["to_end"], f["Tinv"], f["W"], f["v_new"]
+    gamma_a, gamma_p = f["gamma_a"], f["gamma_p"]
+    strict = torch.ones_like(f["A"][0], dtype=torch.bool).tril(-1)
+    G_L = G[:, -1:]
+    dv_new = f["P"].transpose(1, 2) @ do + (k * to_end) @ dS_end
+    dS = torch.exp(G_L).transpose(1, 2) * dS_end + scale * (q * E).transpose(1, 2) @ do - W.transpose(1, 2) @ dv_new
+    # O = scale (Q e^G) S + P V_new
+    dq_gated = scale * do @ S.transpose(1, 2)
+    dP = scale * (do @ v_new.transpose(1, 2))
+    pair_p = torch.einsum("hij,hik,hjk,hijk->hijk", dP, q, k, gamma_p)
+    dq = dq_gated * E + torch.einsum("hij,hijk,hjk->hik", dP, gamma_p, k)
+    dk = torch.einsum("hij,hijk,hik->hjk", dP, gamma_p, q)
+    dG = dq_gated * q * E + pair_p.sum(2) - pair_p.sum(1)
+    # S_end = e^G_L S + (K e^(G_L - G))^T V_new
+    through_end = v_new @ dS_end.transpose(1, 2)
+    end_term = k * to_end * through_end
+    dk = dk + to_end * through_end
+    dG = dG - end_term
+    dG_last = end_term.sum(1) + torch.exp(G_L[:, 0]) * (S * dS_end).sum(-1)
+    # V_new = U - W S
+    dW, dU = -dv_new @ S.transpose(1, 2), dv_new
+    bk, bv = beta[..., None] * k * E, beta[..., None] * v
+    dT = dW @ bk.transpose(1, 2) + dU @ bv.transpose(1, 2)
+    d_bk, d_bv = Tinv.transpose(1, 2) @ dW, Tinv.transpose(1, 2) @ dU
+    dA = torch.where(strict, -Tinv.transpose(1, 2) @ dT @ Tinv.transpose(1, 2), 0.0)
+    # A_ij = beta_i sum_k k_ik k_jk e^(G_ik - G_jk), j < i
+    kk = torch.einsum("hik,hjk,hijk->hij", k, k, gamma_a)
+    dbeta = (dA * kk).sum(-1) + (d_bk * k * E).sum(-1) + (d_bv * v).sum(-1)
+    dA_b = beta[..., None] * dA
+    pair_a = torch.einsum("hij,hik,hjk,hijk->hijk", dA_b, k, k, gamma_a)
+    dk = dk + torch.einsum("hij,hijk,hjk->hik", dA_b, gamma_a, k) + torch.einsum("hij,hijk,hik->hjk", dA_b, gamma_a, k)
+    dG = dG + pair_a.sum(2) - pair_a.sum(1)
+    dk = dk + beta[..., None] * d_bk * E
+    dG = dG + beta[..., None] * d_bk * k * E
+    dv = beta[..., None] * d_bv
+    dG[:, -1] = dG[:, -1] + dG_last
+    return dict(dq=dq, dk=dk, dv=dv, dbeta=dbeta, dG=dG, dS=dS)
+
+
+def delta_backward(q, k, v, beta, g, do, scale, h0=None, dht=None) -> dict[str, torch.Tensor]:
+    """The delta rule's backward on one sequence (shapes as :func:`gated_backward`, beta [H, T]; g [H, T] for GDN or
+    [H, T, K] for KDA, natural log): the forward walk keeps each chunk's start state, the reverse walk carries dS
+    and makes each chunk's gradients from its recomputed WY pieces. ``{"dq", "dk", "dv", "dbeta", "dg", "dh0"}``."""
+    H, T, K = q.shape
+    per_key = g.dim() == 3
+    g_raw = g if per_key else g[..., None].expand(H, T, K)
+    gk = g_raw.clamp_min(GATE_FLOOR)
+    S = q.new_zeros(H, K, v.shape[-1]) if h0 is None else h0.clone()
+    bounds = [(c0, min(c0 + CHUNK, T)) for c0 in range(0, T, CHUNK)]
+    starts = []
+    for c0, c1 in bounds:
+        starts.append(S)
+        S = delta_chunk_forward(q[:, c0:c1], k[:, c0:c1], v[:, c0:c1], beta[:, c0:c1], gk[:, c0:c1], S, scale)["S_end"]
+    dS = torch.zeros_like(S) if dht is None else dht.clone()
+    parts = {name: [None] * len(bounds) for name in ("dq", "dk", "dv", "dbeta", "dg")}
+    for c in reversed(range(len(bounds))):
+        c0, c1 = bounds[c]
+        x = (q[:, c0:c1], k[:, c0:c1], v[:, c0:c1], beta[:, c0:c1])
+        f = delta_chunk_forward(*x, gk[:, c0:c1], starts[c], scale)
+        grads = delta_chunk_backward(*x, f, starts[c], dS, do[:, c0:c1], scale)
+        dS = grads["dS"]
+        for name in ("dq", "dk", "dv", "dbeta"):
+            parts[name][c] = grads[name]
+        parts["dg"][c] = grads["dG"].flip(1).cumsum(1).flip(1)
+    out = {name: torch.cat(chunks, dim=1) for name, chunks in parts.items()}
+    dg = torch.where(g_raw < GATE_FLOOR, 0.0, out["dg"])
+    out["dg"] = dg if per_key else dg.sum(-1)
+    out["dh0"] = dS
+    return out
