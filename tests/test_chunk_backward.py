@@ -156,3 +156,22 @@ def test_delta_rule_chunked_backward_is_exact(per_key, T, gates):
         assert torch.isfinite(ref[name]).all(), name
         err = rel_rmse(got[name], ref[name])
         assert err <= 1e-9, (name, err)
+
+
+@pytest.mark.parametrize("per_key", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("T,gates", [(1, "layer"), (300, "spikes"), (500, "layer")])
+def test_delta_rule_backward_holds_with_bf16_operands(per_key, T, gates):
+    """Every product of the delta rule's backward plan with its operands rounded to bf16 (the kernels' wgmma
+    operands: tokens, checkpoints, Tinv, W, V_new, dV_new, dW, dT, the scores) and fp32 accumulation stays within the
+    bf16 tolerances of the fp64 reference per head: no operand needs a hi + lo pair (KDA's forward does)."""
+    torch.manual_seed(T)
+    q, k = bf16(torch.randn(H, T, K)), bf16(F.normalize(torch.randn(H, T, K), dim=-1))
+    v, do = bf16(torch.randn(H, T, V)), bf16(torch.randn(H, T, V))
+    beta, g = torch.rand(H, T), make_gates(gates, T, per_key)
+    h0, dht = torch.randn(H, K, V) * 0.1, torch.randn(H, K, V) * 0.1
+    ref = delta_fp64_gradients(*(x.double() for x in (q, k, v, beta, g, do, h0, dht)))
+    got = chunk_backward.delta_backward(q, k, v, beta, g, do, SCALE, h0, dht, operand=bf16)
+    for name, tol in (("dq", 0.008), ("dk", 0.008), ("dv", 0.008), ("dh0", 0.008), ("dg", 0.02), ("dbeta", 0.02)):
+        for h in range(H):
+            err = rel_rmse(got[name][h], ref[name][h])
+            assert err <= tol, (name, h, err)

@@ -175,28 +175,34 @@ def _pair_factors(G: torch.Tensor, strict: bool) -> torch.Tensor:
     return torch.where(mask, torch.exp(torch.where(mask, diff, 0.0)), 0.0)
 
 
-def delta_chunk_forward(q, k, v, beta, g, S, scale) -> dict[str, torch.Tensor]:
+def _exact(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def delta_chunk_forward(q, k, v, beta, g, S, scale, operand=_exact) -> dict[str, torch.Tensor]:
     """The delta rule's chunk (GDN, KDA; g [H, L, K] per key, floored) from its start state S [H, K, V]: the WY
     form's pieces the backward reads, with the output and the end state. Pair factors are selects of
-    e^(G_i - G_j), never e^-G alone (which overflows on steep gates)."""
+    e^(G_i - G_j), never e^-G alone (which overflows on steep gates). ``operand``: what every product's operands go
+    through (:func:`~cula.ops.chunk_emulation.bf16` for the kernels' wgmma operands; exact by default)."""
+    r = operand
     G = torch.cumsum(g, dim=1)
     E, G_L = torch.exp(G), G[:, -1:]
     to_end = torch.exp(G_L - G)
     gamma_a, gamma_p = _pair_factors(G, strict=True), _pair_factors(G, strict=False)
-    A = beta[..., None] * torch.einsum("hik,hjk,hijk->hij", k, k, gamma_a)
+    A = beta[..., None] * torch.einsum("hik,hjk,hijk->hij", r(k), r(k), gamma_a)
     eye = torch.eye(q.shape[1], dtype=q.dtype, device=q.device)
     Tinv = torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False)
-    W = Tinv @ (beta[..., None] * k * E)
-    U = Tinv @ (beta[..., None] * v)
-    v_new = U - W @ S
-    P = scale * torch.einsum("hik,hjk,hijk->hij", q, k, gamma_p)
-    o = scale * (q * E) @ S + P @ v_new
-    S_end = torch.exp(G_L).transpose(1, 2) * S + (k * to_end).transpose(1, 2) @ v_new
+    W = r(Tinv) @ r(beta[..., None] * k * E)
+    U = r(Tinv) @ r(beta[..., None] * v)
+    v_new = U - r(W) @ r(S)
+    P = scale * torch.einsum("hik,hjk,hijk->hij", r(q), r(k), gamma_p)
+    o = scale * r(q * E) @ r(S) + r(P) @ r(v_new)
+    S_end = torch.exp(G_L).transpose(1, 2) * S + r(k * to_end).transpose(1, 2) @ r(v_new)
     return dict(G=G, E=E, to_end=to_end, gamma_a=gamma_a, gamma_p=gamma_p, A=A, Tinv=Tinv, W=W, v_new=v_new, P=P, o=o,
                 S_end=S_end)  # fmt: skip
 
 
-def delta_chunk_backward(q, k, v, beta, f, S, dS_end, do, scale) -> dict[str, torch.Tensor]:
+def delta_chunk_backward(q, k, v, beta, f, S, dS_end, do, scale, operand=_exact) -> dict[str, torch.Tensor]:
     """The delta rule's chunk backward from its forward pieces ``f`` (:func:`delta_chunk_forward`), its start
     state S, the gradient dS_end of its end state and dO: ``dq, dk, dv, dbeta, dG`` (the gradient of the chunk's
     cumulative gate, per key) and ``dS`` (of its start state: the reverse walk's step).
@@ -207,38 +213,47 @@ def delta_chunk_backward(q, k, v, beta, f, S, dS_end, do, scale) -> dict[str, to
         dT = dW (beta K e^G)^T + dU (beta V)^T, dA = -T^T dT T^T on A's strict lower triangle.
 
     Every pair factor e^(G_i - G_j) passes its gradient to G_i and minus it to G_j; the end factors e^(G_L - G_j)
-    and the state's decay e^G_L pass theirs to the last row (G_L)."""
+    and the state's decay e^G_L pass theirs to the last row (G_L). ``operand`` as :func:`delta_chunk_forward`."""
+    r = operand
     G, E, to_end, Tinv, W, v_new = f["G"], f["E"], f["to_end"], f["Tinv"], f["W"], f["v_new"]
     gamma_a, gamma_p = f["gamma_a"], f["gamma_p"]
     strict = torch.ones_like(f["A"][0], dtype=torch.bool).tril(-1)
     G_L = G[:, -1:]
-    dv_new = f["P"].transpose(1, 2) @ do + (k * to_end) @ dS_end
-    dS = torch.exp(G_L).transpose(1, 2) * dS_end + scale * (q * E).transpose(1, 2) @ do - W.transpose(1, 2) @ dv_new
+    dv_new = r(f["P"]).transpose(1, 2) @ r(do) + r(k * to_end) @ r(dS_end)
+    dS = (
+        torch.exp(G_L).transpose(1, 2) * dS_end
+        + scale * r(q * E).transpose(1, 2) @ r(do)
+        - r(W).transpose(1, 2) @ r(dv_new)
+    )
     # O = scale (Q e^G) S + P V_new
-    dq_gated = scale * do @ S.transpose(1, 2)
-    dP = scale * (do @ v_new.transpose(1, 2))
+    dq_gated = scale * r(do) @ r(S).transpose(1, 2)
+    dP = scale * (r(do) @ r(v_new).transpose(1, 2))
     pair_p = torch.einsum("hij,hik,hjk,hijk->hijk", dP, q, k, gamma_p)
-    dq = dq_gated * E + torch.einsum("hij,hijk,hjk->hik", dP, gamma_p, k)
-    dk = torch.einsum("hij,hijk,hik->hjk", dP, gamma_p, q)
+    dq = dq_gated * E + torch.einsum("hij,hijk,hjk->hik", r(dP), gamma_p, r(k))
+    dk = torch.einsum("hij,hijk,hik->hjk", r(dP), gamma_p, r(q))
     dG = dq_gated * q * E + pair_p.sum(2) - pair_p.sum(1)
     # S_end = e^G_L S + (K e^(G_L - G))^T V_new
-    through_end = v_new @ dS_end.transpose(1, 2)
+    through_end = r(v_new) @ r(dS_end).transpose(1, 2)
     end_term = k * to_end * through_end
     dk = dk + to_end * through_end
     dG = dG - end_term
-    dG_last = end_term.sum(1) + torch.exp(G_L[:, 0]) * (S * dS_end).sum(-1)
+    dG_last = end_term.sum(1) + torch.exp(G_L[:, 0]) * (r(S) * r(dS_end)).sum(-1)
     # V_new = U - W S
-    dW, dU = -dv_new @ S.transpose(1, 2), dv_new
+    dW, dU = -r(dv_new) @ r(S).transpose(1, 2), dv_new
     bk, bv = beta[..., None] * k * E, beta[..., None] * v
-    dT = dW @ bk.transpose(1, 2) + dU @ bv.transpose(1, 2)
-    d_bk, d_bv = Tinv.transpose(1, 2) @ dW, Tinv.transpose(1, 2) @ dU
-    dA = torch.where(strict, -Tinv.transpose(1, 2) @ dT @ Tinv.transpose(1, 2), 0.0)
+    dT = r(dW) @ r(bk).transpose(1, 2) + r(dU) @ r(bv).transpose(1, 2)
+    d_bk, d_bv = r(Tinv).transpose(1, 2) @ r(dW), r(Tinv).transpose(1, 2) @ r(dU)
+    dA = torch.where(strict, -(r(Tinv).transpose(1, 2) @ r(r(dT) @ r(Tinv).transpose(1, 2))), 0.0)
     # A_ij = beta_i sum_k k_ik k_jk e^(G_ik - G_jk), j < i
-    kk = torch.einsum("hik,hjk,hijk->hij", k, k, gamma_a)
+    kk = torch.einsum("hik,hjk,hijk->hij", r(k), r(k), gamma_a)
     dbeta = (dA * kk).sum(-1) + (d_bk * k * E).sum(-1) + (d_bv * v).sum(-1)
     dA_b = beta[..., None] * dA
     pair_a = torch.einsum("hij,hik,hjk,hijk->hijk", dA_b, k, k, gamma_a)
-    dk = dk + torch.einsum("hij,hijk,hjk->hik", dA_b, gamma_a, k) + torch.einsum("hij,hijk,hik->hjk", dA_b, gamma_a, k)
+    dk = (
+        dk
+        + torch.einsum("hij,hijk,hjk->hik", r(dA_b), gamma_a, r(k))
+        + torch.einsum("hij,hijk,hik->hjk", r(dA_b), gamma_a, r(k))
+    )
     dG = dG + pair_a.sum(2) - pair_a.sum(1)
     dk = dk + beta[..., None] * d_bk * E
     dG = dG + beta[..., None] * d_bk * k * E
@@ -247,10 +262,11 @@ def delta_chunk_backward(q, k, v, beta, f, S, dS_end, do, scale) -> dict[str, to
     return dict(dq=dq, dk=dk, dv=dv, dbeta=dbeta, dG=dG, dS=dS)
 
 
-def delta_backward(q, k, v, beta, g, do, scale, h0=None, dht=None) -> dict[str, torch.Tensor]:
+def delta_backward(q, k, v, beta, g, do, scale, h0=None, dht=None, operand=_exact) -> dict[str, torch.Tensor]:
     """The delta rule's backward on one sequence (shapes as :func:`gated_backward`, beta [H, T]; g [H, T] for GDN or
     [H, T, K] for KDA, natural log): the forward walk keeps each chunk's start state, the reverse walk carries dS
-    and makes each chunk's gradients from its recomputed WY pieces. ``{"dq", "dk", "dv", "dbeta", "dg", "dh0"}``."""
+    and makes each chunk's gradients from its recomputed WY pieces. ``{"dq", "dk", "dv", "dbeta", "dg", "dh0"}``;
+    ``operand`` as :func:`delta_chunk_forward`."""
     H, T, K = q.shape
     per_key = g.dim() == 3
     g_raw = g if per_key else g[..., None].expand(H, T, K)
@@ -260,14 +276,15 @@ def delta_backward(q, k, v, beta, g, do, scale, h0=None, dht=None) -> dict[str, 
     starts = []
     for c0, c1 in bounds:
         starts.append(S)
-        S = delta_chunk_forward(q[:, c0:c1], k[:, c0:c1], v[:, c0:c1], beta[:, c0:c1], gk[:, c0:c1], S, scale)["S_end"]
+        x = (q[:, c0:c1], k[:, c0:c1], v[:, c0:c1], beta[:, c0:c1], gk[:, c0:c1])
+        S = delta_chunk_forward(*x, S, scale, operand)["S_end"]
     dS = torch.zeros_like(S) if dht is None else dht.clone()
     parts = {name: [None] * len(bounds) for name in ("dq", "dk", "dv", "dbeta", "dg")}
     for c in reversed(range(len(bounds))):
         c0, c1 = bounds[c]
         x = (q[:, c0:c1], k[:, c0:c1], v[:, c0:c1], beta[:, c0:c1])
-        f = delta_chunk_forward(*x, gk[:, c0:c1], starts[c], scale)
-        grads = delta_chunk_backward(*x, f, starts[c], dS, do[:, c0:c1], scale)
+        f = delta_chunk_forward(*x, gk[:, c0:c1], starts[c], scale, operand)
+        grads = delta_chunk_backward(*x, f, starts[c], dS, do[:, c0:c1], scale, operand)
         dS = grads["dS"]
         for name in ("dq", "dk", "dv", "dbeta"):
             parts[name][c] = grads[name]
