@@ -121,7 +121,9 @@ def test_batched_scalar_gradients_match_the_per_sequence_plan():
         for n, ref in expected.items():
             s, e = offsets[n], offsets[n + 1]
             assert torch.isfinite(tokens[s:e]).all(), (name, n)
-            assert rel_rmse(tokens[s:e].transpose(0, 1), ref[name]) <= 1e-4, (name, n)
+            # within bf16 rounding (the rows round scale dP Gamma as the kernel does, the plan keeps it fp32): a chunk
+            # or a checkpoint taken from the wrong row is off by its whole size
+            assert rel_rmse(tokens[s:e].transpose(0, 1), ref[name]) <= 5e-3, (name, n)
 
 
 def delta_fp64_gradients(q, k, v, beta, g, do, h0, dht):

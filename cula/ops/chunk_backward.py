@@ -154,7 +154,8 @@ def scalar_chunk_gradients(q, k, v, do, g, S, dS_end, scale) -> tuple[torch.Tens
     gamma = torch.where(lower, torch.exp(torch.where(lower, diff, 0.0)), 0.0)
     q, k, v, do, S, dS = (x.float() for x in (q, k, v, do, S, dS_end))
     P = bf16(scale * torch.einsum("rihk,rjhk->rijh", q, k) * gamma)
-    dP_gamma = torch.where(lower, torch.einsum("rihv,rjhv->rijh", do, v), 0.0) * gamma
+    # scale dP Gamma is a bf16 operand in the kernel, as P is
+    dP_gamma = bf16(scale * torch.where(lower, torch.einsum("rihv,rjhv->rijh", do, v), 0.0) * gamma) / scale
     to_end = torch.exp(G_L - G)[..., None]
     dq = scale * torch.exp(G)[..., None] * torch.einsum("rchv,rhvk->rchk", do, S)
     dq = dq + scale * torch.einsum("rijh,rjhk->rihk", dP_gamma, k)

@@ -50,7 +50,8 @@ class Tensors(NamedTuple):
 
 
 class Loads(NamedTuple):
-    """The TMA atoms and (T, D, heads, B) / (V, K, heads, rows) views of the six loaded tiles."""
+    """The TMA atoms and views of the six loaded tiles: (T, D, heads, B) for the tokens (:func:`cula.sm90.tiles.tma_view`),
+    (V, K, heads, rows) for the checkpoints (:func:`cula.sm90.tiles.state_tma_view`)."""
 
     q: tuple
     k: tuple
@@ -89,12 +90,14 @@ class ScalarGateChunkBwdSm90:
         tile_state, tile_state_mn = tiles.token_tiles(D, D, 1)
         load = cpasync.CopyBulkTensorTileG2SOp()
 
-        def atom(x, tile, shape):
-            return cpasync.make_tiled_tma_atom(load, tiles.tma_view(x), cute.slice_(tile, (None, None, 0)), shape)
+        def atom(view, tile, shape):
+            return cpasync.make_tiled_tma_atom(load, view, cute.slice_(tile, (None, None, 0)), shape)
 
+        tok, ckpt = tiles.tma_view, tiles.state_tma_view
         loads = Loads(
-            atom(q, tile_tok, (C, D)), atom(k, tile_tok, (C, D)), atom(v, tile_tok, (C, D)),
-            atom(do, tile_tok, (C, D)), atom(states, tile_state, (D, D)), atom(state_grads, tile_state, (D, D)),
+            atom(tok(q), tile_tok, (C, D)), atom(tok(k), tile_tok, (C, D)), atom(tok(v), tile_tok, (C, D)),
+            atom(tok(do), tile_tok, (C, D)), atom(ckpt(states), tile_state, (D, D)),
+            atom(ckpt(state_grads), tile_state, (D, D)),
         )  # fmt: skip
         p = Params(loads, t, scale, tile_tok, tile_tok_mn, tile_state, tile_state_mn)
         bf16, f32 = cutlass.BFloat16, cutlass.Float32
@@ -116,7 +119,7 @@ class ScalarGateChunkBwdSm90:
         }
         self.storage = cute.struct(type("Storage", (), {"__annotations__": fields}))
         self.kernel(p).launch(
-            grid=(q.shape[2], chunks.shape[0], 1),
+            grid=(chunks.shape[0], q.shape[2], 1),
             block=(self.threads, 1, 1),
             smem=self.storage.size_in_bytes(),
             stream=stream,
@@ -128,7 +131,7 @@ class ScalarGateChunkBwdSm90:
         C, D = self.C, self.D
         t = p.t
         tidx, _, _ = cute.arch.thread_idx()
-        h, row, _ = cute.arch.block_idx()
+        row, h, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
         first, valid = t.chunks[row, 0], t.chunks[row, 1]
@@ -213,33 +216,31 @@ class ScalarGateChunkBwdSm90:
         return mma.acc_to_operand(out)
 
     @cute.jit
-    def scores(self, p, sA, sB, wtid):
-        """A B^T for two (C, D) token tiles: an fp32 (C x C) accumulator and its coordinates."""
-        tiled = mma.tiled_mma(self.C, self.C, a_in_registers=False)
+    def product(self, tiled, sA, sB, wtid, n: cutlass.Constexpr):
+        """A B^T by ``tiled`` (both operands in shared memory, B given (N, K)): an fp32 (C x n) accumulator and its
+        coordinates."""
         thr = tiled.get_slice(wtid)
-        acc = thr.make_fragment_C(thr.partition_shape_C((self.C, self.C)))
+        acc = thr.make_fragment_C(thr.partition_shape_C((self.C, n)))
         a = thr.make_fragment_A(thr.partition_A(sA))
         bb = thr.make_fragment_B(thr.partition_B(sB))
         warpgroup.fence()
         mma.gemm(tiled, acc, a, bb, True)
         warpgroup.commit_group()
         warpgroup.wait_group(0)
-        return acc, thr.partition_C(cute.make_identity_tensor((self.C, self.C)))
+        return acc, thr.partition_C(cute.make_identity_tensor((self.C, n)))
+
+    @cute.jit
+    def scores(self, sA, sB, wtid):
+        """A B^T for two (C, D) token tiles: an fp32 (C x C) accumulator and its coordinates. (Each warpgroup's
+        branch makes its own tiled MMAs: a value made inside one branch does not reach another.)"""
+        return self.product(mma.tiled_mma(self.C, self.C, a_in_registers=False), sA, sB, wtid, self.C)
 
     @cute.jit
     def inter(self, b_major: cutlass.Constexpr, sA, sB, wtid):
         """A B for a (C, D) token tile and a checkpoint view (``b_major`` "MN": read (K, V); "K": read (V, K)): an
         fp32 (C x D) accumulator and its coordinates."""
         tiled = mma.tiled_mma(self.C, self.D, b_major=b_major, a_in_registers=False)
-        thr = tiled.get_slice(wtid)
-        acc = thr.make_fragment_C(thr.partition_shape_C((self.C, self.D)))
-        a = thr.make_fragment_A(thr.partition_A(sA))
-        bb = thr.make_fragment_B(thr.partition_B(sB))
-        warpgroup.fence()
-        mma.gemm(tiled, acc, a, bb, True)
-        warpgroup.commit_group()
-        warpgroup.wait_group(0)
-        return acc, thr.partition_C(cute.make_identity_tensor((self.C, self.D)))
+        return self.product(tiled, sA, sB, wtid, self.D)
 
     @cute.jit
     def add_intra(self, p, acc, r_scores, sB_mn, wtid):
@@ -286,7 +287,7 @@ class ScalarGateChunkBwdSm90:
     @cute.jit
     def make_dq(self, p, tiles_, sS, sG, sFac, sRows, valid, wtid, b, t0, h):
         sQ, sK, sV, sDO = tiles_
-        acc_dp, cCC = self.scores(p, sDO, sV, wtid)
+        acc_dp, cCC = self.scores(sDO, sV, wtid)
         r_dp = self.masked_scores(p, acc_dp, cCC, sG, valid, False, p.scale)
         acc, cTD = self.inter("MN", sDO, tiles.mn_view(sS, p.tile_state_mn)[None, None, 0], wtid)
         self.scale_rows(acc, cTD, sFac, 0, p.scale)
@@ -297,7 +298,7 @@ class ScalarGateChunkBwdSm90:
     @cute.jit
     def make_dk(self, p, tiles_, sDS, sG, sFac, sRows, valid, wtid, b, t0, h):
         sQ, sK, sV, sDO = tiles_
-        acc_dpt, cCC = self.scores(p, sV, sDO, wtid)
+        acc_dpt, cCC = self.scores(sV, sDO, wtid)
         r_dpt = self.masked_scores(p, acc_dpt, cCC, sG, valid, True, p.scale)
         acc, cTD = self.inter("MN", sV, tiles.mn_view(sDS, p.tile_state_mn)[None, None, 0], wtid)
         self.scale_rows(acc, cTD, sFac, 1, cutlass.Float32(1.0))
@@ -309,7 +310,7 @@ class ScalarGateChunkBwdSm90:
     @cute.jit
     def make_dv(self, p, tiles_, sDS, sG, sFac, valid, wtid, b, t0, h):
         sQ, sK, sV, sDO = tiles_
-        acc_pt, cCC = self.scores(p, sK, sQ, wtid)
+        acc_pt, cCC = self.scores(sK, sQ, wtid)
         r_pt = self.masked_scores(p, acc_pt, cCC, sG, valid, True, p.scale)
         acc, cTD = self.inter("K", sK, sDS[None, None, 0], wtid)
         self.scale_rows(acc, cTD, sFac, 1, cutlass.Float32(1.0))
@@ -341,20 +342,11 @@ class ScalarGateChunkBwdSm90:
         states = f32(0.0)
         for w in cutlass.range_constexpr(4 * WARPGROUPS):
             states = states + sWarps[w]
-        # inclusive prefix sums over the rows (lanes, then the upper half after the lower)
-        pre_lo, pre_hi = local_lo, local_hi
-        for i in cutlass.range_constexpr(5):
-            up_lo = cute.arch.shuffle_sync_up(pre_lo, 1 << i)
-            up_hi = cute.arch.shuffle_sync_up(pre_hi, 1 << i)
-            if lane >= (1 << i):
-                pre_lo = pre_lo + up_lo
-                pre_hi = pre_hi + up_hi
-        pre_hi = pre_hi + cute.arch.shuffle_sync(pre_lo, 31)
-        total = cute.arch.shuffle_sync(pre_hi, 31)
+        after_lo, after_hi = scalar_gates.warp_scan_64(local_lo, local_hi, lane, True)
         for i in cutlass.range_constexpr(5):
             inter = inter + cute.arch.shuffle_sync_bfly(inter, 1 << i)
         constant = inter + cute.math.exp2(sG[C - 1, 0], fastmath=True) * states
         if lane < valid:
-            t.dg[b, t0 + lane, h] = total - pre_lo + local_lo + constant
+            t.dg[b, t0 + lane, h] = after_lo + constant
         if lane + 32 < valid:
-            t.dg[b, t0 + lane + 32, h] = total - pre_hi + local_hi + constant
+            t.dg[b, t0 + lane + 32, h] = after_hi + constant

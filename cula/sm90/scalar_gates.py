@@ -76,13 +76,7 @@ def publish_gates(sG, sBeta, sFac, slot, gates, chunk, seqlen, lane, C: cutlass.
     g_hi = cutlass.max(g_hi, f32(GATE_FLOOR)) if t + 32 < seqlen else zero
     b_lo = b_lo.to(f32) if t < seqlen else zero
     b_hi = b_hi.to(f32) if t + 32 < seqlen else zero
-    for i in cutlass.range_constexpr(5):
-        up_lo = cute.arch.shuffle_sync_up(g_lo, 1 << i)
-        up_hi = cute.arch.shuffle_sync_up(g_hi, 1 << i)
-        if lane >= (1 << i):
-            g_lo = g_lo + up_lo
-            g_hi = g_hi + up_hi
-    g_hi = g_hi + cute.arch.shuffle_sync(g_lo, 31)
+    g_lo, g_hi = warp_scan_64(g_lo, g_hi, lane, False)
     sG[lane, slot] = g_lo * _LOG2E
     sG[lane + 32, slot] = g_hi * _LOG2E
     sBeta[lane, slot] = b_lo
@@ -93,3 +87,28 @@ def publish_gates(sG, sBeta, sFac, slot, gates, chunk, seqlen, lane, C: cutlass.
     sFac[lane + 32, slot, 0] = cute.math.exp2(G_hi, fastmath=True)
     sFac[lane, slot, 1] = cute.math.exp2(G_last - G_lo, fastmath=True) if t < seqlen else zero
     sFac[lane + 32, slot, 1] = cute.math.exp2(G_last - G_hi, fastmath=True) if t + 32 < seqlen else zero
+
+
+@cute.jit
+def warp_scan_64(lo, hi, lane, suffix: cutlass.Constexpr):
+    """Inclusive sums over 64 values held two per lane (``lo`` at place lane, ``hi`` at lane + 32): prefix sums
+    (places 0 .. i), or with ``suffix`` the sums from place i to the last, each summed from its own end (no
+    difference of two large totals)."""
+    for i in cutlass.range_constexpr(5):
+        if cutlass.const_expr(suffix):
+            nxt_lo = cute.arch.shuffle_sync_down(lo, 1 << i)
+            nxt_hi = cute.arch.shuffle_sync_down(hi, 1 << i)
+            if lane + (1 << i) < 32:
+                lo = lo + nxt_lo
+                hi = hi + nxt_hi
+        else:
+            up_lo = cute.arch.shuffle_sync_up(lo, 1 << i)
+            up_hi = cute.arch.shuffle_sync_up(hi, 1 << i)
+            if lane >= (1 << i):
+                lo = lo + up_lo
+                hi = hi + up_hi
+    if cutlass.const_expr(suffix):
+        lo = lo + cute.arch.shuffle_sync(hi, 0)
+    else:
+        hi = hi + cute.arch.shuffle_sync(lo, 31)
+    return lo, hi

@@ -37,6 +37,18 @@ def tma_view(x):
     )
 
 
+def state_tma_view(x):
+    """The state checkpoints ``[rows, H, V, K]`` as ``(V, K, heads, rows)``: a (D, D) plane per (head, row) in the
+    modes :func:`tma_chunk_tiles` cuts, V taking the token's place."""
+    return cute.make_tensor(
+        x.iterator,
+        cute.make_layout(
+            (x.shape[2], x.shape[3], x.shape[1], x.shape[0]),
+            stride=(x.stride[2], x.stride[3], x.stride[1], x.stride[0]),
+        ),
+    )
+
+
 @cute.jit
 def tma_chunk_tiles(atom, gX, tok0, sX):
     """TMA partition of one head's ``(T, D)`` plane ``gX``, shifted to the sequence start ``tok0`` and cut in the
