@@ -123,7 +123,9 @@ def test_batched_scalar_gradients_match_the_per_sequence_plan():
             assert torch.isfinite(tokens[s:e]).all(), (name, n)
             # within bf16 rounding (the rows round scale dP Gamma as the kernel does, the plan keeps it fp32): a chunk
             # or a checkpoint taken from the wrong row is off by its whole size
-            assert rel_rmse(tokens[s:e].transpose(0, 1), ref[name]) <= 5e-3, (name, n)
+            # (a one-token sequence's gate gradient is zero: against that, a floor of 1e-6)
+            x, want = tokens[s:e].transpose(0, 1).double(), ref[name].double()
+            assert (x - want).norm() / max(want.norm(), 1e-6) <= 5e-3, (name, n)
 
 
 def delta_fp64_gradients(q, k, v, beta, g, do, h0, dht):
