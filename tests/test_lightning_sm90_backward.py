@@ -28,7 +28,8 @@ def offsets_of(lengths):
 def test_state_walks_store_the_plans_checkpoints(walk, D):
     """Each checkpoint (and the walk's final state) of the kernel within bf16 rounding of the plan's, per sequence,
     on a varlen batch with empty, one-token and odd sequences and a start state."""
-    from cula.lightning.chunk_bwd_sm90 import state_walk
+    from cula.lightning.chunk_fwd_sm90 import SIMPLE_GLA_SM90
+    from cula.sm90.walks import state_walk
 
     torch.manual_seed(0)
     lengths = [0, 1, 130, 64, 777]
@@ -41,7 +42,7 @@ def test_state_walks_store_the_plans_checkpoints(walk, D):
     cu = torch.tensor(offsets, dtype=torch.int32, device="cuda")
     _, rows = chunk_backward.chunk_token_index(offsets, False)
     scale = 0.3
-    got, final = state_walk(walk, x, y, gate, scale, start, cu, rows, False)
+    got, final = state_walk(SIMPLE_GLA_SM90, walk, x, x, y, gate, gate, scale, start, cu, rows, False)
     torch.cuda.synchronize()
     firsts = chunk_backward.checkpoint_rows(offsets, False)
     for n, (s, e) in enumerate(zip(offsets[:-1], offsets[1:], strict=True)):

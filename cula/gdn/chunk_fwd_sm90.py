@@ -44,7 +44,7 @@ def compile_gdn_fwd_sm90(arch="sm_90a", *, beta_fp32=True, state_v_first=False, 
     """The GDN chunk kernel for ``config`` (:class:`cula.sm90.chunk_fwd.ChunkFwdConfig` fields), compiled on any
     machine for ``arch``."""
     cfg = ChunkFwdConfig(**config)
-    fake = entry.fake_args(cfg.head_dim, beta_fp32, state_v_first, per_key_gate=False)
+    fake = entry.fake_args(cfg.head_dim, beta_fp32, state_v_first, per_key_gate=False, checkpoints=cfg.walk != "output")
     return runtime.compile_kernel(ScalarGateChunkFwdSm90(cfg), fake, arch, keep_artifacts)
 
 
@@ -75,6 +75,10 @@ entry.register_checked(
             "intra": "load",
             "qk_l2norm": True,
         },
+        "[states walk]": {"is_varlen": True, "has_initial_state": True, "walk": "states"},
+        "[state-gradient walk]": {"is_varlen": True, "has_initial_state": True, "walk": "state_grads"},
+        "[state-gradient walk, fixed length]": {"walk": "state_grads"},
+        "[D=64, state-gradient walk]": {"head_dim": 64, "is_varlen": True, "walk": "state_grads"},
     },  # fmt: skip
     # measured: the later split pass's state warpgroups (192 registers) reload a few loop invariants each chunk
     sass_allowed={"[intra load, correction]": (11, 0)},

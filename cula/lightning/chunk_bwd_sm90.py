@@ -1,9 +1,8 @@
 """Simple GLA and Lightning Attention backward on SM90, the plan of :mod:`cula.ops.chunk_backward`:
 
 1. the state at each chunk's start, and 2. the gradient of the state at each chunk's end: the family's scalar-gate
-   kernel walking the chunks without output (``ChunkFwdConfig.walk`` "states" on (k, v), "state_grads" from the
-   last chunk on (q, do)), each storing a bf16 checkpoint per chunk ``[rows, H, V, K]``
-   (:func:`cula.ops.chunk_backward.checkpoint_rows`); the second walk's final state is dh0;
+   kernel walking the chunks without output (:func:`cula.sm90.walks.state_walk`: "states" on (k, v), "state_grads"
+   from the last chunk on (q, do)), each storing a bf16 checkpoint per chunk; the second walk's final state is dh0;
 3. and 4. dq, dk, dv and the gate's gradient per chunk, from the checkpoints: batched PyTorch products over the
    chunk rows (:func:`cula.ops.chunk_backward.scalar_chunk_gradients`), or with ``CULA_CHUNK_GRADIENT_KERNEL=1`` the
    kernel :class:`cula.sm90.scalar_chunk_bwd.ScalarGateChunkBwdSm90` (compile-checked, not yet run on a GPU).
@@ -22,8 +21,7 @@ from cula import runtime, validation
 from cula.lightning.chunk_fwd_sm90 import SIMPLE_GLA_SM90
 from cula.ops import chunk_backward
 from cula.ops.chunk_emulation import GATE_FLOOR
-from cula.sm90 import entry
-from cula.sm90.chunk_fwd import ChunkFwdConfig
+from cula.sm90 import entry, walks
 from cula.sm90.scalar_chunk_bwd import ScalarGateChunkBwdSm90
 
 # passes 3 and 4 by the kernel instead of PyTorch products (until its GPU tests have run)
@@ -65,27 +63,6 @@ def chunk_gradients_sm90(q, k, v, do, gate, S, dS, index, scale, is_varlen):
     return dq, dk, dv, dgate
 
 
-def state_walk(walk, x, y, gate, scale, start, cu_seqlens, rows, state_v_first):
-    """One walk of the scalar-gate kernel over (x, y) = (k, v) or (q, do): ``(checkpoints [rows, H, V, K] bf16, the
-    walk's final state)``; ``start`` the state it starts from (h0, or dht), or None for zero."""
-    B, T, H, D = x.shape
-    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    checkpoints = torch.empty(max(rows, 1), H, D, D, dtype=torch.bfloat16, device=x.device)
-    final = torch.empty(N, H, D, D, dtype=torch.float32, device=x.device)
-    starts = ends = None
-    if cu_seqlens is not None:
-        cu = cu_seqlens.to(torch.int32)
-        starts, ends = cu[:-1], cu[1:]
-    if start is not None:
-        start = start.contiguous()
-    config = ChunkFwdConfig(D, starts is not None, start is not None, delta_rule=False, walk=walk)
-    call = entry.ChunkCall(x, x, y, gate, gate, scale, state_v_first=state_v_first)
-    # o is never written in a walk: y stands in for it
-    tensors = entry.LaunchTensors(x, x, y, gate, gate, y, start, final, starts, ends, w=checkpoints)
-    entry.launch(SIMPLE_GLA_SM90, call, config, tensors, scale)
-    return checkpoints, final
-
-
 def chunk_simple_gla_bwd_sm90(q, k, v, gate, do, scale, initial_state, dht, cu_seqlens, cu_seqlens_cpu, state_v_first):
     """Gradients of simple GLA's chunked forward with the kernel's fp32 token gate ``gate``: ``(dq, dk, dv, dgate
     fp32 [B, T, H], dh0 or None)``; ``dht`` the gradient into the final state, or None."""
@@ -95,8 +72,10 @@ def chunk_simple_gla_bwd_sm90(q, k, v, gate, do, scale, initial_state, dht, cu_s
     fixed = cu_seqlens is None
     offsets = [b * T for b in range(B + 1)] if fixed else validation.host_offsets(cu_seqlens, cu_seqlens_cpu)
     index, rows = chunk_backward.chunk_token_index(offsets, fixed, q.device)
-    S, _ = state_walk("states", k, v, gate, scale, initial_state, cu_seqlens, rows, state_v_first)
-    dS, dh0 = state_walk("state_grads", q, do, gate, scale, dht, cu_seqlens, rows, state_v_first)
+    at = {"cu_seqlens": cu_seqlens, "rows": rows, "state_v_first": state_v_first}
+    # beta's slot carries the gate (never read without the delta rule); the reverse walk reads q as its keys
+    S, _ = walks.state_walk(SIMPLE_GLA_SM90, "states", k, k, v, gate, gate, scale, initial_state, **at)
+    dS, dh0 = walks.state_walk(SIMPLE_GLA_SM90, "state_grads", q, q, do, gate, gate, scale, dht, **at)
     n_tokens = B * T
     if os.environ.get(ENV_GRADIENT_KERNEL, "0") == "1":
         dq, dk, dv, dgate = chunk_gradients_sm90(q, k, v, do, gate, S, dS, index, scale, not fixed)

@@ -266,8 +266,9 @@ def delta_chunk_backward(q, k, v, beta, f, S, dS_end, do, scale, operand=_exact)
 def delta_backward(q, k, v, beta, g, do, scale, h0=None, dht=None, operand=_exact) -> dict[str, torch.Tensor]:
     """The delta rule's backward on one sequence (shapes as :func:`gated_backward`, beta [H, T]; g [H, T] for GDN or
     [H, T, K] for KDA, natural log): the forward walk keeps each chunk's start state, the reverse walk carries dS
-    and makes each chunk's gradients from its recomputed WY pieces. ``{"dq", "dk", "dv", "dbeta", "dg", "dh0"}``;
-    ``operand`` as :func:`delta_chunk_forward`."""
+    and makes each chunk's gradients from its recomputed WY pieces. ``{"dq", "dk", "dv", "dbeta", "dg", "dh0"}``,
+    and the walks' ``"starts"`` (each chunk's start state), ``"ends"`` (the gradient at each chunk's end) and
+    ``"final"`` (the final state); ``operand`` as :func:`delta_chunk_forward`."""
     H, T, K = q.shape
     per_key = g.dim() == 3
     g_raw = g if per_key else g[..., None].expand(H, T, K)
@@ -281,10 +282,12 @@ def delta_backward(q, k, v, beta, g, do, scale, h0=None, dht=None, operand=_exac
         S = delta_chunk_forward(*x, S, scale, operand)["S_end"]
     dS = torch.zeros_like(S) if dht is None else dht.clone()
     parts = {name: [None] * len(bounds) for name in ("dq", "dk", "dv", "dbeta", "dg")}
+    ends = [None] * len(bounds)
     for c in reversed(range(len(bounds))):
         c0, c1 = bounds[c]
         x = (q[:, c0:c1], k[:, c0:c1], v[:, c0:c1], beta[:, c0:c1])
         f = delta_chunk_forward(*x, gk[:, c0:c1], starts[c], scale, operand)
+        ends[c] = dS
         grads = delta_chunk_backward(*x, f, starts[c], dS, do[:, c0:c1], scale, operand)
         dS = grads["dS"]
         for name in ("dq", "dk", "dv", "dbeta"):
@@ -294,4 +297,5 @@ def delta_backward(q, k, v, beta, g, do, scale, h0=None, dht=None, operand=_exac
     dg = torch.where(g_raw < GATE_FLOOR, 0.0, out["dg"])
     out["dg"] = dg if per_key else dg.sum(-1)
     out["dh0"] = dS
+    out["starts"], out["ends"], out["final"] = starts, ends, S  # the walks' states (as the kernels checkpoint them)
     return out

@@ -47,10 +47,11 @@ CHUNK = 64
 MODES = ("full", "transition", "correction")
 INTRA = ("none", "save", "load")
 STATE_SLOTS = ("none", "read", "read_write")
-# "output": the forward. The backward's state walks (cula.ops.chunk_backward, passes 1 and 2) make no output and
-# store a bf16 checkpoint of the state per chunk to the workspace: "states" the state at each chunk's start; "state_grads"
-# walks the chunks from the last with (q, do) in place of (k, v) and scale 2^G in place of 2^(G_last - G), storing
-# the gradient of the state at each chunk's end (h0 is then dht, and the final state dh0)
+# "output": the forward. The backward's state walks (cula.ops.chunk_backward) make no output and store a bf16
+# checkpoint of the state per chunk to the workspace: "states" the state at each chunk's start; "state_grads" walks
+# the chunks from the last carrying the gradient of the state, storing it at each chunk's end (h0 is then dht, the
+# final state dh0): without the delta rule with (q, do) in place of (k, v) and scale 2^G in place of
+# 2^(G_last - G); with it on (q, k, do) through the transposed chain (StateChain.reverse_delta)
 WALKS = ("output", "states", "state_grads")
 A_STRIDE = 68  # padded fp32 row of A^T: 16-byte aligned rows, conflict-free stores from the accumulator
 
@@ -83,7 +84,7 @@ class ChunkFwdConfig:
         assert self.state_slots == "none" or (self.has_initial_state and self.mode == "full"), self
         assert self.walk in WALKS, self
         assert self.walk == "output" or (
-            self.mode == "full" and self.intra == "none" and not self.delta_rule and self.state_slots == "none"
+            self.mode == "full" and self.intra == "none" and not self.qk_l2norm and self.state_slots == "none"
         ), self
 
     @property
@@ -162,6 +163,7 @@ class Common(NamedTuple):
     tile_o: object  # (C, D, o_stages)
     tile_o_mn: object
     tile_tp: object  # (C, C, Tinv|P, tp_stages)
+    tile_tp_mn: object
 
 
 class Params(NamedTuple):
@@ -194,6 +196,8 @@ class Smem(NamedTuple):
     sO: cute.Tensor  # (C, D, o_stages)
     sO_mn: cute.Tensor
     sTP: cute.Tensor  # (C, C, Tinv|P, tp_stages)
+    sQ_mn: cute.Tensor  # the q tiles read MN-major (D, C, qk_stages)
+    sTP_mn: cute.Tensor  # Tinv and P read transposed (C, C, Tinv|P, tp_stages)
 
 
 class ChainInputs(NamedTuple):
@@ -204,6 +208,7 @@ class ChainInputs(NamedTuple):
     sQ: cute.Tensor
     sK_mn: cute.Tensor
     gates: object
+    qk_stage: object = None  # the q | k stage (the state-gradient walk with the delta rule reads q MN-major too)
 
 
 class ChunkFwdSm90:
@@ -309,7 +314,7 @@ class ChunkFwdSm90:
         tile_qk, tile_qk_mn = tiles.token_tiles(C, D, 2, self.qk_stages)
         tile_v, tile_v_mn = tiles.token_tiles(C, D, self.v_stages)
         tile_o, tile_o_mn = tiles.token_tiles(C, D, self.o_stages)
-        tile_tp, _ = tiles.token_tiles(C, C, 2, self.tp_stages)
+        tile_tp, tile_tp_mn = tiles.token_tiles(C, C, 2, self.tp_stages)
 
         one_tile = cute.slice_(tile_v, (None, None, 0))
         load = cpasync.CopyBulkTensorTileG2SOp()
@@ -331,7 +336,7 @@ class ChunkFwdSm90:
             mma.tiled_mma(C, D, b_major="MN"),
             tma_q, tma_k, tma_v, tma_o, tma_w,
             t.beta, t.o, t.w, t.h0, t.ht, t.starts, t.ends, t.slots, t.q.shape[2], t.q.shape[1], scale,
-            tile_qk, tile_qk_mn, tile_v, tile_v_mn, tile_o, tile_o_mn, tile_tp,
+            tile_qk, tile_qk_mn, tile_v, tile_v_mn, tile_o, tile_o_mn, tile_tp, tile_tp_mn,
         )  # fmt: skip
         gate_params, gate_fields = self.gate_host(t, gate_args, tile_qk, tile_v)
         fields = {
@@ -369,6 +374,7 @@ class ChunkFwdSm90:
         sQK = st.sQK.get_tensor(c.tile_qk.outer, swizzle=c.tile_qk.inner)
         sV = st.sV.get_tensor(c.tile_v.outer, swizzle=c.tile_v.inner)
         sO = st.sO.get_tensor(c.tile_o.outer, swizzle=c.tile_o.inner)
+        sTP = st.sTP.get_tensor(c.tile_tp.outer, swizzle=c.tile_tp.inner)
         smem = Smem(
             st.sA.get_tensor(cute.make_layout((self.C, A_STRIDE), stride=(A_STRIDE, 1))),
             sQK,
@@ -377,7 +383,9 @@ class ChunkFwdSm90:
             tiles.mn_view(sV, c.tile_v_mn),
             sO,
             tiles.mn_view(sO, c.tile_o_mn),
-            st.sTP.get_tensor(c.tile_tp.outer, swizzle=c.tile_tp.inner),
+            sTP,
+            tiles.mn_view(sQK, c.tile_qk_mn)[None, None, 0, None],
+            tiles.mn_view(sTP, c.tile_tp_mn),
         )
         gsmem = self.gate_smem(st, p)
         rings = self.make_rings(st, c)
@@ -448,7 +456,16 @@ class ChunkFwdSm90:
             if cutlass.const_expr(self.zeroes_v_tail and cfg.v_from == "v" and cfg.is_varlen):
                 self.zero_tail_rows(smem.sV[None, None, v_state.index], seq.seqlen - pos * C, stid, state_threads)
             acc_k, acc_o = chain.project(acc_s, cST, ins.sK, ins.sQ, ins.gates, cfg.make_o, cfg.delta_rule)
-            if cutlass.const_expr(cfg.delta_rule):
+            if cutlass.const_expr(cfg.reverse and cfg.delta_rule):
+                if cutlass.const_expr(tp_ring):
+                    rings.tp.consumer_wait(tp_state)
+                sTP_mn = smem.sTP_mn[None, None, None, tp_state.index]
+                s = ins.qk_stage
+                chain.reverse_delta(
+                    acc_s, acc_k, smem.sV_mn[None, None, v_state.index], sTP_mn[None, None, 1], sTP_mn[None, None, 0],
+                    smem.sQ_mn[None, None, s], ins.sK_mn, ins.gates, cCC,
+                )  # fmt: skip
+            elif cutlass.const_expr(cfg.delta_rule):
                 rY, rY_lo = chain.delta(acc_k, smem.sV_mn[None, None, v_state.index], ins.gates, cCC, cfg.v_from == "v")
                 if cutlass.const_expr(tp_ring):
                     rings.tp.consumer_wait(tp_state)
@@ -460,7 +477,8 @@ class ChunkFwdSm90:
                 sTP = smem.sTP[None, None, None, tp_state.index]
                 sV_mn = smem.sV_mn[None, None, v_state.index]
                 acc_vn = chain.given_values(sV_mn, acc_o, ins.gates, cCC, cfg.v_from == "v", cfg.make_o)
-            chain.update(acc_s, acc_o, acc_vn, sTP[None, None, 1], ins.sK_mn, ins.gates, cCC, cfg.make_o)
+            if cutlass.const_expr(not (cfg.reverse and cfg.delta_rule)):
+                chain.update(acc_s, acc_o, acc_vn, sTP[None, None, 1], ins.sK_mn, ins.gates, cCC, cfg.make_o)
             if cutlass.const_expr(tp_ring):
                 rings.tp.consumer_release(tp_state)
                 tp_state.advance()

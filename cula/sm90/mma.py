@@ -59,6 +59,17 @@ def acc_to_operand_split(acc):
 
 
 @cute.jit
+def frag_to_operand(frag):
+    """A bf16 fragment laid out as a (64 x N) accumulator (a token tile's rows read by ldmatrix) as the register A
+    operand of a (64 x N) x (N x .) wgmma: the register order is the same (:func:`acc_to_operand`)."""
+    n8 = cute.size(frag) // 4
+    op = cute.make_rmem_tensor(cute.make_layout(((2, 2, 2), 1, n8 // 2), stride=((1, 2, 4), 0, 8)), cutlass.BFloat16)
+    flat = cute.make_tensor(op.iterator, cute.make_layout(cute.size(frag)))
+    flat.store(cute.make_tensor(frag.iterator, cute.make_layout(cute.size(frag))).load())
+    return op
+
+
+@cute.jit
 def empty_operand(n: cutlass.Constexpr):
     """An uninitialised bf16 register A operand of a (64 x N) x (N x .) wgmma holding ``n`` = N / 2 elements per
     thread, in the layout :func:`acc_to_operand` returns: its flat element ``i`` sits at the (row, column) of flat

@@ -122,6 +122,27 @@ class ScalarChainGates(ChainGates):
             acc_vn[i] = acc_vn[i] * factor
         return rVn, None, mma.acc_to_operand(acc_vn)
 
+    @cute.jit
+    def to_end(self, acc, cCC):
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            _, j = cCC[i]
+            acc[i] = acc[i] * self.gs.sFac[j, self.s, 1]
+
+    @cute.jit
+    def query_operand(self, do_frag, cCC):
+        x = cute.make_rmem_tensor(do_frag.layout, cutlass.Float32)
+        for i in cutlass.range_constexpr(cute.size(do_frag)):
+            _, j = cCC[i]
+            x[i] = do_frag[i].to(cutlass.Float32) * self.scale * self.gs.sFac[j, self.s, 0]
+        return mma.acc_to_operand(x)
+
+    @cute.jit
+    def key_operand(self, acc_y, cCC):
+        for i in cutlass.range_constexpr(cute.size(acc_y)):
+            _, j = cCC[i]
+            acc_y[i] = -(self.gs.sBeta[j, self.s] * self.gs.sFac[j, self.s, 0]) * acc_y[i]
+        return mma.acc_to_operand(acc_y)
+
 
 class ScalarGateChunkFwdSm90(ChunkFwdSm90):
     """The scalar-gate kernel (module docstring)."""
@@ -137,13 +158,17 @@ class ScalarGateChunkFwdSm90(ChunkFwdSm90):
         # and 2^G / ||k||, then the norm columns
         self.fac_cols = 3 if config.qk_l2norm else 2
         self.norm_cols = 4 if config.qk_l2norm else 0
-        # the state walks make no P: no intra role, and only the k tile of each q | k stage is loaded
-        self.walks = config.walk != "output"
-        self.intra_idle = config.intra == "load" or self.walks
+        self.intra_idle = config.intra == "load" or self.k_only
+
+    @property
+    def k_only(self) -> bool:
+        """A state walk without the delta rule: no output and no intra role; only the k tile of each q | k stage is
+        loaded."""
+        return self.cfg.walk != "output" and not self.cfg.delta_rule
 
     def role_layout(self) -> RoleLayout:
         R = WarpGroupRole
-        intra = () if self.cfg.walk != "output" else (R.INTRA,)
+        intra = () if self.k_only else (R.INTRA,)
         roles = (R.PRODUCER, *intra) + (R.STATE,) * (self.D // 64)
         # the state warpgroups peak at ~189 registers at D = 128
         return RoleLayout.make(roles, {R.PRODUCER: 24, R.INTRA: 104})
@@ -185,7 +210,7 @@ class ScalarGateChunkFwdSm90(ChunkFwdSm90):
         state_threads = self.layout.threads_of(WarpGroupRole.STATE)
         state_warps = state_threads // 32
         intra_threads = 0 if self.intra_idle else 128
-        tiles_per_stage = 1 if self.walks else 2
+        tiles_per_stage = 1 if self.k_only else 2
         qk = pipeline.tma_ring(
             st.ring_qk, self.qk_stages, tiles_per_stage * C * D * 2, intra_threads // 32 + state_warps
         )
@@ -238,7 +263,7 @@ class ScalarGateChunkFwdSm90(ChunkFwdSm90):
             pos = self.chunk_position(chunk, seq)
             rings.qk.producer_acquire(qk_p)
             bar = rings.qk.producer_get_barrier(qk_p)
-            if cutlass.const_expr(not self.walks):
+            if cutlass.const_expr(not self.k_only):
                 cute.copy(c.q.atom, tQg[None, pos], tQs[None, qk_p.index], tma_bar_ptr=bar)
             cute.copy(c.k.atom, tKg[None, pos], tKs[None, qk_p.index], tma_bar_ptr=bar)
             qk_p.advance()
@@ -280,6 +305,9 @@ class ScalarGateChunkFwdSm90(ChunkFwdSm90):
                 # after the norm warps' reads of the stage (their norms are in)
                 rings.qk.consumer_wait(qk_seen)
                 self.zero_k_tail(smem.sQK[None, None, 1, qk_seen.index], valid, lane)
+                if cutlass.const_expr(self.cfg.reverse and self.cfg.delta_rule):
+                    # the state-gradient walk sums over P's rows and q's (dO^T P, dO^T Q): q's rows past the end too
+                    self.zero_k_tail(smem.sQK[None, None, 0, qk_seen.index], valid, lane)
                 qk_seen.advance()
             rings.gate.producer_commit(g_p)
             g_p.advance()
@@ -377,7 +405,7 @@ class ScalarGateChunkFwdSm90(ChunkFwdSm90):
         for chunk in cutlass.range(seq.n_chunks, unroll=1):
             s = qk_c.index
             ts = tp_p.index
-            L = cutlass.min(seq.seqlen - chunk * C, C)
+            L = cutlass.min(seq.seqlen - self.chunk_position(chunk, seq) * C, C)
             sT = smem.sTP[None, None, 0, ts]
             sP = smem.sTP[None, None, 1, ts]
             tSSa = thr_ss.make_fragment_A(thr_ss.partition_A(smem.sQK[None, None, None, s]))
@@ -481,7 +509,7 @@ class ScalarGateChunkFwdSm90(ChunkFwdSm90):
         gates = ScalarChainGates(gs, s, p.common.scale, 2 if self.cfg.qk_l2norm else 0)
         if cutlass.const_expr(self.cfg.reverse):
             gates = ScalarChainGates(gs, s, p.common.scale, 0, 0, p.common.scale)
-        return ChainInputs(smem.sQK[None, None, 1, s], smem.sQK[None, None, 0, s], smem.sK_mn[None, None, s], gates)
+        return ChainInputs(smem.sQK[None, None, 1, s], smem.sQK[None, None, 0, s], smem.sK_mn[None, None, s], gates, s)
 
     @cute.jit
     def chain_release(self, rings, states):

@@ -46,6 +46,19 @@ class ChainGates:
     def update(self, acc_vn, cCC):
         raise NotImplementedError
 
+    # the state-gradient walk with the delta rule (StateChain.reverse_delta)
+    def to_end(self, acc, cCC):
+        """acc[v, j] times the factor carrying token j to the chunk's end."""
+        raise NotImplementedError
+
+    def query_operand(self, do_frag, cCC):
+        """scale (Q's factor) dO^T as a bf16 A operand."""
+        raise NotImplementedError
+
+    def key_operand(self, acc_y, cCC):
+        """-beta (K's factor to the chunk start) Y'^T as a bf16 A operand."""
+        raise NotImplementedError
+
 
 @dataclass(frozen=True)
 class StateChain:
@@ -169,5 +182,42 @@ class StateChain:
         mma.gemm(self.mma_state, acc_s, rVd, b_kd, False)
         if cutlass.const_expr(self.split_values):
             mma.gemm(self.mma_state, acc_s, rVn_lo, b_kd, False)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+
+    @cute.jit
+    def reverse_delta(self, acc_s, acc_k, sDO_mn, sP_mn, sTinv_mn, sQ_mn, sK_mn, gates, cCC):
+        """One chunk of the state-gradient walk with the delta rule, the state dS'^T (the gradient of the chunk's end
+        state) already decayed by :meth:`project`, which left dS'^T K^T in ``acc_k``:
+
+            dV_new^T = (dS'^T K^T) 2^(G_L - G) + dO^T P          Y'^T = dV_new^T Tinv
+            dS^T     = 2^G_L dS'^T + (scale 2^G dO^T) Q - (beta 2^G Y'^T) K
+
+        P and Tinv read transposed (``sP_mn``, ``sTinv_mn``), q and k MN-major."""
+        tiled_t = mma.tiled_mma(self.C, self.C, b_major="MN")
+        thr = tiled_t.get_slice(self.wtid)
+        thr_st = self.mma_state.get_slice(self.wtid)
+        do_frag = self.read_rows(sDO_mn)
+        gates.to_end(acc_k, cCC)
+        b_p = thr.make_fragment_B(thr.partition_B(sP_mn))
+        r_do = mma.frag_to_operand(do_frag)
+        warpgroup.fence()
+        mma.gemm(tiled_t, acc_k, r_do, b_p, False)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        acc_y = thr.make_fragment_C(thr.partition_shape_C((self.C, self.C)))
+        b_t = thr.make_fragment_B(thr.partition_B(sTinv_mn))
+        r_dvn = mma.acc_to_operand(acc_k)
+        warpgroup.fence()
+        mma.gemm(tiled_t, acc_y, r_dvn, b_t, True)
+        warpgroup.commit_group()
+        r_q = gates.query_operand(do_frag, cCC)
+        warpgroup.wait_group(0)
+        r_k = gates.key_operand(acc_y, cCC)
+        b_q = thr_st.make_fragment_B(thr_st.partition_B(sQ_mn))
+        b_k = thr_st.make_fragment_B(thr_st.partition_B(sK_mn))
+        warpgroup.fence()
+        mma.gemm(self.mma_state, acc_s, r_q, b_q, False)
+        mma.gemm(self.mma_state, acc_s, r_k, b_k, False)
         warpgroup.commit_group()
         warpgroup.wait_group(0)
