@@ -179,3 +179,125 @@ def test_delta_rule_backward_holds_with_bf16_operands(per_key, T, gates):
         for h in range(H):
             err = rel_rmse(got[name][h], ref[name][h])
             assert err <= tol, (name, h, err)
+
+
+def test_gdn_rows_backward_gives_the_reference_gradients():
+    """GDN's per-chunk gradients over chunk rows (cula.gdn.chunk_bwd_sm90.rows_backward: the host side of its SM90
+    backward after the walks), fed the plan's checkpoints in the kernels' numbering, give the fp64 reference's
+    gradients on a varlen batch with empty, one-token and odd sequences and GVA."""
+    from cula.gdn.chunk_bwd_sm90 import rows_backward
+
+    torch.manual_seed(2)
+    Hq, HV = 1, 2
+    lengths = [0, 1, 130, 64, 77]
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    T, N = offsets[-1], len(lengths)
+    q = torch.randn(1, T, Hq, K, dtype=torch.float64)
+    k = F.normalize(torch.randn(1, T, Hq, K, dtype=torch.float64), dim=-1)
+    v, do = torch.randn(1, T, HV, V, dtype=torch.float64), torch.randn(1, T, HV, V, dtype=torch.float64)
+    g = F.logsigmoid(torch.randn(1, T, HV, dtype=torch.float64) + 2.0)
+    beta = torch.rand(1, T, HV, dtype=torch.float64)
+    h0, dht = torch.randn(N, HV, K, V, dtype=torch.float64) * 0.1, torch.randn(N, HV, K, V, dtype=torch.float64) * 0.1
+    index, _ = chunk_backward.chunk_token_index(offsets, fixed_length=False)
+    firsts = chunk_backward.checkpoint_rows(offsets, fixed_length=False)
+    starts = torch.full((index.shape[0], HV, V, K), float("nan"), dtype=torch.float64)
+    ends = torch.full_like(starts, float("nan"))
+    for n, (s, e) in enumerate(zip(offsets[:-1], offsets[1:], strict=True)):
+        if e == s:
+            continue
+        heads = lambda x, s=s, e=e: x[0, s:e].transpose(0, 1)  # noqa: E731
+        plan = chunk_backward.delta_backward(
+            *(heads(x).repeat_interleave(HV // Hq, dim=0) for x in (q, k)), heads(v), heads(beta), heads(g),
+            heads(do), SCALE, h0[n], dht[n],
+        )  # fmt: skip
+        for c, (s_c, d_c) in enumerate(zip(plan["starts"], plan["ends"], strict=True)):
+            starts[firsts[n] + c], ends[firsts[n] + c] = s_c.transpose(1, 2), d_c.transpose(1, 2)
+    dq, dk, dv, dg, dbeta = rows_backward(q, k, v, do, g, beta, starts, ends, index, SCALE)
+
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
+    cu = torch.tensor(offsets)
+    o, ht = cula.gdn.chunk_gated_delta_rule(
+        *leaves, scale=SCALE, initial_state=h0, output_final_state=True, cu_seqlens=cu
+    )
+    torch.autograd.backward([o, ht], [do, dht])
+    for name, got, leaf in zip(("dq", "dk", "dv", "dg", "dbeta"), (dq, dk, dv, dg, dbeta), leaves, strict=True):
+        assert got.shape == leaf.shape, name
+        for n, (s, e) in enumerate(zip(offsets[:-1], offsets[1:], strict=True)):
+            if e > s:
+                want = leaf.grad[:, s:e]
+                err = ((got[:, s:e].double() - want).norm() / max(want.norm(), 1e-6)).item()
+                assert err <= 1e-5, (name, n, err)
+
+
+def plan_gdn_backward(q, k, v, g, beta, do, scale, initial_state, dht, cu_seqlens, cu_seqlens_cpu, state_v_first):
+    """cula.gdn.chunk_bwd_sm90.chunk_gdn_bwd_sm90's contract computed by the fp64 plan, sequence by sequence."""
+    B, T, H, _ = q.shape
+    HV = v.shape[2]
+    offsets = [b * T for b in range(B + 1)] if cu_seqlens is None else cu_seqlens.tolist()
+    flat = [x.reshape(B * T, *x.shape[2:]).double() for x in (q, k, v, g, beta, do)]
+    out = [torch.zeros_like(x) for x in flat[:5]]
+    dh0 = []
+    for n, (s, e) in enumerate(zip(offsets[:-1], offsets[1:], strict=True)):
+        h0 = None if initial_state is None else initial_state[n].double()
+        ht = None if dht is None else dht[n].double()
+        if e == s:
+            dh0.append(torch.zeros(HV, K, V, dtype=torch.float64) if ht is None else ht)
+            continue
+        heads = [x[s:e].transpose(0, 1) for x in flat]
+        qh, kh = (x.repeat_interleave(HV // H, dim=0) for x in heads[:2])
+        plan = chunk_backward.delta_backward(qh, kh, heads[2], heads[4], heads[3], heads[5], scale, h0, ht)
+        for i, name in enumerate(("dq", "dk", "dv", "dg", "dbeta")):
+            x = plan[name].transpose(0, 1)
+            if i < 2:
+                x = x.view(e - s, H, HV // H, -1).sum(2)
+            out[i][s:e] = x
+        dh0.append(plan["dh0"])
+    shaped = [x.view(B, T, *x.shape[1:]) for x in out]
+    return (*shaped, torch.stack(dh0) if initial_state is not None else None)
+
+
+@pytest.mark.parametrize("options", ["plain", "l2norm", "gate_and_sigmoid"])
+def test_gdn_sm90_backward_chains_through_the_in_kernel_options(monkeypatch, options):
+    """GDN's SM90 backward (cula.gdn.api._sm90_backward) with the kernel part replaced by the fp64 plan: the
+    gradients of q, k, g, beta, A_log and dt_bias through the q / k L2 norm, the in-kernel gate and beta's sigmoid
+    are the reference's autograd gradients."""
+    from cula.gdn import api, chunk_bwd_sm90
+
+    monkeypatch.setattr(chunk_bwd_sm90, "chunk_gdn_bwd_sm90", plan_gdn_backward)
+    torch.manual_seed(3)
+    B, T, Hq, HV = 2, 70, 1, 2
+    args = {
+        "q": torch.randn(B, T, Hq, K, dtype=torch.float64),
+        "k": torch.randn(B, T, Hq, K, dtype=torch.float64),
+        "v": torch.randn(B, T, HV, V, dtype=torch.float64),
+        "g": F.logsigmoid(torch.randn(B, T, HV, dtype=torch.float64) + 2.0),
+        "beta": torch.rand(B, T, HV, dtype=torch.float64),
+        "scale": SCALE, "initial_state": torch.randn(B, HV, K, V, dtype=torch.float64) * 0.1,
+        "output_final_state": True, "use_qk_l2norm_in_kernel": options == "l2norm",
+        "use_beta_sigmoid_in_kernel": options == "gate_and_sigmoid", "allow_neg_eigval": False,
+        "state_v_first": False, "cu_seqlens": None, "cu_seqlens_cpu": None,
+        "use_gate_in_kernel": options == "gate_and_sigmoid", "A_log": None, "dt_bias": None,
+    }  # fmt: skip
+    if options == "l2norm":
+        args["k"] = args["k"] * 3.0
+    else:
+        args["k"] = F.normalize(args["k"], dim=-1)
+    if options == "gate_and_sigmoid":
+        args["g"] = torch.randn(B, T, HV, dtype=torch.float64)
+        args["A_log"], args["dt_bias"] = torch.rand(HV, dtype=torch.float64), torch.rand(HV, dtype=torch.float64)
+        args["beta"] = torch.randn(B, T, HV, dtype=torch.float64)
+    grad_o = torch.randn(B, T, HV, V, dtype=torch.float64)
+    grad_ht = torch.randn(B, HV, K, V, dtype=torch.float64) * 0.1
+    got = api._sm90_backward(args, [], grad_o, grad_ht)
+
+    names = [n for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state") if args[n] is not None]
+    leaves = {n: args[n].clone().requires_grad_() for n in names}
+    call = {n: a for n, a in args.items() if n not in ("cu_seqlens_cpu",)}
+    o, ht = cula.gdn.chunk_gated_delta_rule(**{**call, **leaves})
+    torch.autograd.backward([o, ht], [grad_o, grad_ht])
+    for n in names:
+        assert got[n].shape == leaves[n].shape, n
+        err = ((got[n].double() - leaves[n].grad).norm() / leaves[n].grad.norm()).item()
+        assert err <= 1e-6, (n, err)

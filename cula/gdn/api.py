@@ -9,6 +9,7 @@ import torch
 from cula import validation
 from cula.custom_ops import ChunkOps
 from cula.dispatch import (
+    BackwardKernel,
     CuteKernel,
     Op,
     bind,
@@ -158,7 +159,52 @@ def _sm90_run(args: dict[str, Any]):
     return run_bound(GDN_SM90, args, g)
 
 
-CHUNK.register_kernel(CuteKernel("gdn.chunk_fwd_sm90", 9, _sm90_supports, _sm90_run, _sm90_faster_than_fla))
+def _sm90_training_forward(args: dict[str, Any]):
+    # the backward recomputes the states from the inputs the custom op saves: no residuals
+    o, final_state = _sm90_run(args)
+    return o, final_state, []
+
+
+def _sm90_backward(args: dict[str, Any], residuals: list, grad_o, grad_final_state) -> dict[str, torch.Tensor]:
+    """Gradients of every floating tensor argument present: the in-kernel options (q / k L2 norm, the gate from
+    A_log and dt_bias, beta's sigmoid) applied by their PyTorch formulas under autograd, the kernel's backward on
+    what they give (:mod:`cula.gdn.chunk_bwd_sm90`), and autograd back through them."""
+    from cula.custom_ops import EAGER_DISPATCH_KEYS
+    from cula.gdn.chunk_bwd_sm90 import chunk_gdn_bwd_sm90
+    from cula.ops import gates
+
+    floating = ("q", "k", "g", "beta", "A_log", "dt_bias")
+    names = [n for n in floating if isinstance(args.get(n), torch.Tensor) and args[n].is_floating_point()]
+    # an op's implementation runs below autograd: the transforms' graph is made with plain eager code's keys
+    with torch._C._ForceDispatchKeyGuard(*EAGER_DISPATCH_KEYS), torch.enable_grad():
+        leaves = {n: args[n].detach().requires_grad_() for n in names}
+        x = {**args, **leaves}
+        q, k, beta = gates.qk_beta_transforms(x)
+        if args.get("use_gate_in_kernel"):
+            g = gates.gdn_gate(x["g"], x["A_log"], x.get("dt_bias"))
+        else:
+            g = gates.to_compute(x["g"])
+        beta = gates.to_compute(beta)
+        dq, dk, dv, dg, dbeta, dh0 = chunk_gdn_bwd_sm90(
+            q.detach().to(args["q"].dtype), k.detach().to(args["k"].dtype), args["v"], g.detach(), beta.detach(),
+            grad_o, args["scale"], args["initial_state"], grad_final_state, args["cu_seqlens"],
+            args.get("cu_seqlens_cpu"), args.get("state_v_first", False),
+        )  # fmt: skip
+        outputs = [q, k, g, beta]
+        cotangents = [d.to(x.dtype) for d, x in zip((dq, dk, dg, dbeta), outputs, strict=True)]
+        through = torch.autograd.grad(outputs, list(leaves.values()), cotangents, allow_unused=True)
+    grads = {n: torch.zeros_like(leaves[n]) if d is None else d for n, d in zip(names, through, strict=True)}
+    grads["v"] = dv.to(args["v"].dtype)
+    if args["initial_state"] is not None:
+        grads["initial_state"] = dh0
+    return grads
+
+
+# correct in plan on a CPU (tests/test_chunk_backward.py), its walks never run on a GPU: opt-in
+SM90_BACKWARD = BackwardKernel(_sm90_training_forward, lambda args: [], _sm90_backward, ready=False)
+CHUNK.register_kernel(
+    CuteKernel("gdn.chunk_fwd_sm90", 9, _sm90_supports, _sm90_run, _sm90_faster_than_fla, backward=SM90_BACKWARD)
+)
 
 
 def _recurrent_gates(args: dict[str, Any]):

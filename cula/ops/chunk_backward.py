@@ -299,3 +299,52 @@ def delta_backward(q, k, v, beta, g, do, scale, h0=None, dht=None, operand=_exac
     out["dh0"] = dS
     out["starts"], out["ends"], out["final"] = starts, ends, S  # the walks' states (as the kernels checkpoint them)
     return out
+
+
+def scalar_delta_rows(q, k, v, beta, g, S, dS_end, do, scale, operand=_exact) -> tuple[torch.Tensor, ...]:
+    """The delta rule's per-chunk gradients for a scalar gate (GDN), batched: :func:`delta_chunk_forward` and
+    :func:`delta_chunk_backward` with the pair factors e^(G_i - G_j) shared by every key, so that each score is one
+    (C x C) matrix. q, k [N, C, K], v, do [N, C, V], beta and g [N, C] (floored; zero past a sequence's end), S and
+    dS_end [N, K, V] (each chunk's start state and the gradient of its end state), N = chunks x heads. Returns
+    ``(dq, dk, dv, dbeta, dg)``, dg the gradient of each token's gate (the chunk's reversed cumulative sum)."""
+    r = operand
+    C = q.shape[1]
+    G = torch.cumsum(g, dim=1)
+    G_L = G[:, -1:]
+    E, to_end = torch.exp(G)[..., None], torch.exp(G_L - G)[..., None]
+    diff = G[:, :, None] - G[:, None, :]
+    masks = [torch.ones(C, C, dtype=torch.bool, device=q.device).tril(d) for d in (-1, 0)]
+    gamma_a, gamma_p = (torch.where(m, torch.exp(torch.where(m, diff, 0.0)), 0.0) for m in masks)
+    b = beta[..., None]
+    kk = r(k) @ r(k).transpose(1, 2)
+    qk = r(q) @ r(k).transpose(1, 2)
+    eye = torch.eye(C, dtype=q.dtype, device=q.device)
+    A = b * kk * gamma_a
+    Tinv = torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False)
+    W = r(Tinv) @ r(b * k * E)
+    v_new = r(Tinv) @ r(b * v) - r(W) @ r(S)
+    P = scale * qk * gamma_p
+    dv_new = r(P).transpose(1, 2) @ r(do) + r(k * to_end) @ r(dS_end)
+    dq_gated = scale * r(do) @ r(S).transpose(1, 2)
+    dP = scale * (r(do) @ r(v_new).transpose(1, 2))
+    pair_p = dP * qk * gamma_p
+    dq = dq_gated * E + r(dP * gamma_p) @ r(k)
+    dk = r(dP * gamma_p).transpose(1, 2) @ r(q)
+    dG = (dq_gated * q * E).sum(-1) + pair_p.sum(2) - pair_p.sum(1)
+    through_end = r(v_new) @ r(dS_end).transpose(1, 2)
+    end_term = (k * to_end * through_end).sum(-1)
+    dk = dk + to_end * through_end
+    dG = dG - end_term
+    dG_last = end_term.sum(1) + torch.exp(G_L[:, 0]) * (r(S) * r(dS_end)).sum((1, 2))
+    dW = -r(dv_new) @ r(S).transpose(1, 2)
+    dT = r(dW) @ r(b * k * E).transpose(1, 2) + r(dv_new) @ r(b * v).transpose(1, 2)
+    d_bk, d_bv = r(Tinv).transpose(1, 2) @ r(dW), r(Tinv).transpose(1, 2) @ r(dv_new)
+    dA = torch.where(masks[0], -(r(Tinv).transpose(1, 2) @ r(r(dT) @ r(Tinv).transpose(1, 2))), 0.0)
+    dbeta = (dA * kk * gamma_a).sum(-1) + (d_bk * k * E).sum(-1) + (d_bv * v).sum(-1)
+    dA_b = b * dA * gamma_a
+    pair_a = dA_b * kk
+    dk = dk + r(dA_b) @ r(k) + r(dA_b).transpose(1, 2) @ r(k) + b * d_bk * E
+    dG = dG + pair_a.sum(2) - pair_a.sum(1) + (b * d_bk * k * E).sum(-1)
+    dG[:, -1] = dG[:, -1] + dG_last
+    dv = b * d_bv
+    return dq, dk, dv, dbeta, dG.flip(1).cumsum(1).flip(1)
