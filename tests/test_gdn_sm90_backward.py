@@ -1,13 +1,15 @@
-"""GDN's backward state walks on SM90 (cula.sm90.walks with the scalar-gate kernel and the delta rule): each
-checkpoint of the forward walk ("states") and of the reverse walk through the transposed chain ("state_grads") against
-the delta rule's chunked plan (cula.ops.chunk_backward.delta_backward) in fp64, per sequence, on a varlen batch
-with empty, one-token and odd sequences, GVA and start states."""
+"""GDN's backward on SM90 (cula.gdn.chunk_bwd_sm90): its state walks (cula.sm90.walks with the scalar-gate kernel and
+the delta rule), each checkpoint of the forward walk ("states") and of the reverse walk through the transposed chain
+("state_grads") against the delta rule's chunked plan (cula.ops.chunk_backward.delta_backward) in fp64, per sequence,
+on a varlen batch with empty, one-token and odd sequences, GVA and start states; then every gradient of the public
+entry point against the fp64 reference's autograd, in-kernel options included."""
 
 import pytest
 import torch
 import torch.nn.functional as F
-from delta_rule_recurrence import needs_sm90, rel_rmse
+from delta_rule_recurrence import check_gradients, needs_sm90, offsets_of, rel_rmse
 
+import cula
 from cula.ops import chunk_backward
 
 cutlass = pytest.importorskip("cutlass")
@@ -22,9 +24,7 @@ def test_gdn_walks_store_the_plans_checkpoints(walk, D, H, HV):
 
     torch.manual_seed(0)
     lengths = [0, 1, 130, 64, 777]
-    offsets = [0]
-    for n in lengths:
-        offsets.append(offsets[-1] + n)
+    offsets = offsets_of(lengths)
     T, N = offsets[-1], len(lengths)
     q = torch.randn(1, T, H, D, device="cuda").bfloat16()
     k = F.normalize(torch.randn(1, T, H, D, device="cuda"), dim=-1).bfloat16()
@@ -56,3 +56,39 @@ def test_gdn_walks_store_the_plans_checkpoints(walk, D, H, HV):
             err = rel_rmse(got[firsts[n] + c].transpose(-1, -2), ref)
             assert err <= 0.005, (n, c, err)
         assert rel_rmse(final[n], want_final) <= 0.005, n
+
+
+def gdn_inputs(B, T, H, HV, D=128, options=False, N=None):
+    torch.manual_seed(T + HV)
+    inputs = {
+        "q": torch.randn(B, T, H, D, device="cuda").bfloat16(),
+        "k": F.normalize(torch.randn(B, T, H, D, device="cuda"), dim=-1).bfloat16(),
+        "v": torch.randn(B, T, HV, D, device="cuda").bfloat16(),
+        "g": F.logsigmoid(torch.randn(B, T, HV, device="cuda") + 3.0),
+        "beta": torch.rand(B, T, HV, device="cuda"),
+        "initial_state": torch.randn(N or B, HV, D, D, device="cuda") * 0.1,
+    }
+    if options:  # raw gate and beta, un-normalised keys: the kernel's options make them
+        inputs["k"] = (torch.randn(B, T, H, D, device="cuda") * 2).bfloat16()
+        inputs["g"] = torch.randn(B, T, HV, device="cuda")
+        inputs["beta"] = torch.randn(B, T, HV, device="cuda")
+        inputs["A_log"] = torch.rand(HV, device="cuda")
+        inputs["dt_bias"] = torch.rand(HV, device="cuda")
+    return inputs
+
+
+@pytest.mark.parametrize("T", [1, 65, 300])
+def test_gdn_gradients_fixed_length(monkeypatch, T):
+    check_gradients(cula.gdn.chunk_gated_delta_rule, gdn_inputs(2, T, 2, 2), {}, monkeypatch)
+
+
+def test_gdn_gradients_varlen_gva(monkeypatch):
+    lengths = [0, 1, 130, 64, 777]
+    inputs = gdn_inputs(1, sum(lengths), 2, 4, N=len(lengths))
+    cu = torch.tensor(offsets_of(lengths), device="cuda")
+    check_gradients(cula.gdn.chunk_gated_delta_rule, inputs, {"cu_seqlens": cu}, monkeypatch, lengths)
+
+
+def test_gdn_gradients_through_in_kernel_options(monkeypatch):
+    extra = {"use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True, "use_beta_sigmoid_in_kernel": True}
+    check_gradients(cula.gdn.chunk_gated_delta_rule, gdn_inputs(2, 200, 2, 4, options=True), extra, monkeypatch)

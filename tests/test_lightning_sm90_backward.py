@@ -5,22 +5,13 @@ cuLA's backward, against the fp64 reference backend's autograd, per sequence and
 import pytest
 import torch
 import torch.nn.functional as F
-from delta_rule_recurrence import needs_sm90, rel_rmse
+from delta_rule_recurrence import check_gradients, needs_sm90, offsets_of, rel_rmse
 
 import cula
 from cula.ops import chunk_backward
 
 cutlass = pytest.importorskip("cutlass")
 pytestmark = [pytest.mark.gpu, needs_sm90]
-
-TOLERANCE = {"q": 0.008, "k": 0.008, "v": 0.008, "initial_state": 0.008, "g": 0.02, "g_gamma": 0.02}
-
-
-def offsets_of(lengths):
-    offsets = [0]
-    for n in lengths:
-        offsets.append(offsets[-1] + n)
-    return offsets
 
 
 @pytest.mark.parametrize("walk", ["states", "state_grads"])
@@ -56,56 +47,6 @@ def test_state_walks_store_the_plans_checkpoints(walk, D):
             err = rel_rmse(got[firsts[n] + c].transpose(-1, -2), ref)
             assert err <= 0.005, (n, c, err)
         assert rel_rmse(final[n], want_final) <= 0.005, n
-
-
-def gradients(entry, inputs, extra, grad_o, grad_ht, backend, monkeypatch):
-    """The gradients of ``entry(**inputs, **extra)`` for the cotangents (grad_o, grad_ht) with ``backend`` forced
-    ("cute": the kernel's backward; "torch": the reference in fp64) and the decision taken."""
-    monkeypatch.setenv("CULA_BACKEND", backend)
-    monkeypatch.setenv("CULA_UNTESTED_KERNELS", "1")
-    leaves = {
-        n: (x.double() if backend == "torch" else x).detach().requires_grad_()
-        for n, x in inputs.items()
-        if x is not None
-    }
-    o, ht = entry(**leaves, **extra, output_final_state=True)
-    cotangents = [grad_o.to(o.dtype), grad_ht.to(ht.dtype)]
-    torch.autograd.backward([o, ht], cotangents)
-    decision = cula.last_decision(entry)
-    monkeypatch.delenv("CULA_BACKEND")
-    return {n: x.grad for n, x in leaves.items()}, decision
-
-
-def check_gradients(entry, inputs, extra, monkeypatch, lengths=None):
-    q = inputs["q"]
-    B, T, H, D = q.shape
-    N = B if lengths is None else len(lengths)
-    grad_o = torch.randn(B, T, H, D, device="cuda").bfloat16()
-    grad_ht = torch.randn(N, H, D, D, device="cuda") * 0.1
-    got, decision = gradients(entry, inputs, extra, grad_o, grad_ht, "cute", monkeypatch)
-    assert decision.backend == "cute", str(decision)
-    ref, _ = gradients(entry, inputs, extra, grad_o, grad_ht, "torch", monkeypatch)
-    bounds = [(b, 0, T) for b in range(B)] if lengths is None else []
-    if lengths is not None:
-        offsets = offsets_of(lengths)
-        bounds = [(0, s, e) for s, e in zip(offsets[:-1], offsets[1:], strict=True)]
-    for name, want in ref.items():
-        have = got[name]
-        assert have is not None and torch.isfinite(have).all(), name
-        tol = TOLERANCE[name]
-        if want.norm() == 0:
-            # a gradient that vanishes (one token without h0: its gate decays a zero state) is left as cancellation
-            # residue of the gate's chunk sums, far below the other gradients
-            assert have.abs().max() <= 1e-5 * max(got[n].abs().max() for n in ("q", "k", "v")), name
-            continue
-        assert rel_rmse(have, want) <= tol, (name, rel_rmse(have, want))
-        if name in ("q", "k", "v", "g"):
-            for n, (b, s, e) in enumerate(bounds):
-                if e > s:
-                    assert rel_rmse(have[b, s:e], want[b, s:e]) <= tol, (name, n, rel_rmse(have[b, s:e], want[b, s:e]))
-        elif name == "initial_state":
-            for n in range(N):
-                assert rel_rmse(have[n], want[n]) <= tol, (name, n)
 
 
 @pytest.fixture(params=["pytorch", "kernel"])
