@@ -88,6 +88,17 @@ class BackwardKernel:
     ready: bool = True
 
 
+def recomputing(run: Callable[[dict[str, Any]], tuple]) -> Callable[[dict[str, Any]], tuple]:
+    """:attr:`BackwardKernel.forward` for a backward that keeps no residuals: it recomputes what it needs from the
+    inputs the custom op saves anyway. ``run`` is the kernel's forward, ``(o, final_state or None)``."""
+
+    def forward(args: dict[str, Any]) -> tuple:
+        o, final_state = run(args)
+        return o, final_state, []
+
+    return forward
+
+
 @dataclass
 class CuteKernel:
     """A CuTe DSL kernel registered for one compute-capability major (9 = SM90, 10 = SM100).

@@ -17,6 +17,7 @@ from cula.dispatch import (
     chunk_fwd_kernel_declines,
     fla_gated_backward_ok,
     kernel_vs_fla,
+    recomputing,
 )
 from cula.gdn import reference
 from cula.ops import context_parallel
@@ -159,12 +160,6 @@ def _sm90_run(args: dict[str, Any]):
     return run_bound(GDN_SM90, args, g)
 
 
-def _sm90_training_forward(args: dict[str, Any]):
-    # the backward recomputes the states from the inputs the custom op saves: no residuals
-    o, final_state = _sm90_run(args)
-    return o, final_state, []
-
-
 def _sm90_backward(args: dict[str, Any], residuals: list, grad_o, grad_final_state) -> dict[str, torch.Tensor]:
     """Gradients of every floating tensor argument present: the in-kernel options (q / k L2 norm, the gate from
     A_log and dt_bias, beta's sigmoid) applied by their PyTorch formulas under autograd, the kernel's backward on
@@ -201,7 +196,7 @@ def _sm90_backward(args: dict[str, Any], residuals: list, grad_o, grad_final_sta
 
 
 # correct in plan on a CPU (tests/test_chunk_backward.py), its walks never run on a GPU: opt-in
-SM90_BACKWARD = BackwardKernel(_sm90_training_forward, lambda args: [], _sm90_backward, ready=False)
+SM90_BACKWARD = BackwardKernel(recomputing(_sm90_run), lambda args: [], _sm90_backward, ready=False)
 CHUNK.register_kernel(
     CuteKernel("gdn.chunk_fwd_sm90", 9, _sm90_supports, _sm90_run, _sm90_faster_than_fla, backward=SM90_BACKWARD)
 )

@@ -17,6 +17,7 @@ from cula.dispatch import (
     call_args,
     chunk_fwd_kernel_declines,
     fla_gated_backward_ok,
+    recomputing,
 )
 from cula.lightning import reference
 from cula.recurrent.plan import recurrent_kernel
@@ -213,12 +214,6 @@ def _sm90_run(args: dict[str, Any]):
     )  # fmt: skip
 
 
-def _sm90_training_forward(args: dict[str, Any]):
-    # the backward recomputes the states from the inputs the custom op saves: no residuals
-    o, final_state = _sm90_run(args)
-    return o, final_state, []
-
-
 def _sm90_backward(args: dict[str, Any], residuals: list, grad_o, grad_final_state) -> dict[str, torch.Tensor]:
     """Gradients of every floating tensor argument present (:mod:`cula.lightning.chunk_bwd_sm90`)."""
     from cula.lightning.chunk_bwd_sm90 import chunk_simple_gla_bwd_sm90
@@ -243,7 +238,7 @@ def _sm90_backward(args: dict[str, Any], residuals: list, grad_o, grad_final_sta
 
 # correct on an H100 (tests/test_lightning_sm90_backward.py), but its per-chunk gradients are PyTorch products: slower
 # than FLA's backward (PERF.md), so opt-in until a kernel makes them
-SM90_BACKWARD = BackwardKernel(_sm90_training_forward, lambda args: [], _sm90_backward, ready=False)
+SM90_BACKWARD = BackwardKernel(recomputing(_sm90_run), lambda args: [], _sm90_backward, ready=False)
 
 for _op in (CHUNK_SIMPLE_GLA, CHUNK_LIGHTNING):
     _op.register_kernel(CuteKernel("lightning.chunk_fwd_sm90", 9, _sm90_supports, _sm90_run, backward=SM90_BACKWARD))
