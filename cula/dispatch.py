@@ -83,9 +83,11 @@ class BackwardKernel:
     forward: Callable[[dict[str, Any]], tuple]
     residuals_like: Callable[[dict[str, Any]], list[torch.Tensor]]
     run: Callable[..., dict[str, torch.Tensor]]
-    # False until its GPU tests and its A/B against FLA have passed: it serves training calls only with
-    # CULA_UNTESTED_KERNELS=1
-    ready: bool = True
+    # False until its GPU tests have passed: it serves training calls only with CULA_UNTESTED_KERNELS=1
+    hardware_tested: bool = True
+    # False while FLA's backward is the faster: the training calls FLA can serve go to FLA (those FLA refuses, as
+    # its gated backwards on Hopper with triton < 3.7.1, come here rather than to the reference backend)
+    beats_fla: bool = True
 
 
 def recomputing(run: Callable[[dict[str, Any]], tuple]) -> Callable[[dict[str, Any]], tuple]:
@@ -169,6 +171,10 @@ class Op:
             if kernel.arch_major != major:
                 continue
             declined = _backward_declines(kernel, args) if training else None
+            if training and not declined and not kernel.backward.beats_fla and not forced and self._fla(args)[0][0]:
+                declined = (
+                    "inputs require grad, and FLA's backward is faster than the kernel's (CULA_BACKEND=cute forces it)"
+                )
             if declined:
                 reasons.append(f"{kernel.name}: {declined}")
                 continue
@@ -330,8 +336,8 @@ def _backward_declines(kernel: CuteKernel, args: dict[str, Any]) -> str | None:
     """Why ``kernel`` cannot serve a training call (some tensor argument requires grad), or None."""
     if kernel.backward is None:
         return "inputs require grad and the kernel has no backward (forward only)"
-    if not kernel.backward.ready and os.environ.get(ENV_UNTESTED, "0") != "1":
-        return f"inputs require grad, and its backward is not ready: untested, or slower than FLA ({ENV_UNTESTED}=1 serves it)"
+    if not kernel.backward.hardware_tested and os.environ.get(ENV_UNTESTED, "0") != "1":
+        return f"inputs require grad, and its backward has not run on a GPU ({ENV_UNTESTED}=1 serves it)"
     if validation.pooled(args):
         return "inputs require grad with a state pool: the pool is written in place, outside autograd"
     return None

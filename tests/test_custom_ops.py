@@ -409,22 +409,44 @@ def test_training_call_goes_to_a_kernel_only_with_a_backward(monkeypatch, gdn_ke
         torch.testing.assert_close(args[n].grad, expected[n].grad, msg=n)
 
 
-def test_a_backward_not_ready_serves_training_calls_only_when_asked(monkeypatch, gdn_kernels):
-    """A kernel whose backward is not ready (untested, or slower than FLA) keeps serving inference calls; training
-    calls go on to the next backend, with the reason, unless CULA_UNTESTED_KERNELS=1."""
+def test_an_untested_backward_serves_training_calls_only_when_asked(monkeypatch, gdn_kernels):
+    """A kernel whose backward has not run on a GPU keeps serving inference calls; training calls go on to the next
+    backend, with the reason, unless CULA_UNTESTED_KERNELS=1."""
     FakeCuda(monkeypatch, (9, 0))
     monkeypatch.setattr(dispatch, "fla_function", lambda target: None)
     fn = cula.gdn.chunk_gated_delta_rule
     kernel = trainable_kernel("opt_in", [])
-    kernel.backward = dataclasses.replace(kernel.backward, ready=False)
+    kernel.backward = dataclasses.replace(kernel.backward, hardware_tested=False)
     gdn_kernels.register_kernel(kernel)
     args = gdn_args(initial_state=torch.randn(1, 4, 16, 8), output_final_state=True)
     assert cula.explain(fn, **args).backend == "cute"
     args["q"].requires_grad_(True)
     decision = cula.explain(fn, **args)
     assert decision.backend == "fla"
-    assert "opt_in: inputs require grad, and its backward is not ready" in dict(decision.rejected)["cute"]
+    assert "opt_in: inputs require grad, and its backward has not run on a GPU" in dict(decision.rejected)["cute"]
     monkeypatch.setenv(dispatch.ENV_UNTESTED, "1")
+    assert cula.explain(fn, **args).backend == "cute"
+
+
+def test_a_backward_slower_than_flas_serves_the_training_calls_fla_refuses(monkeypatch, gdn_kernels):
+    """A tested backward that FLA's beats: training calls go to FLA where FLA serves them, to the kernel where FLA
+    refuses them (not to the reference backend), and CULA_BACKEND=cute forces it."""
+    FakeCuda(monkeypatch, (9, 0))
+    monkeypatch.setattr(dispatch, "fla_function", lambda target: None)
+    fn = cula.gdn.chunk_gated_delta_rule
+    kernel = trainable_kernel("slower", [])
+    kernel.backward = dataclasses.replace(kernel.backward, beats_fla=False)
+    gdn_kernels.register_kernel(kernel)
+    args = gdn_args(initial_state=torch.randn(1, 4, 16, 8), output_final_state=True)
+    args["q"].requires_grad_(True)
+    decision = cula.explain(fn, **args)
+    assert decision.backend == "fla"
+    assert "FLA's backward is faster" in dict(decision.rejected)["cute"]
+    op = dispatch.op_of(fn)
+    monkeypatch.setattr(op, "fla_supports", lambda a: (False, "FLA refuses this backward here"))
+    assert cula.explain(fn, **args).backend == "cute"
+    monkeypatch.setattr(op, "fla_supports", None)
+    monkeypatch.setenv(dispatch.ENV_BACKEND, "cute")
     assert cula.explain(fn, **args).backend == "cute"
 
 

@@ -196,7 +196,7 @@ def _sm90_backward(args: dict[str, Any], residuals: list, grad_o, grad_final_sta
 
 
 # correct in plan on a CPU (tests/test_chunk_backward.py), its walks never run on a GPU: opt-in
-SM90_BACKWARD = BackwardKernel(recomputing(_sm90_run), lambda args: [], _sm90_backward, ready=False)
+SM90_BACKWARD = BackwardKernel(recomputing(_sm90_run), lambda args: [], _sm90_backward, hardware_tested=False)
 CHUNK.register_kernel(
     CuteKernel("gdn.chunk_fwd_sm90", 9, _sm90_supports, _sm90_run, _sm90_faster_than_fla, backward=SM90_BACKWARD)
 )

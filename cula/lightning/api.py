@@ -236,9 +236,10 @@ def _sm90_backward(args: dict[str, Any], residuals: list, grad_o, grad_final_sta
     return grads
 
 
-# correct on an H100 (tests/test_lightning_sm90_backward.py), but its per-chunk gradients are PyTorch products: slower
-# than FLA's backward (PERF.md), so opt-in until a kernel makes them
-SM90_BACKWARD = BackwardKernel(recomputing(_sm90_run), lambda args: [], _sm90_backward, ready=False)
+# its GPU tests passed on an H100 (tests/test_lightning_sm90_backward.py), but its per-chunk gradients are PyTorch
+# products, slower than FLA's backward (PERF.md): it serves the training calls FLA refuses (gated ones on Hopper with
+# triton < 3.7.1), which would otherwise go to the reference backend
+SM90_BACKWARD = BackwardKernel(recomputing(_sm90_run), lambda args: [], _sm90_backward, beats_fla=False)
 
 for _op in (CHUNK_SIMPLE_GLA, CHUNK_LIGHTNING):
     _op.register_kernel(CuteKernel("lightning.chunk_fwd_sm90", 9, _sm90_supports, _sm90_run, backward=SM90_BACKWARD))
