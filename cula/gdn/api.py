@@ -170,7 +170,8 @@ def _sm90_backward(args: dict[str, Any], residuals: list, grad_o, grad_final_sta
 
     floating = ("q", "k", "g", "beta", "A_log", "dt_bias")
     names = [n for n in floating if isinstance(args.get(n), torch.Tensor) and args[n].is_floating_point()]
-    # an op's implementation runs below autograd: the transforms' graph is made with plain eager code's keys
+    # an op's implementation runs below autograd: the transforms' graph is made (and walked back) with plain eager
+    # code's keys, and the kernel's part runs without one (its saved inputs still require grad there)
     with torch._C._ForceDispatchKeyGuard(*EAGER_DISPATCH_KEYS), torch.enable_grad():
         leaves = {n: args[n].detach().requires_grad_() for n in names}
         x = {**args, **leaves}
@@ -180,11 +181,13 @@ def _sm90_backward(args: dict[str, Any], residuals: list, grad_o, grad_final_sta
         else:
             g = gates.to_compute(x["g"])
         beta = gates.to_compute(beta)
+    with torch.no_grad():
         dq, dk, dv, dg, dbeta, dh0 = chunk_gdn_bwd_sm90(
             q.detach().to(args["q"].dtype), k.detach().to(args["k"].dtype), args["v"], g.detach(), beta.detach(),
             grad_o, args["scale"], args["initial_state"], grad_final_state, args["cu_seqlens"],
             args.get("cu_seqlens_cpu"), args.get("state_v_first", False),
         )  # fmt: skip
+    with torch._C._ForceDispatchKeyGuard(*EAGER_DISPATCH_KEYS):
         outputs = [q, k, g, beta]
         cotangents = [d.to(x.dtype) for d, x in zip((dq, dk, dg, dbeta), outputs, strict=True)]
         through = torch.autograd.grad(outputs, list(leaves.values()), cotangents, allow_unused=True)

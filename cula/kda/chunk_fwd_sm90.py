@@ -164,6 +164,7 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
     gate_floor = None
 
     def __init__(self, config, gate_in_kernel: bool = False):
+        assert config.walk == "output", "the backward's state walks run on the scalar-gate kernel only"
         self.gate_in_kernel = gate_in_kernel
         super().__init__(config)
         self.half = self.C // 2  # intra-chunk column halves, reference tokens half // 2 and half + half // 2
