@@ -301,3 +301,34 @@ def test_gdn_sm90_backward_chains_through_the_in_kernel_options(monkeypatch, opt
         assert got[n].shape == leaves[n].shape, n
         err = ((got[n].double() - leaves[n].grad).norm() / leaves[n].grad.norm()).item()
         assert err <= 1e-6, (n, err)
+
+
+@pytest.mark.parametrize("fixed_length", [True, False])
+def test_chunk_rows_hold_every_token_once_in_order(fixed_length):
+    """The chunk rows of the backward's per-chunk passes: every token exactly once, each row a run of consecutive
+    tokens from a chunk's start, at the row the state walks number that chunk with, padding after."""
+    import random
+
+    random.seed(fixed_length)
+    for _ in range(50):
+        if fixed_length:
+            B, T = random.randint(1, 4), random.randint(1, 300)
+            offsets = [b * T for b in range(B + 1)]
+        else:
+            offsets = [0]
+            for _ in range(random.randint(1, 8)):
+                offsets.append(offsets[-1] + random.choice([0, 1, random.randint(0, 300)]))
+            if offsets[-1] == 0:
+                continue
+        n_tokens = offsets[-1]
+        index, rows = chunk_backward.chunk_token_index(offsets, fixed_length)
+        real = index[index < n_tokens]
+        assert torch.equal(real.sort().values, torch.arange(n_tokens))
+        firsts = chunk_backward.checkpoint_rows(offsets, fixed_length)
+        for first, s, e in zip(firsts, offsets[:-1], offsets[1:], strict=True):
+            for c in range(-(-(e - s) // 64)):
+                row = index[first + c]
+                valid = min(64, e - s - 64 * c)
+                assert torch.equal(row[:valid], torch.arange(s + 64 * c, s + 64 * c + valid))
+                assert bool((row[valid:] == n_tokens).all())
+        assert rows <= index.shape[0]

@@ -129,16 +129,19 @@ def checkpoint_rows(offsets: list[int], fixed_length: bool) -> list[int]:
 
 def chunk_token_index(offsets: list[int], fixed_length: bool, device=None) -> tuple[torch.Tensor, int]:
     """``(index [rows, C], rows)``: the flattened token of each place of each checkpoint row, or the number of tokens
-    (a zero row appended to the gathered tensors) past a sequence's end and in rows no chunk takes."""
+    (a zero row appended to the gathered tensors) past a sequence's end and in rows no chunk takes. Made without a
+    loop over chunks: the host cost of a call with thousands of them."""
     n_tokens = offsets[-1]
-    firsts = checkpoint_rows(offsets, fixed_length)
-    rows = firsts[-1] + -(-(offsets[-1] - offsets[-2]) // CHUNK) if firsts else 0
+    bounds = torch.tensor(offsets, dtype=torch.long)
+    lengths = bounds[1:] - bounds[:-1]
+    chunks = (lengths + CHUNK - 1) // CHUNK
+    firsts = torch.tensor(checkpoint_rows(offsets, fixed_length), dtype=torch.long)
+    rows = int((firsts[-1] + chunks[-1]).item()) if len(firsts) else 0
     index = torch.full((max(rows, 1), CHUNK), n_tokens, dtype=torch.long)
-    place = torch.arange(CHUNK)
-    for first, start, end in zip(firsts, offsets[:-1], offsets[1:], strict=True):
-        for c in range(-(-(end - start) // CHUNK)):
-            tok = start + c * CHUNK + place
-            index[first + c] = torch.where(tok < end, tok, n_tokens)
+    sequence = torch.repeat_interleave(torch.arange(len(chunks)), chunks)  # each chunk's sequence
+    chunk = torch.arange(len(sequence)) - torch.repeat_interleave(torch.cumsum(chunks, 0) - chunks, chunks)
+    tokens = bounds[sequence, None] + chunk[:, None] * CHUNK + torch.arange(CHUNK)  # [chunks, C]
+    index[firsts[sequence] + chunk] = torch.where(tokens < bounds[sequence + 1, None], tokens, n_tokens)
     return index.to(device), rows
 
 
