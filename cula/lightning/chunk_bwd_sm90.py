@@ -4,7 +4,7 @@
    kernel walking the chunks without output (:func:`cula.sm90.walks.state_walk`: "states" on (k, v), "state_grads"
    from the last chunk on (q, do)), each storing a bf16 checkpoint per chunk; the second walk's final state is dh0;
 3. and 4. dq, dk, dv and the gate's gradient per chunk, from the checkpoints: batched PyTorch products over the
-   chunk rows (:func:`cula.ops.chunk_backward.scalar_chunk_gradients`), or with ``CULA_CHUNK_GRADIENT_KERNEL=1`` the
+   chunk rows (:func:`cula.ops.chunk_backward.rows_backward`), or with ``CULA_CHUNK_GRADIENT_KERNEL=1`` the
    kernel :class:`cula.sm90.scalar_chunk_bwd.ScalarGateChunkBwdSm90` (compile-checked, not yet run on a GPU).
 
 Shapes: q, k, v, do [B, T, H, D] bf16; the gate fp32 [B, T, H] (:func:`cula.lightning.chunk_fwd_sm90.token_gate`);
@@ -76,31 +76,12 @@ def chunk_simple_gla_bwd_sm90(q, k, v, gate, do, scale, initial_state, dht, cu_s
     # beta's slot carries the gate (never read without the delta rule); the reverse walk reads q as its keys
     S, _ = walks.state_walk(SIMPLE_GLA_SM90, "states", k, k, v, gate, gate, scale, initial_state, **at)
     dS, dh0 = walks.state_walk(SIMPLE_GLA_SM90, "state_grads", q, q, do, gate, gate, scale, dht, **at)
-    n_tokens = B * T
     if os.environ.get(ENV_GRADIENT_KERNEL, "0") == "1":
         dq, dk, dv, dgate = chunk_gradients_sm90(q, k, v, do, gate, S, dS, index, scale, not fixed)
         dgate = torch.where(gate < GATE_FLOOR, 0.0, dgate)
-        return dq, dk, dv, dgate, (dh0 if initial_state is not None else None)
-
-    def by_chunk(x):
-        flat = x.reshape(n_tokens, *x.shape[2:])
-        return torch.cat([flat, flat.new_zeros(1, *flat.shape[1:])])[index]
-
-    floored = gate.clamp_min(GATE_FLOOR)
-    grads = chunk_backward.scalar_chunk_gradients(
-        *(by_chunk(x) for x in (q, k, v, do, floored)), S[: index.shape[0]], dS[: index.shape[0]], scale
-    )
-    valid = index < n_tokens
-    dq, dk, dv, dgate = (_to_tokens(x, index, valid, n_tokens, (B, T)) for x in grads)
-    dgate = torch.where(gate < GATE_FLOOR, 0.0, dgate)
+    else:
+        dq, dk, dv, dgate, _ = chunk_backward.rows_backward(q, k, v, do, gate, None, S, dS, index, scale)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dgate, (dh0 if initial_state is not None else None)
-
-
-def _to_tokens(x, index, valid, n_tokens, batch):
-    """Chunk rows ``[R, C, ...]`` back to ``[B, T, ...]``."""
-    out = x.new_zeros(n_tokens, *x.shape[2:])
-    out[index[valid]] = x[valid]
-    return out.view(*batch, *x.shape[2:])
 
 
 entry.register_checked(
