@@ -22,6 +22,10 @@ Split passes (:mod:`cula.ops.segment_split`): ``mode`` "transition" runs v = 0 f
 "correction" v = 0 from the given states and adds its output to o (the first pass's o arrives in the v stages);
 ``intra`` "save" stores each chunk's Tinv and P to a workspace, "load" takes them from it instead of making them.
 
+The backward's state walks (``walk``, :mod:`cula.sm90.walks`): no output, a bf16 checkpoint of the state stored per
+chunk to the workspace (``Common.w_plain``) before the chunk's step; "state_grads" walks the chunks from the last
+(:meth:`ChunkFwdSm90.chunk_position`), with the delta rule through :meth:`cula.sm90.state_chain.StateChain.reverse_delta`.
+
 Shapes (torch order): q, k [B, T, H, D] bf16; v, o [B, T, HV, D] bf16; beta [B, T, HV] bf16 / fp32; states
 [N, HV, K, V] fp32 (a transposed view for ``state_v_first`` storage); varlen: B == 1 and int32 token ranges
 ``starts`` / ``ends`` [N]; the split workspace [ranges, rows, HV, C] bf16; a state pool's rows ``slots`` [N] int32
