@@ -409,18 +409,26 @@ def test_training_call_goes_to_a_kernel_only_with_a_backward(monkeypatch, gdn_ke
         torch.testing.assert_close(args[n].grad, expected[n].grad, msg=n)
 
 
+def training_call_with(monkeypatch, gdn_kernels, name, **backward_fields):
+    """On a faked SM90 device with FLA importable: a trainable kernel ``name`` whose backward has
+    ``backward_fields``, and GDN arguments of a training call (q requires grad)."""
+    FakeCuda(monkeypatch, (9, 0))
+    monkeypatch.setattr(dispatch, "fla_function", lambda target: None)
+    kernel = trainable_kernel(name, [])
+    kernel.backward = dataclasses.replace(kernel.backward, **backward_fields)
+    gdn_kernels.register_kernel(kernel)
+    args = gdn_args(initial_state=torch.randn(1, 4, 16, 8), output_final_state=True)
+    args["q"].requires_grad_(True)
+    return args
+
+
 def test_an_untested_backward_serves_training_calls_only_when_asked(monkeypatch, gdn_kernels):
     """A kernel whose backward has not run on a GPU keeps serving inference calls; training calls go on to the next
     backend, with the reason, unless CULA_UNTESTED_KERNELS=1."""
-    FakeCuda(monkeypatch, (9, 0))
-    monkeypatch.setattr(dispatch, "fla_function", lambda target: None)
     fn = cula.gdn.chunk_gated_delta_rule
-    kernel = trainable_kernel("opt_in", [])
-    kernel.backward = dataclasses.replace(kernel.backward, hardware_tested=False)
-    gdn_kernels.register_kernel(kernel)
-    args = gdn_args(initial_state=torch.randn(1, 4, 16, 8), output_final_state=True)
-    assert cula.explain(fn, **args).backend == "cute"
-    args["q"].requires_grad_(True)
+    args = training_call_with(monkeypatch, gdn_kernels, "opt_in", hardware_tested=False)
+    with torch.no_grad():
+        assert cula.explain(fn, **args).backend == "cute"
     decision = cula.explain(fn, **args)
     assert decision.backend == "fla"
     assert "opt_in: inputs require grad, and its backward has not run on a GPU" in dict(decision.rejected)["cute"]
@@ -431,14 +439,8 @@ def test_an_untested_backward_serves_training_calls_only_when_asked(monkeypatch,
 def test_a_backward_slower_than_flas_serves_the_training_calls_fla_refuses(monkeypatch, gdn_kernels):
     """A tested backward that FLA's beats: training calls go to FLA where FLA serves them, to the kernel where FLA
     refuses them (not to the reference backend), and CULA_BACKEND=cute forces it."""
-    FakeCuda(monkeypatch, (9, 0))
-    monkeypatch.setattr(dispatch, "fla_function", lambda target: None)
     fn = cula.gdn.chunk_gated_delta_rule
-    kernel = trainable_kernel("slower", [])
-    kernel.backward = dataclasses.replace(kernel.backward, beats_fla=False)
-    gdn_kernels.register_kernel(kernel)
-    args = gdn_args(initial_state=torch.randn(1, 4, 16, 8), output_final_state=True)
-    args["q"].requires_grad_(True)
+    args = training_call_with(monkeypatch, gdn_kernels, "slower", beats_fla=False)
     decision = cula.explain(fn, **args)
     assert decision.backend == "fla"
     assert "FLA's backward is faster" in dict(decision.rejected)["cute"]
