@@ -181,12 +181,13 @@ def test_delta_rule_backward_holds_with_bf16_operands(per_key, T, gates):
             assert err <= tol, (name, h, err)
 
 
+@pytest.mark.parametrize("batch", [None, 2], ids=["one_batch", "batches_of_one_row"])
 @pytest.mark.parametrize("variant", ["gdn", "kda", "gla", "simple_gla"])
-def test_rows_backward_gives_the_reference_gradients(variant):
+def test_rows_backward_gives_the_reference_gradients(variant, batch):
     """Every variant's per-chunk gradients over chunk rows (cula.ops.chunk_backward.rows_backward: the host side of
     the SM90 backwards after the walks), fed the plan's checkpoints in the kernels' numbering (rows no chunk takes
     left NaN), give the fp64 reference's gradients per sequence, on a varlen batch with empty, one-token and odd
-    sequences, with GVA where the variant has it."""
+    sequences, with GVA where the variant has it; in one batch of rows and in batches of one row (two chunk-heads)."""
     torch.manual_seed(2)
     delta, per_key = variant in ("gdn", "kda"), variant in ("kda", "gla")
     Hq, HV = (1, 2) if delta else (2, 2)
@@ -222,7 +223,7 @@ def test_rows_backward_gives_the_reference_gradients(variant):
             walk_ends, _ = chunk_backward.state_gradient_walk(qh, heads(do), gk, SCALE, dht[n])
         for c, (s_c, d_c) in enumerate(zip(walk_starts, walk_ends, strict=True)):
             starts[firsts[n] + c], ends[firsts[n] + c] = s_c.transpose(1, 2), d_c.transpose(1, 2)
-    dq, dk, dv, dg, dbeta = chunk_backward.rows_backward(q, k, v, do, g, beta, starts, ends, index, SCALE)
+    dq, dk, dv, dg, dbeta = chunk_backward.rows_backward(q, k, v, do, g, beta, starts, ends, index, SCALE, batch)
 
     tensors = [q, k, v, g] + ([beta] if delta else [])
     leaves = [x.clone().requires_grad_() for x in tensors]

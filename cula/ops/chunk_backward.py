@@ -353,74 +353,91 @@ def scalar_delta_rows(q, k, v, beta, g, S, dS_end, do, scale, operand=_exact) ->
     return dq, dk, dv, dbeta, dG.flip(1).cumsum(1).flip(1)
 
 
-# chunk-heads per batch of the per-key passes: their pair factors take (C x C x K) fp32 each (2 MiB at K = 128)
-KEY_GATE_BATCH = 256
+# chunk-heads per batch of rows_backward: its (C x C) fp32 matrices take 16 KiB each (a batch: ~20 of them, 2.6 GiB),
+# a per-key gate's pair factors (C x C x K) 2 MiB each at K = 128
+CHUNK_HEAD_BATCH = {"scalar": 8192, "per_key": 256}
 
 
-def rows_backward(q, k, v, do, g, beta, starts, ends, index, scale) -> tuple[torch.Tensor, ...]:
+def rows_backward(q, k, v, do, g, beta, starts, ends, index, scale, batch=None) -> tuple[torch.Tensor, ...]:
     """Passes 3 and 4 of every variant over the chunk rows ``index`` ([rows, C] flattened tokens,
     :func:`chunk_token_index`) with the state walks' checkpoints ``starts`` / ``ends`` [rows, HV, V, K] (any dtype):
     q, k [B, T, H, K]; v, do [B, T, HV, V]; g [B, T, HV] (scalar) or [B, T, HV, K] (per key), natural log; beta
     [B, T, HV] with the delta rule, else None. Returns ``(dq, dk [B, T, H, K] summed over each GVA group,
-    dv [B, T, HV, V], dg (g's shape), dbeta [B, T, HV] or None)`` in fp32; gates below the floor get no gradient."""
+    dv [B, T, HV, V], dg (g's shape), dbeta [B, T, HV] or None)`` in fp32; gates below the floor get no gradient.
+    Rows are gathered, computed and scattered back ``batch`` chunk-heads at a time (:data:`CHUNK_HEAD_BATCH`), so
+    that memory stays bounded at any length."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    rep, n_tokens, C, R = HV // H, B * T, index.shape[1], index.shape[0]
+    rep, n_tokens, C = HV // H, B * T, index.shape[1]
     per_key = g.dim() == 4
-
-    def by_row(x):
-        """[B, T, heads, ...] -> [R x heads, C, ...] fp32, zero past every sequence's end."""
-        flat = x.reshape(n_tokens, *x.shape[2:]).float()
-        rows = torch.cat([flat, flat.new_zeros(1, *flat.shape[1:])])[index]
-        return rows.movedim(2, 1).reshape(R * rows.shape[2], C, *rows.shape[3:])
-
-    def by_token(x):
-        """The inverse of ``by_row``."""
-        rows = x.reshape(R, HV, C, *x.shape[2:]).movedim(1, 2)
-        out = rows.new_zeros(n_tokens, *rows.shape[2:])
-        valid = index < n_tokens
-        out[index[valid]] = rows[valid]
-        return out.view(B, T, *rows.shape[2:])
-
-    x = {
-        "q": by_row(q.repeat_interleave(rep, dim=2)), "k": by_row(k.repeat_interleave(rep, dim=2)),
-        "v": by_row(v), "do": by_row(do), "g": by_row(g.clamp_min(GATE_FLOOR)),
-        "beta": None if beta is None else by_row(beta),
-        "S": starts[:R].float().transpose(-1, -2).reshape(R * HV, K, V),
-        "dS": ends[:R].float().transpose(-1, -2).reshape(R * HV, K, V),
+    batch = batch or CHUNK_HEAD_BATCH["per_key" if per_key else "scalar"]
+    rows_per_batch = max(1, batch // HV)
+    floored = g.clamp_min(GATE_FLOOR)
+    flat = {
+        "q": q, "k": k, "v": v, "do": do, "g": floored, "beta": beta,
     }  # fmt: skip
-    if not per_key:
-        if beta is not None:
-            grads = scalar_delta_rows(x["q"], x["k"], x["v"], x["beta"], x["g"], x["S"], x["dS"], x["do"], scale)
-        else:
-            rows = [t.view(R, HV, C, -1).movedim(1, 2) for t in (x["q"], x["k"], x["v"], x["do"])]
-            g_rows = x["g"].view(R, HV, C).movedim(1, 2)
-            S, dS = (t.view(R, HV, K, V).transpose(-1, -2) for t in (x["S"], x["dS"]))
-            grads = [
-                t.movedim(2, 1).reshape(R * HV, C, *t.shape[3:])
-                for t in scalar_chunk_gradients(*rows, g_rows, S, dS, scale)
-            ]
-            grads = (*grads[:3], None, grads[3])
-    else:
-        grads = _key_gate_rows(x, scale)
-    dq, dk, dv, dbeta, dg = grads
-    dq, dk = (by_token(t).view(B, T, H, rep, K).sum(3) for t in (dq, dk))
-    dg = torch.where(g < GATE_FLOOR, 0.0, by_token(dg))
-    return dq, dk, by_token(dv), dg, None if dbeta is None else by_token(dbeta)
+    flat = {n: None if x is None else x.reshape(n_tokens, *x.shape[2:]) for n, x in flat.items()}
+    out = {
+        "dq": q.new_zeros(n_tokens, H, K, dtype=torch.float32),
+        "dk": q.new_zeros(n_tokens, H, K, dtype=torch.float32),
+        "dv": q.new_zeros(n_tokens, HV, V, dtype=torch.float32),
+        "dg": q.new_zeros(n_tokens, *g.shape[2:], dtype=torch.float32),
+        "dbeta": None if beta is None else q.new_zeros(n_tokens, HV, dtype=torch.float32),
+    }
+    for r0 in range(0, index.shape[0], rows_per_batch):
+        rows = index[r0 : r0 + rows_per_batch]
+        R = rows.shape[0]
+        valid = rows < n_tokens
+
+        def by_row(x, rows=rows, R=R):
+            """[tokens, heads, ...] -> [R x heads, C, ...] fp32, zero past every sequence's end."""
+            gathered = torch.cat([x.float(), x.new_zeros(1, *x.shape[1:], dtype=torch.float32)])[rows]
+            return gathered.movedim(2, 1).reshape(R * gathered.shape[2], C, *gathered.shape[3:])
+
+        def scatter(name, x, heads, R=R, rows=rows, valid=valid):
+            """[R x heads, C, ...] back to the tokens of ``out[name]`` (GVA groups summed for q and k)."""
+            x = x.reshape(R, heads, C, *x.shape[2:]).movedim(1, 2)
+            if name in ("dq", "dk"):
+                x = x.reshape(R, C, H, rep, K).sum(3)
+            out[name][rows[valid]] = x[valid]
+
+        x = {
+            "q": by_row(flat["q"].repeat_interleave(rep, dim=1)), "k": by_row(flat["k"].repeat_interleave(rep, dim=1)),
+            "v": by_row(flat["v"]), "do": by_row(flat["do"]), "g": by_row(flat["g"]),
+            "beta": None if beta is None else by_row(flat["beta"]),
+            "S": starts[r0 : r0 + R].float().transpose(-1, -2).reshape(R * HV, K, V),
+            "dS": ends[r0 : r0 + R].float().transpose(-1, -2).reshape(R * HV, K, V),
+        }  # fmt: skip
+        grads = _row_gradients(x, R, HV, per_key, scale)
+        for name, grad in zip(("dq", "dk", "dv", "dbeta", "dg"), grads, strict=True):
+            if grad is not None:
+                scatter(name, grad, HV)
+    dg = torch.where(g < GATE_FLOOR, 0.0, out["dg"].view(g.shape))
+    dbeta = None if beta is None else out["dbeta"].view(B, T, HV)
+    return out["dq"].view(B, T, H, K), out["dk"].view(B, T, H, K), out["dv"].view(B, T, HV, V), dg, dbeta
 
 
-def _key_gate_rows(x: dict, scale) -> tuple:
-    """:func:`rows_backward`'s per-key passes, in batches of :data:`KEY_GATE_BATCH` chunk-heads: the delta rule's
-    (:func:`delta_chunk_forward`, :func:`delta_chunk_backward`) or GLA's (:func:`chunk_gradients`)."""
-    parts = []
-    for lo in range(0, x["q"].shape[0], KEY_GATE_BATCH):
-        b = {n: None if t is None else t[lo : lo + KEY_GATE_BATCH] for n, t in x.items()}
-        if b["beta"] is not None:
-            chunk = (b["q"], b["k"], b["v"], b["beta"])
-            f = delta_chunk_forward(*chunk, b["g"], b["S"], scale)
-            d = delta_chunk_backward(*chunk, f, b["S"], b["dS"], b["do"], scale)
-            parts.append((d["dq"], d["dk"], d["dv"], d["dbeta"], d["dG"].flip(1).cumsum(1).flip(1)))
-        else:
-            dq, dk, dv, dg = chunk_gradients(b["q"], b["k"], b["v"], b["do"], b["g"], b["S"], b["dS"], scale)
-            parts.append((dq, dk, dv, None, dg))
-    return tuple(None if p[0] is None else torch.cat(p) for p in zip(*parts, strict=True))
+def _row_gradients(x: dict, R: int, HV: int, per_key: bool, scale) -> tuple:
+    """One batch of :func:`rows_backward` (``x`` its chunk-heads, heads first): ``(dq, dk, dv, dbeta or None, dg)``
+    by the delta rule's passes (:func:`scalar_delta_rows`; per key :func:`delta_chunk_forward` and
+    :func:`delta_chunk_backward`) or the gated ones (:func:`scalar_chunk_gradients`, rows first; per key
+    :func:`chunk_gradients`)."""
+    delta = x["beta"] is not None
+    if delta and not per_key:
+        return scalar_delta_rows(x["q"], x["k"], x["v"], x["beta"], x["g"], x["S"], x["dS"], x["do"], scale)
+    if delta:
+        chunk = (x["q"], x["k"], x["v"], x["beta"])
+        f = delta_chunk_forward(*chunk, x["g"], x["S"], scale)
+        d = delta_chunk_backward(*chunk, f, x["S"], x["dS"], x["do"], scale)
+        return d["dq"], d["dk"], d["dv"], d["dbeta"], d["dG"].flip(1).cumsum(1).flip(1)
+    if per_key:
+        dq, dk, dv, dg = chunk_gradients(x["q"], x["k"], x["v"], x["do"], x["g"], x["S"], x["dS"], scale)
+        return dq, dk, dv, None, dg
+    C, K, V = x["q"].shape[1], x["q"].shape[2], x["v"].shape[2]
+    rows = [t.view(R, HV, C, -1).movedim(1, 2) for t in (x["q"], x["k"], x["v"], x["do"])]
+    S, dS = (t.view(R, HV, K, V).transpose(-1, -2) for t in (x["S"], x["dS"]))
+    dq, dk, dv, dg = (
+        t.movedim(2, 1).reshape(R * HV, C, *t.shape[3:])
+        for t in scalar_chunk_gradients(*rows, x["g"].view(R, HV, C).movedim(1, 2), S, dS, scale)
+    )
+    return dq, dk, dv, None, dg
