@@ -1,0 +1,141 @@
+"""Time the SM90 backwards pass by pass, beside FLA's forward + backward, in one process on a GPU: the data behind
+PERF.md's backward rows.
+
+    python tools/backward_pass_times.py [--op simple_gla|gdn] [--shapes 1x8192x64,2x16384x64] [--gate g|g_gamma]
+
+For each B x T x H shape (D = 128, bf16, H = HV) it prints, as medians of CUDA-event timings over 10 calls: the two
+state walks, the per-chunk passes in PyTorch (``rows_backward``) and, for simple GLA, by the kernel
+(``CULA_CHUNK_GRADIENT_KERNEL=1``), then the whole forward + backward through the public op served by cuLA
+(``CULA_BACKEND=cute CULA_UNTESTED_KERNELS=1``) and by FLA (where FLA runs it; its first call autotunes).
+"""
+
+import argparse
+import json
+import os
+import statistics
+
+
+def median_ms(fn, reps: int = 10) -> float:
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def inputs(op: str, B: int, T: int, H: int, gate: str):
+    import torch
+    import torch.nn.functional as F
+
+    D = 128
+    q = torch.randn(B, T, H, D, device="cuda").bfloat16()
+    k = F.normalize(torch.randn(B, T, H, D, device="cuda"), dim=-1).bfloat16()
+    v, do = (torch.randn(B, T, H, D, device="cuda").bfloat16() for _ in range(2))
+    args = {"q": q, "k": k, "v": v}
+    if op == "gdn":
+        args["g"] = F.logsigmoid(torch.randn(B, T, H, device="cuda") + 3.0)
+        args["beta"] = torch.rand(B, T, H, device="cuda")
+    elif gate == "g":
+        args["g"] = F.logsigmoid(torch.randn(B, T, H, device="cuda") + 3.0)
+    else:
+        args["g_gamma"] = -torch.rand(H, device="cuda") * 0.2
+    return args, do
+
+
+def passes(op: str, args: dict, do) -> dict:
+    """The backward's passes alone on ``args``."""
+    from cula.ops import chunk_backward
+    from cula.sm90 import walks
+
+    q, k, v = args["q"], args["k"], args["v"]
+    B, T, H, D = q.shape
+    index, rows = chunk_backward.chunk_token_index([b * T for b in range(B + 1)], True, q.device)
+    at = {"cu_seqlens": None, "rows": rows, "state_v_first": False}
+    scale = D**-0.5
+    times = {}
+    if op == "gdn":
+        from cula.gdn.chunk_fwd_sm90 import GDN_SM90
+
+        g, beta = args["g"], args["beta"]
+        S, _ = walks.state_walk(GDN_SM90, "states", q, k, v, g, beta, scale, None, **at)
+        dS, _ = walks.state_walk(GDN_SM90, "state_grads", q, k, do, g, beta, scale, None, **at)
+        times["walk states"] = median_ms(
+            lambda: walks.state_walk(GDN_SM90, "states", q, k, v, g, beta, scale, None, **at)
+        )
+        times["walk state_grads"] = median_ms(
+            lambda: walks.state_walk(GDN_SM90, "state_grads", q, k, do, g, beta, scale, None, **at)
+        )
+        times["per-chunk, PyTorch"] = median_ms(
+            lambda: chunk_backward.rows_backward(q, k, v, do, g, beta, S, dS, index, scale), reps=3
+        )
+        return times
+    from cula.lightning.chunk_bwd_sm90 import chunk_gradients_sm90
+    from cula.lightning.chunk_fwd_sm90 import SIMPLE_GLA_SM90, token_gate
+
+    gate = token_gate(args.get("g"), args.get("g_gamma"), v)
+    S, _ = walks.state_walk(SIMPLE_GLA_SM90, "states", k, k, v, gate, gate, scale, None, **at)
+    dS, _ = walks.state_walk(SIMPLE_GLA_SM90, "state_grads", q, q, do, gate, gate, scale, None, **at)
+    times["walk states"] = median_ms(
+        lambda: walks.state_walk(SIMPLE_GLA_SM90, "states", k, k, v, gate, gate, scale, None, **at)
+    )
+    times["walk state_grads"] = median_ms(
+        lambda: walks.state_walk(SIMPLE_GLA_SM90, "state_grads", q, q, do, gate, gate, scale, None, **at)
+    )
+    times["per-chunk, PyTorch"] = median_ms(
+        lambda: chunk_backward.rows_backward(q, k, v, do, gate, None, S, dS, index, scale), reps=3
+    )
+    times["per-chunk, kernel"] = median_ms(lambda: chunk_gradients_sm90(q, k, v, do, gate, S, dS, index, scale, False))
+    return times
+
+
+def forward_backward(op: str, args: dict, do, backend: str) -> float:
+    import cula
+
+    fn = cula.gdn.chunk_gated_delta_rule if op == "gdn" else cula.lightning.chunk_simple_gla
+    leaves = {n: (x.detach().requires_grad_() if x.is_floating_point() else x) for n, x in args.items()}
+
+    def step():
+        o, _ = fn(**leaves)
+        o.backward(do)
+
+    previous = os.environ.get("CULA_BACKEND")
+    os.environ["CULA_BACKEND"] = backend
+    try:
+        return median_ms(step, reps=5)
+    finally:
+        if previous is None:
+            del os.environ["CULA_BACKEND"]
+        else:
+            os.environ["CULA_BACKEND"] = previous
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--op", choices=("simple_gla", "gdn"), default="simple_gla")
+    parser.add_argument("--shapes", default="1x8192x64")
+    parser.add_argument("--gate", choices=("g", "g_gamma"), default="g_gamma", help="simple GLA's gate")
+    opts = parser.parse_args()
+    os.environ["CULA_UNTESTED_KERNELS"] = "1"
+    for shape in opts.shapes.split(","):
+        B, T, H = (int(x) for x in shape.split("x"))
+        args, do = inputs(opts.op, B, T, H, opts.gate)
+        row = {"op": opts.op, "shape": shape, **passes(opts.op, args, do)}
+        os.environ["CULA_CHUNK_GRADIENT_KERNEL"] = "1" if opts.op == "simple_gla" else "0"
+        row["cuLA forward + backward"] = forward_backward(opts.op, args, do, "cute")
+        try:
+            row["FLA forward + backward"] = forward_backward(opts.op, args, do, "fla")
+        except Exception as error:  # FLA refuses some backwards on some triton versions
+            row["FLA forward + backward"] = f"{type(error).__name__}: {str(error)[:120]}"
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
