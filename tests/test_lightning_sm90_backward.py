@@ -102,3 +102,23 @@ def test_steep_and_reset_gates(gradient_passes, monkeypatch):
     inputs["g"][0, 100] = -1e4
     inputs["g"][0, 250] = float("-inf")
     check_gradients(cula.lightning.chunk_simple_gla, inputs, {}, monkeypatch)
+
+
+def test_a_compiled_training_step_holds_the_kernel_ops(monkeypatch):
+    """torch.compile(fullgraph=True) of a training step through the kernel's backward: no graph break (the custom
+    ops' fake implementations), and the same gradients as eager."""
+    monkeypatch.setenv("CULA_BACKEND", "cute")
+    torch._dynamo.reset()
+    inputs = simple_gla_inputs(1, 200, 2, 128, "g", True)
+
+    def step(q, k, v, g, h0):
+        o, ht = cula.lightning.chunk_simple_gla(q, k, v, g=g, initial_state=h0, output_final_state=True)
+        return o.float().square().sum() + ht.square().sum()
+
+    names = ("q", "k", "v", "g", "initial_state")
+    eager = [inputs[n].detach().clone().requires_grad_() for n in names]
+    step(*eager).backward()
+    compiled = [inputs[n].detach().clone().requires_grad_() for n in names]
+    torch.compile(step, backend="aot_eager", fullgraph=True)(*compiled).backward()
+    for name, a, b in zip(names, eager, compiled, strict=True):
+        assert rel_rmse(b.grad, a.grad.double()) <= 1e-3, name
