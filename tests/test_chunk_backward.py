@@ -82,52 +82,6 @@ def test_the_chunk_constant_of_the_gate_gradient_is_needed():
     assert rel_rmse(dropped["dg"], ref["dg"]) > 0.1
 
 
-def test_batched_scalar_gradients_match_the_per_sequence_plan():
-    """The chunk-row form the GPU backward runs (cula.ops.chunk_backward.scalar_chunk_gradients, with the
-    checkpoints numbered as the kernels number them) gives the per-sequence plan's gradients on a varlen batch with
-    empty, one-token and odd sequences."""
-    torch.manual_seed(1)
-    lengths = [0, 1, 130, 64, 77]
-    offsets = [0]
-    for n in lengths:
-        offsets.append(offsets[-1] + n)
-    T = offsets[-1]
-    q, k, v, do = (
-        bf16(x)
-        for x in (torch.randn(T, H, K), torch.randn(T, H, K) * K**-0.5, torch.randn(T, H, V), torch.randn(T, H, V))
-    )
-    g = F.logsigmoid(torch.randn(T, H) + 1.0)
-    index, _ = chunk_backward.chunk_token_index(offsets, fixed_length=False)
-    firsts = chunk_backward.checkpoint_rows(offsets, fixed_length=False)
-    pad = lambda x: torch.cat([x, x.new_zeros(1, *x.shape[1:])])  # noqa: E731
-    S = torch.full((index.shape[0], H, V, K), float("nan"))  # rows no chunk takes stay NaN
-    dS = torch.full_like(S, float("nan"))
-    expected = {}
-    for n, (s, e) in enumerate(zip(offsets[:-1], offsets[1:], strict=True)):
-        if e == s:
-            continue
-        heads = lambda x, s=s, e=e: x[s:e].transpose(0, 1)  # noqa: E731
-        gk = heads(g)[..., None].expand(H, e - s, K)
-        starts, _ = chunk_backward.state_walk(heads(k), heads(v), gk)
-        ends, _ = chunk_backward.state_gradient_walk(heads(q), heads(do), gk, SCALE)
-        for c, (s_c, d_c) in enumerate(zip(starts, ends, strict=True)):
-            S[firsts[n] + c], dS[firsts[n] + c] = bf16(s_c).transpose(1, 2), bf16(d_c).transpose(1, 2)
-        expected[n] = chunk_backward.gated_backward(heads(q), heads(k), heads(v), heads(g), heads(do), SCALE)
-    got = chunk_backward.scalar_chunk_gradients(*(pad(x)[index] for x in (q, k, v, do, g)), S, dS, SCALE)
-    valid = index < T
-    for name, x in zip(("dq", "dk", "dv", "dg"), got, strict=True):
-        tokens = x.new_zeros(T, *x.shape[2:])
-        tokens[index[valid]] = x[valid]
-        for n, ref in expected.items():
-            s, e = offsets[n], offsets[n + 1]
-            assert torch.isfinite(tokens[s:e]).all(), (name, n)
-            # within bf16 rounding (the rows round scale dP Gamma as the kernel does, the plan keeps it fp32): a chunk
-            # or a checkpoint taken from the wrong row is off by its whole size
-            # (a one-token sequence's gate gradient is zero: against that, a floor of 1e-6)
-            x, want = tokens[s:e].transpose(0, 1).double(), ref[name].double()
-            assert (x - want).norm() / max(want.norm(), 1e-6) <= 5e-3, (name, n)
-
-
 def delta_fp64_gradients(q, k, v, beta, g, do, h0, dht):
     """Gradients of the fp64 reference (chunk_kda for per-key gates, chunk_gated_delta_rule for scalar ones)."""
     leaves = [to_call(x).requires_grad_() for x in (q, k, v, g, beta)]

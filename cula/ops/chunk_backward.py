@@ -145,28 +145,27 @@ def chunk_token_index(offsets: list[int], fixed_length: bool, device=None) -> tu
     return index.to(device), rows
 
 
-def scalar_chunk_gradients(q, k, v, do, g, S, dS_end, scale) -> tuple[torch.Tensor, ...]:
-    """Passes 3 and 4 for a scalar gate, batched over chunk rows: q, k, v, do [R, C, H, D] (zero past a sequence
-    end), g [R, C, H] floored (zero past the end), S and dS_end [R, H, V, K] (S^T, as the state walks store their
-    bf16 checkpoints). Returns ``(dq, dk, dv [R, C, H, D], dg [R, C, H])`` in fp32 (the gate's gradient per token)."""
+def scalar_gated_rows(q, k, v, do, g, S, dS_end, scale) -> tuple[torch.Tensor, ...]:
+    """Passes 3 and 4 for a scalar gate without the delta rule (simple GLA, Lightning), batched, with the roundings
+    of their kernel (:mod:`cula.sm90.scalar_chunk_bwd`: P and scale dP Gamma as bf16 operands): q, k, v, do
+    [N, C, D] (zero past a sequence's end), g [N, C] floored (zero past the end), S and dS_end [N, K, V], N = chunks x
+    heads. Returns ``(dq, dk, dv [N, C, D], dg [N, C])`` in fp32 (the gradient of each token's gate)."""
     C = q.shape[1]
     G = g.float().cumsum(1)
     G_L = G[:, -1:]
-    lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()[None, :, :, None]
-    diff = G[:, :, None, :] - G[:, None, :, :]  # [R, i, j, H]
+    lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    diff = G[:, :, None] - G[:, None, :]
     gamma = torch.where(lower, torch.exp(torch.where(lower, diff, 0.0)), 0.0)
     q, k, v, do, S, dS = (x.float() for x in (q, k, v, do, S, dS_end))
-    P = bf16(scale * torch.einsum("rihk,rjhk->rijh", q, k) * gamma)
-    # scale dP Gamma is a bf16 operand in the kernel, as P is
-    dP_gamma = bf16(scale * torch.where(lower, torch.einsum("rihv,rjhv->rijh", do, v), 0.0) * gamma) / scale
+    P = bf16(scale * (q @ k.transpose(1, 2)) * gamma)
+    dP_gamma = bf16(scale * torch.where(lower, do @ v.transpose(1, 2), 0.0) * gamma)  # scale dP Gamma
     to_end = torch.exp(G_L - G)[..., None]
-    dq = scale * torch.exp(G)[..., None] * torch.einsum("rchv,rhvk->rchk", do, S)
-    dq = dq + scale * torch.einsum("rijh,rjhk->rihk", dP_gamma, k)
-    dk_inter = to_end * torch.einsum("rchv,rhvk->rchk", v, dS)
-    dk = dk_inter + scale * torch.einsum("rijh,rihk->rjhk", dP_gamma, q)
-    dv = torch.einsum("rchk,rhvk->rchv", bf16(k * to_end), dS) + torch.einsum("rijh,rihv->rjhv", P, do)
+    dq = scale * torch.exp(G)[..., None] * (do @ S.transpose(1, 2)) + dP_gamma @ k
+    dk_inter = to_end * (v @ dS.transpose(1, 2))
+    dk = dk_inter + dP_gamma.transpose(1, 2) @ q
+    dv = bf16(k * to_end) @ dS + P.transpose(1, 2) @ do
     local = (q * dq - k * dk).sum(-1)
-    constant = (k * dk_inter).sum((1, 3)) + torch.exp(G_L[:, 0]) * (S * dS).sum((2, 3))
+    constant = (k * dk_inter).sum((1, 2)) + torch.exp(G_L[:, 0]) * (S * dS).sum((1, 2))
     dg = local.flip(1).cumsum(1).flip(1) + constant[:, None]
     return dq, dk, dv, dg
 
@@ -408,7 +407,7 @@ def rows_backward(q, k, v, do, g, beta, starts, ends, index, scale, batch=None) 
             "S": starts[r0 : r0 + R].float().transpose(-1, -2).reshape(R * HV, K, V),
             "dS": ends[r0 : r0 + R].float().transpose(-1, -2).reshape(R * HV, K, V),
         }  # fmt: skip
-        grads = _row_gradients(x, R, HV, per_key, scale)
+        grads = _row_gradients(x, per_key, scale)
         for name, grad in zip(("dq", "dk", "dv", "dbeta", "dg"), grads, strict=True):
             if grad is not None:
                 scatter(name, grad, HV)
@@ -417,11 +416,10 @@ def rows_backward(q, k, v, do, g, beta, starts, ends, index, scale, batch=None) 
     return out["dq"].view(B, T, H, K), out["dk"].view(B, T, H, K), out["dv"].view(B, T, HV, V), dg, dbeta
 
 
-def _row_gradients(x: dict, R: int, HV: int, per_key: bool, scale) -> tuple:
+def _row_gradients(x: dict, per_key: bool, scale) -> tuple:
     """One batch of :func:`rows_backward` (``x`` its chunk-heads, heads first): ``(dq, dk, dv, dbeta or None, dg)``
     by the delta rule's passes (:func:`scalar_delta_rows`; per key :func:`delta_chunk_forward` and
-    :func:`delta_chunk_backward`) or the gated ones (:func:`scalar_chunk_gradients`, rows first; per key
-    :func:`chunk_gradients`)."""
+    :func:`delta_chunk_backward`) or the gated ones (:func:`scalar_gated_rows`; per key :func:`chunk_gradients`)."""
     delta = x["beta"] is not None
     if delta and not per_key:
         return scalar_delta_rows(x["q"], x["k"], x["v"], x["beta"], x["g"], x["S"], x["dS"], x["do"], scale)
@@ -432,12 +430,6 @@ def _row_gradients(x: dict, R: int, HV: int, per_key: bool, scale) -> tuple:
         return d["dq"], d["dk"], d["dv"], d["dbeta"], d["dG"].flip(1).cumsum(1).flip(1)
     if per_key:
         dq, dk, dv, dg = chunk_gradients(x["q"], x["k"], x["v"], x["do"], x["g"], x["S"], x["dS"], scale)
-        return dq, dk, dv, None, dg
-    C, K, V = x["q"].shape[1], x["q"].shape[2], x["v"].shape[2]
-    rows = [t.view(R, HV, C, -1).movedim(1, 2) for t in (x["q"], x["k"], x["v"], x["do"])]
-    S, dS = (t.view(R, HV, K, V).transpose(-1, -2) for t in (x["S"], x["dS"]))
-    dq, dk, dv, dg = (
-        t.movedim(2, 1).reshape(R * HV, C, *t.shape[3:])
-        for t in scalar_chunk_gradients(*rows, x["g"].view(R, HV, C).movedim(1, 2), S, dS, scale)
-    )
+    else:
+        dq, dk, dv, dg = scalar_gated_rows(x["q"], x["k"], x["v"], x["do"], x["g"], x["S"], x["dS"], scale)
     return dq, dk, dv, None, dg
