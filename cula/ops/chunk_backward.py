@@ -45,6 +45,22 @@ def _chunk_gates(g: torch.Tensor, c0: int, c1: int) -> tuple[torch.Tensor, torch
     return G, G[:, -1:]
 
 
+def _causal(L: int, strict: bool, device) -> torch.Tensor:
+    """The (L x L) mask [i, j] of j < i (``strict``) or j <= i."""
+    return torch.ones(L, L, dtype=torch.bool, device=device).tril(-1 if strict else 0)
+
+
+def _pair_factors(G: torch.Tensor, strict: bool) -> torch.Tensor:
+    """Gamma_ij = e^(G_i - G_j) on the causal mask (:func:`_causal`), else zero by a select, for a chunk's cumulative
+    gate G: [N, i, j] for a scalar gate [N, C], [N, i, j, K] for a per-key one [N, C, K]. Never e^-G alone (which
+    overflows on steep gates)."""
+    mask = _causal(G.shape[1], strict, G.device)
+    if G.dim() == 3:
+        mask = mask[..., None]
+    diff = G[:, :, None] - G[:, None, :]
+    return torch.where(mask, torch.exp(torch.where(mask, diff, 0.0)), 0.0)
+
+
 def state_walk(k, v, g, h0=None) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Pass 1: ``(the state at each chunk's start, the final state)`` (``g`` [H, T, K] floored)."""
     H, T, K = k.shape
@@ -78,12 +94,10 @@ def chunk_gradients(q, k, v, do, g, S, dS_end, scale) -> tuple[torch.Tensor, ...
     the gradient at its end): ``(dq, dk, dv, dg)``."""
     L = q.shape[1]
     G, G_L = _chunk_gates(g, 0, L)
-    lower = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()[None, :, :, None]
-    diff = G[:, :, None, :] - G[:, None, :, :]  # [H, i, j, K]
-    gamma = torch.where(lower, torch.exp(torch.where(lower, diff, 0.0)), 0.0)
+    gamma = _pair_factors(G, strict=False)
     q, k, v, do = bf16(q), bf16(k), bf16(v), bf16(do)
     P = bf16(scale * torch.einsum("hik,hjk,hijk->hij", q, k, gamma))
-    dP = torch.where(lower[..., 0], do @ v.transpose(1, 2), 0.0)
+    dP = torch.where(_causal(L, False, q.device), do @ v.transpose(1, 2), 0.0)
     dq = scale * torch.exp(G) * (do @ bf16(S).transpose(1, 2)) + scale * torch.einsum("hij,hijk,hjk->hik", dP, gamma, k)
     dS_op = bf16(dS_end)
     dk_inter = torch.exp(G_L - G) * (v @ dS_op.transpose(1, 2))
@@ -153,9 +167,8 @@ def scalar_gated_rows(q, k, v, do, g, S, dS_end, scale) -> tuple[torch.Tensor, .
     C = q.shape[1]
     G = g.float().cumsum(1)
     G_L = G[:, -1:]
-    lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    diff = G[:, :, None] - G[:, None, :]
-    gamma = torch.where(lower, torch.exp(torch.where(lower, diff, 0.0)), 0.0)
+    lower = _causal(C, False, q.device)
+    gamma = _pair_factors(G, strict=False)
     q, k, v, do, S, dS = (x.float() for x in (q, k, v, do, S, dS_end))
     P = bf16(scale * (q @ k.transpose(1, 2)) * gamma)
     dP_gamma = bf16(scale * torch.where(lower, do @ v.transpose(1, 2), 0.0) * gamma)  # scale dP Gamma
@@ -168,14 +181,6 @@ def scalar_gated_rows(q, k, v, do, g, S, dS_end, scale) -> tuple[torch.Tensor, .
     constant = (k * dk_inter).sum((1, 2)) + torch.exp(G_L[:, 0]) * (S * dS).sum((1, 2))
     dg = local.flip(1).cumsum(1).flip(1) + constant[:, None]
     return dq, dk, dv, dg
-
-
-def _pair_factors(G: torch.Tensor, strict: bool) -> torch.Tensor:
-    """Gamma [H, i, j, K] = e^(G_i - G_j) for j < i (``strict``) or j <= i, else zero by a select."""
-    L = G.shape[1]
-    mask = torch.ones(L, L, dtype=torch.bool, device=G.device).tril(-1 if strict else 0)[None, :, :, None]
-    diff = G[:, :, None, :] - G[:, None, :, :]
-    return torch.where(mask, torch.exp(torch.where(mask, diff, 0.0)), 0.0)
 
 
 def _exact(x: torch.Tensor) -> torch.Tensor:
@@ -220,7 +225,7 @@ def delta_chunk_backward(q, k, v, beta, f, S, dS_end, do, scale, operand=_exact)
     r = operand
     G, E, to_end, Tinv, W, v_new = f["G"], f["E"], f["to_end"], f["Tinv"], f["W"], f["v_new"]
     gamma_a, gamma_p = f["gamma_a"], f["gamma_p"]
-    strict = torch.ones_like(f["A"][0], dtype=torch.bool).tril(-1)
+    strict = _causal(q.shape[1], True, q.device)
     G_L = G[:, -1:]
     dv_new = r(f["P"]).transpose(1, 2) @ r(do) + r(k * to_end) @ r(dS_end)
     dS = (
@@ -314,9 +319,7 @@ def scalar_delta_rows(q, k, v, beta, g, S, dS_end, do, scale, operand=_exact) ->
     G = torch.cumsum(g, dim=1)
     G_L = G[:, -1:]
     E, to_end = torch.exp(G)[..., None], torch.exp(G_L - G)[..., None]
-    diff = G[:, :, None] - G[:, None, :]
-    masks = [torch.ones(C, C, dtype=torch.bool, device=q.device).tril(d) for d in (-1, 0)]
-    gamma_a, gamma_p = (torch.where(m, torch.exp(torch.where(m, diff, 0.0)), 0.0) for m in masks)
+    gamma_a, gamma_p = _pair_factors(G, strict=True), _pair_factors(G, strict=False)
     b = beta[..., None]
     kk = r(k) @ r(k).transpose(1, 2)
     qk = r(q) @ r(k).transpose(1, 2)
@@ -341,7 +344,7 @@ def scalar_delta_rows(q, k, v, beta, g, S, dS_end, do, scale, operand=_exact) ->
     dW = -r(dv_new) @ r(S).transpose(1, 2)
     dT = r(dW) @ r(b * k * E).transpose(1, 2) + r(dv_new) @ r(b * v).transpose(1, 2)
     d_bk, d_bv = r(Tinv).transpose(1, 2) @ r(dW), r(Tinv).transpose(1, 2) @ r(dv_new)
-    dA = torch.where(masks[0], -(r(Tinv).transpose(1, 2) @ r(r(dT) @ r(Tinv).transpose(1, 2))), 0.0)
+    dA = torch.where(_causal(C, True, q.device), -(r(Tinv).transpose(1, 2) @ r(r(dT) @ r(Tinv).transpose(1, 2))), 0.0)
     dbeta = (dA * kk * gamma_a).sum(-1) + (d_bk * k * E).sum(-1) + (d_bv * v).sum(-1)
     dA_b = b * dA * gamma_a
     pair_a = dA_b * kk
