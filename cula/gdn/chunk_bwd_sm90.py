@@ -13,7 +13,6 @@ and differentiated through by autograd after them. Shapes: q, k [B, T, H, K]; v,
 
 from __future__ import annotations
 
-from cula import validation
 from cula.ops import chunk_backward
 
 
@@ -23,15 +22,12 @@ def chunk_gdn_bwd_sm90(q, k, v, g, beta, do, scale, initial_state, dht, cu_seqle
     from cula.gdn.chunk_fwd_sm90 import GDN_SM90
     from cula.sm90 import walks
 
-    B, T, H, K = q.shape
+    K = q.shape[3]
     scale = K**-0.5 if scale is None else scale
-    fixed = cu_seqlens is None
-    offsets = [b * T for b in range(B + 1)] if fixed else validation.host_offsets(cu_seqlens, cu_seqlens_cpu)
-    index, rows = chunk_backward.chunk_token_index(offsets, fixed, q.device)
     q, k, v, do = (x.contiguous() for x in (q, k, v, do))
     g, beta = g.float().contiguous(), beta.float().contiguous()
-    at = {"cu_seqlens": cu_seqlens, "rows": rows, "state_v_first": state_v_first}
-    S, _ = walks.state_walk(GDN_SM90, "states", q, k, v, g, beta, scale, initial_state, **at)
-    dS, dh0 = walks.state_walk(GDN_SM90, "state_grads", q, k, do, g, beta, scale, dht, **at)
-    dq, dk, dv, dg, dbeta = chunk_backward.rows_backward(q, k, v, do, g, beta, S, dS, index, scale)
-    return dq, dk, dv, dg, dbeta, (dh0 if initial_state is not None else None)
+    w = walks.both_walks(
+        GDN_SM90, q, k, v, do, g, beta, scale, initial_state, dht, cu_seqlens, cu_seqlens_cpu, state_v_first
+    )
+    dq, dk, dv, dg, dbeta = chunk_backward.rows_backward(q, k, v, do, g, beta, w.starts, w.ends, w.index, scale)
+    return dq, dk, dv, dg, dbeta, (w.dh0 if initial_state is not None else None)

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from cula import runtime, validation
+from cula import runtime
 from cula.lightning.chunk_fwd_sm90 import SIMPLE_GLA_SM90
 from cula.ops import chunk_backward
 from cula.ops.chunk_emulation import GATE_FLOOR
@@ -47,7 +47,8 @@ def compile_chunk_gradients_sm90(arch="sm_90a", *, head_dim=128, is_varlen=False
 
 
 def chunk_gradients_sm90(q, k, v, do, gate, S, dS, index, scale, is_varlen):
-    """Passes 3 and 4 by the kernel: ``(dq, dk, dv, dgate fp32 [B, T, H])``; ``index`` the chunk rows' tokens
+    """Passes 3 and 4 by the kernel: ``(dq, dk, dv, dgate fp32 [B, T, H])``, as
+    :func:`cula.ops.chunk_backward.rows_backward` gives them; ``index`` the chunk rows' tokens
     (:func:`cula.ops.chunk_backward.chunk_token_index`)."""
     B, T, H, D = q.shape
     n_tokens = B * T
@@ -60,28 +61,26 @@ def chunk_gradients_sm90(q, k, v, do, gate, S, dS, index, scale, is_varlen):
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dgate = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
     fn(q, k, v, do, gate, S, dS, chunks, dq, dk, dv, dgate, float(scale))
-    return dq, dk, dv, dgate
+    return dq, dk, dv, torch.where(gate < GATE_FLOOR, 0.0, dgate)  # gates below the floor take no gradient
 
 
 def chunk_simple_gla_bwd_sm90(q, k, v, gate, do, scale, initial_state, dht, cu_seqlens, cu_seqlens_cpu, state_v_first):
     """Gradients of simple GLA's chunked forward with the kernel's fp32 token gate ``gate``: ``(dq, dk, dv, dgate
     fp32 [B, T, H], dh0 or None)``; ``dht`` the gradient into the final state, or None."""
-    B, T, H, D = q.shape
+    D = q.shape[3]
     scale = D**-0.5 if scale is None else scale
     q, k, v, do = (x.contiguous() for x in (q, k, v, do))
-    fixed = cu_seqlens is None
-    offsets = [b * T for b in range(B + 1)] if fixed else validation.host_offsets(cu_seqlens, cu_seqlens_cpu)
-    index, rows = chunk_backward.chunk_token_index(offsets, fixed, q.device)
-    at = {"cu_seqlens": cu_seqlens, "rows": rows, "state_v_first": state_v_first}
-    # beta's slot carries the gate (never read without the delta rule); the reverse walk reads q as its keys
-    S, _ = walks.state_walk(SIMPLE_GLA_SM90, "states", k, k, v, gate, gate, scale, initial_state, **at)
-    dS, dh0 = walks.state_walk(SIMPLE_GLA_SM90, "state_grads", q, q, do, gate, gate, scale, dht, **at)
+    # beta's slot carries the gate (never read without the delta rule)
+    w = walks.both_walks(
+        SIMPLE_GLA_SM90, q, k, v, do, gate, gate, scale, initial_state, dht, cu_seqlens, cu_seqlens_cpu, state_v_first
+    )
     if os.environ.get(ENV_GRADIENT_KERNEL, "0") == "1":
-        dq, dk, dv, dgate = chunk_gradients_sm90(q, k, v, do, gate, S, dS, index, scale, not fixed)
-        dgate = torch.where(gate < GATE_FLOOR, 0.0, dgate)
+        dq, dk, dv, dgate = chunk_gradients_sm90(
+            q, k, v, do, gate, w.starts, w.ends, w.index, scale, cu_seqlens is not None
+        )
     else:
-        dq, dk, dv, dgate, _ = chunk_backward.rows_backward(q, k, v, do, gate, None, S, dS, index, scale)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dgate, (dh0 if initial_state is not None else None)
+        dq, dk, dv, dgate, _ = chunk_backward.rows_backward(q, k, v, do, gate, None, w.starts, w.ends, w.index, scale)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dgate, (w.dh0 if initial_state is not None else None)
 
 
 entry.register_checked(

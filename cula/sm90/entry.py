@@ -139,16 +139,29 @@ class Plan(NamedTuple):
     cuts: list[list[int]] | None
 
 
+def call_offsets(B: int, T: int, cu_seqlens, cu_seqlens_cpu) -> list[int]:
+    """A call's sequences as token offsets in the flattened batch: B rows of T tokens, or the varlen offsets (from
+    ``cu_seqlens_cpu``, else read from ``cu_seqlens`` once per tensor)."""
+    if cu_seqlens is None:
+        return [b * T for b in range(B + 1)]
+    return validation.host_offsets(cu_seqlens, cu_seqlens_cpu)
+
+
+def token_ranges(cu_seqlens) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The int32 ``(starts, ends)`` [N] a launch takes for varlen offsets, or ``(None, None)``."""
+    if cu_seqlens is None:
+        return None, None
+    cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
+    return cu[:-1], cu[1:]
+
+
 def plan_call(kernel: ChunkKernel, call: ChunkCall) -> Plan:
     """The call's offsets (from ``cu_seqlens_cpu``, else read from ``cu_seqlens`` once per tensor) and its split
     (forced, or where :func:`cula.ops.segment_split.plan_segments` expects it to be faster)."""
     B, T = call.q.shape[:2]
     HV = call.v.shape[2]
     N = B if call.cu_seqlens is None else call.cu_seqlens.numel() - 1
-    if call.cu_seqlens is None:
-        offsets = [b * T for b in range(B + 1)]
-    else:
-        offsets = validation.host_offsets(call.cu_seqlens, call.cu_seqlens_cpu)
+    offsets = call_offsets(B, T, call.cu_seqlens, call.cu_seqlens_cpu)
     if call.split is False or call.state_slots is not None or call.inplace:
         return Plan(offsets, None)  # a pool's states are read and written by the one launch
     lengths = [e - s for s, e in zip(offsets[:-1], offsets[1:], strict=True)]
@@ -176,10 +189,7 @@ def chunk_fwd(kernel: ChunkKernel, call: ChunkCall) -> tuple[torch.Tensor, torch
     ht = call.initial_state if call.inplace else call.final_state_out
     if ht is None:
         ht = torch.empty(state_shape, dtype=torch.float32, device=call.q.device)
-    starts = ends = None
-    if call.cu_seqlens is not None:
-        cu = call.cu_seqlens if call.cu_seqlens.dtype == torch.int32 else call.cu_seqlens.to(torch.int32)
-        starts, ends = cu[:-1], cu[1:]
+    starts, ends = token_ranges(call.cu_seqlens)
     h0 = call.initial_state
     if h0 is not None and not call.inplace:
         h0 = h0.contiguous()

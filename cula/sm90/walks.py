@@ -5,26 +5,44 @@ K]`` (S^T), row ``n ceil(T / C) + c`` for fixed-length rows, ``offsets[n] // C +
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
+from cula.ops import chunk_backward
 from cula.sm90 import entry
 from cula.sm90.chunk_fwd import ChunkFwdConfig
 
 
+class Walks(NamedTuple):
+    """Both walks of a call: the chunk rows' tokens ``index`` [rows, C] (:func:`chunk_token_index`), the checkpoints
+    of the state at each chunk's start (``starts``) and of its gradient at each chunk's end (``ends``), both
+    [rows, HV, V, K] bf16, and dh0 (the reverse walk's final state)."""
+
+    index: torch.Tensor
+    starts: torch.Tensor
+    ends: torch.Tensor
+    dh0: torch.Tensor
+
+
+def walk_inputs(kernel: entry.ChunkKernel, q, k, v, do) -> dict[str, tuple]:
+    """The (q, k, v) each walk of ``kernel`` reads: the forward's and (q, k, dO) with the delta rule; without it
+    (k, v) and (q, dO) in the key and value places (the walks read no q there)."""
+    if kernel.delta_rule:
+        return {"states": (q, k, v), "state_grads": (q, k, do)}
+    return {"states": (k, k, v), "state_grads": (q, q, do)}
+
+
 def state_walk(kernel: entry.ChunkKernel, walk, q, k, v, g, beta, scale, start, cu_seqlens, rows, state_v_first):
     """One walk of ``kernel``: ``(checkpoints [rows, HV, V, K] bf16, the walk's final state [N, HV, K, V] fp32, V-first
-    storage with ``state_v_first``)``. ``walk`` "states" on (q, k, v) = the forward's; "state_grads" with dO as v
-    (and without the delta rule, q as k: the walk reads only k). ``start``: the state it starts from (h0, or dht), or
-    None for zero. Shapes as :class:`cula.sm90.entry.ChunkCall`."""
+    storage with ``state_v_first``)``, on the (q, k, v) of :func:`walk_inputs`. ``start``: the state it starts from
+    (h0, or dht), or None for zero. Shapes as :class:`cula.sm90.entry.ChunkCall`."""
     B, T, H, D = q.shape
     HV = v.shape[2]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     checkpoints = torch.empty(max(rows, 1), HV, D, D, dtype=torch.bfloat16, device=q.device)
     final = torch.empty(N, HV, D, D, dtype=torch.float32, device=q.device)
-    starts = ends = None
-    if cu_seqlens is not None:
-        cu = cu_seqlens.to(torch.int32)
-        starts, ends = cu[:-1], cu[1:]
+    starts, ends = entry.token_ranges(cu_seqlens)
     if start is not None:
         start = start.contiguous()
     config = ChunkFwdConfig(D, starts is not None, start is not None, delta_rule=kernel.delta_rule, walk=walk)
@@ -33,3 +51,18 @@ def state_walk(kernel: entry.ChunkKernel, walk, q, k, v, g, beta, scale, start, 
     tensors = entry.LaunchTensors(q, k, v, g, beta, v, start, final, starts, ends, w=checkpoints)
     entry.launch(kernel, call, config, tensors, scale)
     return checkpoints, final
+
+
+def both_walks(
+    kernel: entry.ChunkKernel, q, k, v, do, g, beta, scale, h0, dht, cu_seqlens, cu_seqlens_cpu, state_v_first
+):
+    """A call's chunk rows and both walks (:class:`Walks`): "states" from ``h0`` and "state_grads" from ``dht``
+    (None: zero). q, k, v, do contiguous; g and beta as ``kernel`` takes them."""
+    B, T = q.shape[:2]
+    offsets = entry.call_offsets(B, T, cu_seqlens, cu_seqlens_cpu)
+    index, rows = chunk_backward.chunk_token_index(offsets, cu_seqlens is None, q.device)
+    inputs = walk_inputs(kernel, q, k, v, do)
+    at = (cu_seqlens, rows, state_v_first)
+    S, _ = state_walk(kernel, "states", *inputs["states"], g, beta, scale, h0, *at)
+    dS, dh0 = state_walk(kernel, "state_grads", *inputs["state_grads"], g, beta, scale, dht, *at)
+    return Walks(index, S, dS, dh0)
