@@ -170,11 +170,9 @@ class Op:
         for kernel in self.kernels:
             if kernel.arch_major != major:
                 continue
-            declined = _backward_declines(kernel, args) if training else None
-            if training and not declined and not kernel.backward.beats_fla and not forced and self._fla(args)[0][0]:
-                declined = (
-                    "inputs require grad, and FLA's backward is faster than the kernel's (CULA_BACKEND=cute forces it)"
-                )
+            declined = (
+                _backward_declines(kernel, args, lambda: not forced and self._fla(args)[0][0]) if training else None
+            )
             if declined:
                 reasons.append(f"{kernel.name}: {declined}")
                 continue
@@ -332,14 +330,17 @@ def fla_function(target: str) -> Callable:
     return getattr(importlib.import_module(module), name)
 
 
-def _backward_declines(kernel: CuteKernel, args: dict[str, Any]) -> str | None:
-    """Why ``kernel`` cannot serve a training call (some tensor argument requires grad), or None."""
+def _backward_declines(kernel: CuteKernel, args: dict[str, Any], fla_takes_it: Callable[[], bool]) -> str | None:
+    """Why ``kernel`` does not serve a training call (some tensor argument requires grad), or None;
+    ``fla_takes_it()``: whether FLA would serve the call instead (asked only of a backward FLA's beats)."""
     if kernel.backward is None:
         return "inputs require grad and the kernel has no backward (forward only)"
     if not kernel.backward.hardware_tested and os.environ.get(ENV_UNTESTED, "0") != "1":
         return f"inputs require grad, and its backward has not run on a GPU ({ENV_UNTESTED}=1 serves it)"
     if validation.pooled(args):
         return "inputs require grad with a state pool: the pool is written in place, outside autograd"
+    if not kernel.backward.beats_fla and fla_takes_it():
+        return "inputs require grad, and FLA's backward is faster than the kernel's (CULA_BACKEND=cute forces it)"
     return None
 
 
