@@ -56,43 +56,37 @@ def passes(op: str, args: dict, do) -> dict:
     from cula.sm90 import walks
 
     q, k, v = args["q"], args["k"], args["v"]
-    B, T, H, D = q.shape
-    index, rows = chunk_backward.chunk_token_index([b * T for b in range(B + 1)], True, q.device)
-    at = {"cu_seqlens": None, "rows": rows, "state_v_first": False}
-    scale = D**-0.5
-    times = {}
+    scale = q.shape[3] ** -0.5
     if op == "gdn":
-        from cula.gdn.chunk_fwd_sm90 import GDN_SM90
+        from cula.gdn.chunk_fwd_sm90 import GDN_SM90 as kernel
 
         g, beta = args["g"], args["beta"]
-        S, _ = walks.state_walk(GDN_SM90, "states", q, k, v, g, beta, scale, None, **at)
-        dS, _ = walks.state_walk(GDN_SM90, "state_grads", q, k, do, g, beta, scale, None, **at)
-        times["walk states"] = median_ms(
-            lambda: walks.state_walk(GDN_SM90, "states", q, k, v, g, beta, scale, None, **at)
-        )
-        times["walk state_grads"] = median_ms(
-            lambda: walks.state_walk(GDN_SM90, "state_grads", q, k, do, g, beta, scale, None, **at)
-        )
-        times["per-chunk, PyTorch"] = median_ms(
-            lambda: chunk_backward.rows_backward(q, k, v, do, g, beta, S, dS, index, scale), reps=3
-        )
-        return times
-    from cula.lightning.chunk_bwd_sm90 import chunk_gradients_sm90
-    from cula.lightning.chunk_fwd_sm90 import SIMPLE_GLA_SM90, token_gate
+        rows_beta = beta
+    else:
+        from cula.lightning.chunk_fwd_sm90 import SIMPLE_GLA_SM90 as kernel
+        from cula.lightning.chunk_fwd_sm90 import token_gate
 
-    gate = token_gate(args.get("g"), args.get("g_gamma"), v)
-    S, _ = walks.state_walk(SIMPLE_GLA_SM90, "states", k, k, v, gate, gate, scale, None, **at)
-    dS, _ = walks.state_walk(SIMPLE_GLA_SM90, "state_grads", q, q, do, gate, gate, scale, None, **at)
-    times["walk states"] = median_ms(
-        lambda: walks.state_walk(SIMPLE_GLA_SM90, "states", k, k, v, gate, gate, scale, None, **at)
-    )
-    times["walk state_grads"] = median_ms(
-        lambda: walks.state_walk(SIMPLE_GLA_SM90, "state_grads", q, q, do, gate, gate, scale, None, **at)
-    )
+        g = beta = token_gate(args.get("g"), args.get("g_gamma"), v)  # beta's slot carries the gate
+        rows_beta = None
+    w = walks.both_walks(kernel, q, k, v, do, g, beta, scale, None, None, None, None, False)
+    inputs = walks.walk_inputs(kernel, q, k, v, do)
+    times = {
+        f"walk {name}": median_ms(
+            lambda name=name: walks.state_walk(
+                kernel, name, *inputs[name], g, beta, scale, None, None, w.index.shape[0], False
+            )
+        )
+        for name in ("states", "state_grads")
+    }
     times["per-chunk, PyTorch"] = median_ms(
-        lambda: chunk_backward.rows_backward(q, k, v, do, gate, None, S, dS, index, scale), reps=3
+        lambda: chunk_backward.rows_backward(q, k, v, do, g, rows_beta, w.starts, w.ends, w.index, scale), reps=3
     )
-    times["per-chunk, kernel"] = median_ms(lambda: chunk_gradients_sm90(q, k, v, do, gate, S, dS, index, scale, False))
+    if op == "simple_gla":
+        from cula.lightning.chunk_bwd_sm90 import chunk_gradients_sm90
+
+        times["per-chunk, kernel"] = median_ms(
+            lambda: chunk_gradients_sm90(q, k, v, do, g, w.starts, w.ends, w.index, scale, False)
+        )
     return times
 
 
