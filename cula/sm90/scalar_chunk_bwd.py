@@ -197,7 +197,7 @@ class ScalarGateChunkBwdSm90:
             cute.copy(tma, tG[None, 0], tS[None, 0], tma_bar_ptr=bar)
 
     @cute.jit
-    def masked_scores(self, p, acc, cCC, sG, valid, transposed: cutlass.Constexpr, scale):
+    def masked_scores(self, acc, cCC, sG, valid, transposed: cutlass.Constexpr, scale):
         """A (C x C) score accumulator as a bf16 register operand: entry (i, j) (or (j, i), ``transposed``) times
         ``scale`` 2^(G_i - G_j) where j <= i < valid, else zero by a select."""
         g_r, _, g_c = scalar_gates.gates_at(cCC, sG, sG, sG, 0)
@@ -243,7 +243,7 @@ class ScalarGateChunkBwdSm90:
         return self.product(tiled, sA, sB, wtid, self.D)
 
     @cute.jit
-    def add_intra(self, p, acc, r_scores, sB_mn, wtid):
+    def add_intra(self, acc, r_scores, sB_mn, wtid):
         """acc += (scores) B with the scores a bf16 register operand and B a token tile read (D, C)."""
         tiled = mma.tiled_mma(self.C, self.D, b_major="MN")
         thr = tiled.get_slice(wtid)
@@ -288,10 +288,10 @@ class ScalarGateChunkBwdSm90:
     def make_dq(self, p, tiles_, sS, sG, sFac, sRows, valid, wtid, b, t0, h):
         sQ, sK, sV, sDO = tiles_
         acc_dp, cCC = self.scores(sDO, sV, wtid)
-        r_dp = self.masked_scores(p, acc_dp, cCC, sG, valid, False, p.scale)
+        r_dp = self.masked_scores(acc_dp, cCC, sG, valid, False, p.scale)
         acc, cTD = self.inter("MN", sDO, tiles.mn_view(sS, p.tile_state_mn)[None, None, 0], wtid)
         self.scale_rows(acc, cTD, sFac, 0, p.scale)
-        self.add_intra(p, acc, r_dp, tiles.mn_view(sK, p.tile_tok_mn)[None, None, 0], wtid)
+        self.add_intra(acc, r_dp, tiles.mn_view(sK, p.tile_tok_mn)[None, None, 0], wtid)
         self.row_dot(acc, cTD, sQ, sRows, 0, wtid)
         self.store_rows(acc, cTD, p.t.dq, valid, b, t0, h)
 
@@ -299,11 +299,11 @@ class ScalarGateChunkBwdSm90:
     def make_dk(self, p, tiles_, sDS, sG, sFac, sRows, valid, wtid, b, t0, h):
         sQ, sK, sV, sDO = tiles_
         acc_dpt, cCC = self.scores(sV, sDO, wtid)
-        r_dpt = self.masked_scores(p, acc_dpt, cCC, sG, valid, True, p.scale)
+        r_dpt = self.masked_scores(acc_dpt, cCC, sG, valid, True, p.scale)
         acc, cTD = self.inter("MN", sV, tiles.mn_view(sDS, p.tile_state_mn)[None, None, 0], wtid)
         self.scale_rows(acc, cTD, sFac, 1, cutlass.Float32(1.0))
         self.row_dot(acc, cTD, sK, sRows, 2, wtid)
-        self.add_intra(p, acc, r_dpt, tiles.mn_view(sQ, p.tile_tok_mn)[None, None, 0], wtid)
+        self.add_intra(acc, r_dpt, tiles.mn_view(sQ, p.tile_tok_mn)[None, None, 0], wtid)
         self.row_dot(acc, cTD, sK, sRows, 1, wtid)
         self.store_rows(acc, cTD, p.t.dk, valid, b, t0, h)
 
@@ -311,10 +311,10 @@ class ScalarGateChunkBwdSm90:
     def make_dv(self, p, tiles_, sDS, sG, sFac, valid, wtid, b, t0, h):
         sQ, sK, sV, sDO = tiles_
         acc_pt, cCC = self.scores(sK, sQ, wtid)
-        r_pt = self.masked_scores(p, acc_pt, cCC, sG, valid, True, p.scale)
+        r_pt = self.masked_scores(acc_pt, cCC, sG, valid, True, p.scale)
         acc, cTD = self.inter("K", sK, sDS[None, None, 0], wtid)
         self.scale_rows(acc, cTD, sFac, 1, cutlass.Float32(1.0))
-        self.add_intra(p, acc, r_pt, tiles.mn_view(sDO, p.tile_tok_mn)[None, None, 0], wtid)
+        self.add_intra(acc, r_pt, tiles.mn_view(sDO, p.tile_tok_mn)[None, None, 0], wtid)
         self.store_rows(acc, cTD, p.t.dv, valid, b, t0, h)
 
     @cute.jit
