@@ -6,6 +6,7 @@ state."""
 import pytest
 import torch
 import torch.nn.functional as F
+from delta_rule_recurrence import offsets_of
 
 import cula
 from cula.ops import chunk_backward
@@ -146,9 +147,7 @@ def test_rows_backward_gives_the_reference_gradients(variant, batch):
     delta, per_key = variant in ("gdn", "kda"), variant in ("kda", "gla")
     Hq, HV = (1, 2) if delta else (2, 2)
     lengths = [0, 1, 130, 64, 77]
-    offsets = [0]
-    for n in lengths:
-        offsets.append(offsets[-1] + n)
+    offsets = offsets_of(lengths)
     T, N = offsets[-1], len(lengths)
     f64 = torch.float64
     q = torch.randn(1, T, Hq, K, dtype=f64)
