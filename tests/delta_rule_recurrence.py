@@ -1,5 +1,5 @@
-"""Shared by the SM90 kernel tests: the fp64 per-token delta-rule recurrence (GDN and KDA), the error measure, the
-SM90 skip marker, and the check of a kernel backward's gradients against the fp64 reference's autograd."""
+"""Shared by the GPU kernel tests: the fp64 per-token delta-rule recurrence (GDN and KDA), the error measure, the
+SM90 and SM100 skip markers, and the check of a kernel backward's gradients against the fp64 reference's autograd."""
 
 import pytest
 import torch
@@ -8,6 +8,10 @@ import cula
 
 needs_sm90 = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="needs an SM90 GPU"
+)
+needs_sm100 = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() not in ((10, 0), (10, 3)),
+    reason="needs an SM100 GPU (B200, B300)",
 )
 
 

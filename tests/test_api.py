@@ -536,11 +536,15 @@ def test_offsets_cache_under_threads(monkeypatch):
     assert validation.host_offsets(cu) == validation.host_offsets(cu) == [0, 5, 20]
 
 
+@pytest.mark.parametrize("opt_in", [False, True])
 @pytest.mark.parametrize("cc", [(9, 0), (10, 0), (10, 3), (12, 0)])
-def test_dispatch_by_compute_capability(monkeypatch, cc):
-    """Each op with an SM90 kernel, on a faked GPU of each capability: the SM90 table serves 9.0; on 10.0, 10.3
-    and 12.0 (no kernel compiled for them yet) the call goes to FLA and explain names the architecture."""
+def test_dispatch_by_compute_capability(monkeypatch, cc, opt_in):
+    """Each op with an SM90 kernel, on a faked GPU of each capability: the SM90 table serves 9.0. On 10.0 and 10.3
+    simple GLA and Lightning have an SM100 kernel that has never run on hardware: it serves the call only with
+    CULA_UNTESTED_KERNELS=1, and otherwise the call goes to FLA with that reason. The other ops (no SM100 kernel yet),
+    and every op on 12.0, go to FLA and explain names the architecture."""
     FakeCuda(monkeypatch, cc)
+    monkeypatch.setenv(dispatch.ENV_UNTESTED, "1" if opt_in else "0")
     monkeypatch.setattr(dispatch, "fla_function", lambda target: None)
     B, T, H, D = 1, 70, 2, 128
     qkv = {n: torch.randn(B, T, H, D).bfloat16() for n in ("q", "k", "v")}
@@ -551,10 +555,45 @@ def test_dispatch_by_compute_capability(monkeypatch, cc):
         cula.lightning.chunk_lightning_attn: {**qkv, "layer_idx": 0, "num_layers": 2},
         cula.gla.chunk_gla: {**qkv, "g": -torch.rand(B, T, H, D)},
     }
+    sm100 = (cula.lightning.chunk_simple_gla, cula.lightning.chunk_lightning_attn)
+    arch = f"sm_{cc[0]}{cc[1]}"
     for fn, args in calls.items():
         decision = cula.explain(fn, **args)
         if cc == (9, 0):
             assert decision.backend == "cute" and decision.reason.endswith("on sm_90"), decision
+        elif cc[0] == 10 and fn in sm100 and opt_in:
+            assert (decision.backend, decision.reason) == ("cute", f"lightning.chunk_fwd_sm100 on {arch}"), decision
+        elif cc[0] == 10 and fn in sm100:
+            assert decision.backend == "fla", decision
+            reason = dict(decision.rejected)["cute"]
+            assert (
+                reason
+                == f"lightning.chunk_fwd_sm100: compiled for {arch}, never run on one ({dispatch.ENV_UNTESTED}=1 serves it)"
+            )
         else:
             assert decision.backend == "fla", decision
-            assert dict(decision.rejected)["cute"] == f"no CuTe DSL kernel for sm_{cc[0]}{cc[1]}"
+            assert dict(decision.rejected)["cute"] == f"no CuTe DSL kernel for {arch}"
+
+
+def test_the_sm100_simple_gla_kernel_says_what_it_declines(monkeypatch):
+    """On a faked B200 with the opt-in: head dims other than 128, a training call (no backward) and a fp16 call go to
+    FLA, each with the SM100 kernel's reason; a D = 128 inference call is served by it."""
+    FakeCuda(monkeypatch, (10, 0), sms=148, name="NVIDIA B200")
+    monkeypatch.setattr(dispatch, "fla_function", lambda target: None)
+    monkeypatch.setenv(dispatch.ENV_UNTESTED, "1")
+    fn = cula.lightning.chunk_simple_gla
+
+    def call(D=128, dtype=torch.bfloat16, grad=False):
+        q = torch.randn(1, 70, 2, D, dtype=dtype, requires_grad=grad)
+        k, v = (torch.randn(1, 70, 2, D, dtype=dtype) for _ in range(2))
+        return {"q": q, "k": k, "v": v, "g": -torch.rand(1, 70, 2)}
+
+    assert cula.explain(fn, **call()).reason == "lightning.chunk_fwd_sm100 on sm_100"
+    cases = {
+        "head dims K=64, V=64 not supported (supported: K = V in (128,))": call(D=64),
+        "inputs require grad and the kernel has no backward (forward only)": call(grad=True),
+        "q, k, v must be bfloat16": call(dtype=torch.float16),
+    }
+    for reason, args in cases.items():
+        decision = cula.explain(fn, **args)
+        assert decision.backend == "fla" and reason in dict(decision.rejected)["cute"], decision

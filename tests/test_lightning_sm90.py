@@ -32,9 +32,22 @@ def reference(q, k, v, g, g_gamma, scale, h0, cu, monkeypatch):
     return o, ht
 
 
-def run_case(monkeypatch, B, T, H, D=128, gate="g", cu=None, h0=False, state_v_first=False, split=False):
+def kernel_of(arch: str):
+    """``(forward, supports)`` of the SM90 or SM100 kernel; the SM100 one takes no ``split``."""
+    if arch == "sm100":
+        from cula.lightning.chunk_fwd_sm100 import chunk_simple_gla_fwd_sm100, supports
+
+        def forward(*args, out=None, final_state_out=None):
+            return chunk_simple_gla_fwd_sm100(*args[:-1], out=out, final_state_out=final_state_out)
+
+        return forward, supports
     from cula.lightning.chunk_fwd_sm90 import chunk_simple_gla_fwd_sm90, supports
 
+    return chunk_simple_gla_fwd_sm90, supports
+
+
+def run_case(monkeypatch, B, T, H, D=128, gate="g", cu=None, h0=False, state_v_first=False, split=False, arch="sm90"):
+    forward, supports = kernel_of(arch)
     q, k, v, g, g_gamma = make_inputs(B, T, H, D, gate)
     N = B if cu is None else len(cu) - 1
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=q.device)
@@ -46,7 +59,7 @@ def run_case(monkeypatch, B, T, H, D=128, gate="g", cu=None, h0=False, state_v_f
     o = torch.full((B, T, H, D), float("nan"), dtype=torch.bfloat16, device=q.device)
     ht = torch.full((N, H, D, D), float("nan"), device=q.device)
     cu_cpu = None if cu is None else torch.tensor(cu)
-    o, ht = chunk_simple_gla_fwd_sm90(
+    o, ht = forward(
         q, k, v, g, g_gamma, scale, init_arg, True, cu_t, state_v_first, cu_cpu, split, out=o, final_state_out=ht
     )
     torch.cuda.synchronize()

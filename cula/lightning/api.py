@@ -183,7 +183,7 @@ RECURRENT_LIGHTNING = bind(
 )
 
 
-def _sm90_gates(args: dict[str, Any]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def _chunk_gates(args: dict[str, Any]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(g, g_gamma) of a simple GLA or Lightning call; Lightning's g_gamma as FLA builds it from the layer."""
     if "layer_idx" in args:
         q = args["q"]
@@ -207,7 +207,7 @@ def _sm90_run(args: dict[str, Any]):
     from cula.lightning.chunk_fwd_sm90 import chunk_simple_gla_fwd_sm90
     from cula.sm90.entry import pool_fields
 
-    g, g_gamma = _sm90_gates(args)
+    g, g_gamma = _chunk_gates(args)
     return chunk_simple_gla_fwd_sm90(
         args["q"], args["k"], args["v"], g, g_gamma, args["scale"], args["initial_state"], args["output_final_state"],
         args["cu_seqlens"], args.get("state_v_first", False), args.get("cu_seqlens_cpu"), **pool_fields(args),
@@ -219,7 +219,7 @@ def _sm90_backward(args: dict[str, Any], residuals: list, grad_o, grad_final_sta
     from cula.lightning.chunk_bwd_sm90 import chunk_simple_gla_bwd_sm90
     from cula.lightning.chunk_fwd_sm90 import token_gate
 
-    g, g_gamma = _sm90_gates(args)
+    g, g_gamma = _chunk_gates(args)
     q, k, v = args["q"], args["k"], args["v"]
     dq, dk, dv, dgate, dh0 = chunk_simple_gla_bwd_sm90(
         q, k, v, token_gate(g, g_gamma, v), grad_o, args["scale"], args["initial_state"], grad_final_state,
@@ -241,8 +241,34 @@ def _sm90_backward(args: dict[str, Any], residuals: list, grad_o, grad_final_sta
 # triton < 3.7.1), which would otherwise go to the reference backend
 SM90_BACKWARD = BackwardKernel(recomputing(_sm90_run), lambda args: [], _sm90_backward, beats_fla=False)
 
+
+def _sm100_supports(args: dict[str, Any]) -> tuple[bool, str]:
+    declined = chunk_fwd_kernel_declines(args)
+    if declined:
+        return declined
+    from cula.lightning import chunk_fwd_sm100  # imports the CuTe DSL
+
+    g, g_gamma = args.get("g"), args.get("g_gamma")
+    return chunk_fwd_sm100.supports(
+        args["q"], args["k"], args["v"], g, g_gamma, args["initial_state"], args["cu_seqlens"]
+    )
+
+
+def _sm100_run(args: dict[str, Any]):
+    from cula.lightning.chunk_fwd_sm100 import chunk_simple_gla_fwd_sm100
+    from cula.sm90.entry import pool_fields
+
+    g, g_gamma = _chunk_gates(args)
+    return chunk_simple_gla_fwd_sm100(
+        args["q"], args["k"], args["v"], g, g_gamma, args["scale"], args["initial_state"], args["output_final_state"],
+        args["cu_seqlens"], args.get("state_v_first", False), args.get("cu_seqlens_cpu"), **pool_fields(args),
+    )  # fmt: skip
+
+
 for _op in (CHUNK_SIMPLE_GLA, CHUNK_LIGHTNING):
     _op.register_kernel(CuteKernel("lightning.chunk_fwd_sm90", 9, _sm90_supports, _sm90_run, backward=SM90_BACKWARD))
+    # compiled for sm_100a / sm_103a only: no Blackwell GPU has run it
+    _op.register_kernel(CuteKernel("lightning.chunk_fwd_sm100", 10, _sm100_supports, _sm100_run, hardware_tested=False))
 
 
 def _recurrent_gates(args: dict[str, Any]):
@@ -250,7 +276,7 @@ def _recurrent_gates(args: dict[str, Any]):
     per-head g_gamma (Lightning's from its layer), no delta rule."""
     from cula.recurrent.plan import Gates
 
-    g, g_gamma = _sm90_gates(args)
+    g, g_gamma = _chunk_gates(args)
     return Gates(g=g, g_gamma=g_gamma)
 
 

@@ -3,7 +3,8 @@ roundings where the kernels round (their wgmma operands) and fp32 everywhere els
 checked against the fp64 recurrence on a CPU, and a new scheme tried before it is written as a kernel.
 
 - :func:`scalar_gate_forward`: the scalar-gate kernel (:mod:`cula.sm90.scalar_chunk_fwd`), with the delta rule (GDN)
-  or without it (simple GLA, Lightning).
+  or without it (simple GLA, Lightning); with ``chunk=128, gated_operands=True`` the SM100 kernel
+  (:mod:`cula.sm100.scalar_chunk_fwd`: the gate factors folded into bf16 copies of q and k).
 - :func:`halves_scores`: KDA's intra-chunk scores with a per-key gate, against two reference tokens (its kernel).
 - :func:`block_scores`: the same scores by 16-token blocks whose operands never exceed the raw q and k (no bound on
   the gate).
@@ -44,6 +45,8 @@ def scalar_gate_forward(
     h0: torch.Tensor | None = None,
     delta_rule: bool = True,
     gate_floor: float | None = GATE_FLOOR,
+    chunk: int = CHUNK,
+    gated_operands: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The scalar-gate kernel on one sequence: ``(o [H, T, V] fp32, final state [H, K, V] fp32)``.
 
@@ -51,15 +54,18 @@ def scalar_gate_forward(
     tril(scale (Q K^T)_ij 2^(G_i - G_j)) from bf16 q, k; Tinv = (I + A)^-1 in fp32, a bf16 operand; the state a bf16
     operand of its products; Y = beta (V - 2^G (K S)) and V_new = Tinv Y (bf16 operands); O = scale 2^G (Q S) +
     P V_new; S <- 2^G_last S + K^T (V_new 2^(G_last - G)). Without the delta rule V_new = V. ``gate_floor`` None
-    leaves the gates as given (-inf then gives NaN: the reason for the floor)."""
+    leaves the gates as given (-inf then gives NaN: the reason for the floor). ``chunk``: the kernel's chunk size.
+    ``gated_operands`` (no delta rule): the factors ride in bf16 operands instead, O = bf16(scale 2^G Q) S + P V and
+    S <- 2^G_last S + bf16(2^(G_last - G) K)^T V."""
     H, T, K = q.shape
     V = v.shape[-1]
     q, k, v = bf16(q), bf16(k), bf16(v)
     S = torch.zeros(H, K, V, dtype=torch.float32, device=q.device) if h0 is None else h0.float().clone()
     o = torch.empty(H, T, V, dtype=torch.float32, device=q.device)
     g = g.float() if gate_floor is None else g.float().clamp_min(gate_floor)
-    for c0 in range(0, T, CHUNK):
-        c1 = min(c0 + CHUNK, T)
+    assert not (gated_operands and delta_rule)
+    for c0 in range(0, T, chunk):
+        c1 = min(c0 + chunk, T)
         L = c1 - c0
         qc, kc, vc = q[:, c0:c1], k[:, c0:c1], v[:, c0:c1]
         G = torch.cumsum(g[:, c0:c1], dim=1) * LOG2E  # [H, L]
@@ -80,9 +86,13 @@ def scalar_gate_forward(
             v_new = Tinv @ Y
         else:
             v_new = vc
-        o[:, c0:c1] = scale * fac_start * (qc @ S_op) + P @ bf16(v_new)
         G_last = G[:, -1:]
         fac_end = torch.exp2(G_last - G)[..., None]  # 2^(G_last - G_j)
+        if gated_operands:
+            o[:, c0:c1] = bf16(scale * fac_start * qc) @ S_op + P @ v_new
+            S = torch.exp2(G_last)[..., None] * S + bf16(kc * fac_end).transpose(1, 2) @ v_new
+            continue
+        o[:, c0:c1] = scale * fac_start * (qc @ S_op) + P @ bf16(v_new)
         S = torch.exp2(G_last)[..., None] * S + kc.transpose(1, 2) @ bf16(v_new * fac_end)
     return o, S
 

@@ -277,13 +277,19 @@ def pool_fields(args: dict) -> dict:
     return {"state_slots": args.get("ssm_state_indices"), "inplace": bool(args.get("inplace_final_state"))}
 
 
-def supports_qkv(q, k, v, beta, initial_state, cu_seqlens, dims) -> tuple[bool, str]:
-    """The checks every chunk kernel makes but the gate's: device, dtypes, shapes, head dims in ``dims`` (K = V),
-    GVA, contiguity, beta, varlen batch, fp32 initial state."""
+# the compute capabilities each architecture's chunk kernels are compiled for: SM90 (Hopper), SM100 (B200, B300)
+ARCH_CAPABILITIES = {9: ((9, 0),), 10: ((10, 0), (10, 3))}
+
+
+def supports_qkv(q, k, v, beta, initial_state, cu_seqlens, dims, arch_major: int = 9) -> tuple[bool, str]:
+    """The checks every chunk kernel makes but the gate's: device (a GPU of ``arch_major``'s capabilities), dtypes,
+    shapes, head dims in ``dims`` (K = V), GVA, contiguity, beta, varlen batch, fp32 initial state."""
     if not (q.is_cuda and k.is_cuda and v.is_cuda):
         return False, "tensors are not on a CUDA device"
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
-        return False, f"needs an SM90 (compute capability 9.0) GPU, got {torch.cuda.get_device_capability(q.device)}"
+    capability = torch.cuda.get_device_capability(q.device)
+    if capability not in ARCH_CAPABILITIES[arch_major]:
+        wanted = " or ".join(f"{a}.{b}" for a, b in ARCH_CAPABILITIES[arch_major])
+        return False, f"needs an SM{arch_major}0 GPU (compute capability {wanted}), got {capability}"
     if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
         return False, f"q, k, v must be bfloat16 (got {q.dtype}, {k.dtype}, {v.dtype})"
     if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:2] != q.shape[:2]:
@@ -384,18 +390,29 @@ CHECKED_CONFIGS = {
 }
 
 
+# what a chunk kernel's PTX must hold: its tensor-core MMAs and TMA copies
+SM90_PTX = ("wgmma.mma_async", "cp.async.bulk.tensor")
+SM100_PTX = ("tcgen05.mma", "cp.async.bulk.tensor")
+
+
 def register_checked(
-    name: str, compile_fn, configs: dict, sass_allowed: dict | None = None, archs: tuple[str, ...] = ("sm_90a",)
+    name: str,
+    compile_fn,
+    configs: dict,
+    sass_allowed: dict | None = None,
+    archs: tuple[str, ...] = ("sm_90a",),
+    expected_ptx: tuple[str, ...] = SM90_PTX,
 ) -> None:
     """Register ``name + suffix`` for each entry of ``configs`` (suffix -> keyword options of ``compile_fn(arch,
-    **options)``) with the compile check: wgmma and TMA in its PTX, clean machine code but for ``sass_allowed[suffix]``
-    (local-memory instructions, injected ``warpgroup.arrive``; measured allowances)."""
+    **options)``) with the compile check: ``expected_ptx`` (SM90's wgmma and TMA by default) in its PTX, clean machine
+    code but for ``sass_allowed[suffix]`` (local-memory instructions, injected ``warpgroup.arrive``; measured
+    allowances)."""
     for suffix, options in configs.items():
         runtime.register_kernel(
             f"{name}{suffix}",
             list(archs),
             lambda arch, o=options: compile_fn(arch, **o),
-            ["wgmma.mma_async", "cp.async.bulk.tensor"],
+            list(expected_ptx),
             clean_sass=True,
             sass_allowed=(sass_allowed or {}).get(suffix, (0, 0)),
         )

@@ -1,0 +1,526 @@
+"""The scalar-gate chunk forward on SM100 without the delta rule (simple GLA, Lightning): one CTA per (sequence,
+value head) walks its sequence in chunks of C = 128 tokens, the fp32 state S^T (V x K) kept in tensor memory (TMEM)
+across all of them.
+
+Math per chunk (G the chunk's inclusive cumulative gate in log2 units, s the scale):
+
+    P~ = tril(s (Q K^T)_ij 2^(G_i - G_j))                     (bf16)
+    Q~ = s 2^G_i q_i,  K~ = 2^(G_last - G_j) k_j               (bf16, in place of q and k)
+    O  = Q~ S + P~ V
+    S^T <- 2^G_last S^T + V^T K~
+
+Four tcgen05 MMAs per chunk, every operand in shared memory, every accumulator in TMEM (M = 128 throughout):
+
+| product | M x N x K | A | B | accumulator |
+|---|---|---|---|---|
+| P = Q K^T | C x C x K | q, K-major | k, K-major | P (columns 0-127) |
+| O = Q~ S | C x V x K | Q~, K-major | S^T bf16, K-major | O (128-255) |
+| O += P~ V | C x V x C | P~, K-major | v, MN-major | O |
+| S^T += V^T K~ | V x K x C | v, MN-major | K~, MN-major | S^T (256-383) |
+
+Warp roles (:class:`cula.sm100.roles.WarpRole`): a TMA warp loads chunk c's q | k | v stage; the MMA warp issues
+the products; the gate warp scans the chunk's gates into a gate slot; the scores warpgroup turns P into P~ (masks as
+selects), scales the q and k rows in place and, in a varlen call, zeroes the v rows past the sequence end; the state
+warpgroup rounds S^T to its bf16 operand and applies the chunk decay in place; the output warpgroup stores O. Each
+thread of the last three owns one TMEM lane: row ``tid`` of its accumulator.
+
+Hand-offs (``cutlass.pipeline``, one stage each but the gate's two): ``qkv`` (TMA -> MMA; the scores warpgroup
+waits on it uncounted), ``p_acc`` (MMA -> scores), ``scores`` (scores -> MMA, released when the products that read
+P~, Q~ and K~ are done), ``state`` (state warpgroup -> MMA, released when S^T's update is done: the state warpgroup
+acquires it again before the next chunk and once more for the final state), ``o_acc`` (MMA -> output), ``gate``
+(gate warp -> scores and state).
+
+Shapes and launch arguments as the SM90 family's (:mod:`cula.sm90.chunk_fwd`): q, k [B, T, H, D]; v, o [B, T, HV,
+D] bf16; g [B, T, HV] fp32 natural-log gate per token (simple GLA's g plus g_gamma); states [N, HV, K, V] fp32 (a
+transposed view for ``state_v_first``); varlen int32 ``starts`` / ``ends``; a state pool's ``slots``. D = 128.
+Configurations: :class:`cula.sm90.chunk_fwd.ChunkFwdConfig` with ``delta_rule=False``, ``mode="full"``,
+``walk="output"``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import pipeline
+from cutlass.cute.nvgpu import cpasync
+from cutlass.pipeline import Agent, CooperativeGroup
+
+from cula.sm90 import sequence, tiles
+from cula.sm90.chunk_fwd import ChunkFwdConfig
+from cula.sm90.scalar_gates import GATE_FLOOR
+from cula.sm100 import mma, tmem
+from cula.sm100.roles import THREADS, WARPGROUP, Barrier, WarpRole
+
+CHUNK = 128
+HEAD_DIM = 128
+GATE_SLOTS = 2
+TMEM_COLUMNS = 512  # P, O and S^T take 3 x 128; allocations are powers of two
+_LOG2E = math.log2(math.e)
+
+
+class Tma(NamedTuple):
+    atom: object
+    tensor: object
+
+
+class Params(NamedTuple):
+    """The kernel's parameters: the four tiled MMAs (module docstring), TMA atoms, global tensors, layouts."""
+
+    mma_qk: object
+    mma_qs: object
+    mma_pv: object
+    mma_state: object
+    q: Tma
+    k: Tma
+    v: Tma
+    g: cute.Tensor
+    o: cute.Tensor
+    h0: cute.Tensor
+    ht: cute.Tensor
+    starts: cute.Tensor
+    ends: cute.Tensor
+    slots: cute.Tensor
+    H: cutlass.Int32
+    T: cutlass.Int32
+    scale: cutlass.Float32
+    tile_qkv: object  # (C, D, q|k|v, 1 stage) K-major
+    tile_qkv_mn: object  # the same bytes as (D, C, q|k|v, 1) MN-major
+    tile_p: object  # (C, C) K-major
+    tile_s: object  # (V, K) K-major
+
+
+class Smem(NamedTuple):
+    sQKV: cute.Tensor  # (C, D, q|k|v, 1)
+    sQKV_mn: cute.Tensor  # (D, C, q|k|v, 1)
+    sP: cute.Tensor  # P~ (C, C)
+    sS: cute.Tensor  # S^T bf16 (V, K)
+    sG: cute.Tensor  # G (log2) per token and slot (C, GATE_SLOTS)
+    sFac: cute.Tensor  # per token and slot: s 2^G, 2^(G_last - G) (0 past the end)  (C, GATE_SLOTS, 2)
+
+
+class Rings(NamedTuple):
+    qkv: object
+    p_acc: object
+    scores: object
+    state: object
+    o_acc: object
+    gate: object
+
+
+class Accumulators(NamedTuple):
+    """The TMEM accumulators, (MMA, 1, 1) fp32 tensors of (128 x 128)."""
+
+    p: cute.Tensor
+    o: cute.Tensor
+    s: cute.Tensor
+
+
+class Sequence(NamedTuple):
+    b: cutlass.Int32
+    tok0: cutlass.Int32
+    seqlen: cutlass.Int32
+    n_chunks: cutlass.Int32
+    hv: cutlass.Int32
+    h: cutlass.Int32
+    h0_row: object
+    ht_row: object
+
+
+@cute.jit
+def _scale_row(tile, row, factor, keep):
+    """Row ``row`` of the bf16 smem ``tile`` (rows x D) times ``factor`` in place, or set to zero where ``keep`` is
+    False (not multiplied: the row may hold the next sequence's tokens, NaN included)."""
+    frag = cute.make_rmem_tensor(cute.make_layout((1, 8)), cutlass.BFloat16)
+    for blk in cutlass.range_constexpr(cute.size(tile, mode=[1]) // 8):
+        part = cute.local_tile(tile, (1, 8), (row, blk))
+        if keep:
+            cute.autovec_copy(part, frag)
+            frag.store((frag.load().to(cutlass.Float32) * factor).to(cutlass.BFloat16))
+        else:
+            frag.fill(0.0)
+        cute.autovec_copy(frag, part)
+
+
+@cute.jit
+def _warp_scan(x, lane):
+    """Inclusive prefix sum over the 32 lanes of a warp."""
+    for i in cutlass.range_constexpr(5):
+        up = cute.arch.shuffle_sync_up(x, 1 << i)
+        if lane >= (1 << i):
+            x = x + up
+    return x
+
+
+class ScalarGateChunkFwdSm100:
+    """The kernel (module docstring); ``cfg`` a :class:`cula.sm90.chunk_fwd.ChunkFwdConfig` without the delta rule,
+    a full pass that makes the output."""
+
+    def __init__(self, config: ChunkFwdConfig):
+        assert config.head_dim == HEAD_DIM and not config.delta_rule, config
+        assert config.mode == "full" and config.intra == "none" and config.walk == "output", config
+        self.cfg = config
+        self.C = CHUNK
+        self.D = config.head_dim
+
+    # ---------------------------------------------------------------- host side
+    @cute.jit
+    def __call__(self, q, k, v, g, beta, o, h0, ht, starts, ends, w, slots, scale, stream):
+        """The launch (arguments as the SM90 family's; ``beta`` and ``w`` are never read)."""
+        C, D = self.C, self.D
+        tile_qkv, tile_qkv_mn = mma.token_tiles(C, D, 3, 1)
+        tile_p, _ = mma.token_tiles(C, C)
+        tile_s, _ = mma.token_tiles(D, D)
+        one_tile = cute.slice_(tile_qkv, (None, None, 0, 0))
+        load = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q = Tma(*cpasync.make_tiled_tma_atom(load, tiles.tma_view(q), one_tile, (C, D)))
+        tma_k = Tma(*cpasync.make_tiled_tma_atom(load, tiles.tma_view(k), one_tile, (C, D)))
+        tma_v = Tma(*cpasync.make_tiled_tma_atom(load, tiles.tma_view(v), one_tile, (C, D)))
+        params = Params(
+            mma.tiled_mma("K", "K", C), mma.tiled_mma("K", "K", D), mma.tiled_mma("K", "MN", D), mma.tiled_mma("MN", "MN", D),
+            tma_q, tma_k, tma_v, g, o, h0, ht, starts, ends, slots, q.shape[2], q.shape[1], scale,
+            tile_qkv, tile_qkv_mn, tile_p, tile_s,
+        )  # fmt: skip
+        f32, bf16 = cutlass.Float32, cutlass.BFloat16
+        ring = cute.struct.MemRange[cutlass.Int64, 2]
+        fields = {
+            "ring_qkv": ring,
+            "ring_p_acc": ring,
+            "ring_scores": ring,
+            "ring_state": ring,
+            "ring_o_acc": ring,
+            "ring_gate": cute.struct.MemRange[cutlass.Int64, 2 * GATE_SLOTS],
+            "tmem_address": cutlass.Int32,
+            "sG": cute.struct.Align[cute.struct.MemRange[f32, C * GATE_SLOTS], 16],
+            "sFac": cute.struct.Align[cute.struct.MemRange[f32, C * GATE_SLOTS * 2], 16],
+            "sQKV": cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_qkv)], 1024],
+            "sP": cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_p)], 1024],
+            "sS": cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_s)], 1024],
+        }
+        self.storage = cute.struct(type("Storage", (), {"__annotations__": fields}))
+        HV = v.shape[2]
+        N = starts.shape[0] if cutlass.const_expr(self.cfg.is_varlen) else q.shape[0]
+        self.kernel(params).launch(
+            grid=(HV, N, 1), block=(THREADS, 1, 1), smem=self.storage.size_in_bytes(), stream=stream
+        )
+
+    # ---------------------------------------------------------------- device side
+    def make_rings(self, st):
+        """Every hand-off (module docstring); made with ``defer_sync``, fenced and synchronised by the caller."""
+        C, D = self.C, self.D
+        one = CooperativeGroup(Agent.Thread, 1)
+        warpgroup = CooperativeGroup(Agent.Thread, WARPGROUP)
+        return Rings(
+            pipeline.PipelineTmaUmma.create(
+                num_stages=1, producer_group=one, consumer_group=one, tx_count=3 * C * D * 2,
+                barrier_storage=st.ring_qkv.data_ptr(), defer_sync=True,
+            ),
+            pipeline.PipelineUmmaAsync.create(
+                num_stages=1, producer_group=one, consumer_group=warpgroup,
+                barrier_storage=st.ring_p_acc.data_ptr(), defer_sync=True,
+            ),
+            pipeline.PipelineAsyncUmma.create(
+                num_stages=1, producer_group=warpgroup, consumer_group=one,
+                barrier_storage=st.ring_scores.data_ptr(), defer_sync=True,
+            ),
+            pipeline.PipelineAsyncUmma.create(
+                num_stages=1, producer_group=warpgroup, consumer_group=one,
+                barrier_storage=st.ring_state.data_ptr(), defer_sync=True,
+            ),
+            pipeline.PipelineUmmaAsync.create(
+                num_stages=1, producer_group=one, consumer_group=warpgroup,
+                barrier_storage=st.ring_o_acc.data_ptr(), defer_sync=True,
+            ),
+            pipeline.PipelineAsync.create(
+                num_stages=GATE_SLOTS,
+                producer_group=CooperativeGroup(Agent.Thread, 32),
+                consumer_group=CooperativeGroup(Agent.Thread, 2 * WARPGROUP),
+                barrier_storage=st.ring_gate.data_ptr(), defer_sync=True,
+            ),
+        )  # fmt: skip
+
+    @cute.kernel
+    def kernel(self, p: Params):
+        C = self.C
+        cfg = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
+        hv, n, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        HV = p.o.shape[2]
+        b, tok0, seqlen, n_chunks = sequence.sequence_bounds(n, p.T, p.starts, p.ends, cfg.is_varlen, C)
+        h0_row = ht_row = n
+        if cutlass.const_expr(cfg.state_slots != "none"):
+            h0_row = p.slots[n]
+            if cutlass.const_expr(cfg.state_slots == "read_write"):
+                ht_row = h0_row
+        seq = Sequence(b, tok0, seqlen, n_chunks, hv, hv // (HV // p.H), h0_row, ht_row)
+
+        st = cutlass.utils.SmemAllocator().allocate(self.storage)
+        sQKV = st.sQKV.get_tensor(p.tile_qkv.outer, swizzle=p.tile_qkv.inner)
+        smem = Smem(
+            sQKV,
+            tiles.mn_view(sQKV, p.tile_qkv_mn),
+            st.sP.get_tensor(p.tile_p.outer, swizzle=p.tile_p.inner),
+            st.sS.get_tensor(p.tile_s.outer, swizzle=p.tile_s.inner),
+            st.sG.get_tensor(cute.make_layout((C, GATE_SLOTS))),
+            st.sFac.get_tensor(cute.make_layout((C, GATE_SLOTS, 2))),
+        )
+        rings = self.make_rings(st)
+        if warp == WarpRole.LOAD:
+            for tma in (p.q, p.k, p.v):
+                cpasync.prefetch_descriptor(tma.atom)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        tmem_alloc = cutlass.memory.TmemAllocator(
+            st.tmem_address.ptr,
+            barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=Barrier.TMEM_ALLOC, num_threads=THREADS),
+            allocator_warp_id=WarpRole.MMA,
+        )
+        tmem_alloc.allocate(TMEM_COLUMNS)
+        tmem_alloc.wait_for_alloc()
+        tmem_base = tmem_alloc.retrieve_ptr(cutlass.Float32)
+        acc = self.accumulators(p, tmem_base)
+
+        wg_tid = tidx % WARPGROUP
+        if warp == WarpRole.LOAD:
+            self.load_warp(p, smem, rings, seq)
+        elif warp == WarpRole.MMA:
+            self.mma_warp(p, smem, rings, acc, seq)
+        elif warp == WarpRole.GATE:
+            self.gate_warp(p, smem, rings, seq)
+        elif warp >= WarpRole.OUTPUT:
+            self.output_role(p, rings, acc, seq, wg_tid)
+        elif warp >= WarpRole.STATE:
+            self.state_role(p, smem, rings, acc, seq, wg_tid)
+        elif warp >= WarpRole.SCORES:
+            self.scores_role(p, smem, rings, acc, seq, wg_tid)
+
+        # every TMEM access done before the MMA warp gives the columns back
+        cute.arch.barrier(barrier_id=Barrier.TMEM_FREE, number_of_threads=THREADS)
+        if warp == WarpRole.MMA:
+            tmem_alloc.relinquish_alloc_permit()
+            tmem_alloc.free(tmem_base)
+
+    def accumulators(self, p: Params, tmem_base) -> Accumulators:
+        """P, O and S^T at TMEM columns 0, C and C + V."""
+        C, D = self.C, self.D
+        return Accumulators(
+            mma.accumulator(p.mma_qk, C, tmem_base, 0),
+            mma.accumulator(p.mma_qs, D, tmem_base, C),
+            mma.accumulator(p.mma_state, D, tmem_base, C + D),
+        )
+
+    @cute.jit
+    def load_warp(self, p: Params, smem: Smem, rings: Rings, seq: Sequence):
+        """Chunk c's q, k and v tiles into the stage once the products of chunk c - 1 are done with it."""
+        sources = ((p.q, seq.h), (p.k, seq.h), (p.v, seq.hv))
+        parts = [
+            tiles.tma_chunk_tiles(tma.atom, tma.tensor[None, None, head, seq.b], seq.tok0, smem.sQKV[None, None, which, None])
+            for which, (tma, head) in enumerate(sources)
+        ]  # fmt: skip
+        qkv = rings.qkv
+        pos = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        for chunk in cutlass.range(seq.n_chunks, unroll=1):
+            qkv.producer_acquire(pos)
+            bar = qkv.producer_get_barrier(pos)
+            for which in cutlass.range_constexpr(3):
+                smem_part, gmem_part = parts[which]
+                cute.copy(sources[which][0].atom, gmem_part[None, chunk], smem_part[None, 0], tma_bar_ptr=bar)
+            pos.advance()
+
+    @cute.jit
+    def mma_warp(self, p: Params, smem: Smem, rings: Rings, acc: Accumulators, seq: Sequence):
+        """Per chunk: P = Q K^T; once the scores and the state operand are ready, O = Q~ S + P~ V and S^T += V^T K~;
+        then the stage, the scores and the state released (commits that arrive when those products are done)."""
+        sQ, sK = smem.sQKV[None, None, 0, 0], smem.sQKV[None, None, 1, 0]
+        sK_mn, sV_mn = smem.sQKV_mn[None, None, 1, 0], smem.sQKV_mn[None, None, 2, 0]
+        qkv, p_acc, scores, state, o_acc = rings.qkv, rings.p_acc, rings.scores, rings.state, rings.o_acc
+        consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        for _chunk in cutlass.range(seq.n_chunks, unroll=1):
+            qkv.consumer_wait(consumer)
+            p_acc.producer_acquire(producer)
+            tmem.after_handoff()
+            # the operands' descriptors made where they are used: all of them live at once would not fit this
+            # warp's registers
+            q_op, k_op = mma.operands(p.mma_qk, sQ, sK)
+            mma.gemm(p.mma_qk, acc.p, q_op, k_op, True)
+            p_acc.producer_commit(producer)
+            scores.consumer_wait(consumer)
+            state.consumer_wait(consumer)
+            o_acc.producer_acquire(producer)
+            tmem.after_handoff()
+            qs_a, qs_b = mma.operands(p.mma_qs, sQ, smem.sS)
+            mma.gemm(p.mma_qs, acc.o, qs_a, qs_b, True)
+            pv_a, pv_b = mma.operands(p.mma_pv, smem.sP, sV_mn)
+            mma.gemm(p.mma_pv, acc.o, pv_a, pv_b, False)
+            o_acc.producer_commit(producer)
+            vk_a, vk_b = mma.operands(p.mma_state, sV_mn, sK_mn)
+            mma.gemm(p.mma_state, acc.s, vk_a, vk_b, False)
+            state.consumer_release(consumer)
+            scores.consumer_release(consumer)
+            qkv.consumer_release(consumer)
+            consumer.advance()
+            producer.advance()
+
+    @cute.jit
+    def gate_warp(self, p: Params, smem: Smem, rings: Rings, seq: Sequence):
+        """Chunk c's gates into slot c % 2: G = cumsum(max(g, floor)) log2(e) over the chunk (lane l holds tokens
+        l + 32 m), and the factors s 2^G and 2^(G_last - G); tokens past the sequence end add nothing to G and get a
+        zero second factor."""
+        C = self.C
+        f32 = cutlass.Float32
+        lane = cute.arch.lane_idx()
+        gG = p.g[seq.b, None, seq.hv]
+        gate = rings.gate
+        pos = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, GATE_SLOTS)
+        raw = cute.make_rmem_tensor(cute.make_layout(C // 32), f32)
+        G = cute.make_rmem_tensor(cute.make_layout(C // 32), f32)
+        for chunk in cutlass.range(seq.n_chunks, unroll=1):
+            t0 = chunk * C + lane
+            for m in cutlass.range_constexpr(C // 32):
+                # clamped into the sequence instead of branching, so the loads stay in flight
+                raw[m] = gG[seq.tok0 + cutlass.min(t0 + 32 * m, seq.seqlen - 1)]
+            total = f32(0.0)
+            for m in cutlass.range_constexpr(C // 32):
+                x = cutlass.max(raw[m], f32(GATE_FLOOR)) if t0 + 32 * m < seq.seqlen else f32(0.0)
+                x = _warp_scan(x, lane) + total
+                total = cute.arch.shuffle_sync(x, 31)
+                G[m] = x * _LOG2E
+            G_last = total * _LOG2E
+            gate.producer_acquire(pos)
+            slot = pos.index
+            for m in cutlass.range_constexpr(C // 32):
+                t = lane + 32 * m
+                smem.sG[t, slot] = G[m]
+                smem.sFac[t, slot, 0] = p.scale * cute.math.exp2(G[m], fastmath=True)
+                smem.sFac[t, slot, 1] = (
+                    cute.math.exp2(G_last - G[m], fastmath=True) if t0 + 32 * m < seq.seqlen else f32(0.0)
+                )
+            gate.producer_commit(pos)
+            pos.advance()
+
+    @cute.jit
+    def scores_role(self, p: Params, smem: Smem, rings: Rings, acc: Accumulators, seq: Sequence, tid):
+        """Thread ``tid`` owns token row i: P~_ij = s P_ij 2^(G_i - G_j) where j <= i and j is in the sequence, else
+        0 (selects); then q_i and k_i scaled in place, k_i zeroed past the sequence end, as v_i in a varlen call
+        (there the rows hold the next sequence's tokens)."""
+        C = self.C
+        f32 = cutlass.Float32
+        rows = tmem.Rows(acc.p, C, tid)
+        i = rows.row()
+        frag = rows.fragment()
+        gate, qkv, scores, p_acc = rings.gate, rings.qkv, rings.scores, rings.p_acc
+        gate_pos = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, GATE_SLOTS)
+        consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        for chunk in cutlass.range(seq.n_chunks, unroll=1):
+            valid = seq.seqlen - chunk * C
+            slot = gate_pos.index
+            gate.consumer_wait(gate_pos)
+            qkv.consumer_wait(consumer)  # uncounted: the MMA warp releases the stage
+            scores.producer_acquire(producer)
+            p_acc.consumer_wait(consumer)
+            tmem.after_handoff()
+            G_i = smem.sG[i, slot]
+            for blk in cutlass.range_constexpr(C // tmem.COLUMNS_PER_COPY):
+                tmem.read(rows, blk, frag)
+                for e in cutlass.range_constexpr(tmem.COLUMNS_PER_COPY):
+                    j = blk * tmem.COLUMNS_PER_COPY + e
+                    keep = j <= i and j < valid
+                    decay = cute.math.exp2(G_i - smem.sG[j, slot] if keep else f32(0.0), fastmath=True)
+                    frag[e] = frag[e] * p.scale * decay if keep else f32(0.0)
+                tmem.store_row_bf16(smem.sP, i, blk * tmem.COLUMNS_PER_COPY, frag)
+            tmem.before_handoff()
+            p_acc.consumer_release(consumer)
+            in_sequence = i < valid
+            _scale_row(smem.sQKV[None, None, 0, 0], i, smem.sFac[i, slot, 0], True)
+            _scale_row(smem.sQKV[None, None, 1, 0], i, smem.sFac[i, slot, 1], in_sequence)
+            if cutlass.const_expr(self.cfg.is_varlen):
+                if not in_sequence:
+                    _scale_row(smem.sQKV[None, None, 2, 0], i, f32(0.0), False)
+            # generic-proxy writes that the tensor cores read next
+            cute.arch.fence_proxy("async.shared", space="cta")
+            scores.producer_commit(producer)
+            gate.consumer_release(gate_pos)
+            gate_pos.advance()
+            consumer.advance()
+            producer.advance()
+
+    @cute.jit
+    def state_role(self, p: Params, smem: Smem, rings: Rings, acc: Accumulators, seq: Sequence, tid):
+        """Thread ``tid`` owns value row v of S^T: the initial state into TMEM; per chunk, once the previous update is
+        done, S^T rounded to its bf16 operand and decayed by 2^G_last in place; at the end the final state."""
+        C, D = self.C, self.D
+        f32 = cutlass.Float32
+        cols = tmem.COLUMNS_PER_COPY
+        rows = tmem.Rows(acc.s, D, tid)
+        v_row = rows.row()
+        frag = rows.fragment()
+        for blk in cutlass.range_constexpr(D // cols):
+            for e in cutlass.range_constexpr(cols):
+                if cutlass.const_expr(self.cfg.has_initial_state):
+                    frag[e] = p.h0[seq.h0_row, seq.hv, blk * cols + e, v_row]
+                else:
+                    frag[e] = f32(0.0)
+            tmem.write(rows, blk, frag)
+        tmem.stores_done()
+        tmem.before_handoff()
+        gate, state = rings.gate, rings.state
+        gate_pos = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, GATE_SLOTS)
+        producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        for _chunk in cutlass.range(seq.n_chunks, unroll=1):
+            gate.consumer_wait(gate_pos)
+            state.producer_acquire(producer)
+            tmem.after_handoff()
+            decay = cute.math.exp2(smem.sG[C - 1, gate_pos.index], fastmath=True)
+            for blk in cutlass.range_constexpr(D // cols):
+                tmem.read(rows, blk, frag)
+                tmem.store_row_bf16(smem.sS, v_row, blk * cols, frag)
+                for e in cutlass.range_constexpr(cols):
+                    frag[e] = frag[e] * decay
+                tmem.write(rows, blk, frag)
+            tmem.stores_done()
+            tmem.before_handoff()
+            cute.arch.fence_proxy("async.shared", space="cta")
+            state.producer_commit(producer)
+            gate.consumer_release(gate_pos)
+            gate_pos.advance()
+            producer.advance()
+        state.producer_acquire(producer)  # the last update done
+        tmem.after_handoff()
+        for blk in cutlass.range_constexpr(D // cols):
+            tmem.read(rows, blk, frag)
+            for e in cutlass.range_constexpr(cols):
+                p.ht[seq.ht_row, seq.hv, blk * cols + e, v_row] = frag[e]
+
+    @cute.jit
+    def output_role(self, p: Params, rings: Rings, acc: Accumulators, seq: Sequence, tid):
+        """Thread ``tid`` owns token row i of O: rounded to bf16 and stored where the token is in the sequence."""
+        C, D = self.C, self.D
+        cols = tmem.COLUMNS_PER_COPY
+        rows = tmem.Rows(acc.o, D, tid)
+        i = rows.row()
+        frag = rows.fragment()
+        packed = cute.make_rmem_tensor(cute.make_layout((1, 8)), cutlass.BFloat16)
+        gO = p.o[seq.b, None, seq.hv, None]
+        o_acc = rings.o_acc
+        consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        for chunk in cutlass.range(seq.n_chunks, unroll=1):
+            token = seq.tok0 + chunk * C + i
+            in_sequence = i < seq.seqlen - chunk * C
+            o_acc.consumer_wait(consumer)
+            tmem.after_handoff()
+            for blk in cutlass.range_constexpr(D // cols):
+                tmem.read(rows, blk, frag)
+                if in_sequence:
+                    for part in cutlass.range_constexpr(cols // 8):
+                        for e in cutlass.range_constexpr(8):
+                            packed[0, e] = frag[8 * part + e].to(cutlass.BFloat16)
+                        cute.autovec_copy(packed, cute.local_tile(gO, (1, 8), (token, blk * (cols // 8) + part)))
+            tmem.before_handoff()
+            o_acc.consumer_release(consumer)
+            consumer.advance()

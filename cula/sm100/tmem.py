@@ -1,0 +1,89 @@
+"""Tensor memory (TMEM) as the SM100 chunk kernels use it: a warpgroup's row access to an (M x N) fp32
+accumulator, and the fences that order tcgen05 operations across the hand-offs between roles.
+
+A warp reaches only TMEM lanes 32 (warp % 4) .. + 31, so a role of one warpgroup owns all M = 128 lanes: thread
+``tid`` the accumulator's row ``tid``. It moves its row 32 columns at a time (tcgen05.ld / st 32x32b.x32: a lane's 32
+consecutive columns in 32 consecutive registers).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import tcgen05
+from cutlass.experimental import primitives
+
+from cula.sm100 import mma
+
+COLUMNS_PER_COPY = 32
+
+
+class Rows:
+    """Thread ``tid``'s row of the (M x N) fp32 TMEM accumulator ``acc``, in blocks of 32 columns."""
+
+    def __init__(self, acc, n: int, tid):
+        f32 = cutlass.Float32
+        tiler = ((cute.size(acc, mode=[0, 0]), COLUMNS_PER_COPY),)
+        blocks = cute.zipped_divide(acc, tiler)
+        self.load = tcgen05.make_tmem_copy(
+            cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32), f32), blocks[None, 0]
+        )
+        self.store = tcgen05.make_tmem_copy(
+            cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition.x32), f32), blocks[None, 0]
+        )
+        thr_load = self.load.get_slice(tid)
+        self.src = thr_load.partition_S(blocks)  # (copy, copies, N / 32)
+        self.dst = self.store.get_slice(tid).partition_D(blocks)
+        # element coordinates; a fresh tiled MMA for them, as the kernel's own are mutated (their accumulate flag) in
+        # the MMA warp's branch, which the other roles' branches cannot see
+        coords = mma.tiled_mma("K", "K", n).get_slice(0).partition_C(cute.make_identity_tensor((mma.M, n)))
+        self.coords = thr_load.partition_D(cute.zipped_divide(coords, tiler))
+
+    def fragment(self):
+        """Registers for one block of 32 columns (shaped as the copy's register side: the TMEM side's partition has
+        TMEM's own shape)."""
+        return cute.make_rmem_tensor(self.coords[None, None, 0].shape, cutlass.Float32)
+
+    def row(self):
+        """This thread's row of the accumulator."""
+        r, _ = self.coords[0]
+        return r
+
+
+# (functions, not methods: a DSL loop would have to carry an object whose method it calls)
+def read(rows: Rows, block: int, frag):
+    """Columns ``32 block`` .. + 31 of the thread's row into ``frag``, waited."""
+    cute.copy(rows.load, rows.src[None, None, block], frag)
+    cute.arch.fence_view_async_tmem_load()
+
+
+def write(rows: Rows, block: int, frag):
+    """``frag`` into columns ``32 block`` .. + 31 of the thread's row (issued; :func:`stores_done` waits)."""
+    cute.copy(rows.store, frag, rows.dst[None, None, block])
+
+
+def stores_done():
+    """Wait for this thread's TMEM stores."""
+    cute.arch.fence_view_async_tmem_store()
+
+
+def before_handoff():
+    """This thread's completed tcgen05 operations (TMEM reads and writes) ordered before its next arrive on a hand-off
+    barrier."""
+    primitives.tcgen05_fence(primitives.Tcgen05Fence.BEFORE_THREAD_SYNC)
+
+
+def after_handoff():
+    """The tcgen05 operations after a wait on a hand-off barrier ordered after what the other side did before it."""
+    primitives.tcgen05_fence(primitives.Tcgen05Fence.AFTER_THREAD_SYNC)
+
+
+@cute.jit
+def store_row_bf16(tile, row, col0, frag):
+    """The 32 fp32 values of ``frag`` (columns ``col0`` ..) rounded to bf16 into row ``row`` of the swizzled smem
+    ``tile``, 16 bytes at a time."""
+    packed = cute.make_rmem_tensor(cute.make_layout((1, 8)), cutlass.BFloat16)
+    for blk in cutlass.range_constexpr(COLUMNS_PER_COPY // 8):
+        for e in cutlass.range_constexpr(8):
+            packed[0, e] = frag[8 * blk + e].to(cutlass.BFloat16)
+        cute.autovec_copy(packed, cute.local_tile(tile, (1, 8), (row, col0 // 8 + blk)))

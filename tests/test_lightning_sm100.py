@@ -1,0 +1,80 @@
+"""Simple GLA and Lightning chunked forward on SM100 (cula.lightning.chunk_fwd_sm100: chunks of 128, tcgen05 MMAs,
+the state in TMEM) against cuLA's reference backend in fp64, per sequence and over the call, NaN-poisoned outputs.
+Only a Blackwell GPU runs these; none has yet (the kernel is served only with CULA_UNTESTED_KERNELS=1)."""
+
+import pytest
+import torch
+from delta_rule_recurrence import assert_matches, needs_sm100
+from test_lightning_sm90 import make_inputs, reference, run_case
+
+import cula
+
+cutlass = pytest.importorskip("cutlass")
+pytestmark = [pytest.mark.gpu, needs_sm100]
+
+
+@pytest.mark.parametrize("T", [1, 127, 128, 129, 1000])
+def test_fixed_length(monkeypatch, T):
+    run_case(monkeypatch, 2, T, 2, arch="sm100")
+
+
+@pytest.mark.parametrize("gate", ["g_gamma", "both", "none"])
+def test_gates(monkeypatch, gate):
+    run_case(monkeypatch, 1, 300, 3, gate=gate, h0=True, arch="sm100")
+
+
+@pytest.mark.parametrize("state_v_first", [False, True])
+def test_varlen_initial_state(monkeypatch, state_v_first):
+    # sequences of 0, 1, 100, 128, 0, 301 tokens
+    cu = [0, 0, 1, 101, 229, 229, 530]
+    run_case(monkeypatch, 1, 530, 2, cu=cu, h0=True, state_v_first=state_v_first, arch="sm100")
+
+
+def test_gates_far_below_zero(monkeypatch):
+    """Log gates of -inf, -1e30 and -300 give the reference's answer, finite everywhere."""
+    from cula.lightning.chunk_fwd_sm100 import chunk_simple_gla_fwd_sm100
+
+    T = 400
+    q, k, v, g, _ = make_inputs(1, T, 2)
+    g[:, 3] = float("-inf")
+    g[0, 70, 1] = -1e30
+    g[0, 130] = -300.0
+    cu = [0, T // 3, T]
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=q.device)
+    h0 = torch.randn(2, 2, 128, 128, device=q.device) * 0.1
+    o, ht = chunk_simple_gla_fwd_sm100(q, k, v, g, None, None, h0, True, cu_t, False, torch.tensor(cu))
+    torch.cuda.synchronize()
+    o_ref, ht_ref = reference(q, k, v, g, None, 128**-0.5, h0, cu_t.long(), monkeypatch)
+    assert_matches(o, ht, o_ref, ht_ref, cu)
+
+
+def test_a_nan_sequence_leaves_its_neighbours_exact(monkeypatch):
+    """A varlen call whose middle sequence is all NaN: the others' outputs and states match the reference."""
+    from cula.lightning.chunk_fwd_sm100 import chunk_simple_gla_fwd_sm100
+
+    cu = [0, 100, 300, 450]
+    q, k, v, g, _ = make_inputs(1, 450, 2)
+    for x in (q, k, v):
+        x[:, 100:300] = float("nan")
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=q.device)
+    o, ht = chunk_simple_gla_fwd_sm100(q, k, v, g, None, None, None, True, cu_t, False, torch.tensor(cu))
+    torch.cuda.synchronize()
+    for lo, hi, n in ((0, 100, 0), (300, 450, 2)):
+        sl = slice(lo, hi)
+        o_ref, ht_ref = reference(q[:, sl], k[:, sl], v[:, sl], g[:, sl], None, 128**-0.5, None, None, monkeypatch)
+        assert_matches(o[:, sl], ht[n : n + 1], o_ref, ht_ref)
+
+
+def test_public_entry_points_with_the_opt_in(monkeypatch):
+    """chunk_simple_gla and chunk_lightning_attn served by the SM100 kernel with CULA_UNTESTED_KERNELS=1."""
+    monkeypatch.setenv("CULA_UNTESTED_KERNELS", "1")
+    B, T, H, D = 2, 777, 4, 128
+    q, k, v, g, _ = make_inputs(B, T, H, D)
+    o, ht = cula.lightning.chunk_simple_gla(q, k, v, g=g, output_final_state=True)
+    assert cula.last_decision(cula.lightning.chunk_simple_gla).reason.startswith("lightning.chunk_fwd_sm100")
+    o_ref, ht_ref = reference(q, k, v, g, None, D**-0.5, None, None, monkeypatch)
+    assert_matches(o, ht, o_ref, ht_ref)
+    o, ht = cula.lightning.chunk_lightning_attn(q, k, v, layer_idx=3, num_layers=8, output_final_state=True)
+    gamma = cula.lightning.reference.lightning_g_gamma(H, 3, 8, q.device)
+    o_ref, ht_ref = reference(q, k, v, None, gamma, D**-0.5, None, None, monkeypatch)
+    assert_matches(o, ht, o_ref, ht_ref)
