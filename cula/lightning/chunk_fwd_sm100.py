@@ -85,11 +85,9 @@ entry.register_checked(
         "": {"is_varlen": True, "has_initial_state": True},
         "[fixed length]": {},
         "[pool]": {"is_varlen": True, "has_initial_state": True, "state_slots": "read_write"},
+        "[pool, read only]": {"has_initial_state": True, "state_slots": "read"},
+        "[state_v_first]": {"is_varlen": True, "has_initial_state": True, "state_v_first": True},
     },
-    # ptxas's spills at 128 registers a thread (512 threads): a few values live across each chunk's loop, stored
-    # and reloaded once per chunk, not per element (setmaxnreg could give the row roles more, but the pool it draws
-    # from is the launch's register count, which ptxas picks: an increase past it would hang)
-    sass_allowed={"": (44, 0), "[fixed length]": (16, 0), "[pool]": (50, 0)},
     archs=ARCHS,
     expected_ptx=entry.SM100_PTX,
 )

@@ -202,8 +202,14 @@ class ScalarGateChunkFwdSm100:
         self.storage = cute.struct(type("Storage", (), {"__annotations__": fields}))
         HV = v.shape[2]
         N = starts.shape[0] if cutlass.const_expr(self.cfg.is_varlen) else q.shape[0]
+        # one CTA per SM (its shared memory allows no second): said to ptxas, which otherwise may cap registers at 64
+        # to fit two and spill
         self.kernel(params).launch(
-            grid=(HV, N, 1), block=(THREADS, 1, 1), smem=self.storage.size_in_bytes(), stream=stream
+            grid=(HV, N, 1),
+            block=(THREADS, 1, 1),
+            smem=self.storage.size_in_bytes(),
+            stream=stream,
+            min_blocks_per_mp=1,
         )
 
     # ---------------------------------------------------------------- device side
@@ -301,6 +307,7 @@ class ScalarGateChunkFwdSm100:
         # every TMEM access done before the MMA warp gives the columns back
         cute.arch.barrier(barrier_id=Barrier.TMEM_FREE, number_of_threads=THREADS)
         if warp == WarpRole.MMA:
+            tmem.after_handoff()
             tmem_alloc.relinquish_alloc_permit()
             tmem_alloc.free(tmem_base)
 
@@ -330,6 +337,8 @@ class ScalarGateChunkFwdSm100:
                 smem_part, gmem_part = parts[which]
                 cute.copy(sources[which][0].atom, gmem_part[None, chunk], smem_part[None, 0], tma_bar_ptr=bar)
             pos.advance()
+        # the last release arrives before the kernel exits (no arrive left in flight on a freed barrier)
+        qkv.producer_tail(pos)
 
     @cute.jit
     def mma_warp(self, p: Params, smem: Smem, rings: Rings, acc: Accumulators, seq: Sequence):
@@ -412,7 +421,7 @@ class ScalarGateChunkFwdSm100:
         f32 = cutlass.Float32
         rows = tmem.Rows(acc.p, C, tid)
         i = rows.row()
-        frag = rows.fragment()
+        frag = tmem.fragment(rows)
         gate, qkv, scores, p_acc = rings.gate, rings.qkv, rings.scores, rings.p_acc
         gate_pos = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, GATE_SLOTS)
         consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -449,6 +458,7 @@ class ScalarGateChunkFwdSm100:
             gate_pos.advance()
             consumer.advance()
             producer.advance()
+        scores.producer_tail(producer)
 
     @cute.jit
     def state_role(self, p: Params, smem: Smem, rings: Rings, acc: Accumulators, seq: Sequence, tid):
@@ -459,14 +469,15 @@ class ScalarGateChunkFwdSm100:
         cols = tmem.COLUMNS_PER_COPY
         rows = tmem.Rows(acc.s, D, tid)
         v_row = rows.row()
-        frag = rows.fragment()
+        # initialments made where they are used: one live across the chunk loop is kept in local memory
         for blk in cutlass.range_constexpr(D // cols):
+            initial = tmem.fragment(rows)
             for e in cutlass.range_constexpr(cols):
                 if cutlass.const_expr(self.cfg.has_initial_state):
-                    frag[e] = p.h0[seq.h0_row, seq.hv, blk * cols + e, v_row]
+                    initial[e] = p.h0[seq.h0_row, seq.hv, blk * cols + e, v_row]
                 else:
-                    frag[e] = f32(0.0)
-            tmem.write(rows, blk, frag)
+                    initial[e] = f32(0.0)
+            tmem.write(rows, blk, initial)
         tmem.stores_done()
         tmem.before_handoff()
         gate, state = rings.gate, rings.state
@@ -478,11 +489,12 @@ class ScalarGateChunkFwdSm100:
             tmem.after_handoff()
             decay = cute.math.exp2(smem.sG[C - 1, gate_pos.index], fastmath=True)
             for blk in cutlass.range_constexpr(D // cols):
-                tmem.read(rows, blk, frag)
-                tmem.store_row_bf16(smem.sS, v_row, blk * cols, frag)
+                block = tmem.fragment(rows)
+                tmem.read(rows, blk, block)
+                tmem.store_row_bf16(smem.sS, v_row, blk * cols, block)
                 for e in cutlass.range_constexpr(cols):
-                    frag[e] = frag[e] * decay
-                tmem.write(rows, blk, frag)
+                    block[e] = block[e] * decay
+                tmem.write(rows, blk, block)
             tmem.stores_done()
             tmem.before_handoff()
             cute.arch.fence_proxy("async.shared", space="cta")
@@ -493,9 +505,11 @@ class ScalarGateChunkFwdSm100:
         state.producer_acquire(producer)  # the last update done
         tmem.after_handoff()
         for blk in cutlass.range_constexpr(D // cols):
-            tmem.read(rows, blk, frag)
+            final = tmem.fragment(rows)
+            tmem.read(rows, blk, final)
             for e in cutlass.range_constexpr(cols):
-                p.ht[seq.ht_row, seq.hv, blk * cols + e, v_row] = frag[e]
+                p.ht[seq.ht_row, seq.hv, blk * cols + e, v_row] = final[e]
+        tmem.before_handoff()  # the last TMEM reads ordered before the barrier that lets the MMA warp free it
 
     @cute.jit
     def output_role(self, p: Params, rings: Rings, acc: Accumulators, seq: Sequence, tid):
@@ -504,7 +518,7 @@ class ScalarGateChunkFwdSm100:
         cols = tmem.COLUMNS_PER_COPY
         rows = tmem.Rows(acc.o, D, tid)
         i = rows.row()
-        frag = rows.fragment()
+        frag = tmem.fragment(rows)
         packed = cute.make_rmem_tensor(cute.make_layout((1, 8)), cutlass.BFloat16)
         gO = p.o[seq.b, None, seq.hv, None]
         o_acc = rings.o_acc

@@ -2,8 +2,9 @@
 accumulator, and the fences that order tcgen05 operations across the hand-offs between roles.
 
 A warp reaches only TMEM lanes 32 (warp % 4) .. + 31, so a role of one warpgroup owns all M = 128 lanes: thread
-``tid`` the accumulator's row ``tid``. It moves its row 32 columns at a time (tcgen05.ld / st 32x32b.x32: a lane's 32
-consecutive columns in 32 consecutive registers).
+``tid`` the accumulator's row ``tid``. It moves its row 16 columns at a time (tcgen05.ld / st 32x32b.x16: a lane's 16
+consecutive columns in 16 consecutive registers). With 32 at a time ptxas spilled: each copy takes 32 registers in
+one aligned run, and the state warpgroup holds a loaded and a decayed block at once.
 """
 
 from __future__ import annotations
@@ -15,34 +16,27 @@ from cutlass.experimental import primitives
 
 from cula.sm100 import mma
 
-COLUMNS_PER_COPY = 32
+COLUMNS_PER_COPY = 16
+_REPETITION = tcgen05.Repetition.x16
 
 
 class Rows:
-    """Thread ``tid``'s row of the (M x N) fp32 TMEM accumulator ``acc``, in blocks of 32 columns."""
+    """Thread ``tid``'s row of the (M x N) fp32 TMEM accumulator ``acc``, in blocks of ``COLUMNS_PER_COPY``
+    columns."""
 
     def __init__(self, acc, n: int, tid):
         f32 = cutlass.Float32
         tiler = ((cute.size(acc, mode=[0, 0]), COLUMNS_PER_COPY),)
         blocks = cute.zipped_divide(acc, tiler)
-        self.load = tcgen05.make_tmem_copy(
-            cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32), f32), blocks[None, 0]
-        )
-        self.store = tcgen05.make_tmem_copy(
-            cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition.x32), f32), blocks[None, 0]
-        )
+        self.load = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.Ld32x32bOp(_REPETITION), f32), blocks[None, 0])
+        self.store = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.St32x32bOp(_REPETITION), f32), blocks[None, 0])
         thr_load = self.load.get_slice(tid)
-        self.src = thr_load.partition_S(blocks)  # (copy, copies, N / 32)
+        self.src = thr_load.partition_S(blocks)  # (copy, copies, N / COLUMNS_PER_COPY)
         self.dst = self.store.get_slice(tid).partition_D(blocks)
         # element coordinates; a fresh tiled MMA for them, as the kernel's own are mutated (their accumulate flag) in
         # the MMA warp's branch, which the other roles' branches cannot see
         coords = mma.tiled_mma("K", "K", n).get_slice(0).partition_C(cute.make_identity_tensor((mma.M, n)))
         self.coords = thr_load.partition_D(cute.zipped_divide(coords, tiler))
-
-    def fragment(self):
-        """Registers for one block of 32 columns (shaped as the copy's register side: the TMEM side's partition has
-        TMEM's own shape)."""
-        return cute.make_rmem_tensor(self.coords[None, None, 0].shape, cutlass.Float32)
 
     def row(self):
         """This thread's row of the accumulator."""
@@ -51,14 +45,20 @@ class Rows:
 
 
 # (functions, not methods: a DSL loop would have to carry an object whose method it calls)
+def fragment(rows: Rows):
+    """Registers for one block of columns (shaped as the copy's register side: the TMEM side's partition has
+    TMEM's own shape). Made where it is used: one live across a chunk loop is kept in local memory."""
+    return cute.make_rmem_tensor(rows.coords[None, None, 0].shape, cutlass.Float32)
+
+
 def read(rows: Rows, block: int, frag):
-    """Columns ``32 block`` .. + 31 of the thread's row into ``frag``, waited."""
+    """Block ``block`` of the thread's row (columns ``COLUMNS_PER_COPY block`` ..) into ``frag``, waited."""
     cute.copy(rows.load, rows.src[None, None, block], frag)
     cute.arch.fence_view_async_tmem_load()
 
 
 def write(rows: Rows, block: int, frag):
-    """``frag`` into columns ``32 block`` .. + 31 of the thread's row (issued; :func:`stores_done` waits)."""
+    """``frag`` into block ``block`` of the thread's row (issued; :func:`stores_done` waits)."""
     cute.copy(rows.store, frag, rows.dst[None, None, block])
 
 
@@ -80,7 +80,7 @@ def after_handoff():
 
 @cute.jit
 def store_row_bf16(tile, row, col0, frag):
-    """The 32 fp32 values of ``frag`` (columns ``col0`` ..) rounded to bf16 into row ``row`` of the swizzled smem
+    """The fp32 values of ``frag`` (columns ``col0`` ..) rounded to bf16 into row ``row`` of the swizzled smem
     ``tile``, 16 bytes at a time."""
     packed = cute.make_rmem_tensor(cute.make_layout((1, 8)), cutlass.BFloat16)
     for blk in cutlass.range_constexpr(COLUMNS_PER_COPY // 8):
