@@ -576,8 +576,9 @@ def test_dispatch_by_compute_capability(monkeypatch, cc, opt_in):
 
 
 def test_the_sm100_simple_gla_kernel_says_what_it_declines(monkeypatch):
-    """On a faked B200 with the opt-in: head dims other than 128, a training call (no backward) and a fp16 call go to
-    FLA, each with the SM100 kernel's reason; a D = 128 inference call is served by it."""
+    """On a faked B200 with the opt-in: head dims other than 128, a training call FLA can serve (FLA's backward is
+    the faster) and a fp16 call go to FLA, each with the SM100 kernel's reason; a D = 128 inference call is served by
+    it, and so is a training call when FLA is not there (its state walks in chunks of 128, then PyTorch rows)."""
     FakeCuda(monkeypatch, (10, 0), sms=148, name="NVIDIA B200")
     monkeypatch.setattr(dispatch, "fla_function", lambda target: None)
     monkeypatch.setenv(dispatch.ENV_UNTESTED, "1")
@@ -591,9 +592,11 @@ def test_the_sm100_simple_gla_kernel_says_what_it_declines(monkeypatch):
     assert cula.explain(fn, **call()).reason == "lightning.chunk_fwd_sm100 on sm_100"
     cases = {
         "head dims K=64, V=64 not supported (supported: K = V in (128,))": call(D=64),
-        "inputs require grad and the kernel has no backward (forward only)": call(grad=True),
+        "inputs require grad, and FLA's backward is faster than the kernel's": call(grad=True),
         "q, k, v must be bfloat16": call(dtype=torch.float16),
     }
     for reason, args in cases.items():
         decision = cula.explain(fn, **args)
         assert decision.backend == "fla" and reason in dict(decision.rejected)["cute"], decision
+    monkeypatch.setattr(dispatch, "fla_function", lambda target: (_ for _ in ()).throw(ImportError("no fla")))
+    assert cula.explain(fn, **call(grad=True)).reason == "lightning.chunk_fwd_sm100 on sm_100"

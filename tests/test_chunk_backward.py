@@ -136,13 +136,17 @@ def test_delta_rule_backward_holds_with_bf16_operands(per_key, T, gates):
             assert err <= tol, (name, h, err)
 
 
+@pytest.mark.parametrize(
+    "variant, chunk",
+    [("gdn", 64), ("kda", 64), ("gla", 64), ("simple_gla", 64), ("gla", 128), ("simple_gla", 128)],
+)
 @pytest.mark.parametrize("batch", [None, 2], ids=["one_batch", "batches_of_one_row"])
-@pytest.mark.parametrize("variant", ["gdn", "kda", "gla", "simple_gla"])
-def test_rows_backward_gives_the_reference_gradients(variant, batch):
+def test_rows_backward_gives_the_reference_gradients(variant, chunk, batch):
     """Every variant's per-chunk gradients over chunk rows (cula.ops.chunk_backward.rows_backward: the host side of
-    the SM90 backwards after the walks), fed the plan's checkpoints in the kernels' numbering (rows no chunk takes
-    left NaN), give the fp64 reference's gradients per sequence, on a varlen batch with empty, one-token and odd
-    sequences, with GVA where the variant has it; in one batch of rows and in batches of one row (two chunk-heads)."""
+    the backwards after the walks), fed the plan's checkpoints in the kernels' numbering (rows no chunk takes left
+    NaN), give the fp64 reference's gradients per sequence, on a varlen batch with empty, one-token and odd sequences,
+    with GVA where the variant has it; in one batch of rows and in batches of one row (two chunk-heads). Chunks of 64
+    (SM90) and, without the delta rule, of 128 (the SM100 kernel's walks)."""
     torch.manual_seed(2)
     delta, per_key = variant in ("gdn", "kda"), variant in ("kda", "gla")
     Hq, HV = (1, 2) if delta else (2, 2)
@@ -156,8 +160,8 @@ def test_rows_backward_gives_the_reference_gradients(variant, batch):
     g = F.logsigmoid(torch.randn(1, T, HV, *((K,) if per_key else ()), dtype=f64) + 2.0)
     beta = torch.rand(1, T, HV, dtype=f64) if delta else None
     h0, dht = torch.randn(N, HV, K, V, dtype=f64) * 0.1, torch.randn(N, HV, K, V, dtype=f64) * 0.1
-    index, _ = chunk_backward.chunk_token_index(offsets, fixed_length=False)
-    firsts = chunk_backward.checkpoint_rows(offsets, fixed_length=False)
+    index, _ = chunk_backward.chunk_token_index(offsets, fixed_length=False, chunk=chunk)
+    firsts = chunk_backward.checkpoint_rows(offsets, fixed_length=False, chunk=chunk)
     starts = torch.full((index.shape[0], HV, V, K), float("nan"), dtype=f64)
     ends = torch.full_like(starts, float("nan"))
     for n, (s, e) in enumerate(zip(offsets[:-1], offsets[1:], strict=True)):
@@ -172,8 +176,8 @@ def test_rows_backward_gives_the_reference_gradients(variant, batch):
             walk_starts, walk_ends = plan["starts"], plan["ends"]
         else:
             gk = heads(g) if per_key else heads(g)[..., None].expand(HV, e - s, K)
-            walk_starts, _ = chunk_backward.state_walk(kh, heads(v), gk, h0[n])
-            walk_ends, _ = chunk_backward.state_gradient_walk(qh, heads(do), gk, SCALE, dht[n])
+            walk_starts, _ = chunk_backward.state_walk(kh, heads(v), gk, h0[n], chunk)
+            walk_ends, _ = chunk_backward.state_gradient_walk(qh, heads(do), gk, SCALE, dht[n], chunk)
         for c, (s_c, d_c) in enumerate(zip(walk_starts, walk_ends, strict=True)):
             starts[firsts[n] + c], ends[firsts[n] + c] = s_c.transpose(1, 2), d_c.transpose(1, 2)
     dq, dk, dv, dg, dbeta = chunk_backward.rows_backward(q, k, v, do, g, beta, starts, ends, index, SCALE, batch)
@@ -275,9 +279,11 @@ def test_gdn_sm90_backward_chains_through_the_in_kernel_options(monkeypatch, opt
 
 
 @pytest.mark.parametrize("fixed_length", [True, False])
-def test_chunk_rows_hold_every_token_once_in_order(fixed_length):
+@pytest.mark.parametrize("chunk", [64, 128])
+def test_chunk_rows_hold_every_token_once_in_order(fixed_length, chunk):
     """The chunk rows of the backward's per-chunk passes: every token exactly once, each row a run of consecutive
-    tokens from a chunk's start, at the row the state walks number that chunk with, padding after."""
+    tokens from a chunk's start, at the row the state walks number that chunk with, padding after; for the SM90
+    kernels' chunks of 64 and the SM100 kernel's 128."""
     import random
 
     random.seed(fixed_length)
@@ -292,14 +298,15 @@ def test_chunk_rows_hold_every_token_once_in_order(fixed_length):
             if offsets[-1] == 0:
                 continue
         n_tokens = offsets[-1]
-        index, rows = chunk_backward.chunk_token_index(offsets, fixed_length)
+        index, rows = chunk_backward.chunk_token_index(offsets, fixed_length, chunk=chunk)
+        assert index.shape[1] == chunk
         real = index[index < n_tokens]
         assert torch.equal(real.sort().values, torch.arange(n_tokens))
-        firsts = chunk_backward.checkpoint_rows(offsets, fixed_length)
+        firsts = chunk_backward.checkpoint_rows(offsets, fixed_length, chunk)
         for first, s, e in zip(firsts, offsets[:-1], offsets[1:], strict=True):
-            for c in range(-(-(e - s) // 64)):
+            for c in range(-(-(e - s) // chunk)):
                 row = index[first + c]
-                valid = min(64, e - s - 64 * c)
-                assert torch.equal(row[:valid], torch.arange(s + 64 * c, s + 64 * c + valid))
+                valid = min(chunk, e - s - chunk * c)
+                assert torch.equal(row[:valid], torch.arange(s + chunk * c, s + chunk * c + valid))
                 assert bool((row[valid:] == n_tokens).all())
         assert rows <= index.shape[0]

@@ -98,6 +98,21 @@ def test_sm100_scalar_gate_tiling_takes_steep_and_infinite_gates():
     assert rel_rmse(o, o_ref) <= 0.005 and rel_rmse(ht, ht_ref) <= 0.005
 
 
+@pytest.mark.parametrize("chunk", [64, 128])
+def test_the_delta_rule_in_chunks_of_128_needs_split_values(chunk):
+    """The SM100 plan for the delta rule (GDN, KDA): chunks of 128 tokens with Y and V_new as bf16 hi + lo operands
+    stay within 0.005 in the hardest case (no decay, beta = 1, T = 1000), where single bf16 operands reach it at
+    C = 128 (measured 0.0050) and not at C = 64 (0.0045)."""
+    q, k, v, g, beta, h0 = inputs(1000, True)
+    g, beta = torch.full_like(g, -1e-3), torch.ones_like(beta)
+    scale = D**-0.5
+    o_ref, ht_ref = fp64_reference(q, k, v, g, beta, h0, True, scale)
+    o, ht = emu.scalar_gate_forward(q, k, v, g, beta, scale, h0, True, chunk=chunk, split_values=True)
+    assert rel_rmse(o, o_ref) <= 0.004 and rel_rmse(ht, ht_ref) <= 0.004
+    o_single, _ = emu.scalar_gate_forward(q, k, v, g, beta, scale, h0, True, chunk=chunk)
+    assert rel_rmse(o_single, o_ref) > rel_rmse(o, o_ref)
+
+
 def exact_scores(x, k, G):
     """sum_k x_ik k_jk 2^(G_ik - G_jk) for j <= i, in fp64."""
     diff = G.double()[:, None, :] - G.double()[None, :, :]

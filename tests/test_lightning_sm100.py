@@ -78,3 +78,61 @@ def test_public_entry_points_with_the_opt_in(monkeypatch):
     gamma = cula.lightning.reference.lightning_g_gamma(H, 3, 8, q.device)
     o_ref, ht_ref = reference(q, k, v, None, gamma, D**-0.5, None, None, monkeypatch)
     assert_matches(o, ht, o_ref, ht_ref)
+
+
+@pytest.mark.parametrize("walk", ["states", "state_grads"])
+def test_state_walks_store_the_plans_checkpoints(walk):
+    """The SM100 kernel's state walks (chunks of 128): each checkpoint and the final state within bf16 rounding of
+    the plan's, per sequence, on a varlen batch with empty, one-token and odd sequences and a start state."""
+    import torch.nn.functional as F
+    from delta_rule_recurrence import offsets_of, rel_rmse
+
+    from cula.lightning.chunk_fwd_sm100 import CHUNK, SIMPLE_GLA_SM100
+    from cula.ops import chunk_backward
+    from cula.sm90.walks import state_walk
+
+    torch.manual_seed(0)
+    lengths = [0, 1, 130, 128, 777]
+    offsets = offsets_of(lengths)
+    T, H, N, D = offsets[-1], 2, len(lengths), 128
+    x = torch.randn(1, T, H, D, device="cuda").bfloat16()
+    y = torch.randn(1, T, H, D, device="cuda").bfloat16()
+    gate = F.logsigmoid(torch.randn(1, T, H, device="cuda") + 3.0)
+    start = torch.randn(N, H, D, D, device="cuda") * 0.1
+    cu = torch.tensor(offsets, dtype=torch.int32, device="cuda")
+    _, rows = chunk_backward.chunk_token_index(offsets, False, chunk=CHUNK)
+    scale = 0.3
+    got, final = state_walk(SIMPLE_GLA_SM100, walk, x, x, y, gate, gate, scale, start, cu, rows, False)
+    torch.cuda.synchronize()
+    firsts = chunk_backward.checkpoint_rows(offsets, False, CHUNK)
+    for n, (s, e) in enumerate(zip(offsets[:-1], offsets[1:], strict=True)):
+        heads = lambda t, s=s, e=e: t[0, s:e].transpose(0, 1).double()  # noqa: E731
+        gk = heads(gate)[..., None].expand(H, e - s, D)
+        if walk == "states":
+            want, want_final = chunk_backward.state_walk(heads(x), heads(y), gk, start[n].double(), CHUNK)
+        else:
+            want, want_final = chunk_backward.state_gradient_walk(
+                heads(x), heads(y), gk, scale, start[n].double(), CHUNK
+            )
+        for c, ref in enumerate(want):
+            err = rel_rmse(got[firsts[n] + c].transpose(-1, -2), ref)
+            assert err <= 0.005, (n, c, err)
+        assert rel_rmse(final[n], want_final) <= 0.005, n
+
+
+@pytest.mark.parametrize("lengths", [None, [0, 1, 130, 128, 777]], ids=["fixed", "varlen"])
+def test_simple_gla_gradients(monkeypatch, lengths):
+    """Every gradient through the SM100 backward (its walks, then PyTorch rows; FLA made unavailable so that the
+    kernel serves the training call) against the fp64 reference's autograd, per sequence and over the call."""
+    from delta_rule_recurrence import check_gradients, offsets_of
+    from test_lightning_sm90_backward import simple_gla_inputs
+
+    from cula import dispatch
+
+    monkeypatch.setattr(dispatch, "fla_function", lambda target: (_ for _ in ()).throw(ImportError("no fla")))
+    if lengths is None:
+        inputs, extra = simple_gla_inputs(2, 1000, 2, 128, "both", True), {}
+    else:
+        inputs = simple_gla_inputs(1, sum(lengths), 2, 128, "g", True, N=len(lengths))
+        extra = {"cu_seqlens": torch.tensor(offsets_of(lengths), device="cuda")}
+    check_gradients(cula.lightning.chunk_simple_gla, inputs, extra, monkeypatch, lengths)

@@ -214,8 +214,9 @@ def _sm90_run(args: dict[str, Any]):
     )  # fmt: skip
 
 
-def _sm90_backward(args: dict[str, Any], residuals: list, grad_o, grad_final_state) -> dict[str, torch.Tensor]:
-    """Gradients of every floating tensor argument present (:mod:`cula.lightning.chunk_bwd_sm90`)."""
+def _backward(args: dict[str, Any], grad_o, grad_final_state, walks_of) -> dict[str, torch.Tensor]:
+    """Gradients of every floating tensor argument present (:mod:`cula.lightning.chunk_bwd_sm90`), the state walks
+    by the chunk kernel ``walks_of``."""
     from cula.lightning.chunk_bwd_sm90 import chunk_simple_gla_bwd_sm90
     from cula.lightning.chunk_fwd_sm90 import token_gate
 
@@ -223,7 +224,7 @@ def _sm90_backward(args: dict[str, Any], residuals: list, grad_o, grad_final_sta
     q, k, v = args["q"], args["k"], args["v"]
     dq, dk, dv, dgate, dh0 = chunk_simple_gla_bwd_sm90(
         q, k, v, token_gate(g, g_gamma, v), grad_o, args["scale"], args["initial_state"], grad_final_state,
-        args["cu_seqlens"], args.get("cu_seqlens_cpu"), args.get("state_v_first", False),
+        args["cu_seqlens"], args.get("cu_seqlens_cpu"), args.get("state_v_first", False), walks_of,
     )  # fmt: skip
     grads = {"q": dq, "k": dk, "v": dv}
     if args.get("g") is not None:
@@ -234,6 +235,18 @@ def _sm90_backward(args: dict[str, Any], residuals: list, grad_o, grad_final_sta
     if args["initial_state"] is not None:
         grads["initial_state"] = dh0
     return grads
+
+
+def _sm90_backward(args: dict[str, Any], residuals: list, grad_o, grad_final_state) -> dict[str, torch.Tensor]:
+    from cula.lightning.chunk_fwd_sm90 import SIMPLE_GLA_SM90
+
+    return _backward(args, grad_o, grad_final_state, SIMPLE_GLA_SM90)
+
+
+def _sm100_backward(args: dict[str, Any], residuals: list, grad_o, grad_final_state) -> dict[str, torch.Tensor]:
+    from cula.lightning.chunk_fwd_sm100 import SIMPLE_GLA_SM100
+
+    return _backward(args, grad_o, grad_final_state, SIMPLE_GLA_SM100)
 
 
 # its GPU tests passed on an H100 (tests/test_lightning_sm90_backward.py), but its per-chunk gradients are PyTorch
@@ -267,8 +280,16 @@ def _sm100_run(args: dict[str, Any]):
 
 for _op in (CHUNK_SIMPLE_GLA, CHUNK_LIGHTNING):
     _op.register_kernel(CuteKernel("lightning.chunk_fwd_sm90", 9, _sm90_supports, _sm90_run, backward=SM90_BACKWARD))
-    # compiled for sm_100a / sm_103a only: no Blackwell GPU has run it
-    _op.register_kernel(CuteKernel("lightning.chunk_fwd_sm100", 10, _sm100_supports, _sm100_run, hardware_tested=False))
+    # compiled for sm_100a / sm_103a only: no Blackwell GPU has run it or its backward (the SM100 kernel's state walks
+    # in chunks of 128, then the per-chunk gradients in PyTorch, as on SM90)
+    sm100_backward = BackwardKernel(
+        recomputing(_sm100_run), lambda args: [], _sm100_backward, hardware_tested=False, beats_fla=False
+    )
+    _op.register_kernel(
+        CuteKernel(
+            "lightning.chunk_fwd_sm100", 10, _sm100_supports, _sm100_run, backward=sm100_backward, hardware_tested=False
+        )
+    )
 
 
 def _recurrent_gates(args: dict[str, Any]):

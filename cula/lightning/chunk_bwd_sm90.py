@@ -64,17 +64,21 @@ def chunk_gradients_sm90(q, k, v, do, gate, S, dS, index, scale, is_varlen):
     return dq, dk, dv, torch.where(gate < GATE_FLOOR, 0.0, dgate)  # gates below the floor take no gradient
 
 
-def chunk_simple_gla_bwd_sm90(q, k, v, gate, do, scale, initial_state, dht, cu_seqlens, cu_seqlens_cpu, state_v_first):
+def chunk_simple_gla_bwd_sm90(
+    q, k, v, gate, do, scale, initial_state, dht, cu_seqlens, cu_seqlens_cpu, state_v_first, kernel=SIMPLE_GLA_SM90
+):
     """Gradients of simple GLA's chunked forward with the kernel's fp32 token gate ``gate``: ``(dq, dk, dv, dgate
-    fp32 [B, T, H], dh0 or None)``; ``dht`` the gradient into the final state, or None."""
+    fp32 [B, T, H], dh0 or None)``; ``dht`` the gradient into the final state, or None. ``kernel``: whose walks
+    (SM90's, or SM100's :data:`cula.lightning.chunk_fwd_sm100.SIMPLE_GLA_SM100`, chunks of 128); the per-chunk
+    kernel of passes 3 and 4 is SM90's only."""
     D = q.shape[3]
     scale = D**-0.5 if scale is None else scale
     q, k, v, do = (x.contiguous() for x in (q, k, v, do))
     # beta's slot carries the gate (never read without the delta rule)
     w = walks.both_walks(
-        SIMPLE_GLA_SM90, q, k, v, do, gate, gate, scale, initial_state, dht, cu_seqlens, cu_seqlens_cpu, state_v_first
+        kernel, q, k, v, do, gate, gate, scale, initial_state, dht, cu_seqlens, cu_seqlens_cpu, state_v_first
     )
-    if os.environ.get(ENV_GRADIENT_KERNEL, "0") == "1":
+    if os.environ.get(ENV_GRADIENT_KERNEL, "0") == "1" and kernel is SIMPLE_GLA_SM90:
         dq, dk, dv, dgate = chunk_gradients_sm90(
             q, k, v, do, gate, w.starts, w.ends, w.index, scale, cu_seqlens is not None
         )

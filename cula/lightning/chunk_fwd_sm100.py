@@ -14,7 +14,7 @@ from cula import runtime
 from cula.lightning.chunk_fwd_sm90 import token_gate
 from cula.sm90 import entry
 from cula.sm90.chunk_fwd import ChunkFwdConfig
-from cula.sm100.scalar_chunk_fwd import HEAD_DIM, ScalarGateChunkFwdSm100
+from cula.sm100.scalar_chunk_fwd import CHUNK, HEAD_DIM, ScalarGateChunkFwdSm100
 
 ARCHS = ("sm_100a", "sm_103a")
 
@@ -37,7 +37,7 @@ def compile_simple_gla_fwd_sm100(arch="sm_100a", *, state_v_first=False, keep_ar
     """The kernel for ``config`` (:class:`cula.sm90.chunk_fwd.ChunkFwdConfig` fields; ``delta_rule`` is False),
     compiled on any machine for ``arch``."""
     cfg = ChunkFwdConfig(**{**config, "delta_rule": False})
-    fake = entry.fake_args(cfg.head_dim, True, state_v_first, per_key_gate=False)
+    fake = entry.fake_args(cfg.head_dim, True, state_v_first, per_key_gate=False, checkpoints=cfg.walk != "output")
     return runtime.compile_kernel(ScalarGateChunkFwdSm100(cfg), fake, arch, keep_artifacts)
 
 
@@ -47,6 +47,7 @@ SIMPLE_GLA_SM100 = entry.ChunkKernel(
         arch, state_v_first=state_v_first, **config.__dict__
     ),
     delta_rule=False,
+    chunk=CHUNK,
 )
 
 
@@ -87,6 +88,9 @@ entry.register_checked(
         "[pool]": {"is_varlen": True, "has_initial_state": True, "state_slots": "read_write"},
         "[pool, read only]": {"has_initial_state": True, "state_slots": "read"},
         "[state_v_first]": {"is_varlen": True, "has_initial_state": True, "state_v_first": True},
+        "[states walk]": {"is_varlen": True, "has_initial_state": True, "walk": "states"},
+        "[state-gradient walk]": {"is_varlen": True, "has_initial_state": True, "walk": "state_grads"},
+        "[state-gradient walk, fixed length]": {"walk": "state_grads"},
     },
     archs=ARCHS,
     expected_ptx=entry.SM100_PTX,

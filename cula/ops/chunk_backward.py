@@ -61,31 +61,32 @@ def _pair_factors(G: torch.Tensor, strict: bool) -> torch.Tensor:
     return torch.where(mask, torch.exp(torch.where(mask, diff, 0.0)), 0.0)
 
 
-def state_walk(k, v, g, h0=None) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Pass 1: ``(the state at each chunk's start, the final state)`` (``g`` [H, T, K] floored)."""
+def state_walk(k, v, g, h0=None, chunk: int = CHUNK) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Pass 1: ``(the state at each chunk's start, the final state)`` (``g`` [H, T, K] floored; chunks of
+    ``chunk`` tokens: 128 for the SM100 kernel's walks)."""
     H, T, K = k.shape
     S = k.new_zeros(H, K, v.shape[-1], dtype=torch.float32) if h0 is None else h0.float().clone()
     starts = []
-    for c0 in range(0, T, CHUNK):
+    for c0 in range(0, T, chunk):
         starts.append(S)
-        G, G_L = _chunk_gates(g, c0, min(c0 + CHUNK, T))
-        gated_k = bf16(k[:, c0 : c0 + CHUNK] * torch.exp(G_L - G))
-        S = torch.exp(G_L).transpose(1, 2) * S + gated_k.transpose(1, 2) @ bf16(v[:, c0 : c0 + CHUNK])
+        G, G_L = _chunk_gates(g, c0, min(c0 + chunk, T))
+        gated_k = bf16(k[:, c0 : c0 + chunk] * torch.exp(G_L - G))
+        S = torch.exp(G_L).transpose(1, 2) * S + gated_k.transpose(1, 2) @ bf16(v[:, c0 : c0 + chunk])
     return starts, S
 
 
-def state_gradient_walk(q, do, g, scale, dht=None) -> tuple[list[torch.Tensor], torch.Tensor]:
+def state_gradient_walk(q, do, g, scale, dht=None, chunk: int = CHUNK) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Pass 2: ``(the gradient of the state at each chunk's end, dh0)``."""
     H, T, K = q.shape
     dS = q.new_zeros(H, K, do.shape[-1], dtype=torch.float32) if dht is None else dht.float().clone()
-    n_chunks = -(-T // CHUNK)
+    n_chunks = -(-T // chunk)
     ends = [None] * n_chunks
     for c in reversed(range(n_chunks)):
-        c0 = c * CHUNK
+        c0 = c * chunk
         ends[c] = dS
-        G, G_L = _chunk_gates(g, c0, min(c0 + CHUNK, T))
-        gated_q = bf16(scale * q[:, c0 : c0 + CHUNK] * torch.exp(G))
-        dS = torch.exp(G_L).transpose(1, 2) * dS + gated_q.transpose(1, 2) @ bf16(do[:, c0 : c0 + CHUNK])
+        G, G_L = _chunk_gates(g, c0, min(c0 + chunk, T))
+        gated_q = bf16(scale * q[:, c0 : c0 + chunk] * torch.exp(G))
+        dS = torch.exp(G_L).transpose(1, 2) * dS + gated_q.transpose(1, 2) @ bf16(do[:, c0 : c0 + chunk])
     return ends, dS
 
 
@@ -131,31 +132,34 @@ def gated_backward(q, k, v, g, do, scale, h0=None, dht=None) -> dict[str, torch.
     return out
 
 
-def checkpoint_rows(offsets: list[int], fixed_length: bool) -> list[int]:
+def checkpoint_rows(offsets: list[int], fixed_length: bool, chunk: int = CHUNK) -> list[int]:
     """The first checkpoint row of each sequence (``offsets`` its token offsets in the flattened batch), as the
-    state walks number them (:func:`cula.sm90.sequence.checkpoint_row`): ``n ceil(T / C)`` for fixed-length
-    batch rows, ``offsets[n] // C + n`` for varlen sequences (distinct rows, within ``T // C + N``)."""
+    state walks number them (:func:`cula.sm90.sequence.checkpoint_row`) with chunks of C = ``chunk``:
+    ``n ceil(T / C)`` for fixed-length batch rows, ``offsets[n] // C + n`` for varlen sequences (distinct rows,
+    within ``T // C + N``)."""
     if fixed_length:
-        per_row = -(-(offsets[1] - offsets[0]) // CHUNK)
+        per_row = -(-(offsets[1] - offsets[0]) // chunk)
         return [n * per_row for n in range(len(offsets) - 1)]
-    return [o // CHUNK + n for n, o in enumerate(offsets[:-1])]
+    return [o // chunk + n for n, o in enumerate(offsets[:-1])]
 
 
-def chunk_token_index(offsets: list[int], fixed_length: bool, device=None) -> tuple[torch.Tensor, int]:
-    """``(index [rows, C], rows)``: the flattened token of each place of each checkpoint row, or the number of tokens
-    (a zero row appended to the gathered tensors) past a sequence's end and in rows no chunk takes. Made without a
-    loop over chunks: the host cost of a call with thousands of them."""
+def chunk_token_index(
+    offsets: list[int], fixed_length: bool, device=None, chunk: int = CHUNK
+) -> tuple[torch.Tensor, int]:
+    """``(index [rows, C], rows)`` with C = ``chunk``: the flattened token of each place of each checkpoint row, or
+    the number of tokens (a zero row appended to the gathered tensors) past a sequence's end and in rows no chunk
+    takes. Made without a loop over chunks: the host cost of a call with thousands of them."""
     n_tokens = offsets[-1]
     bounds = torch.tensor(offsets, dtype=torch.long)
     lengths = bounds[1:] - bounds[:-1]
-    chunks = (lengths + CHUNK - 1) // CHUNK
-    firsts = torch.tensor(checkpoint_rows(offsets, fixed_length), dtype=torch.long)
+    chunks = (lengths + chunk - 1) // chunk
+    firsts = torch.tensor(checkpoint_rows(offsets, fixed_length, chunk), dtype=torch.long)
     rows = int((firsts[-1] + chunks[-1]).item()) if len(firsts) else 0
-    index = torch.full((max(rows, 1), CHUNK), n_tokens, dtype=torch.long)
+    index = torch.full((max(rows, 1), chunk), n_tokens, dtype=torch.long)
     sequence = torch.repeat_interleave(torch.arange(len(chunks)), chunks)  # each chunk's sequence
-    chunk = torch.arange(len(sequence)) - torch.repeat_interleave(torch.cumsum(chunks, 0) - chunks, chunks)
-    tokens = bounds[sequence, None] + chunk[:, None] * CHUNK + torch.arange(CHUNK)  # [chunks, C]
-    index[firsts[sequence] + chunk] = torch.where(tokens < bounds[sequence + 1, None], tokens, n_tokens)
+    place = torch.arange(len(sequence)) - torch.repeat_interleave(torch.cumsum(chunks, 0) - chunks, chunks)
+    tokens = bounds[sequence, None] + place[:, None] * chunk + torch.arange(chunk)  # [chunks, C]
+    index[firsts[sequence] + place] = torch.where(tokens < bounds[sequence + 1, None], tokens, n_tokens)
     return index.to(device), rows
 
 

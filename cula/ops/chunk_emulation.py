@@ -47,6 +47,7 @@ def scalar_gate_forward(
     gate_floor: float | None = GATE_FLOOR,
     chunk: int = CHUNK,
     gated_operands: bool = False,
+    split_values: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The scalar-gate kernel on one sequence: ``(o [H, T, V] fp32, final state [H, K, V] fp32)``.
 
@@ -56,7 +57,8 @@ def scalar_gate_forward(
     P V_new; S <- 2^G_last S + K^T (V_new 2^(G_last - G)). Without the delta rule V_new = V. ``gate_floor`` None
     leaves the gates as given (-inf then gives NaN: the reason for the floor). ``chunk``: the kernel's chunk size.
     ``gated_operands`` (no delta rule): the factors ride in bf16 operands instead, O = bf16(scale 2^G Q) S + P V and
-    S <- 2^G_last S + bf16(2^(G_last - G) K)^T V."""
+    S <- 2^G_last S + bf16(2^(G_last - G) K)^T V. ``split_values`` (delta rule): Y and V_new enter their products
+    as bf16 hi + lo pairs (:func:`split`), as KDA's kernel takes them."""
     H, T, K = q.shape
     V = v.shape[-1]
     q, k, v = bf16(q), bf16(k), bf16(v)
@@ -82,8 +84,8 @@ def scalar_gate_forward(
             A = torch.where(strict, b[:, :, None] * (kc @ kc.transpose(1, 2)) * decay, 0.0)
             eye = torch.eye(L, dtype=torch.float32, device=q.device)
             Tinv = bf16(torch.linalg.solve_triangular(eye + A, eye.expand(H, L, L), upper=False))
-            Y = bf16(b[..., None] * (vc - fac_start * (kc @ S_op)))
-            v_new = Tinv @ Y
+            Y = b[..., None] * (vc - fac_start * (kc @ S_op))
+            v_new = Tinv @ (split(Y) if split_values else bf16(Y))
         else:
             v_new = vc
         G_last = G[:, -1:]
@@ -92,9 +94,17 @@ def scalar_gate_forward(
             o[:, c0:c1] = bf16(scale * fac_start * qc) @ S_op + P @ v_new
             S = torch.exp2(G_last)[..., None] * S + bf16(kc * fac_end).transpose(1, 2) @ v_new
             continue
-        o[:, c0:c1] = scale * fac_start * (qc @ S_op) + P @ bf16(v_new)
-        S = torch.exp2(G_last)[..., None] * S + kc.transpose(1, 2) @ bf16(v_new * fac_end)
+        operand = split if split_values else bf16
+        o[:, c0:c1] = scale * fac_start * (qc @ S_op) + P @ operand(v_new)
+        S = torch.exp2(G_last)[..., None] * S + kc.transpose(1, 2) @ operand(v_new * fac_end)
     return o, S
+
+
+def split(x: torch.Tensor) -> torch.Tensor:
+    """An fp32 operand as two bf16 operands hi = bf16(x), lo = bf16(x - hi) summed by the product: about 16 mantissa
+    bits instead of 8."""
+    hi = bf16(x)
+    return hi + bf16(x - hi)
 
 
 def halves_scores(x: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> torch.Tensor:

@@ -30,11 +30,16 @@ P~, Q~ and K~ are done), ``state`` (state warpgroup -> MMA, released when S^T's 
 acquires it again before the next chunk and once more for the final state), ``o_acc`` (MMA -> output), ``gate``
 (gate warp -> scores and state).
 
+The backward's state walks (``ChunkFwdConfig.walk``, :mod:`cula.sm90.walks`): no P, no output; the state warpgroup
+stores a bf16 checkpoint of S^T per chunk to ``w`` before the chunk's update, and the scores warpgroup scales only
+the key tile: "states" walks (k, v) with K~ = 2^(G_last - G) k, "state_grads" walks the chunks from the last on
+(q, dO) with s 2^G q in the key place.
+
 Shapes and launch arguments as the SM90 family's (:mod:`cula.sm90.chunk_fwd`): q, k [B, T, H, D]; v, o [B, T, HV,
 D] bf16; g [B, T, HV] fp32 natural-log gate per token (simple GLA's g plus g_gamma); states [N, HV, K, V] fp32 (a
-transposed view for ``state_v_first``); varlen int32 ``starts`` / ``ends``; a state pool's ``slots``. D = 128.
-Configurations: :class:`cula.sm90.chunk_fwd.ChunkFwdConfig` with ``delta_rule=False``, ``mode="full"``,
-``walk="output"``.
+transposed view for ``state_v_first``); varlen int32 ``starts`` / ``ends``; the walks' checkpoints ``w`` [rows, HV,
+V, K] bf16 (row :func:`cula.sm90.sequence.checkpoint_row` with C = 128); a state pool's ``slots``. D = 128.
+Configurations: :class:`cula.sm90.chunk_fwd.ChunkFwdConfig` with ``delta_rule=False`` and ``mode="full"``.
 """
 
 from __future__ import annotations
@@ -83,6 +88,7 @@ class Params(NamedTuple):
     starts: cute.Tensor
     ends: cute.Tensor
     slots: cute.Tensor
+    w: cute.Tensor  # the walks' checkpoints (a dummy in the forward)
     H: cutlass.Int32
     T: cutlass.Int32
     scale: cutlass.Float32
@@ -119,6 +125,7 @@ class Accumulators(NamedTuple):
 
 
 class Sequence(NamedTuple):
+    n: cutlass.Int32  # sequence (row of the grid)
     b: cutlass.Int32
     tok0: cutlass.Int32
     seqlen: cutlass.Int32
@@ -160,15 +167,25 @@ class ScalarGateChunkFwdSm100:
 
     def __init__(self, config: ChunkFwdConfig):
         assert config.head_dim == HEAD_DIM and not config.delta_rule, config
-        assert config.mode == "full" and config.intra == "none" and config.walk == "output", config
+        assert config.mode == "full" and config.intra == "none", config
         self.cfg = config
         self.C = CHUNK
         self.D = config.head_dim
+        # the tiles of the q | k | v stage each chunk loads: a walk reads no q (its key place is k, or q itself)
+        self.loaded_tiles = (0, 1, 2) if config.make_o else (1, 2)
+
+    @cute.jit
+    def position(self, chunk, seq: Sequence):
+        """The place in its sequence of a role's ``chunk``-th chunk: the same, or from the end in the reverse walk."""
+        pos = chunk
+        if cutlass.const_expr(self.cfg.reverse):
+            pos = seq.n_chunks - 1 - chunk
+        return pos
 
     # ---------------------------------------------------------------- host side
     @cute.jit
     def __call__(self, q, k, v, g, beta, o, h0, ht, starts, ends, w, slots, scale, stream):
-        """The launch (arguments as the SM90 family's; ``beta`` and ``w`` are never read)."""
+        """The launch (arguments as the SM90 family's; ``beta`` is never read, ``w`` only by the walks)."""
         C, D = self.C, self.D
         tile_qkv, tile_qkv_mn = mma.token_tiles(C, D, 3, 1)
         tile_p, _ = mma.token_tiles(C, C)
@@ -180,7 +197,7 @@ class ScalarGateChunkFwdSm100:
         tma_v = Tma(*cpasync.make_tiled_tma_atom(load, tiles.tma_view(v), one_tile, (C, D)))
         params = Params(
             mma.tiled_mma("K", "K", C), mma.tiled_mma("K", "K", D), mma.tiled_mma("K", "MN", D), mma.tiled_mma("MN", "MN", D),
-            tma_q, tma_k, tma_v, g, o, h0, ht, starts, ends, slots, q.shape[2], q.shape[1], scale,
+            tma_q, tma_k, tma_v, g, o, h0, ht, starts, ends, slots, w, q.shape[2], q.shape[1], scale,
             tile_qkv, tile_qkv_mn, tile_p, tile_s,
         )  # fmt: skip
         f32, bf16 = cutlass.Float32, cutlass.BFloat16
@@ -220,7 +237,7 @@ class ScalarGateChunkFwdSm100:
         warpgroup = CooperativeGroup(Agent.Thread, WARPGROUP)
         return Rings(
             pipeline.PipelineTmaUmma.create(
-                num_stages=1, producer_group=one, consumer_group=one, tx_count=3 * C * D * 2,
+                num_stages=1, producer_group=one, consumer_group=one, tx_count=len(self.loaded_tiles) * C * D * 2,
                 barrier_storage=st.ring_qkv.data_ptr(), defer_sync=True,
             ),
             pipeline.PipelineUmmaAsync.create(
@@ -261,7 +278,7 @@ class ScalarGateChunkFwdSm100:
             h0_row = p.slots[n]
             if cutlass.const_expr(cfg.state_slots == "read_write"):
                 ht_row = h0_row
-        seq = Sequence(b, tok0, seqlen, n_chunks, hv, hv // (HV // p.H), h0_row, ht_row)
+        seq = Sequence(n, b, tok0, seqlen, n_chunks, hv, hv // (HV // p.H), h0_row, ht_row)
 
         st = cutlass.utils.SmemAllocator().allocate(self.storage)
         sQKV = st.sQKV.get_tensor(p.tile_qkv.outer, swizzle=p.tile_qkv.inner)
@@ -298,7 +315,8 @@ class ScalarGateChunkFwdSm100:
         elif warp == WarpRole.GATE:
             self.gate_warp(p, smem, rings, seq)
         elif warp >= WarpRole.OUTPUT:
-            self.output_role(p, rings, acc, seq, wg_tid)
+            if cutlass.const_expr(cfg.make_o):
+                self.output_role(p, rings, acc, seq, wg_tid)
         elif warp >= WarpRole.STATE:
             self.state_role(p, smem, rings, acc, seq, wg_tid)
         elif warp >= WarpRole.SCORES:
@@ -333,9 +351,10 @@ class ScalarGateChunkFwdSm100:
         for chunk in cutlass.range(seq.n_chunks, unroll=1):
             qkv.producer_acquire(pos)
             bar = qkv.producer_get_barrier(pos)
-            for which in cutlass.range_constexpr(3):
+            pos_c = self.position(chunk, seq)
+            for which in self.loaded_tiles:
                 smem_part, gmem_part = parts[which]
-                cute.copy(sources[which][0].atom, gmem_part[None, chunk], smem_part[None, 0], tma_bar_ptr=bar)
+                cute.copy(sources[which][0].atom, gmem_part[None, pos_c], smem_part[None, 0], tma_bar_ptr=bar)
             pos.advance()
         # the last release arrives before the kernel exits (no arrive left in flight on a freed barrier)
         qkv.producer_tail(pos)
@@ -351,22 +370,25 @@ class ScalarGateChunkFwdSm100:
         producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         for _chunk in cutlass.range(seq.n_chunks, unroll=1):
             qkv.consumer_wait(consumer)
-            p_acc.producer_acquire(producer)
-            tmem.after_handoff()
-            # the operands' descriptors made where they are used: all of them live at once would not fit this
-            # warp's registers
-            q_op, k_op = mma.operands(p.mma_qk, sQ, sK)
-            mma.gemm(p.mma_qk, acc.p, q_op, k_op, True)
-            p_acc.producer_commit(producer)
+            if cutlass.const_expr(self.cfg.make_o):
+                p_acc.producer_acquire(producer)
+                tmem.after_handoff()
+                # the operands' descriptors made where they are used: all of them live at once would not fit this
+                # warp's registers
+                q_op, k_op = mma.operands(p.mma_qk, sQ, sK)
+                mma.gemm(p.mma_qk, acc.p, q_op, k_op, True)
+                p_acc.producer_commit(producer)
             scores.consumer_wait(consumer)
             state.consumer_wait(consumer)
-            o_acc.producer_acquire(producer)
+            if cutlass.const_expr(self.cfg.make_o):
+                o_acc.producer_acquire(producer)
             tmem.after_handoff()
-            qs_a, qs_b = mma.operands(p.mma_qs, sQ, smem.sS)
-            mma.gemm(p.mma_qs, acc.o, qs_a, qs_b, True)
-            pv_a, pv_b = mma.operands(p.mma_pv, smem.sP, sV_mn)
-            mma.gemm(p.mma_pv, acc.o, pv_a, pv_b, False)
-            o_acc.producer_commit(producer)
+            if cutlass.const_expr(self.cfg.make_o):
+                qs_a, qs_b = mma.operands(p.mma_qs, sQ, smem.sS)
+                mma.gemm(p.mma_qs, acc.o, qs_a, qs_b, True)
+                pv_a, pv_b = mma.operands(p.mma_pv, smem.sP, sV_mn)
+                mma.gemm(p.mma_pv, acc.o, pv_a, pv_b, False)
+                o_acc.producer_commit(producer)
             vk_a, vk_b = mma.operands(p.mma_state, sV_mn, sK_mn)
             mma.gemm(p.mma_state, acc.s, vk_a, vk_b, False)
             state.consumer_release(consumer)
@@ -389,7 +411,7 @@ class ScalarGateChunkFwdSm100:
         raw = cute.make_rmem_tensor(cute.make_layout(C // 32), f32)
         G = cute.make_rmem_tensor(cute.make_layout(C // 32), f32)
         for chunk in cutlass.range(seq.n_chunks, unroll=1):
-            t0 = chunk * C + lane
+            t0 = self.position(chunk, seq) * C + lane
             for m in cutlass.range_constexpr(C // 32):
                 # clamped into the sequence instead of branching, so the loads stay in flight
                 raw[m] = gG[seq.tok0 + cutlass.min(t0 + 32 * m, seq.seqlen - 1)]
@@ -416,7 +438,8 @@ class ScalarGateChunkFwdSm100:
     def scores_role(self, p: Params, smem: Smem, rings: Rings, acc: Accumulators, seq: Sequence, tid):
         """Thread ``tid`` owns token row i: P~_ij = s P_ij 2^(G_i - G_j) where j <= i and j is in the sequence, else
         0 (selects); then q_i and k_i scaled in place, k_i zeroed past the sequence end, as v_i in a varlen call
-        (there the rows hold the next sequence's tokens)."""
+        (there the rows hold the next sequence's tokens). A walk makes no P~ and scales only the key tile: by
+        2^(G_last - G) ("states") or s 2^G ("state_grads"), zero past the end."""
         C = self.C
         f32 = cutlass.Float32
         rows = tmem.Rows(acc.p, C, tid)
@@ -426,28 +449,31 @@ class ScalarGateChunkFwdSm100:
         gate_pos = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, GATE_SLOTS)
         consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        # the key tile's factor column: 2^(G_last - G), or in the state-gradient walk s 2^G (its key place holds q)
+        key_factor = 0 if self.cfg.reverse else 1
         for chunk in cutlass.range(seq.n_chunks, unroll=1):
-            valid = seq.seqlen - chunk * C
+            valid = seq.seqlen - self.position(chunk, seq) * C
             slot = gate_pos.index
             gate.consumer_wait(gate_pos)
             qkv.consumer_wait(consumer)  # uncounted: the MMA warp releases the stage
             scores.producer_acquire(producer)
-            p_acc.consumer_wait(consumer)
-            tmem.after_handoff()
-            G_i = smem.sG[i, slot]
-            for blk in cutlass.range_constexpr(C // tmem.COLUMNS_PER_COPY):
-                tmem.read(rows, blk, frag)
-                for e in cutlass.range_constexpr(tmem.COLUMNS_PER_COPY):
-                    j = blk * tmem.COLUMNS_PER_COPY + e
-                    keep = j <= i and j < valid
-                    decay = cute.math.exp2(G_i - smem.sG[j, slot] if keep else f32(0.0), fastmath=True)
-                    frag[e] = frag[e] * p.scale * decay if keep else f32(0.0)
-                tmem.store_row_bf16(smem.sP, i, blk * tmem.COLUMNS_PER_COPY, frag)
-            tmem.before_handoff()
-            p_acc.consumer_release(consumer)
             in_sequence = i < valid
-            _scale_row(smem.sQKV[None, None, 0, 0], i, smem.sFac[i, slot, 0], True)
-            _scale_row(smem.sQKV[None, None, 1, 0], i, smem.sFac[i, slot, 1], in_sequence)
+            if cutlass.const_expr(self.cfg.make_o):
+                p_acc.consumer_wait(consumer)
+                tmem.after_handoff()
+                G_i = smem.sG[i, slot]
+                for blk in cutlass.range_constexpr(C // tmem.COLUMNS_PER_COPY):
+                    tmem.read(rows, blk, frag)
+                    for e in cutlass.range_constexpr(tmem.COLUMNS_PER_COPY):
+                        j = blk * tmem.COLUMNS_PER_COPY + e
+                        keep = j <= i and j < valid
+                        decay = cute.math.exp2(G_i - smem.sG[j, slot] if keep else f32(0.0), fastmath=True)
+                        frag[e] = frag[e] * p.scale * decay if keep else f32(0.0)
+                    tmem.store_row_bf16(smem.sP, i, blk * tmem.COLUMNS_PER_COPY, frag)
+                tmem.before_handoff()
+                p_acc.consumer_release(consumer)
+                _scale_row(smem.sQKV[None, None, 0, 0], i, smem.sFac[i, slot, 0], True)
+            _scale_row(smem.sQKV[None, None, 1, 0], i, smem.sFac[i, slot, key_factor], in_sequence)
             if cutlass.const_expr(self.cfg.is_varlen):
                 if not in_sequence:
                     _scale_row(smem.sQKV[None, None, 2, 0], i, f32(0.0), False)
@@ -483,15 +509,20 @@ class ScalarGateChunkFwdSm100:
         gate, state = rings.gate, rings.state
         gate_pos = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, GATE_SLOTS)
         producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        for _chunk in cutlass.range(seq.n_chunks, unroll=1):
+        checkpoint0 = sequence.checkpoint_row(seq.n, seq.tok0, seq.n_chunks, self.cfg.is_varlen, C)
+        for chunk in cutlass.range(seq.n_chunks, unroll=1):
             gate.consumer_wait(gate_pos)
             state.producer_acquire(producer)
             tmem.after_handoff()
             decay = cute.math.exp2(smem.sG[C - 1, gate_pos.index], fastmath=True)
+            # the forward's bf16 operand of Q~ S, or a walk's checkpoint of the state before the chunk's step
+            operand = smem.sS
+            if cutlass.const_expr(not self.cfg.make_o):
+                operand = p.w[checkpoint0 + self.position(chunk, seq), seq.hv, None, None]
             for blk in cutlass.range_constexpr(D // cols):
                 block = tmem.fragment(rows)
                 tmem.read(rows, blk, block)
-                tmem.store_row_bf16(smem.sS, v_row, blk * cols, block)
+                tmem.store_row_bf16(operand, v_row, blk * cols, block)
                 for e in cutlass.range_constexpr(cols):
                     block[e] = block[e] * decay
                 tmem.write(rows, blk, block)

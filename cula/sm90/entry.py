@@ -82,7 +82,8 @@ class ChunkKernel:
     - ``split_cost(call)``: the planner's costs of its split passes (``cached``: the passes save and load Tinv and P).
     - ``workspaces(ranges, chunks, HV, D, device)``: its further split workspaces, or None.
     - ``options(call)``: its compile-time options beyond :class:`ChunkFwdConfig` (part of the cache key).
-    - ``delta_rule``: its recurrence (:attr:`ChunkFwdConfig.delta_rule`), in every launch's config."""
+    - ``delta_rule``: its recurrence (:attr:`ChunkFwdConfig.delta_rule`), in every launch's config.
+    - ``chunk``: its chunk size (the state walks' checkpoint rows, :mod:`cula.sm90.walks`)."""
 
     name: str
     compile: Callable[..., Any]
@@ -91,6 +92,7 @@ class ChunkKernel:
     workspaces: Callable[..., dict] | None = None
     options: Callable[[ChunkCall], dict] = field(default=lambda call: {})
     delta_rule: bool = True
+    chunk: int = CHUNK
 
 
 def cached_zeros(device, shape: tuple, dtype: torch.dtype) -> torch.Tensor:

@@ -1,7 +1,7 @@
-"""The backward's state walks on the SM90 chunk family (``ChunkFwdConfig.walk``, :mod:`cula.ops.chunk_backward`):
-one launch of a variant's chunk kernel that makes no output and stores a bf16 checkpoint per chunk, ``[rows, HV, V,
-K]`` (S^T), row ``n ceil(T / C) + c`` for fixed-length rows, ``offsets[n] // C + n + c`` for varlen ones
-(:func:`cula.ops.chunk_backward.checkpoint_rows`)."""
+"""The backward's state walks on the chunk family (``ChunkFwdConfig.walk``, :mod:`cula.ops.chunk_backward`), SM90's
+or SM100's: one launch of a variant's chunk kernel that makes no output and stores a bf16 checkpoint per chunk of C
+(the kernel's ``chunk``) tokens, ``[rows, HV, V, K]`` (S^T), row ``n ceil(T / C) + c`` for fixed-length rows,
+``offsets[n] // C + n + c`` for varlen ones (:func:`cula.ops.chunk_backward.checkpoint_rows`)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def both_walks(
     (None: zero). q, k, v, do contiguous; g and beta as ``kernel`` takes them."""
     B, T = q.shape[:2]
     offsets = entry.call_offsets(B, T, cu_seqlens, cu_seqlens_cpu)
-    index, rows = chunk_backward.chunk_token_index(offsets, cu_seqlens is None, q.device)
+    index, rows = chunk_backward.chunk_token_index(offsets, cu_seqlens is None, q.device, kernel.chunk)
     inputs = walk_inputs(kernel, q, k, v, do)
     at = (cu_seqlens, rows, state_v_first)
     S, _ = state_walk(kernel, "states", *inputs["states"], g, beta, scale, h0, *at)
