@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
@@ -191,27 +192,36 @@ def _chunk_gates(args: dict[str, Any]) -> tuple[torch.Tensor | None, torch.Tenso
     return args["g"], args["g_gamma"]
 
 
-def _sm90_supports(args: dict[str, Any]) -> tuple[bool, str]:
-    declined = chunk_fwd_kernel_declines(args)
-    if declined:
-        return declined
-    from cula.lightning import chunk_fwd_sm90  # imports the CuTe DSL: only on an SM90 device
+def _kernel_entry(arch: str):
+    """``(supports, run)`` of the chunk kernel in ``cula.lightning.chunk_fwd_<arch>`` (imported at the first call:
+    it imports the CuTe DSL)."""
 
-    g, g_gamma = args.get("g"), args.get("g_gamma")
-    return chunk_fwd_sm90.supports(
-        args["q"], args["k"], args["v"], g, g_gamma, args["initial_state"], args["cu_seqlens"]
-    )
+    def module():
+        return importlib.import_module(f"cula.lightning.chunk_fwd_{arch}")
+
+    def supports(args: dict[str, Any]) -> tuple[bool, str]:
+        declined = chunk_fwd_kernel_declines(args)
+        if declined:
+            return declined
+        g, g_gamma = args.get("g"), args.get("g_gamma")
+        return module().supports(args["q"], args["k"], args["v"], g, g_gamma, args["initial_state"], args["cu_seqlens"])
+
+    def run(args: dict[str, Any]):
+        from cula.sm90.entry import pool_fields
+
+        g, g_gamma = _chunk_gates(args)
+        forward = getattr(module(), f"chunk_simple_gla_fwd_{arch}")
+        return forward(
+            args["q"], args["k"], args["v"], g, g_gamma, args["scale"], args["initial_state"],
+            args["output_final_state"], args["cu_seqlens"], args.get("state_v_first", False),
+            args.get("cu_seqlens_cpu"), **pool_fields(args),
+        )  # fmt: skip
+
+    return supports, run
 
 
-def _sm90_run(args: dict[str, Any]):
-    from cula.lightning.chunk_fwd_sm90 import chunk_simple_gla_fwd_sm90
-    from cula.sm90.entry import pool_fields
-
-    g, g_gamma = _chunk_gates(args)
-    return chunk_simple_gla_fwd_sm90(
-        args["q"], args["k"], args["v"], g, g_gamma, args["scale"], args["initial_state"], args["output_final_state"],
-        args["cu_seqlens"], args.get("state_v_first", False), args.get("cu_seqlens_cpu"), **pool_fields(args),
-    )  # fmt: skip
+_sm90_supports, _sm90_run = _kernel_entry("sm90")
+_sm100_supports, _sm100_run = _kernel_entry("sm100")
 
 
 def _backward(args: dict[str, Any], grad_o, grad_final_state, walks_of) -> dict[str, torch.Tensor]:
@@ -253,29 +263,6 @@ def _sm100_backward(args: dict[str, Any], residuals: list, grad_o, grad_final_st
 # products, slower than FLA's backward (PERF.md): it serves the training calls FLA refuses (gated ones on Hopper with
 # triton < 3.7.1), which would otherwise go to the reference backend
 SM90_BACKWARD = BackwardKernel(recomputing(_sm90_run), lambda args: [], _sm90_backward, beats_fla=False)
-
-
-def _sm100_supports(args: dict[str, Any]) -> tuple[bool, str]:
-    declined = chunk_fwd_kernel_declines(args)
-    if declined:
-        return declined
-    from cula.lightning import chunk_fwd_sm100  # imports the CuTe DSL
-
-    g, g_gamma = args.get("g"), args.get("g_gamma")
-    return chunk_fwd_sm100.supports(
-        args["q"], args["k"], args["v"], g, g_gamma, args["initial_state"], args["cu_seqlens"]
-    )
-
-
-def _sm100_run(args: dict[str, Any]):
-    from cula.lightning.chunk_fwd_sm100 import chunk_simple_gla_fwd_sm100
-    from cula.sm90.entry import pool_fields
-
-    g, g_gamma = _chunk_gates(args)
-    return chunk_simple_gla_fwd_sm100(
-        args["q"], args["k"], args["v"], g, g_gamma, args["scale"], args["initial_state"], args["output_final_state"],
-        args["cu_seqlens"], args.get("state_v_first", False), args.get("cu_seqlens_cpu"), **pool_fields(args),
-    )  # fmt: skip
 
 
 for _op in (CHUNK_SIMPLE_GLA, CHUNK_LIGHTNING):

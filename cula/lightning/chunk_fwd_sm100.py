@@ -10,36 +10,21 @@ Compiled for sm_100a and sm_103a on any machine; no Blackwell GPU has run it, so
 
 from __future__ import annotations
 
-from cula import runtime
-from cula.lightning.chunk_fwd_sm90 import token_gate
+import functools
+
+from cula.lightning import chunk_fwd_sm90
 from cula.sm90 import entry
-from cula.sm90.chunk_fwd import ChunkFwdConfig
 from cula.sm100.scalar_chunk_fwd import CHUNK, HEAD_DIM, ScalarGateChunkFwdSm100
 
 ARCHS = ("sm_100a", "sm_103a")
 
+# Whether :func:`chunk_simple_gla_fwd_sm100` can serve these inputs, and why not
+supports = functools.partial(chunk_fwd_sm90.supports, dims=(HEAD_DIM,), arch_major=10)
 
-def supports(q, k, v, g=None, g_gamma=None, initial_state=None, cu_seqlens=None, **_) -> tuple[bool, str]:
-    """Whether :func:`chunk_simple_gla_fwd_sm100` can serve these inputs, and why not."""
-    ok, why = entry.supports_qkv(q, k, v, None, initial_state, cu_seqlens, (HEAD_DIM,), arch_major=10)
-    if not ok:
-        return ok, why
-    if q.shape[2] != v.shape[2]:
-        return False, "simple GLA has one value head per q/k head"
-    if g is not None and (not g.is_floating_point() or g.shape != v.shape[:3]):
-        return False, "g must be a floating-point [B, T, H]"
-    if g_gamma is not None and (not g_gamma.is_floating_point() or g_gamma.shape != (v.shape[2],)):
-        return False, "g_gamma must be a floating-point [H]"
-    return True, ""
-
-
-def compile_simple_gla_fwd_sm100(arch="sm_100a", *, state_v_first=False, keep_artifacts=False, **config):
-    """The kernel for ``config`` (:class:`cula.sm90.chunk_fwd.ChunkFwdConfig` fields; ``delta_rule`` is False),
-    compiled on any machine for ``arch``."""
-    cfg = ChunkFwdConfig(**{**config, "delta_rule": False})
-    fake = entry.fake_args(cfg.head_dim, True, state_v_first, per_key_gate=False, checkpoints=cfg.walk != "output")
-    return runtime.compile_kernel(ScalarGateChunkFwdSm100(cfg), fake, arch, keep_artifacts)
-
+# The kernel for a config (ChunkFwdConfig fields), compiled on any machine for ``arch``
+compile_simple_gla_fwd_sm100 = functools.partial(
+    chunk_fwd_sm90.compile_simple_gla_fwd_sm90, kernel_class=ScalarGateChunkFwdSm100
+)
 
 SIMPLE_GLA_SM100 = entry.ChunkKernel(
     "simple_gla_sm100",
@@ -51,32 +36,10 @@ SIMPLE_GLA_SM100 = entry.ChunkKernel(
 )
 
 
-def chunk_simple_gla_fwd_sm100(
-    q,
-    k,
-    v,
-    g=None,
-    g_gamma=None,
-    scale=None,
-    initial_state=None,
-    output_final_state=False,
-    cu_seqlens=None,
-    state_v_first=False,
-    cu_seqlens_cpu=None,
-    out=None,
-    final_state_out=None,
-    state_slots=None,
-    inplace=False,
-):
-    """Simple GLA chunked forward on SM100, as :func:`cula.lightning.chunk_fwd_sm90.chunk_simple_gla_fwd_sm90` but
-    never split. Returns ``(o, final_state, the pool, or None)``."""
-    gate = token_gate(g, g_gamma, v)
-    call = entry.ChunkCall(
-        q.contiguous(), k.contiguous(), v.contiguous(), gate, gate, scale, initial_state, output_final_state,
-        cu_seqlens, state_v_first, out, final_state_out, cu_seqlens_cpu, split=False, state_slots=state_slots,
-        inplace=inplace,
-    )  # fmt: skip
-    return entry.chunk_fwd(SIMPLE_GLA_SM100, call)
+def chunk_simple_gla_fwd_sm100(*args, **kwargs):
+    """Simple GLA chunked forward on SM100: :func:`cula.lightning.chunk_fwd_sm90.chunk_simple_gla_fwd_sm90`'s
+    arguments but ``split`` (every sequence walked whole). Returns ``(o, final_state, the pool, or None)``."""
+    return chunk_fwd_sm90.chunk_simple_gla_fwd_sm90(*args, **kwargs, split=False, kernel=SIMPLE_GLA_SM100)
 
 
 entry.register_checked(

@@ -24,9 +24,12 @@ from cula.sm90.scalar_chunk_fwd import ScalarGateChunkFwdSm90
 SUPPORTED_DIMS = (64, 128)
 
 
-def supports(q, k, v, g=None, g_gamma=None, initial_state=None, cu_seqlens=None, **_) -> tuple[bool, str]:
-    """Whether :func:`chunk_simple_gla_fwd_sm90` can serve these inputs, and why not."""
-    ok, why = entry.supports_qkv(q, k, v, None, initial_state, cu_seqlens, SUPPORTED_DIMS)
+def supports(
+    q, k, v, g=None, g_gamma=None, initial_state=None, cu_seqlens=None, dims=SUPPORTED_DIMS, arch_major=9, **_
+) -> tuple[bool, str]:
+    """Whether :func:`chunk_simple_gla_fwd_sm90` can serve these inputs, and why not (``dims`` and ``arch_major``:
+    the head dims and GPU architecture of the kernel asked, SM90's by default)."""
+    ok, why = entry.supports_qkv(q, k, v, None, initial_state, cu_seqlens, dims, arch_major)
     if not ok:
         return ok, why
     if q.shape[2] != v.shape[2]:
@@ -55,13 +58,16 @@ def split_cost(call: entry.ChunkCall) -> segment_split.SplitCost:
     return devices.times_for(call.q.device).kernels["gdn"].split._replace(cached=False)
 
 
-def compile_simple_gla_fwd_sm90(arch="sm_90a", *, state_v_first=False, keep_artifacts=False, **config):
+def compile_simple_gla_fwd_sm90(
+    arch="sm_90a", *, state_v_first=False, keep_artifacts=False, kernel_class=ScalarGateChunkFwdSm90, **config
+):
     """The kernel for ``config`` (:class:`cula.sm90.chunk_fwd.ChunkFwdConfig` fields; ``delta_rule`` is False),
-    compiled on any machine for ``arch``."""
+    compiled on any machine for ``arch``; ``kernel_class``: another architecture's kernel of the same launch
+    arguments (SM100's)."""
     cfg = ChunkFwdConfig(**{**config, "delta_rule": False})
     # beta's slot is never read: fp32, as the gate that fills it at launch
     fake = entry.fake_args(cfg.head_dim, True, state_v_first, per_key_gate=False, checkpoints=cfg.walk != "output")
-    return runtime.compile_kernel(ScalarGateChunkFwdSm90(cfg), fake, arch, keep_artifacts)
+    return runtime.compile_kernel(kernel_class(cfg), fake, arch, keep_artifacts)
 
 
 SIMPLE_GLA_SM90 = entry.ChunkKernel(
@@ -91,10 +97,11 @@ def chunk_simple_gla_fwd_sm90(
     final_state_out=None,
     state_slots=None,
     inplace=False,
+    kernel=SIMPLE_GLA_SM90,
 ):
     """Simple GLA chunked forward on SM90: q, k, v [B, T, H, D] bf16; g [B, T, H] and / or g_gamma [H] log gates
     (either may be None); the rest as :class:`cula.sm90.entry.ChunkCall`. Returns ``(o, final_state, the pool, or
-    None)``."""
+    None)``. ``kernel``: another architecture's kernel on the same host path (SM100's)."""
     gate = token_gate(g, g_gamma, v)
     # beta's slot carries the gate too: never read without the delta rule, it gives the launch its [B, T, HV]
     call = entry.ChunkCall(
@@ -102,7 +109,7 @@ def chunk_simple_gla_fwd_sm90(
         cu_seqlens, state_v_first, out, final_state_out, cu_seqlens_cpu, split, state_slots=state_slots,
         inplace=inplace,
     )  # fmt: skip
-    return entry.chunk_fwd(SIMPLE_GLA_SM90, call)
+    return entry.chunk_fwd(kernel, call)
 
 
 entry.register_checked(

@@ -1,9 +1,6 @@
-"""tcgen05 helpers of the SM100 chunk kernels: operand tiles in shared memory, tiled MMAs and products over all
-k-blocks.
-
-A token tile is (rows x D) bf16 with D contiguous and a 128-byte swizzle, the canonical K-major tcgen05 operand; the
-same bytes read as (D x rows) with the MN-major atom serve the products that take the tile transposed (v and k in
-the state update, v in P~ V), as in the SM90 family (:mod:`cula.sm90.tiles`)."""
+"""tcgen05 helpers of the SM100 chunk kernels: tiled MMAs, their operand fragments and accumulators, and products over
+all k-blocks. Operand tiles in shared memory are the SM90 family's (:func:`cula.sm90.tiles.token_tiles`): the
+128-byte-swizzled K- and MN-major atoms are tcgen05's canonical layouts as they are wgmma's."""
 
 from __future__ import annotations
 
@@ -13,17 +10,6 @@ import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass.cute.nvgpu import tcgen05
 
 M = 128  # every product's M: one TMEM lane per row, one thread of a warpgroup per lane
-
-
-def token_tiles(rows: int, cols: int, *stages: int):
-    """``(K-major (rows, cols, *stages), MN-major (cols, rows, *stages))`` layouts of the same swizzled bytes."""
-    bf16 = cutlass.BFloat16
-    k_atom = sm100_utils.make_smem_layout_atom(tcgen05.SmemLayoutAtomKind.K_SW128, bf16)
-    mn_atom = sm100_utils.make_smem_layout_atom(tcgen05.SmemLayoutAtomKind.MN_SW128, bf16)
-    rest = tuple(range(2, 2 + len(stages)))
-    k_major = cute.tile_to_shape(k_atom, (rows, cols, *stages), order=(0, 1, *rest))
-    mn_major = cute.tile_to_shape(mn_atom, (cols, rows, *stages), order=(1, 0, *rest))
-    return k_major, mn_major
 
 
 def tiled_mma(a_major: str, b_major: str, n: int):

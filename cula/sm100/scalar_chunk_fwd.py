@@ -187,9 +187,9 @@ class ScalarGateChunkFwdSm100:
     def __call__(self, q, k, v, g, beta, o, h0, ht, starts, ends, w, slots, scale, stream):
         """The launch (arguments as the SM90 family's; ``beta`` is never read, ``w`` only by the walks)."""
         C, D = self.C, self.D
-        tile_qkv, tile_qkv_mn = mma.token_tiles(C, D, 3, 1)
-        tile_p, _ = mma.token_tiles(C, C)
-        tile_s, _ = mma.token_tiles(D, D)
+        tile_qkv, tile_qkv_mn = tiles.token_tiles(C, D, 3, 1)
+        tile_p, _ = tiles.token_tiles(C, C)
+        tile_s, _ = tiles.token_tiles(D, D)
         one_tile = cute.slice_(tile_qkv, (None, None, 0, 0))
         load = cpasync.CopyBulkTensorTileG2SOp()
         tma_q = Tma(*cpasync.make_tiled_tma_atom(load, tiles.tma_view(q), one_tile, (C, D)))
@@ -231,38 +231,30 @@ class ScalarGateChunkFwdSm100:
 
     # ---------------------------------------------------------------- device side
     def make_rings(self, st):
-        """Every hand-off (module docstring); made with ``defer_sync``, fenced and synchronised by the caller."""
+        """Every hand-off (module docstring); made with ``defer_sync``, fenced and synchronised by the caller. A
+        side that is the MMA warp or TMA counts one arrival (an elected commit or the transaction count), a side of
+        threads one per thread."""
         C, D = self.C, self.D
-        one = CooperativeGroup(Agent.Thread, 1)
-        warpgroup = CooperativeGroup(Agent.Thread, WARPGROUP)
+
+        def ring(kind, producers, consumers, barriers, stages=1, **extra):
+            return kind.create(
+                num_stages=stages,
+                producer_group=CooperativeGroup(Agent.Thread, producers),
+                consumer_group=CooperativeGroup(Agent.Thread, consumers),
+                barrier_storage=barriers.data_ptr(),
+                defer_sync=True,
+                **extra,
+            )
+
+        qkv_bytes = len(self.loaded_tiles) * C * D * 2
         return Rings(
-            pipeline.PipelineTmaUmma.create(
-                num_stages=1, producer_group=one, consumer_group=one, tx_count=len(self.loaded_tiles) * C * D * 2,
-                barrier_storage=st.ring_qkv.data_ptr(), defer_sync=True,
-            ),
-            pipeline.PipelineUmmaAsync.create(
-                num_stages=1, producer_group=one, consumer_group=warpgroup,
-                barrier_storage=st.ring_p_acc.data_ptr(), defer_sync=True,
-            ),
-            pipeline.PipelineAsyncUmma.create(
-                num_stages=1, producer_group=warpgroup, consumer_group=one,
-                barrier_storage=st.ring_scores.data_ptr(), defer_sync=True,
-            ),
-            pipeline.PipelineAsyncUmma.create(
-                num_stages=1, producer_group=warpgroup, consumer_group=one,
-                barrier_storage=st.ring_state.data_ptr(), defer_sync=True,
-            ),
-            pipeline.PipelineUmmaAsync.create(
-                num_stages=1, producer_group=one, consumer_group=warpgroup,
-                barrier_storage=st.ring_o_acc.data_ptr(), defer_sync=True,
-            ),
-            pipeline.PipelineAsync.create(
-                num_stages=GATE_SLOTS,
-                producer_group=CooperativeGroup(Agent.Thread, 32),
-                consumer_group=CooperativeGroup(Agent.Thread, 2 * WARPGROUP),
-                barrier_storage=st.ring_gate.data_ptr(), defer_sync=True,
-            ),
-        )  # fmt: skip
+            qkv=ring(pipeline.PipelineTmaUmma, 1, 1, st.ring_qkv, tx_count=qkv_bytes),
+            p_acc=ring(pipeline.PipelineUmmaAsync, 1, WARPGROUP, st.ring_p_acc),
+            scores=ring(pipeline.PipelineAsyncUmma, WARPGROUP, 1, st.ring_scores),
+            state=ring(pipeline.PipelineAsyncUmma, WARPGROUP, 1, st.ring_state),
+            o_acc=ring(pipeline.PipelineUmmaAsync, 1, WARPGROUP, st.ring_o_acc),
+            gate=ring(pipeline.PipelineAsync, 32, 2 * WARPGROUP, st.ring_gate, GATE_SLOTS),
+        )
 
     @cute.kernel
     def kernel(self, p: Params):
