@@ -3,6 +3,8 @@ against the gradients of cuLA's fp64 reference backend (autograd through its rec
 per head within the bf16 tolerances, for scalar and per-key gates, with initial states and a gradient into the final
 state."""
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -310,3 +312,75 @@ def test_chunk_rows_hold_every_token_once_in_order(fixed_length, chunk):
                 assert torch.equal(row[:valid], torch.arange(s + chunk * c, s + chunk * c + valid))
                 assert bool((row[valid:] == n_tokens).all())
         assert rows <= index.shape[0]
+
+
+def sm100_walk_launch(kernel, call, config, t, scale):
+    """One state walk of the SM100 kernel (cula.sm100.scalar_chunk_fwd) in PyTorch, as written there: chunks of
+    128 from the last in the state-gradient walk; the key tile scaled by 2^(G_last - G), or by scale 2^G in that walk,
+    and zeroed past the sequence end, as the value tile in a varlen call; S^T's bf16 checkpoint stored before each
+    chunk's update. Stands in for ``entry.launch`` so that the host path around the kernel runs on a CPU."""
+    from cula.ops.chunk_emulation import LOG2E
+
+    C = kernel.chunk
+    B, T, H, D = t.q.shape
+    HV = t.v.shape[2]
+    N = B if t.starts is None else t.starts.numel()
+    for n in range(N):
+        b, tok0, seqlen = (0, int(t.starts[n]), int(t.ends[n] - t.starts[n])) if config.is_varlen else (n, 0, T)
+        n_chunks = -(-seqlen // C)
+        first = tok0 // C + n if config.is_varlen else n * n_chunks
+        for hv in range(HV):
+            ST = t.h0[n, hv].float().T.clone() if config.has_initial_state else torch.zeros(D, D)
+            for chunk in range(n_chunks):
+                pos = n_chunks - 1 - chunk if config.reverse else chunk
+                place = torch.arange(C)
+                inside = place < seqlen - pos * C
+                tokens = (tok0 + pos * C + place).clamp(max=T - 1)
+                gate = torch.where(inside, t.g[b, tokens, hv].float().clamp_min(-200.0), 0.0)
+                G = torch.cumsum(gate, 0) * LOG2E
+                factor = scale * torch.exp2(G) if config.reverse else torch.exp2(G[-1] - G)
+                key = torch.where(inside[:, None], bf16(t.k[b, tokens, hv // (HV // H)].float() * factor[:, None]), 0)
+                value = torch.where(inside[:, None], t.v[b, tokens, hv].float(), 0.0)
+                t.w[first + pos, hv] = ST.to(t.w.dtype)
+                ST = ST * torch.exp2(G[-1]) + value.T @ key
+            t.ht[n, hv] = ST.T
+
+
+@pytest.mark.parametrize("lengths", [[0, 1, 130, 128, 300], None], ids=["varlen", "fixed"])
+def test_the_sm100_backward_host_path_gives_the_reference_gradients(monkeypatch, lengths):
+    """Simple GLA's backward with the SM100 kernel's walks (cula.lightning.chunk_bwd_sm90 with SIMPLE_GLA_SM100:
+    chunk rows and checkpoints of 128 tokens), the walks' launch emulated on the CPU: every gradient against the fp64
+    reference's autograd, per sequence."""
+    from cula.lightning.chunk_bwd_sm90 import chunk_simple_gla_bwd_sm90
+    from cula.lightning.chunk_fwd_sm100 import SIMPLE_GLA_SM100
+    from cula.sm90 import walks
+
+    monkeypatch.setattr(walks.entry, "launch", sm100_walk_launch)
+    torch.manual_seed(3)
+    B, T = (1, sum(lengths)) if lengths else (2, 200)
+    N, H, D = (len(lengths) if lengths else B), 2, 128
+    q, k, v, do = (torch.randn(B, T, H, D).bfloat16() for _ in range(4))
+    g = F.logsigmoid(torch.randn(B, T, H) + 3.0)
+    h0, dht = torch.randn(N, H, D, D) * 0.1, torch.randn(N, H, D, D) * 0.1
+    cu = None if lengths is None else torch.tensor(offsets_of(lengths), dtype=torch.int32)
+    scale = D**-0.5
+    got = chunk_simple_gla_bwd_sm90(q, k, v, g, do, scale, h0, dht, cu, cu, False, SIMPLE_GLA_SM100)
+
+    leaves = [x.double().requires_grad_() for x in (q, k, v, g, h0)]
+    options = {"scale": scale, "initial_state": leaves[4], "output_final_state": True}
+    o, ht = cula.lightning.chunk_simple_gla(*leaves[:3], g=leaves[3], cu_seqlens=cu, **options)
+    torch.autograd.backward([o, ht], [do.double(), dht.double()])
+    bounds = (
+        [(b, 0, T) for b in range(B)]
+        if lengths is None
+        else [(0, s, e) for s, e in itertools.pairwise(offsets_of(lengths))]
+    )
+    for name, have, leaf in zip(("dq", "dk", "dv", "dg", "dh0"), got, leaves, strict=True):
+        want = leaf.grad
+        if name == "dh0":
+            for n in range(N):
+                assert rel_rmse(have[n], want[n]) <= 0.008, (name, n)
+            continue
+        for n, (b, s, e) in enumerate(bounds):
+            if e > s:
+                assert rel_rmse(have[b, s:e], want[b, s:e]) <= (0.02 if name == "dg" else 0.008), (name, n)

@@ -1,4 +1,5 @@
-"""Simple GLA and Lightning Attention backward on SM90, the plan of :mod:`cula.ops.chunk_backward`:
+"""Simple GLA and Lightning Attention backward on SM90 (and with SM100's walks on SM100), the plan of
+:mod:`cula.ops.chunk_backward`:
 
 1. the state at each chunk's start, and 2. the gradient of the state at each chunk's end: the family's scalar-gate
    kernel walking the chunks without output (:func:`cula.sm90.walks.state_walk`: "states" on (k, v), "state_grads"

@@ -52,6 +52,13 @@ entry.register_checked(
         "[pool, read only]": {"has_initial_state": True, "state_slots": "read"},
         "[state_v_first]": {"is_varlen": True, "has_initial_state": True, "state_v_first": True},
         "[states walk]": {"is_varlen": True, "has_initial_state": True, "walk": "states"},
+        "[states walk, fixed length, no start]": {"walk": "states"},
+        "[states walk, state_v_first]": {
+            "is_varlen": True,
+            "has_initial_state": True,
+            "walk": "states",
+            "state_v_first": True,
+        },
         "[state-gradient walk]": {"is_varlen": True, "has_initial_state": True, "walk": "state_grads"},
         "[state-gradient walk, fixed length]": {"walk": "state_grads"},
     },

@@ -163,7 +163,7 @@ def _warp_scan(x, lane):
 
 class ScalarGateChunkFwdSm100:
     """The kernel (module docstring); ``cfg`` a :class:`cula.sm90.chunk_fwd.ChunkFwdConfig` without the delta rule,
-    a full pass that makes the output."""
+    a full pass: the forward or one of the backward's state walks."""
 
     def __init__(self, config: ChunkFwdConfig):
         assert config.head_dim == HEAD_DIM and not config.delta_rule, config
@@ -332,7 +332,8 @@ class ScalarGateChunkFwdSm100:
 
     @cute.jit
     def load_warp(self, p: Params, smem: Smem, rings: Rings, seq: Sequence):
-        """Chunk c's q, k and v tiles into the stage once the products of chunk c - 1 are done with it."""
+        """Chunk c's q, k and v tiles (a walk's k and v) into the stage once the products of chunk c - 1 are done
+        with it."""
         sources = ((p.q, seq.h), (p.k, seq.h), (p.v, seq.hv))
         parts = [
             tiles.tma_chunk_tiles(tma.atom, tma.tensor[None, None, head, seq.b], seq.tok0, smem.sQKV[None, None, which, None])
