@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from delta_rule_recurrence import offsets_of
+from sm100_emulation import sm100_launch
 
 import cula
 from cula.ops import chunk_backward
@@ -314,38 +315,6 @@ def test_chunk_rows_hold_every_token_once_in_order(fixed_length, chunk):
         assert rows <= index.shape[0]
 
 
-def sm100_walk_launch(kernel, call, config, t, scale):
-    """One state walk of the SM100 kernel (cula.sm100.scalar_chunk_fwd) in PyTorch, as written there: chunks of
-    128 from the last in the state-gradient walk; the key tile scaled by 2^(G_last - G), or by scale 2^G in that walk,
-    and zeroed past the sequence end, as the value tile in a varlen call; S^T's bf16 checkpoint stored before each
-    chunk's update. Stands in for ``entry.launch`` so that the host path around the kernel runs on a CPU."""
-    from cula.ops.chunk_emulation import LOG2E
-
-    C = kernel.chunk
-    B, T, H, D = t.q.shape
-    HV = t.v.shape[2]
-    N = B if t.starts is None else t.starts.numel()
-    for n in range(N):
-        b, tok0, seqlen = (0, int(t.starts[n]), int(t.ends[n] - t.starts[n])) if config.is_varlen else (n, 0, T)
-        n_chunks = -(-seqlen // C)
-        first = tok0 // C + n if config.is_varlen else n * n_chunks
-        for hv in range(HV):
-            ST = t.h0[n, hv].float().T.clone() if config.has_initial_state else torch.zeros(D, D)
-            for chunk in range(n_chunks):
-                pos = n_chunks - 1 - chunk if config.reverse else chunk
-                place = torch.arange(C)
-                inside = place < seqlen - pos * C
-                tokens = (tok0 + pos * C + place).clamp(max=T - 1)
-                gate = torch.where(inside, t.g[b, tokens, hv].float().clamp_min(-200.0), 0.0)
-                G = torch.cumsum(gate, 0) * LOG2E
-                factor = scale * torch.exp2(G) if config.reverse else torch.exp2(G[-1] - G)
-                key = torch.where(inside[:, None], bf16(t.k[b, tokens, hv // (HV // H)].float() * factor[:, None]), 0)
-                value = torch.where(inside[:, None], t.v[b, tokens, hv].float(), 0.0)
-                t.w[first + pos, hv] = ST.to(t.w.dtype)
-                ST = ST * torch.exp2(G[-1]) + value.T @ key
-            t.ht[n, hv] = ST.T
-
-
 @pytest.mark.parametrize("lengths", [[0, 1, 130, 128, 300], None], ids=["varlen", "fixed"])
 def test_the_sm100_backward_host_path_gives_the_reference_gradients(monkeypatch, lengths):
     """Simple GLA's backward with the SM100 kernel's walks (cula.lightning.chunk_bwd_sm90 with SIMPLE_GLA_SM100:
@@ -355,7 +324,7 @@ def test_the_sm100_backward_host_path_gives_the_reference_gradients(monkeypatch,
     from cula.lightning.chunk_fwd_sm100 import SIMPLE_GLA_SM100
     from cula.sm90 import walks
 
-    monkeypatch.setattr(walks.entry, "launch", sm100_walk_launch)
+    monkeypatch.setattr(walks.entry, "launch", sm100_launch)
     torch.manual_seed(3)
     B, T = (1, sum(lengths)) if lengths else (2, 200)
     N, H, D = (len(lengths) if lengths else B), 2, 128
