@@ -591,7 +591,7 @@ def test_the_sm100_simple_gla_kernel_says_what_it_declines(monkeypatch):
 
     assert cula.explain(fn, **call()).reason == "lightning.chunk_fwd_sm100 on sm_100"
     cases = {
-        "head dims K=64, V=64 not supported (supported: K = V in (128,))": call(D=64),
+        "head dims K=64, V=64 not supported (supported: K = V = 128)": call(D=64),
         "inputs require grad, and FLA's backward is faster than the kernel's": call(grad=True),
         "q, k, v must be bfloat16": call(dtype=torch.float16),
     }

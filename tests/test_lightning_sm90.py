@@ -38,7 +38,8 @@ def kernel_of(arch: str):
         from cula.lightning.chunk_fwd_sm100 import chunk_simple_gla_fwd_sm100, supports
 
         def forward(*args, out=None, final_state_out=None):
-            return chunk_simple_gla_fwd_sm100(*args[:-1], out=out, final_state_out=final_state_out)
+            *args, _split = args  # the SM100 kernel walks every sequence whole
+            return chunk_simple_gla_fwd_sm100(*args, out=out, final_state_out=final_state_out)
 
         return forward, supports
     from cula.lightning.chunk_fwd_sm90 import chunk_simple_gla_fwd_sm90, supports

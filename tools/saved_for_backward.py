@@ -1,5 +1,5 @@
-"""What a training call's forward keeps for its backward, in bytes per token and head, beside FLA's: the data behind
-PERF.md's memory rows (issue: training on SM90).
+"""What a training call's forward keeps for its backward, in bytes per token and head, cuLA's backends beside FLA's,
+on a GPU.
 
     python tools/saved_for_backward.py [--op simple_gla gla gdn kda] [--shape 1x8192x64] [--backends cute fla torch]
 

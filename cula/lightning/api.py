@@ -263,18 +263,17 @@ def _sm100_backward(args: dict[str, Any], residuals: list, grad_o, grad_final_st
 # products, slower than FLA's backward (PERF.md): it serves the training calls FLA refuses (gated ones on Hopper with
 # triton < 3.7.1), which would otherwise go to the reference backend
 SM90_BACKWARD = BackwardKernel(recomputing(_sm90_run), lambda args: [], _sm90_backward, beats_fla=False)
-
+# the SM100 kernel's state walks in chunks of 128, then the per-chunk gradients in PyTorch, as on SM90; compiled for
+# sm_100a / sm_103a only, like the forward: no Blackwell GPU has run either
+SM100_BACKWARD = BackwardKernel(
+    recomputing(_sm100_run), lambda args: [], _sm100_backward, hardware_tested=False, beats_fla=False
+)
 
 for _op in (CHUNK_SIMPLE_GLA, CHUNK_LIGHTNING):
     _op.register_kernel(CuteKernel("lightning.chunk_fwd_sm90", 9, _sm90_supports, _sm90_run, backward=SM90_BACKWARD))
-    # compiled for sm_100a / sm_103a only: no Blackwell GPU has run it or its backward (the SM100 kernel's state walks
-    # in chunks of 128, then the per-chunk gradients in PyTorch, as on SM90)
-    sm100_backward = BackwardKernel(
-        recomputing(_sm100_run), lambda args: [], _sm100_backward, hardware_tested=False, beats_fla=False
-    )
     _op.register_kernel(
         CuteKernel(
-            "lightning.chunk_fwd_sm100", 10, _sm100_supports, _sm100_run, backward=sm100_backward, hardware_tested=False
+            "lightning.chunk_fwd_sm100", 10, _sm100_supports, _sm100_run, backward=SM100_BACKWARD, hardware_tested=False
         )
     )
 

@@ -36,10 +36,30 @@ SIMPLE_GLA_SM100 = entry.ChunkKernel(
 )
 
 
-def chunk_simple_gla_fwd_sm100(*args, **kwargs):
-    """Simple GLA chunked forward on SM100: :func:`cula.lightning.chunk_fwd_sm90.chunk_simple_gla_fwd_sm90`'s
-    arguments but ``split`` (every sequence walked whole). Returns ``(o, final_state, the pool, or None)``."""
-    return chunk_fwd_sm90.chunk_simple_gla_fwd_sm90(*args, **kwargs, split=False, kernel=SIMPLE_GLA_SM100)
+def chunk_simple_gla_fwd_sm100(
+    q,
+    k,
+    v,
+    g=None,
+    g_gamma=None,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    cu_seqlens=None,
+    state_v_first=False,
+    cu_seqlens_cpu=None,
+    out=None,
+    final_state_out=None,
+    state_slots=None,
+    inplace=False,
+):
+    """Simple GLA chunked forward on SM100, as :func:`cula.lightning.chunk_fwd_sm90.chunk_simple_gla_fwd_sm90` but
+    without ``split`` (every sequence walked whole). Returns ``(o, final_state, the pool, or None)``."""
+    return chunk_fwd_sm90.chunk_simple_gla_fwd_sm90(
+        q, k, v, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, state_v_first, cu_seqlens_cpu,
+        False, out=out, final_state_out=final_state_out, state_slots=state_slots, inplace=inplace,
+        kernel=SIMPLE_GLA_SM100,
+    )  # fmt: skip
 
 
 entry.register_checked(

@@ -2,7 +2,8 @@
 in PyTorch on any device, bf16 where the kernels round (their wgmma operands: token tiles, state checkpoints, scores)
 and fp32 elsewhere, so that it can be checked against the fp64 recurrence's autograd on a CPU.
 
-Per sequence and value head, chunks of C tokens (64; the SM100 kernel's walks 128), G the cumulative natural-log gate inside a chunk (per key; a
+Per sequence and value head, chunks of C tokens (64; the SM100 kernel's walks 128), G the cumulative natural-log
+gate inside a chunk (per key; a
 scalar gate is the same value on every key), G_L its last row, S_c the state at chunk c's start and dS'_c the
 gradient of the state at its end (that is, of S_{c+1}):
 
@@ -76,7 +77,7 @@ def state_walk(k, v, g, h0=None, chunk: int = CHUNK) -> tuple[list[torch.Tensor]
 
 
 def state_gradient_walk(q, do, g, scale, dht=None, chunk: int = CHUNK) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Pass 2: ``(the gradient of the state at each chunk's end, dh0)``."""
+    """Pass 2: ``(the gradient of the state at each chunk's end, dh0)``, in chunks of ``chunk`` as :func:`state_walk`."""
     H, T, K = q.shape
     dS = q.new_zeros(H, K, do.shape[-1], dtype=torch.float32) if dht is None else dht.float().clone()
     n_chunks = -(-T // chunk)
@@ -359,9 +360,9 @@ def scalar_delta_rows(q, k, v, beta, g, S, dS_end, do, scale, operand=_exact) ->
     return dq, dk, dv, dbeta, dG.flip(1).cumsum(1).flip(1)
 
 
-# chunk-heads of 64 tokens per batch of rows_backward: its (C x C) fp32 matrices take 16 KiB each at C = 64 (a batch:
-# ~20 of them, 2.6 GiB), a per-key gate's pair factors (C x C x K) 2 MiB each at K = 128; longer chunks count as
-# several, so that a batch holds as many tokens
+# chunk-heads of C = 64 per batch of rows_backward: its (C x C) fp32 matrices take 16 KiB each (a batch: ~20 of them,
+# 2.6 GiB), a per-key gate's pair factors (C x C x K) 2 MiB each at K = 128; a chunk of C = 128 counts as four, its
+# matrices being four times larger, so that a batch takes as many bytes
 CHUNK_HEAD_BATCH = {"scalar": 8192, "per_key": 256}
 
 
@@ -371,14 +372,14 @@ def rows_backward(q, k, v, do, g, beta, starts, ends, index, scale, batch=None) 
     q, k [B, T, H, K]; v, do [B, T, HV, V]; g [B, T, HV] (scalar) or [B, T, HV, K] (per key), natural log; beta
     [B, T, HV] with the delta rule, else None. Returns ``(dq, dk [B, T, H, K] summed over each GVA group,
     dv [B, T, HV, V], dg (g's shape), dbeta [B, T, HV] or None)`` in fp32; gates below the floor get no gradient.
-    Rows are gathered, computed and scattered back ``batch`` chunk-heads of 64 tokens at a time
-    (:data:`CHUNK_HEAD_BATCH`), so that memory stays bounded at any length and chunk size."""
+    Rows are gathered, computed and scattered back ``batch`` chunk-heads of 64 tokens (or as many bytes of longer
+    ones) at a time (:data:`CHUNK_HEAD_BATCH`), so that memory stays bounded at any length and chunk size."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     rep, n_tokens, C = HV // H, B * T, index.shape[1]
     per_key = g.dim() == 4
     batch = batch or CHUNK_HEAD_BATCH["per_key" if per_key else "scalar"]
-    rows_per_batch = max(1, batch * 64 // C // HV)
+    rows_per_batch = max(1, batch * CHUNK * CHUNK // (C * C) // HV)
     floored = g.clamp_min(GATE_FLOOR)
     flat = {
         "q": q, "k": k, "v": v, "do": do, "g": floored, "beta": beta,

@@ -65,7 +65,7 @@ def scalar_gate_forward(
     S = torch.zeros(H, K, V, dtype=torch.float32, device=q.device) if h0 is None else h0.float().clone()
     o = torch.empty(H, T, V, dtype=torch.float32, device=q.device)
     g = g.float() if gate_floor is None else g.float().clamp_min(gate_floor)
-    assert not (gated_operands and delta_rule)
+    assert not (gated_operands and delta_rule) and (delta_rule or not split_values)
     for c0 in range(0, T, chunk):
         c1 = min(c0 + chunk, T)
         L = c1 - c0

@@ -488,7 +488,6 @@ class ScalarGateChunkFwdSm100:
         cols = tmem.COLUMNS_PER_COPY
         rows = tmem.Rows(acc.s, D, tid)
         v_row = rows.row()
-        # initialments made where they are used: one live across the chunk loop is kept in local memory
         for blk in cutlass.range_constexpr(D // cols):
             initial = tmem.fragment(rows)
             for e in cutlass.range_constexpr(cols):

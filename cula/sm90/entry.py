@@ -74,7 +74,7 @@ class LaunchTensors(NamedTuple):
 
 @dataclass(frozen=True)
 class ChunkKernel:
-    """A variant's SM90 chunk forward as the host path sees it.
+    """A variant's chunk forward (SM90's, or SM100's on the same launch arguments) as the host path sees it.
 
     - ``compile(arch, config, beta_fp32, state_v_first, **options)``: the compiled kernel, called as ``(q, k, v, g,
       beta, o, h0, ht, starts, ends, w, slots, scale, *gate_args)``.
@@ -298,7 +298,8 @@ def supports_qkv(q, k, v, beta, initial_state, cu_seqlens, dims, arch_major: int
         return False, "expected q, k [B, T, H, K] and v [B, T, HV, V]"
     K, V, H, HV = q.shape[-1], v.shape[-1], q.shape[2], v.shape[2]
     if K not in dims or V not in dims or K != V:
-        return False, f"head dims K={K}, V={V} not supported (supported: K = V in {dims})"
+        supported = " or ".join(str(d) for d in dims)
+        return False, f"head dims K={K}, V={V} not supported (supported: K = V = {supported})"
     if HV % H != 0:
         return False, f"HV={HV} must be a multiple of H={H}"
     if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
