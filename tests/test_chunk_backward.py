@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from delta_rule_recurrence import offsets_of
-from sm100_emulation import sm100_launch
+from launch_emulation import launch as emulated_launch
 
 import cula
 from cula.ops import chunk_backward
@@ -324,7 +324,7 @@ def test_the_sm100_backward_host_path_gives_the_reference_gradients(monkeypatch,
     from cula.lightning.chunk_fwd_sm100 import SIMPLE_GLA_SM100
     from cula.sm90 import walks
 
-    monkeypatch.setattr(walks.entry, "launch", sm100_launch)
+    monkeypatch.setattr(walks.entry, "launch", emulated_launch)
     torch.manual_seed(3)
     B, T = (1, sum(lengths)) if lengths else (2, 200)
     N, H, D = (len(lengths) if lengths else B), 2, 128
@@ -344,6 +344,44 @@ def test_the_sm100_backward_host_path_gives_the_reference_gradients(monkeypatch,
         if lengths is None
         else [(0, s, e) for s, e in itertools.pairwise(offsets_of(lengths))]
     )
+    for name, have, leaf in zip(("dq", "dk", "dv", "dg", "dh0"), got, leaves, strict=True):
+        want = leaf.grad
+        if name == "dh0":
+            for n in range(N):
+                assert rel_rmse(have[n], want[n]) <= 0.008, (name, n)
+            continue
+        for n, (b, s, e) in enumerate(bounds):
+            if e > s:
+                assert rel_rmse(have[b, s:e], want[b, s:e]) <= (0.02 if name == "dg" else 0.008), (name, n)
+
+
+@pytest.mark.parametrize("lengths", [[0, 1, 130, 64, 200], None], ids=["varlen", "fixed"])
+def test_the_gla_backward_host_path_gives_the_reference_gradients(monkeypatch, lengths):
+    """GLA's backward (cula.gla.chunk_bwd_sm90: its kernel's state walks, then rows_backward with the per-key gate),
+    the walks' launch emulated on the CPU (tests/launch_emulation.py): every gradient against the fp64 reference's
+    autograd, per sequence, gates steep in places."""
+    from cula.gla.chunk_bwd_sm90 import chunk_gla_bwd_sm90
+    from cula.sm90 import walks
+
+    monkeypatch.setattr(walks.entry, "launch", emulated_launch)
+    torch.manual_seed(5)
+    B, T = (1, sum(lengths)) if lengths else (2, 150)
+    N, H, D = (len(lengths) if lengths else B), 2, 64
+    q, k, v, do = (torch.randn(B, T, H, D).bfloat16() for _ in range(4))
+    g = F.logsigmoid(torch.randn(B, T, H, D) + 2.0)
+    g[:, T // 2, :, :8] = -30.0
+    h0, dht = torch.randn(N, H, D, D) * 0.1, torch.randn(N, H, D, D) * 0.1
+    cu = None if lengths is None else torch.tensor(offsets_of(lengths), dtype=torch.int32)
+    scale = D**-0.5
+    got = chunk_gla_bwd_sm90(q, k, v, g, do, scale, h0, dht, cu, cu, False)
+
+    leaves = [x.double().requires_grad_() for x in (q, k, v, g, h0)]
+    options = {"scale": scale, "initial_state": leaves[4], "output_final_state": True, "cu_seqlens": cu}
+    o, ht = cula.gla.chunk_gla(*leaves[:4], **options)
+    torch.autograd.backward([o, ht], [do.double(), dht.double()])
+    bounds = [(b, 0, T) for b in range(B)] if lengths is None else list(itertools.pairwise(offsets_of(lengths)))
+    if lengths is not None:
+        bounds = [(0, s, e) for s, e in bounds]
     for name, have, leaf in zip(("dq", "dk", "dv", "dg", "dh0"), got, leaves, strict=True):
         want = leaf.grad
         if name == "dh0":

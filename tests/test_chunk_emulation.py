@@ -204,14 +204,14 @@ def test_the_gla_kernels_safe_span_is_the_emulations():
 def test_the_sm100_forward_host_path_matches_the_reference(monkeypatch, case):
     """The SM100 simple GLA forward through its host path (cula.lightning.chunk_fwd_sm100: gate preparation, varlen
     ranges, state layouts, a state pool read and written by slot, preallocated NaN-poisoned outputs) with the kernel's
-    launch emulated on the CPU (tests/sm100_emulation.py): outputs and final states against the fp64 reference, per
+    launch emulated on the CPU (tests/launch_emulation.py): outputs and final states against the fp64 reference, per
     sequence; pool rows not named untouched."""
-    from sm100_emulation import sm100_launch
+    from launch_emulation import launch as emulated_launch
 
     from cula.lightning.chunk_fwd_sm100 import chunk_simple_gla_fwd_sm100
     from cula.sm90 import entry
 
-    monkeypatch.setattr(entry, "launch", sm100_launch)
+    monkeypatch.setattr(entry, "launch", emulated_launch)
     torch.manual_seed(4)
     lengths = [0, 1, 130, 128, 300] if case != "fixed" else None
     B, T = (2, 300) if lengths is None else (1, sum(lengths))

@@ -122,14 +122,11 @@ def test_state_walks_store_the_plans_checkpoints(walk):
 
 @pytest.mark.parametrize("lengths", [None, [0, 1, 130, 128, 777]], ids=["fixed", "varlen"])
 def test_simple_gla_gradients(monkeypatch, lengths):
-    """Every gradient through the SM100 backward (its walks, then PyTorch rows; FLA made unavailable so that the
-    kernel serves the training call) against the fp64 reference's autograd, per sequence and over the call."""
+    """Every gradient through the SM100 backward (its walks, then PyTorch rows; opt-in, the kernel forced) against
+    the fp64 reference's autograd, per sequence and over the call."""
     from delta_rule_recurrence import check_gradients, offsets_of
     from test_lightning_sm90_backward import simple_gla_inputs
 
-    from cula import dispatch
-
-    monkeypatch.setattr(dispatch, "fla_function", lambda target: (_ for _ in ()).throw(ImportError("no fla")))
     if lengths is None:
         inputs, extra = simple_gla_inputs(2, 1000, 2, 128, "both", True), {}
     else:

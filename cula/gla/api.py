@@ -8,7 +8,7 @@ import torch
 
 from cula import validation
 from cula.custom_ops import ChunkOps
-from cula.dispatch import CuteKernel, Op, bind, call_args, chunk_fwd_kernel_declines
+from cula.dispatch import BackwardKernel, CuteKernel, Op, bind, call_args, chunk_fwd_kernel_declines, recomputing
 from cula.gla import reference
 from cula.recurrent.plan import recurrent_kernel
 
@@ -110,4 +110,23 @@ def _sm90_run(args: dict[str, Any]):
     )  # fmt: skip
 
 
-CHUNK.register_kernel(CuteKernel("gla.chunk_fwd_sm90", 9, _sm90_supports, _sm90_run))
+def _sm90_backward(args: dict[str, Any], residuals: list, grad_o, grad_final_state) -> dict[str, torch.Tensor]:
+    """Gradients of every floating tensor argument present (:mod:`cula.gla.chunk_bwd_sm90`)."""
+    from cula.gla.chunk_bwd_sm90 import chunk_gla_bwd_sm90
+
+    dq, dk, dv, dg, dh0 = chunk_gla_bwd_sm90(
+        args["q"], args["k"], args["v"], args["g"], grad_o, args["scale"], args["initial_state"], grad_final_state,
+        args["cu_seqlens"], args.get("cu_seqlens_cpu"), args.get("state_v_first", False),
+    )  # fmt: skip
+    grads = {"q": dq, "k": dk, "v": dv, "g": dg.to(args["g"].dtype)}
+    if args["initial_state"] is not None:
+        grads["initial_state"] = dh0
+    return grads
+
+
+# the kernel's state walks (compile-checked, never run), then the per-chunk gradients in PyTorch: opt-in, and only for
+# the training calls FLA does not serve (without FLA, or with CULA_BACKEND=cute), which would go to the reference
+SM90_BACKWARD = BackwardKernel(
+    recomputing(_sm90_run), lambda args: [], _sm90_backward, hardware_tested=False, beats_fla=False
+)
+CHUNK.register_kernel(CuteKernel("gla.chunk_fwd_sm90", 9, _sm90_supports, _sm90_run, backward=SM90_BACKWARD))

@@ -86,11 +86,15 @@ class GLAChunkFwdSm90(kda.KDAChunkFwdSm90):
 
     split_values = False
     gate_floor = GATE_FLOOR
+    # the state walks of the backward: the prep role builds R as ever and the intra step, making no P, releases it
+    # and the q | k | g stage (as in the later split passes)
+    walks = True
+    intra_step_in_walks = True
 
     def __init__(self, config: ChunkFwdConfig):
         assert not config.delta_rule and config.intra == "none", config
         super().__init__(config, gate_in_kernel=False)
-        self.makes_scores = config.mode == "full"
+        self.makes_scores = config.mode == "full" and config.walk == "output"
 
     # ---------------------------------------------------------------- host side
     def gate_host(self, t, gate_args, tile_qk, tile_v):
@@ -265,7 +269,8 @@ def compile_gla_fwd_sm90(arch="sm_90a", *, state_v_first=False, keep_artifacts=F
     """The GLA chunk kernel for ``config`` (:class:`cula.sm90.chunk_fwd.ChunkFwdConfig` fields; no delta rule,
     intra "none"), compiled on any machine for ``arch``."""
     cfg = ChunkFwdConfig(**{**config, "delta_rule": False})
-    fake = entry.fake_args(cfg.head_dim, True, state_v_first, per_key_gate=True)
+    walk = cfg.walk != "output"
+    fake = entry.fake_args(cfg.head_dim, True, state_v_first, per_key_gate=True, checkpoints=walk)
     return runtime.compile_kernel(GLAChunkFwdSm90(cfg), fake, arch, keep_artifacts)
 
 
@@ -311,5 +316,9 @@ entry.register_checked(
         "[transition]": {"is_varlen": True, "mode": "transition"},
         "[correction]": {"is_varlen": True, "mode": "correction"},
         "[D=64, correction]": {"head_dim": 64, "is_varlen": True, "mode": "correction"},
+        "[states walk]": {"is_varlen": True, "has_initial_state": True, "walk": "states"},
+        "[state-gradient walk]": {"is_varlen": True, "has_initial_state": True, "walk": "state_grads"},
+        "[state-gradient walk, fixed length]": {"walk": "state_grads"},
+        "[D=64, states walk]": {"head_dim": 64, "is_varlen": True, "walk": "states"},
     },
 )

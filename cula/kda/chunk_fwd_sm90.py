@@ -163,8 +163,11 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
     # a floor on the natural-log gate (None: the gate as given, >= -5 by FLA's safe_gate)
     gate_floor = None
 
+    # the backward's state walks (ChunkFwdConfig.walk): GLA's (no delta rule); KDA's would need the transposed chain
+    walks = False
+
     def __init__(self, config, gate_in_kernel: bool = False):
-        assert config.walk == "output", "the backward's state walks run on the scalar-gate kernel only"
+        assert config.walk == "output" or self.walks, "KDA's kernel makes no state walks"
         self.gate_in_kernel = gate_in_kernel
         super().__init__(config)
         self.half = self.C // 2  # intra-chunk column halves, reference tokens half // 2 and half + half // 2
@@ -339,8 +342,8 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
         # (ring positions advance on every thread, outside the branches: a branch cannot carry an object's update)
         if pwarp == 0:
             if seq.n_chunks > 0:
-                self.issue_qkg(p, rings, qkg_p, loads, cutlass.Int32(0), seq.n_chunks)
-                self.issue_v(c, rings, v_p, loads, cutlass.Int32(0))
+                self.issue_qkg(p, rings, qkg_p, loads, self.chunk_position(cutlass.Int32(0), seq), seq.n_chunks)
+                self.issue_v(c, rings, v_p, loads, self.chunk_position(cutlass.Int32(0), seq))
         qkg_p.advance()
         v_p.advance()
         # beta of a chunk is loaded one chunk ahead (stage_beta), so that the global load is in flight while the
@@ -356,7 +359,7 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
             gate = (-a * _LOG2E, gp.dt_bias[seq.hv * D + t % D], gp.lower_bound * _LOG2E)
         b_tiles = self.b_tiles(p, gs, seq) if cutlass.const_expr(save) else None
         for chunk in cutlass.range(seq.n_chunks, unroll=1):
-            L = cutlass.min(seq.seqlen - chunk * C, C)
+            L = cutlass.min(seq.seqlen - self.chunk_position(chunk, seq) * C, C)
             slot = chunk % 2
             rings.qkg.consumer_wait(qkg_c)
             if cutlass.const_expr(cfg.is_varlen):
@@ -380,7 +383,7 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
             rings.r.producer_commit(r_p)
             r_p.advance()
             rings.b.producer_acquire(b_p)
-            self.build_b_tiles(gs, sK3, sQ3, L, t)
+            self.build_b_tiles(gs, sK3, sQ3, L, t, c.scale)
             cute.arch.fence_proxy("async.shared", space="cta")
             # every prep thread's reads of the chunk (G_last above all) are done before any of them scans the next:
             # one lane per warp releases the tiles below, which orders its own reads only (racecheck found the
@@ -396,8 +399,8 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
             qkg_c.advance()
             if pwarp == 0:
                 if chunk + 1 < seq.n_chunks:
-                    self.issue_qkg(p, rings, qkg_p, loads, chunk + 1, seq.n_chunks)
-                    self.issue_v(c, rings, v_p, loads, chunk + 1)
+                    self.issue_qkg(p, rings, qkg_p, loads, self.chunk_position(chunk + 1, seq), seq.n_chunks)
+                    self.issue_v(c, rings, v_p, loads, self.chunk_position(chunk + 1, seq))
             qkg_p.advance()
             v_p.advance()
         if cutlass.const_expr(save):
@@ -475,9 +478,10 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
 
     @cute.jit
     def issue_qkg(self, p, rings, state, loads, chunk, n_chunks):
-        """One warp (the copies elect their issuing lane): the q, k and g tiles of ``chunk`` once the stage is
-        free (``state``; the caller advances it); and the next chunk's into L2, so that its load (issued only once this chunk's tiles are consumed)
-        waits for L2, not for HBM."""
+        """One warp (the copies elect their issuing lane): the q, k and g tiles of chunk position ``chunk`` once the
+        stage is free (``state``; the caller advances it); and the next one's into L2 (the previous position's in
+        the reverse walk), so that its load (issued only once this chunk's tiles are consumed) waits for L2, not for
+        HBM."""
         tQs, tQg, tKs, tKg, tGs, tGg, _, _ = loads
         rings.qkg.producer_acquire(state)
         bar = rings.qkg.producer_get_barrier(state)
@@ -485,9 +489,10 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
         cute.copy(atoms[0], tQg[None, chunk], tQs[None, 0], tma_bar_ptr=bar)
         cute.copy(atoms[1], tKg[None, chunk], tKs[None, 0], tma_bar_ptr=bar)
         cute.copy(atoms[2], tGg[None, chunk], tGs[None, 0], tma_bar_ptr=bar)
-        if chunk + 1 < n_chunks and cute.arch.lane_idx() == 0:
+        step = -1 if cutlass.const_expr(self.cfg.reverse) else 1
+        if chunk + step < n_chunks and chunk + step >= 0 and cute.arch.lane_idx() == 0:
             for atom, tXg in zip(atoms, (tQg, tKg, tGg), strict=True):
-                cute.prefetch(atom, tXg[None, chunk + 1])
+                cute.prefetch(atom, tXg[None, chunk + step])
 
     @cute.jit
     def issue_v(self, c, rings, state, loads, chunk):
@@ -674,9 +679,10 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
         return g2, x2, nx
 
     @cute.jit
-    def build_b_tiles(self, gs, sK3, sQ3, L, t):
+    def build_b_tiles(self, gs, sK3, sQ3, L, t, scale):
         """The B tiles of the chunk's state products (``t`` in [0, 128)): K 2^G and Q 2^G (K-major; Q 2^G only in a
-        pass that makes o) and K 2^(G_last - G) (MN-major, 0 past the sequence end). Thread t owns key channels 2p,
+        pass that makes o) and K 2^(G_last - G) (MN-major, 0 past the sequence end; in the state-gradient walk, whose
+        key place holds q, scale Q 2^G instead: the update's operand there). Thread t owns key channels 2p,
         2p + 1 (p = t % (D / 2), read and written as pairs) for one group of 8-token blocks (t // (D / 2)), 4 tokens
         at a time; within a block the token's low 3 bits are compile-time, so the 128B-swizzled addresses cost an
         XOR each."""
@@ -713,7 +719,10 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
                         kg2[0, e] = kx[e] * eg[e]
                         kd = f32(0.0)
                         if j < L:
-                            kd = kx[e] * cute.math.exp2(gl[0, e] - g2[jj][0, e], fastmath=True)
+                            if cutlass.const_expr(self.cfg.reverse):
+                                kd = kx[e] * eg[e] * scale
+                            else:
+                                kd = kx[e] * cute.math.exp2(gl[0, e] - g2[jj][0, e], fastmath=True)
                         kd2[e, 0] = kd
                     cute.local_tile(sKG, (1, 2), (j, p)).store(kg2.load().to(bf16))
                     cute.local_tile(sKD, (2, 1), (p, j)).store(kd2.load().to(bf16))

@@ -227,6 +227,9 @@ class ChunkFwdSm90:
     # the v tile's rows past the sequence end zeroed in shared memory once it lands (zero_tail_rows): where the chain
     # multiplies them by zero factors, which would keep a NaN of the next sequence's tokens
     zeroes_v_tail = False
+    # the intra step runs in the backward's state walks too (making nothing there): where it releases rings that the
+    # walks' chunks still move through (GLA's R and q | k | g)
+    intra_step_in_walks = False
 
     def __init__(self, config: ChunkFwdConfig):
         assert config.head_dim in (64, 128), config.head_dim
@@ -452,7 +455,9 @@ class ChunkFwdSm90:
                 stager.free()  # ordered for the others by the intra step's barriers, or this one
                 if cutlass.const_expr(tp_ring):
                     cute.arch.barrier(barrier_id=Barrier.STATE, number_of_threads=state_threads)
-            if cutlass.const_expr(not has_intra_role and cfg.intra != "load" and cfg.walk == "output"):
+            if cutlass.const_expr(
+                not has_intra_role and cfg.intra != "load" and (cfg.walk == "output" or self.intra_step_in_walks)
+            ):
                 self.intra_step(p, smem, gsmem, rings, states, seq, chunk, stid, swarp)
             ins = self.chain_inputs(p, smem, gsmem, rings, states, seq, chunk)
             if cutlass.const_expr(cfg.v_from is not None):
