@@ -355,11 +355,13 @@ def test_the_sm100_backward_host_path_gives_the_reference_gradients(monkeypatch,
                 assert rel_rmse(have[b, s:e], want[b, s:e]) <= (0.02 if name == "dg" else 0.008), (name, n)
 
 
-@pytest.mark.parametrize("lengths", [[0, 1, 130, 64, 200], None], ids=["varlen", "fixed"])
-def test_the_gla_backward_host_path_gives_the_reference_gradients(monkeypatch, lengths):
+@pytest.mark.parametrize(
+    "lengths, states", [([0, 1, 130, 64, 200], True), (None, True), (None, False)], ids=["varlen", "fixed", "no_states"]
+)
+def test_the_gla_backward_host_path_gives_the_reference_gradients(monkeypatch, lengths, states):
     """GLA's backward (cula.gla.chunk_bwd_sm90: its kernel's state walks, then rows_backward with the per-key gate),
     the walks' launch emulated on the CPU (tests/launch_emulation.py): every gradient against the fp64 reference's
-    autograd, per sequence, gates steep in places."""
+    autograd, per sequence, gates steep in places; with h0 and a gradient into the final state, or neither."""
     from cula.gla.chunk_bwd_sm90 import chunk_gla_bwd_sm90
     from cula.sm90 import walks
 
@@ -370,19 +372,22 @@ def test_the_gla_backward_host_path_gives_the_reference_gradients(monkeypatch, l
     q, k, v, do = (torch.randn(B, T, H, D).bfloat16() for _ in range(4))
     g = F.logsigmoid(torch.randn(B, T, H, D) + 2.0)
     g[:, T // 2, :, :8] = -30.0
-    h0, dht = torch.randn(N, H, D, D) * 0.1, torch.randn(N, H, D, D) * 0.1
+    h0, dht = (torch.randn(N, H, D, D) * 0.1, torch.randn(N, H, D, D) * 0.1) if states else (None, None)
     cu = None if lengths is None else torch.tensor(offsets_of(lengths), dtype=torch.int32)
     scale = D**-0.5
     got = chunk_gla_bwd_sm90(q, k, v, g, do, scale, h0, dht, cu, cu, False)
+    assert (got[4] is None) == (not states)
 
-    leaves = [x.double().requires_grad_() for x in (q, k, v, g, h0)]
-    options = {"scale": scale, "initial_state": leaves[4], "output_final_state": True, "cu_seqlens": cu}
-    o, ht = cula.gla.chunk_gla(*leaves[:4], **options)
-    torch.autograd.backward([o, ht], [do.double(), dht.double()])
+    leaves = [x.double().requires_grad_() for x in (q, k, v, g)] + ([h0.double().requires_grad_()] if states else [])
+    options = {"scale": scale, "initial_state": leaves[4] if states else None, "cu_seqlens": cu}
+    o, ht = cula.gla.chunk_gla(*leaves[:4], output_final_state=states, **options)
+    outputs, cotangents = ([o, ht], [do.double(), dht.double()]) if states else ([o], [do.double()])
+    torch.autograd.backward(outputs, cotangents)
     bounds = [(b, 0, T) for b in range(B)] if lengths is None else list(itertools.pairwise(offsets_of(lengths)))
     if lengths is not None:
         bounds = [(0, s, e) for s, e in bounds]
-    for name, have, leaf in zip(("dq", "dk", "dv", "dg", "dh0"), got, leaves, strict=True):
+    names = ("dq", "dk", "dv", "dg", "dh0")[: len(leaves)]
+    for name, have, leaf in zip(names, got[: len(leaves)], leaves, strict=True):
         want = leaf.grad
         if name == "dh0":
             for n in range(N):

@@ -163,7 +163,9 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
     # a floor on the natural-log gate (None: the gate as given, >= -5 by FLA's safe_gate)
     gate_floor = None
 
-    # the backward's state walks (ChunkFwdConfig.walk): GLA's (no delta rule); KDA's would need the transposed chain
+    # the backward's state walks (ChunkFwdConfig.walk): GLA's (no delta rule). KDA's would need the transposed chain,
+    # and its prep role's beta (stage_beta, load_beta) and split workspace rows taken at chunk positions: they count
+    # chunks in walk order today, which only the forward's order makes right
     walks = False
 
     def __init__(self, config, gate_in_kernel: bool = False):
