@@ -1,5 +1,7 @@
 """Every SM90 chunk kernel once on each awkward shape, through the public entry points with the kernel forced
 (``CULA_BACKEND=cute``): the workload that ``scripts/gpu_check.sh`` runs under compute-sanitizer (``SANITIZE=1``).
+The backwards too (ops ``<variant>_train``: forward and backward, the kernels' state walks and, for simple GLA with
+``_train_kernel``, the per-chunk gradient kernel), their gradients checked finite.
 
     python scripts/sanitize_kernels.py [--list] [--op gla gla_decode ...]
 
@@ -83,6 +85,42 @@ def calls(device: str):
                     call["initial_state"] = call["initial_state"].transpose(-1, -2).contiguous()
             yield op, name, fn, call
     yield from decode_calls(device)
+    yield from training_calls(device)
+
+
+def training_calls(device: str):
+    """The chunk backwards (every variant with one: GDN, simple GLA, GLA) on :data:`SHAPES` but the split one (the
+    walks run each sequence whole): forward and backward through the entry point, returning ``(every gradient
+    concatenated, the final state)`` for the finiteness check; simple GLA once more with its per-chunk kernel."""
+    import torch
+
+    from benchmarks.run import entry_points
+
+    def step(fn, env):
+        def run(**call):
+            os.environ.update(env)
+            leaves = {
+                n: x.requires_grad_() for n, x in call.items() if isinstance(x, torch.Tensor) and x.is_floating_point()
+            }
+            o, ht = fn(**call)
+            torch.autograd.backward([o, ht], [torch.randn_like(o), torch.randn_like(ht)])
+            os.environ.update({n: "0" for n in env})
+            return torch.cat([x.grad.float().flatten() for x in leaves.values()]), ht.detach()
+
+        return run
+
+    for op, env in (("gdn", {}), ("simple_gla", {}), ("simple_gla", {"CULA_CHUNK_GRADIENT_KERNEL": "1"}), ("gla", {})):
+        fn = entry_points(op)[0]
+        label = f"{op}_train" + ("_kernel" if env else "")
+        for name, B, T, H, HV, D, lengths, h0, state_v_first in SHAPES:
+            if name.startswith("split"):
+                continue
+            call = inputs(op, B, T, H, HV, D, lengths, h0, device)
+            if state_v_first:
+                call["state_v_first"] = True
+                if h0:
+                    call["initial_state"] = call["initial_state"].transpose(-1, -2).contiguous()
+            yield label, name, step(fn, env), call
 
 
 def decode_calls(device: str):
@@ -136,7 +174,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--list", action="store_true", help="print the shapes and exit")
     parser.add_argument(
-        "--op", nargs="+", help="only these kernels' calls (gdn, kda, simple_gla, gla, gdn_decode, ...)"
+        "--op", nargs="+", help="only these kernels' calls (gdn, kda, simple_gla, gla, gdn_decode, gdn_train, ...)"
     )
     args = parser.parse_args()
     if args.list:
@@ -156,7 +194,7 @@ def main() -> int:
         torch.cuda.synchronize()
         finite = bool(torch.isfinite(o).all()) and bool(torch.isfinite(ht.float()).all())
         bad += not finite
-        print(f"{op:<10} {name:<24} {'finite' if finite else 'NOT FINITE'}", flush=True)
+        print(f"{op:<22} {name:<24} {'finite' if finite else 'NOT FINITE'}", flush=True)
     return 1 if bad else 0
 
 

@@ -1,7 +1,7 @@
 """Time the SM90 backwards pass by pass, beside FLA's forward + backward, in one process on a GPU: the data behind
 PERF.md's backward rows.
 
-    python tools/backward_pass_times.py [--op simple_gla|gdn] [--shapes 1x8192x64,2x16384x64] [--gate g|g_gamma]
+    python tools/backward_pass_times.py [--op simple_gla|gdn|gla] [--shapes 1x8192x64,2x16384x64] [--gate g|g_gamma]
 
 For each B x T x H shape (D = 128, bf16, H = HV) it prints, as medians of CUDA-event timings over 10 calls: the two
 state walks, the per-chunk passes in PyTorch (``rows_backward``) and, for simple GLA, by the kernel
@@ -43,6 +43,8 @@ def inputs(op: str, B: int, T: int, H: int, gate: str):
     if op == "gdn":
         args["g"] = F.logsigmoid(torch.randn(B, T, H, device="cuda") + 3.0)
         args["beta"] = torch.rand(B, T, H, device="cuda")
+    elif op == "gla":
+        args["g"] = F.logsigmoid(torch.randn(B, T, H, D, device="cuda") + 3.0)
     elif gate == "g":
         args["g"] = F.logsigmoid(torch.randn(B, T, H, device="cuda") + 3.0)
     else:
@@ -52,6 +54,8 @@ def inputs(op: str, B: int, T: int, H: int, gate: str):
 
 def passes(op: str, args: dict, do) -> dict:
     """The backward's passes alone on ``args``."""
+    import torch
+
     from cula.ops import chunk_backward
     from cula.sm90 import walks
 
@@ -62,6 +66,11 @@ def passes(op: str, args: dict, do) -> dict:
 
         g, beta = args["g"], args["beta"]
         rows_beta = beta
+    elif op == "gla":
+        from cula.gla.chunk_fwd_sm90 import GLA_SM90 as kernel
+
+        g, rows_beta = args["g"], None
+        beta = torch.empty(v.shape[:3], dtype=torch.float32, device=v.device)  # the kernel's unread beta slot
     else:
         from cula.lightning.chunk_fwd_sm90 import SIMPLE_GLA_SM90 as kernel
         from cula.lightning.chunk_fwd_sm90 import token_gate
@@ -93,7 +102,7 @@ def passes(op: str, args: dict, do) -> dict:
 def forward_backward(op: str, args: dict, do, backend: str) -> float:
     import cula
 
-    fn = cula.gdn.chunk_gated_delta_rule if op == "gdn" else cula.lightning.chunk_simple_gla
+    fn = {"gdn": cula.gdn.chunk_gated_delta_rule, "gla": cula.gla.chunk_gla}.get(op, cula.lightning.chunk_simple_gla)
     leaves = {n: (x.detach().requires_grad_() if x.is_floating_point() else x) for n, x in args.items()}
 
     def step():
@@ -113,7 +122,7 @@ def forward_backward(op: str, args: dict, do, backend: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--op", choices=("simple_gla", "gdn"), default="simple_gla")
+    parser.add_argument("--op", choices=("simple_gla", "gdn", "gla"), default="simple_gla")
     parser.add_argument("--shapes", default="1x8192x64")
     parser.add_argument("--gate", choices=("g", "g_gamma"), default="g_gamma", help="simple GLA's gate")
     opts = parser.parse_args()
