@@ -56,8 +56,9 @@ def scalar_gate_forward(
     operand of its products; Y = beta (V - 2^G (K S)) and V_new = Tinv Y (bf16 operands); O = scale 2^G (Q S) +
     P V_new; S <- 2^G_last S + K^T (V_new 2^(G_last - G)). Without the delta rule V_new = V. ``gate_floor`` None
     leaves the gates as given (-inf then gives NaN: the reason for the floor). ``chunk``: the kernel's chunk size.
-    ``gated_operands`` (no delta rule): the factors ride in bf16 operands instead, O = bf16(scale 2^G Q) S + P V and
-    S <- 2^G_last S + bf16(2^(G_last - G) K)^T V. ``split_values`` (delta rule): Y and V_new enter their products
+    ``gated_operands``: the factors of O and the update ride in bf16 operands instead (the SM100 kernel's scheme),
+    O = bf16(scale 2^G Q) S + P V_new and S <- 2^G_last S + bf16(2^(G_last - G) K)^T V_new. ``split_values`` (delta
+    rule): Y and V_new enter their products
     as bf16 hi + lo pairs (:func:`split`), as KDA's kernel takes them."""
     H, T, K = q.shape
     V = v.shape[-1]
@@ -65,7 +66,7 @@ def scalar_gate_forward(
     S = torch.zeros(H, K, V, dtype=torch.float32, device=q.device) if h0 is None else h0.float().clone()
     o = torch.empty(H, T, V, dtype=torch.float32, device=q.device)
     g = g.float() if gate_floor is None else g.float().clamp_min(gate_floor)
-    assert not (gated_operands and delta_rule) and (delta_rule or not split_values)
+    assert delta_rule or not split_values
     for c0 in range(0, T, chunk):
         c1 = min(c0 + chunk, T)
         L = c1 - c0
@@ -90,11 +91,12 @@ def scalar_gate_forward(
             v_new = vc
         G_last = G[:, -1:]
         fac_end = torch.exp2(G_last - G)[..., None]  # 2^(G_last - G_j)
-        if gated_operands:
-            o[:, c0:c1] = bf16(scale * fac_start * qc) @ S_op + P @ v_new
-            S = torch.exp2(G_last)[..., None] * S + bf16(kc * fac_end).transpose(1, 2) @ v_new
-            continue
         operand = split if split_values else bf16
+        if gated_operands:
+            v_op = operand(v_new)
+            o[:, c0:c1] = bf16(scale * fac_start * qc) @ S_op + P @ v_op
+            S = torch.exp2(G_last)[..., None] * S + bf16(kc * fac_end).transpose(1, 2) @ v_op
+            continue
         o[:, c0:c1] = scale * fac_start * (qc @ S_op) + P @ operand(v_new)
         S = torch.exp2(G_last)[..., None] * S + kc.transpose(1, 2) @ operand(v_new * fac_end)
     return o, S
