@@ -88,30 +88,23 @@ def calls(device: str):
     yield from training_calls(device)
 
 
-def training_calls(device: str):
-    """The chunk backwards (every variant with one: GDN, simple GLA, GLA) on :data:`SHAPES` but the split one (the
-    walks run each sequence whole): forward and backward through the entry point, returning ``(every gradient
-    concatenated, the final state)`` for the finiteness check; simple GLA once more with its per-chunk kernel."""
-    import torch
+# the backwards' calls (op name -> the chunk op and the environment its backward runs under): GDN, simple GLA (its
+# per-chunk passes in PyTorch, or by their kernel), GLA
+TRAINING = {
+    "gdn_train": ("gdn", {}),
+    "simple_gla_train": ("simple_gla", {"CULA_CHUNK_GRADIENT_KERNEL": "0"}),
+    "simple_gla_train_kernel": ("simple_gla", {"CULA_CHUNK_GRADIENT_KERNEL": "1"}),
+    "gla_train": ("gla", {}),
+}
 
+
+def training_calls(device: str):
+    """The chunk backwards (:data:`TRAINING`) on :data:`SHAPES` but the split one (the walks run each sequence
+    whole); :func:`train_step` runs them."""
     from benchmarks.run import entry_points
 
-    def step(fn, env):
-        def run(**call):
-            os.environ.update(env)
-            leaves = {
-                n: x.requires_grad_() for n, x in call.items() if isinstance(x, torch.Tensor) and x.is_floating_point()
-            }
-            o, ht = fn(**call)
-            torch.autograd.backward([o, ht], [torch.randn_like(o), torch.randn_like(ht)])
-            os.environ.update({n: "0" for n in env})
-            return torch.cat([x.grad.float().flatten() for x in leaves.values()]), ht.detach()
-
-        return run
-
-    for op, env in (("gdn", {}), ("simple_gla", {}), ("simple_gla", {"CULA_CHUNK_GRADIENT_KERNEL": "1"}), ("gla", {})):
+    for label, (op, _) in TRAINING.items():
         fn = entry_points(op)[0]
-        label = f"{op}_train" + ("_kernel" if env else "")
         for name, B, T, H, HV, D, lengths, h0, state_v_first in SHAPES:
             if name.startswith("split"):
                 continue
@@ -120,7 +113,18 @@ def training_calls(device: str):
                 call["state_v_first"] = True
                 if h0:
                     call["initial_state"] = call["initial_state"].transpose(-1, -2).contiguous()
-            yield label, name, step(fn, env), call
+            yield label, name, fn, call
+
+
+def train_step(label: str, fn, call):
+    """Forward and backward of a :func:`training_calls` call: ``(every gradient concatenated, the final state)``."""
+    import torch
+
+    os.environ.update(TRAINING[label][1])
+    leaves = [x.requires_grad_() for x in call.values() if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    o, ht = fn(**call)
+    torch.autograd.backward([o, ht], [torch.randn_like(o), torch.randn_like(ht)])
+    return torch.cat([x.grad.float().flatten() for x in leaves]), ht.detach()
 
 
 def decode_calls(device: str):
@@ -190,7 +194,7 @@ def main() -> int:
     for op, name, fn, call in calls("cuda"):
         if args.op and op not in args.op:
             continue
-        o, ht = fn(**call)
+        o, ht = train_step(op, fn, call) if op in TRAINING else fn(**call)
         torch.cuda.synchronize()
         finite = bool(torch.isfinite(o).all()) and bool(torch.isfinite(ht.float()).all())
         bad += not finite

@@ -234,3 +234,41 @@ def check_gradients(entry, inputs, extra, monkeypatch, lengths=None):
         elif name == "initial_state":
             for n in range(N):
                 assert rel_rmse(have[n], want[n]) <= tol, (name, n)
+
+
+def check_state_walk(kernel, walk, D, per_key_gate, lengths=(0, 1, 130, 64, 777)):
+    """One state walk of ``kernel`` (:func:`cula.sm90.walks.state_walk`, a kernel without the delta rule, chunks of its
+    ``chunk``): each checkpoint and the walk's final state within bf16 rounding of the plan's
+    (:mod:`cula.ops.chunk_backward`), per sequence, on a varlen batch with a start state (empty, one-token and odd
+    sequences by default), a scalar or ``per_key_gate`` gate."""
+    import torch.nn.functional as F
+
+    from cula.ops import chunk_backward
+    from cula.sm90.walks import state_walk
+
+    torch.manual_seed(0)
+    offsets = offsets_of(list(lengths))
+    T, H, N, C = offsets[-1], 2, len(lengths), kernel.chunk
+    x = torch.randn(1, T, H, D, device="cuda").bfloat16()
+    y = torch.randn(1, T, H, D, device="cuda").bfloat16()
+    gate = F.logsigmoid(torch.randn(1, T, H, *((D,) if per_key_gate else ()), device="cuda") + 3.0)
+    # the kernels' beta slot: the scalar gate in simple GLA's calls, an unread tensor in GLA's
+    beta = torch.empty(1, T, H, device="cuda") if per_key_gate else gate
+    start = torch.randn(N, H, D, D, device="cuda") * 0.1
+    cu = torch.tensor(offsets, dtype=torch.int32, device="cuda")
+    _, rows = chunk_backward.chunk_token_index(offsets, False, chunk=C)
+    scale = 0.3
+    got, final = state_walk(kernel, walk, x, x, y, gate, beta, scale, start, cu, rows, False)
+    torch.cuda.synchronize()
+    firsts = chunk_backward.checkpoint_rows(offsets, False, C)
+    for n, (s, e) in enumerate(zip(offsets[:-1], offsets[1:], strict=True)):
+        heads = lambda t, s=s, e=e: t[0, s:e].transpose(0, 1).double()  # noqa: E731
+        gk = heads(gate) if per_key_gate else heads(gate)[..., None].expand(H, e - s, D)
+        if walk == "states":
+            want, want_final = chunk_backward.state_walk(heads(x), heads(y), gk, start[n].double(), C)
+        else:
+            want, want_final = chunk_backward.state_gradient_walk(heads(x), heads(y), gk, scale, start[n].double(), C)
+        for c, ref in enumerate(want):
+            err = rel_rmse(got[firsts[n] + c].transpose(-1, -2), ref)
+            assert err <= 0.005, (n, c, err)
+        assert rel_rmse(final[n], want_final) <= 0.005, n

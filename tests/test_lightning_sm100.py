@@ -84,40 +84,11 @@ def test_public_entry_points_with_the_opt_in(monkeypatch):
 def test_state_walks_store_the_plans_checkpoints(walk):
     """The SM100 kernel's state walks (chunks of 128): each checkpoint and the final state within bf16 rounding of
     the plan's, per sequence, on a varlen batch with empty, one-token and odd sequences and a start state."""
-    import torch.nn.functional as F
-    from delta_rule_recurrence import offsets_of, rel_rmse
+    from delta_rule_recurrence import check_state_walk
 
-    from cula.lightning.chunk_fwd_sm100 import CHUNK, SIMPLE_GLA_SM100
-    from cula.ops import chunk_backward
-    from cula.sm90.walks import state_walk
+    from cula.lightning.chunk_fwd_sm100 import SIMPLE_GLA_SM100
 
-    torch.manual_seed(0)
-    lengths = [0, 1, 130, 128, 777]
-    offsets = offsets_of(lengths)
-    T, H, N, D = offsets[-1], 2, len(lengths), 128
-    x = torch.randn(1, T, H, D, device="cuda").bfloat16()
-    y = torch.randn(1, T, H, D, device="cuda").bfloat16()
-    gate = F.logsigmoid(torch.randn(1, T, H, device="cuda") + 3.0)
-    start = torch.randn(N, H, D, D, device="cuda") * 0.1
-    cu = torch.tensor(offsets, dtype=torch.int32, device="cuda")
-    _, rows = chunk_backward.chunk_token_index(offsets, False, chunk=CHUNK)
-    scale = 0.3
-    got, final = state_walk(SIMPLE_GLA_SM100, walk, x, x, y, gate, gate, scale, start, cu, rows, False)
-    torch.cuda.synchronize()
-    firsts = chunk_backward.checkpoint_rows(offsets, False, CHUNK)
-    for n, (s, e) in enumerate(zip(offsets[:-1], offsets[1:], strict=True)):
-        heads = lambda t, s=s, e=e: t[0, s:e].transpose(0, 1).double()  # noqa: E731
-        gk = heads(gate)[..., None].expand(H, e - s, D)
-        if walk == "states":
-            want, want_final = chunk_backward.state_walk(heads(x), heads(y), gk, start[n].double(), CHUNK)
-        else:
-            want, want_final = chunk_backward.state_gradient_walk(
-                heads(x), heads(y), gk, scale, start[n].double(), CHUNK
-            )
-        for c, ref in enumerate(want):
-            err = rel_rmse(got[firsts[n] + c].transpose(-1, -2), ref)
-            assert err <= 0.005, (n, c, err)
-        assert rel_rmse(final[n], want_final) <= 0.005, n
+    check_state_walk(SIMPLE_GLA_SM100, walk, 128, per_key_gate=False, lengths=(0, 1, 130, 128, 777))
 
 
 @pytest.mark.parametrize("lengths", [None, [0, 1, 130, 128, 777]], ids=["fixed", "varlen"])

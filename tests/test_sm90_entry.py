@@ -270,7 +270,8 @@ def test_one_off_sequence_fails_where_the_call_passes(monkeypatch):
 
 def test_the_sanitizer_workload_is_valid_calls():
     """Every call of scripts/sanitize_kernels.py (what gpu_check.sh runs under compute-sanitizer) passes the entry
-    points' validation and covers what it names: varlen with 0- and 1-token sequences, GVA, D = 64, state_v_first."""
+    points' validation and covers what it names: varlen with 0- and 1-token sequences, GVA, D = 64, state_v_first,
+    the backwards too."""
     import importlib.util
     from pathlib import Path
 
@@ -292,7 +293,7 @@ def test_the_sanitizer_workload_is_valid_calls():
         seen.add(op)
     decode = {"gdn_decode", "kda_decode", "gla_decode", "lightning_decode"}
     chunk = {"gdn", "kda", "simple_gla", "gla"}
-    assert seen == {"0-token", "1-token", "GVA", "D=64", "state_v_first", *chunk, *decode}
+    assert seen == {"0-token", "1-token", "GVA", "D=64", "state_v_first", *chunk, *decode, *module.TRAINING}
 
 
 @pytest.mark.parametrize("split", [False, True])
