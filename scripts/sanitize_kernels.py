@@ -77,15 +77,23 @@ def calls(device: str):
 
     for op in ("gdn", "kda", "simple_gla", "gla"):
         fn = entry_points(op)[0]
-        for name, B, T, H, HV, D, lengths, h0, state_v_first in SHAPES:
-            call = inputs(op, B, T, H, HV, D, lengths, h0, device)
-            if state_v_first:
-                call["state_v_first"] = True
-                if h0:
-                    call["initial_state"] = call["initial_state"].transpose(-1, -2).contiguous()
+        for name, call in shape_calls(op, device):
             yield op, name, fn, call
     yield from decode_calls(device)
     yield from training_calls(device)
+
+
+def shape_calls(op: str, device: str, whole: bool = False):
+    """``(shape name, keyword arguments)`` of ``op`` on each of :data:`SHAPES` (``whole``: but the split one)."""
+    for name, B, T, H, HV, D, lengths, h0, state_v_first in SHAPES:
+        if whole and name.startswith("split"):
+            continue
+        call = inputs(op, B, T, H, HV, D, lengths, h0, device)
+        if state_v_first:
+            call["state_v_first"] = True
+            if h0:
+                call["initial_state"] = call["initial_state"].transpose(-1, -2).contiguous()
+        yield name, call
 
 
 # the backwards' calls (op name -> the chunk op and the environment its backward runs under): GDN, simple GLA (its
@@ -105,14 +113,7 @@ def training_calls(device: str):
 
     for label, (op, _) in TRAINING.items():
         fn = entry_points(op)[0]
-        for name, B, T, H, HV, D, lengths, h0, state_v_first in SHAPES:
-            if name.startswith("split"):
-                continue
-            call = inputs(op, B, T, H, HV, D, lengths, h0, device)
-            if state_v_first:
-                call["state_v_first"] = True
-                if h0:
-                    call["initial_state"] = call["initial_state"].transpose(-1, -2).contiguous()
+        for name, call in shape_calls(op, device, whole=True):
             yield label, name, fn, call
 
 
