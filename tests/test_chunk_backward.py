@@ -394,3 +394,27 @@ def assert_gradients_per_sequence(got, leaves, bounds, N):
         for n, (b, s, e) in enumerate(bounds):
             if e > s:
                 assert rel_rmse(have[b, s:e], want[b, s:e]) <= (0.02 if name == "dg" else 0.008), (name, n)
+
+
+@pytest.mark.parametrize("block", [16, 7])
+def test_key_gated_products_by_blocks_equal_the_pair_factors(block):
+    """The per-key gate's intra-chunk products by row blocks against a reference token (chunk_backward.
+    key_gated_products) equal the products with every pair's factor e^(G_i - G_j) taken whole, in fp64, with gates
+    steep enough that e^-G alone would overflow (-200 per token on some keys, -30 on all)."""
+    N, L, K = 4, 64, 32
+    q, k = torch.randn(N, L, K, dtype=torch.float64), torch.randn(N, L, K, dtype=torch.float64)
+    g = F.logsigmoid(torch.randn(N, L, K, dtype=torch.float64) + 2.0)
+    g[:, 20, :10] = -200.0
+    g[:, 40] = -30.0
+    G = g.cumsum(1)
+    dP = torch.randn(N, L, L, dtype=torch.float64).tril()
+    gamma = chunk_backward._pair_factors(G, strict=False)
+    want = (
+        torch.einsum("nik,njk,nijk->nij", q, k, gamma),
+        torch.einsum("nij,nijk,njk->nik", dP, gamma, k),
+        torch.einsum("nij,nijk,nik->njk", dP, gamma, q),
+    )
+    got = chunk_backward.key_gated_products(q, k, dP, G, 1.0, block)
+    for name, have, ref in zip(("P", "dq", "dk"), got, want, strict=True):
+        assert torch.isfinite(have).all(), name
+        assert ((have - ref).norm() / ref.norm()).item() <= 1e-12, name

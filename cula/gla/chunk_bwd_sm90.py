@@ -5,7 +5,7 @@
    state_walk`: "states" on (k, v) with K 2^(G_last - G) in the update, "state_grads" from the last chunk on (q, dO)
    with scale Q 2^G), each storing a bf16 checkpoint per chunk; the second walk's final state is dh0;
 3. and 4. dq, dk, dv and the gate's gradient per chunk, from the checkpoints: batched PyTorch products over the chunk
-   rows (:func:`cula.ops.chunk_backward.rows_backward`, the per-key gate's pair factors).
+   rows (:func:`cula.ops.chunk_backward.rows_backward`, the per-key products by 16-token blocks).
 
 Shapes: q, k, v, do [B, T, H, D] bf16; g [B, T, H, D] per-key natural-log gate; states [N, H, K, V] fp32 ([N, H, V,
 K] with ``state_v_first``). One value head per q / k head.

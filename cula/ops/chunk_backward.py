@@ -91,19 +91,49 @@ def state_gradient_walk(q, do, g, scale, dht=None, chunk: int = CHUNK) -> tuple[
     return ends, dS
 
 
+def key_gated_products(q, k, dP, G, scale, block: int = 16) -> tuple[torch.Tensor, ...]:
+    """The per-key gate's intra-chunk products, Gamma_ijk = e^(G_ik - G_jk) for j <= i: ``(P, dq, dk)`` with
+    P_ij = scale sum_k q_ik k_jk Gamma_ijk, dq_ik = scale sum_j dP_ij Gamma_ijk k_jk, dk_jk = scale sum_i dP_ij
+    Gamma_ijk q_ik (q, k [N, L, K] fp32, dP [N, L, L] lower, G [N, L, K]). By ``block``-token row blocks: a block I
+    against the earlier tokens takes its first token r as reference, Gamma = e^(G_i - G_r) e^(G_r - G_j) with both
+    factors at most 1 (G does not increase along the chunk), so those parts are matrix products; the diagonal blocks
+    take their pair factors whole. Exact for any gate: a factor only underflows where the true product does."""
+    L = q.shape[1]
+    P = q.new_zeros(q.shape[0], L, L)
+    dq, dk = torch.zeros_like(q), torch.zeros_like(k)
+    for i0 in range(0, L, block):
+        rows = slice(i0, min(i0 + block, L))
+        gamma = _pair_factors(G[:, rows], strict=False)  # [N, b, b, K]
+        q_r, k_r, dP_rr = q[:, rows], k[:, rows], dP[:, rows, rows]
+        P[:, rows, rows] = scale * torch.einsum("nik,njk,nijk->nij", q_r, k_r, gamma)
+        dq[:, rows] += scale * torch.einsum("nij,nijk,njk->nik", dP_rr, gamma, k_r)
+        dk[:, rows] += scale * torch.einsum("nij,nijk,nik->njk", dP_rr, gamma, q_r)
+        if i0 == 0:
+            continue
+        ref = G[:, i0 : i0 + 1]
+        q_e = q_r * torch.exp(G[:, rows] - ref)  # the rows' factors to the reference
+        f = torch.exp(ref - G[:, :i0])  # the reference's to each earlier token
+        k_f = k[:, :i0] * f
+        dP_rc = dP[:, rows, :i0]
+        P[:, rows, :i0] = scale * q_e @ k_f.transpose(1, 2)
+        dq[:, rows] += scale * torch.exp(G[:, rows] - ref) * (dP_rc @ k_f)
+        dk[:, :i0] += scale * f * (dP_rc.transpose(1, 2) @ q_e)
+    return P, dq, dk
+
+
 def chunk_gradients(q, k, v, do, g, S, dS_end, scale) -> tuple[torch.Tensor, ...]:
     """Passes 3 and 4 on one chunk (q, k [H, L, K], v, do [H, L, V], g [H, L, K] floored; S its start state, dS_end
-    the gradient at its end): ``(dq, dk, dv, dg)``."""
+    the gradient at its end): ``(dq, dk, dv, dg)``; the intra-chunk products by :func:`key_gated_products`."""
     L = q.shape[1]
     G, G_L = _chunk_gates(g, 0, L)
-    gamma = _pair_factors(G, strict=False)
     q, k, v, do = bf16(q), bf16(k), bf16(v), bf16(do)
-    P = bf16(scale * torch.einsum("hik,hjk,hijk->hij", q, k, gamma))
     dP = torch.where(_causal(L, False, q.device), do @ v.transpose(1, 2), 0.0)
-    dq = scale * torch.exp(G) * (do @ bf16(S).transpose(1, 2)) + scale * torch.einsum("hij,hijk,hjk->hik", dP, gamma, k)
+    P, dq_intra, dk_intra = key_gated_products(q, k, dP, G, scale)
+    P = bf16(P)
+    dq = scale * torch.exp(G) * (do @ bf16(S).transpose(1, 2)) + dq_intra
     dS_op = bf16(dS_end)
     dk_inter = torch.exp(G_L - G) * (v @ dS_op.transpose(1, 2))
-    dk = dk_inter + scale * torch.einsum("hij,hijk,hik->hjk", dP, gamma, q)
+    dk = dk_inter + dk_intra
     dv = bf16(k * torch.exp(G_L - G)) @ dS_op + P.transpose(1, 2) @ do
     local = q * dq - k * dk
     constant = (k * dk_inter).sum(1, keepdim=True) + torch.exp(G_L) * (bf16(S) * dS_op).sum(-1)[:, None, :]
@@ -361,9 +391,9 @@ def scalar_delta_rows(q, k, v, beta, g, S, dS_end, do, scale, operand=_exact) ->
 
 
 # chunk-heads of C = 64 per batch of rows_backward: its (C x C) fp32 matrices take 16 KiB each (a batch: ~20 of them,
-# 2.6 GiB), a per-key gate's pair factors (C x C x K) 2 MiB each at K = 128; a chunk of C = 128 counts as four, its
-# matrices being four times larger, so that a batch takes as many bytes
-CHUNK_HEAD_BATCH = {"scalar": 8192, "per_key": 256}
+# 2.6 GiB), a per-key gate's diagonal-block pair factors (16 x 16 x K, key_gated_products) 128 KiB each at K = 128;
+# a chunk of C = 128 counts as four, its matrices being four times larger, so that a batch takes as many bytes
+CHUNK_HEAD_BATCH = {"scalar": 8192, "per_key": 2048}
 
 
 def rows_backward(q, k, v, do, g, beta, starts, ends, index, scale, batch=None) -> tuple[torch.Tensor, ...]:
