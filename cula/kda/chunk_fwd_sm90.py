@@ -234,7 +234,9 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
             tma_g, a_log, dt_bias, lower_bound, tma_b, tma_bd, wd, mma.tiled_mma(C, Hf),
             tile_g, tile_g_in, tile_r, tile_xg, tile_kd,
         )  # fmt: skip
-        self.qkg_bytes = 2 * C * D * 2 + C * D * (2 if self.gate_in_kernel else 4)
+        # a state walk reads no q (GLA's: its key place holds k, or q itself)
+        self.loads_q = cfg.walk == "output"
+        self.qkg_bytes = (1 + int(self.loads_q)) * C * D * 2 + C * D * (2 if self.gate_in_kernel else 4)
         self.b_bytes = (2 + int(cfg.make_o)) * C * D * 2
         rings = {"qkg": 1, "v": self.v_stages, "r": 1, "b": 1, "b_load": 1, "tp": 1}
         fields = {f"ring_{name}": pipeline.ring_storage(stages) for name, stages in rings.items()}
@@ -488,13 +490,15 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
         rings.qkg.producer_acquire(state)
         bar = rings.qkg.producer_get_barrier(state)
         atoms = (p.common.q.atom, p.common.k.atom, p.gate.g.atom)
-        cute.copy(atoms[0], tQg[None, chunk], tQs[None, 0], tma_bar_ptr=bar)
+        if cutlass.const_expr(self.loads_q):
+            cute.copy(atoms[0], tQg[None, chunk], tQs[None, 0], tma_bar_ptr=bar)
         cute.copy(atoms[1], tKg[None, chunk], tKs[None, 0], tma_bar_ptr=bar)
         cute.copy(atoms[2], tGg[None, chunk], tGs[None, 0], tma_bar_ptr=bar)
         step = -1 if cutlass.const_expr(self.cfg.reverse) else 1
         if chunk + step < n_chunks and chunk + step >= 0 and cute.arch.lane_idx() == 0:
-            for atom, tXg in zip(atoms, (tQg, tKg, tGg), strict=True):
-                cute.prefetch(atom, tXg[None, chunk + step])
+            for which, (atom, tXg) in enumerate(zip(atoms, (tQg, tKg, tGg), strict=True)):
+                if cutlass.const_expr(which > 0 or self.loads_q):
+                    cute.prefetch(atom, tXg[None, chunk + step])
 
     @cute.jit
     def issue_v(self, c, rings, state, loads, chunk):
