@@ -13,8 +13,6 @@ and differentiated through by autograd after them. Shapes: q, k [B, T, H, K]; v,
 
 from __future__ import annotations
 
-from cula.ops import chunk_backward
-
 
 def chunk_gdn_bwd_sm90(q, k, v, g, beta, do, scale, initial_state, dht, cu_seqlens, cu_seqlens_cpu, state_v_first):
     """Gradients of GDN's chunked forward with activated fp32 ``g`` and ``beta`` (q and k as the kernel reads them:
@@ -22,12 +20,7 @@ def chunk_gdn_bwd_sm90(q, k, v, g, beta, do, scale, initial_state, dht, cu_seqle
     from cula.gdn.chunk_fwd_sm90 import GDN_SM90
     from cula.sm90 import walks
 
-    K = q.shape[3]
-    scale = K**-0.5 if scale is None else scale
-    q, k, v, do = (x.contiguous() for x in (q, k, v, do))
     g, beta = g.float().contiguous(), beta.float().contiguous()
-    w = walks.both_walks(
+    return walks.walk_backward(
         GDN_SM90, q, k, v, do, g, beta, scale, initial_state, dht, cu_seqlens, cu_seqlens_cpu, state_v_first
     )
-    dq, dk, dv, dg, dbeta = chunk_backward.rows_backward(q, k, v, do, g, beta, w.starts, w.ends, w.index, scale)
-    return dq, dk, dv, dg, dbeta, (w.dh0 if initial_state is not None else None)

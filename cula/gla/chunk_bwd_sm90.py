@@ -16,21 +16,16 @@ from __future__ import annotations
 import torch
 
 from cula.gla.chunk_fwd_sm90 import GLA_SM90
-from cula.ops import chunk_backward
 from cula.sm90 import walks
 
 
 def chunk_gla_bwd_sm90(q, k, v, g, do, scale, initial_state, dht, cu_seqlens, cu_seqlens_cpu, state_v_first):
     """Gradients of GLA's chunked forward: ``(dq, dk, dv, dg fp32 [B, T, H, D], dh0 or None)``; ``dht`` the
     gradient into the final state, or None."""
-    D = q.shape[3]
-    scale = D**-0.5 if scale is None else scale
-    q, k, v, do = (x.contiguous() for x in (q, k, v, do))
     gate = g.float().contiguous()
     # beta's slot: an unread [B, T, H] tensor, as the forward passes
     unread_beta = torch.empty(v.shape[:3], dtype=torch.float32, device=v.device)
-    w = walks.both_walks(
+    dq, dk, dv, dg, _, dh0 = walks.walk_backward(
         GLA_SM90, q, k, v, do, gate, unread_beta, scale, initial_state, dht, cu_seqlens, cu_seqlens_cpu, state_v_first
     )
-    dq, dk, dv, dg, _ = chunk_backward.rows_backward(q, k, v, do, gate, None, w.starts, w.ends, w.index, scale)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg, (w.dh0 if initial_state is not None else None)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg, dh0

@@ -20,7 +20,6 @@ import torch
 
 from cula import runtime
 from cula.lightning.chunk_fwd_sm90 import SIMPLE_GLA_SM90
-from cula.ops import chunk_backward
 from cula.ops.chunk_emulation import GATE_FLOOR
 from cula.sm90 import entry, walks
 from cula.sm90.scalar_chunk_bwd import ScalarGateChunkBwdSm90
@@ -72,20 +71,18 @@ def chunk_simple_gla_bwd_sm90(
     fp32 [B, T, H], dh0 or None)``; ``dht`` the gradient into the final state, or None. ``kernel``: whose walks
     (SM90's, or SM100's :data:`cula.lightning.chunk_fwd_sm100.SIMPLE_GLA_SM100`, chunks of 128); the per-chunk
     kernel of passes 3 and 4 is SM90's only."""
-    D = q.shape[3]
-    scale = D**-0.5 if scale is None else scale
-    q, k, v, do = (x.contiguous() for x in (q, k, v, do))
-    # beta's slot carries the gate (never read without the delta rule)
-    w = walks.both_walks(
-        kernel, q, k, v, do, gate, gate, scale, initial_state, dht, cu_seqlens, cu_seqlens_cpu, state_v_first
-    )
+    rows = None
     if os.environ.get(ENV_GRADIENT_KERNEL, "0") == "1" and kernel is SIMPLE_GLA_SM90:
-        dq, dk, dv, dgate = chunk_gradients_sm90(
-            q, k, v, do, gate, w.starts, w.ends, w.index, scale, cu_seqlens is not None
-        )
-    else:
-        dq, dk, dv, dgate, _ = chunk_backward.rows_backward(q, k, v, do, gate, None, w.starts, w.ends, w.index, scale)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dgate, (w.dh0 if initial_state is not None else None)
+
+        def rows(q, k, v, do, w, scale):
+            grads = chunk_gradients_sm90(q, k, v, do, gate, w.starts, w.ends, w.index, scale, cu_seqlens is not None)
+            return *grads, None
+
+    # beta's slot carries the gate (never read without the delta rule)
+    dq, dk, dv, dgate, _, dh0 = walks.walk_backward(
+        kernel, q, k, v, do, gate, gate, scale, initial_state, dht, cu_seqlens, cu_seqlens_cpu, state_v_first, rows
+    )
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dgate, dh0
 
 
 entry.register_checked(

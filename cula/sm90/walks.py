@@ -66,3 +66,34 @@ def both_walks(
     S, _ = state_walk(kernel, "states", *inputs["states"], g, beta, scale, h0, *at)
     dS, dh0 = state_walk(kernel, "state_grads", *inputs["state_grads"], g, beta, scale, dht, *at)
     return Walks(index, S, dS, dh0)
+
+
+def walk_backward(
+    kernel: entry.ChunkKernel,
+    q,
+    k,
+    v,
+    do,
+    g,
+    beta,
+    scale,
+    h0,
+    dht,
+    cu_seqlens,
+    cu_seqlens_cpu,
+    state_v_first,
+    rows=None,
+):
+    """A backward on ``kernel``'s walks (:func:`both_walks`), then the per-chunk passes 3 and 4: ``rows(q, k, v, do,
+    walks, scale) -> (dq, dk, dv, dg, dbeta or None)``, by default :func:`cula.ops.chunk_backward.rows_backward`
+    (reading beta with the delta rule only). Returns ``(dq, dk, dv, dg, dbeta or None, dh0 or None)`` as the passes
+    give them (fp32 from ``rows_backward``); ``scale`` None is K^-0.5."""
+    scale = q.shape[3] ** -0.5 if scale is None else scale
+    q, k, v, do = (x.contiguous() for x in (q, k, v, do))
+    w = both_walks(kernel, q, k, v, do, g, beta, scale, h0, dht, cu_seqlens, cu_seqlens_cpu, state_v_first)
+    if rows is None:
+        rows_beta = beta if kernel.delta_rule else None
+        grads = chunk_backward.rows_backward(q, k, v, do, g, rows_beta, w.starts, w.ends, w.index, scale)
+    else:
+        grads = rows(q, k, v, do, w, scale)
+    return (*grads, w.dh0 if h0 is not None else None)
