@@ -35,9 +35,7 @@ def acc_to_operand(acc):
     """bf16 copy of a (64 x N) fp32 wgmma accumulator laid out as the register A operand of a (64 x N) x (N x .)
     wgmma: per 8-column block each thread holds (2 cols, 2 rows); an A k-block of 16 is two such blocks, so the
     register order is unchanged and only the layout's grouping differs."""
-    n8 = cute.size(acc) // 4
-    a_layout = cute.make_layout(((2, 2, 2), 1, n8 // 2), stride=((1, 2, 4), 0, 8))
-    frag = cute.make_rmem_tensor(a_layout, cutlass.BFloat16)
+    frag = empty_operand(cute.size(acc))
     flat = cute.make_tensor(frag.iterator, cute.make_layout(cute.size(acc)))
     acc_flat = cute.make_tensor(acc.iterator, cute.make_layout(cute.size(acc)))
     flat.store(acc_flat.load().to(cutlass.BFloat16))
@@ -49,8 +47,7 @@ def acc_to_operand_split(acc):
     """:func:`acc_to_operand` as two bf16 operands, hi = bf16(acc) and lo = bf16(acc - hi): a product taken with
     both (two wgmmas into one accumulator) sees the accumulator to about 16 mantissa bits instead of 8."""
     hi = acc_to_operand(acc)
-    n8 = cute.size(acc) // 4
-    lo = cute.make_rmem_tensor(cute.make_layout(((2, 2, 2), 1, n8 // 2), stride=((1, 2, 4), 0, 8)), cutlass.BFloat16)
+    lo = empty_operand(cute.size(acc))
     hi_flat = cute.make_tensor(hi.iterator, cute.make_layout(cute.size(acc)))
     lo_flat = cute.make_tensor(lo.iterator, cute.make_layout(cute.size(acc)))
     acc_flat = cute.make_tensor(acc.iterator, cute.make_layout(cute.size(acc)))
@@ -62,8 +59,7 @@ def acc_to_operand_split(acc):
 def frag_to_operand(frag):
     """A bf16 fragment laid out as a (64 x N) accumulator (a token tile's rows read by ldmatrix) as the register A
     operand of a (64 x N) x (N x .) wgmma: the register order is the same (:func:`acc_to_operand`)."""
-    n8 = cute.size(frag) // 4
-    op = cute.make_rmem_tensor(cute.make_layout(((2, 2, 2), 1, n8 // 2), stride=((1, 2, 4), 0, 8)), cutlass.BFloat16)
+    op = empty_operand(cute.size(frag))
     flat = cute.make_tensor(op.iterator, cute.make_layout(cute.size(frag)))
     flat.store(cute.make_tensor(frag.iterator, cute.make_layout(cute.size(frag))).load())
     return op
