@@ -174,14 +174,6 @@ class ScalarGateChunkFwdSm100:
         # the tiles of the q | k | v stage each chunk loads: a walk reads no q (its key place is k, or q itself)
         self.loaded_tiles = (0, 1, 2) if config.make_o else (1, 2)
 
-    @cute.jit
-    def position(self, chunk, seq: Sequence):
-        """The place in its sequence of a role's ``chunk``-th chunk: the same, or from the end in the reverse walk."""
-        pos = chunk
-        if cutlass.const_expr(self.cfg.reverse):
-            pos = seq.n_chunks - 1 - chunk
-        return pos
-
     # ---------------------------------------------------------------- host side
     @cute.jit
     def __call__(self, q, k, v, g, beta, o, h0, ht, starts, ends, w, slots, scale, stream):
@@ -344,7 +336,7 @@ class ScalarGateChunkFwdSm100:
         for chunk in cutlass.range(seq.n_chunks, unroll=1):
             qkv.producer_acquire(pos)
             bar = qkv.producer_get_barrier(pos)
-            pos_c = self.position(chunk, seq)
+            pos_c = sequence.chunk_position(chunk, seq.n_chunks, self.cfg.reverse)
             for which in self.loaded_tiles:
                 smem_part, gmem_part = parts[which]
                 cute.copy(sources[which][0].atom, gmem_part[None, pos_c], smem_part[None, 0], tma_bar_ptr=bar)
@@ -404,7 +396,7 @@ class ScalarGateChunkFwdSm100:
         raw = cute.make_rmem_tensor(cute.make_layout(C // 32), f32)
         G = cute.make_rmem_tensor(cute.make_layout(C // 32), f32)
         for chunk in cutlass.range(seq.n_chunks, unroll=1):
-            t0 = self.position(chunk, seq) * C + lane
+            t0 = sequence.chunk_position(chunk, seq.n_chunks, self.cfg.reverse) * C + lane
             for m in cutlass.range_constexpr(C // 32):
                 # clamped into the sequence instead of branching, so the loads stay in flight
                 raw[m] = gG[seq.tok0 + cutlass.min(t0 + 32 * m, seq.seqlen - 1)]
@@ -445,7 +437,7 @@ class ScalarGateChunkFwdSm100:
         # the key tile's factor column: 2^(G_last - G), or in the state-gradient walk s 2^G (its key place holds q)
         key_factor = 0 if self.cfg.reverse else 1
         for chunk in cutlass.range(seq.n_chunks, unroll=1):
-            valid = seq.seqlen - self.position(chunk, seq) * C
+            valid = seq.seqlen - sequence.chunk_position(chunk, seq.n_chunks, self.cfg.reverse) * C
             slot = gate_pos.index
             gate.consumer_wait(gate_pos)
             qkv.consumer_wait(consumer)  # uncounted: the MMA warp releases the stage
@@ -510,7 +502,9 @@ class ScalarGateChunkFwdSm100:
             # the forward's bf16 operand of Q~ S, or a walk's checkpoint of the state before the chunk's step
             operand = smem.sS
             if cutlass.const_expr(not self.cfg.make_o):
-                operand = p.w[checkpoint0 + self.position(chunk, seq), seq.hv, None, None]
+                operand = p.w[
+                    checkpoint0 + sequence.chunk_position(chunk, seq.n_chunks, self.cfg.reverse), seq.hv, None, None
+                ]
             for blk in cutlass.range_constexpr(D // cols):
                 block = tmem.fragment(rows)
                 tmem.read(rows, blk, block)

@@ -287,10 +287,7 @@ class ChunkFwdSm90:
     def chunk_position(self, chunk, seq: Sequence):
         """The place in its sequence of a role's ``chunk``-th chunk: the same, or counted from the end in the
         reverse walk."""
-        pos = chunk
-        if cutlass.const_expr(self.cfg.reverse):
-            pos = seq.n_chunks - 1 - chunk
-        return pos
+        return sequence.chunk_position(chunk, seq.n_chunks, self.cfg.reverse)
 
     @cute.jit
     def zero_tail_rows(self, sV, valid, stid, nt: cutlass.Constexpr):

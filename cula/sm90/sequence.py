@@ -19,6 +19,16 @@ def sequence_bounds(n, T, mStart, mEnd, is_varlen: cutlass.Constexpr, C: cutlass
 
 
 @cute.jit
+def chunk_position(chunk, n_chunks, reverse: cutlass.Constexpr):
+    """The place in its sequence of a role's ``chunk``-th chunk: the same, or counted from the end when the chunks
+    are walked from the last (``reverse``: the backward's state-gradient walk)."""
+    pos = chunk
+    if cutlass.const_expr(reverse):
+        pos = n_chunks - 1 - chunk
+    return pos
+
+
+@cute.jit
 def checkpoint_row(n, tok0, n_chunks, is_varlen: cutlass.Constexpr, C: cutlass.Constexpr):
     """The workspace row of the first chunk of sequence ``n`` in the backward's state walks (one row per chunk):
     ``n n_chunks`` for fixed-length rows; ``tok0 // C + n`` for varlen ones, distinct for every chunk of every
