@@ -55,7 +55,7 @@ from cutlass.pipeline import Agent, CooperativeGroup
 
 from cula.sm90 import sequence, tiles
 from cula.sm90.chunk_fwd import ChunkFwdConfig
-from cula.sm90.scalar_gates import GATE_FLOOR
+from cula.sm90.scalar_gates import GATE_FLOOR, warp_scan_64
 from cula.sm100 import mma, tmem
 from cula.sm100.roles import THREADS, WARPGROUP, Barrier, WarpRole
 
@@ -149,16 +149,6 @@ def _scale_row(tile, row, factor, keep):
         else:
             frag.fill(0.0)
         cute.autovec_copy(frag, part)
-
-
-@cute.jit
-def _warp_scan(x, lane):
-    """Inclusive prefix sum over the 32 lanes of a warp."""
-    for i in cutlass.range_constexpr(5):
-        up = cute.arch.shuffle_sync_up(x, 1 << i)
-        if lane >= (1 << i):
-            x = x + up
-    return x
 
 
 class ScalarGateChunkFwdSm100:
@@ -400,12 +390,16 @@ class ScalarGateChunkFwdSm100:
             for m in cutlass.range_constexpr(C // 32):
                 # clamped into the sequence instead of branching, so the loads stay in flight
                 raw[m] = gG[seq.tok0 + cutlass.min(t0 + 32 * m, seq.seqlen - 1)]
-            total = f32(0.0)
+            x = cute.make_rmem_tensor(cute.make_layout(C // 32), f32)
             for m in cutlass.range_constexpr(C // 32):
-                x = cutlass.max(raw[m], f32(GATE_FLOOR)) if t0 + 32 * m < seq.seqlen else f32(0.0)
-                x = _warp_scan(x, lane) + total
-                total = cute.arch.shuffle_sync(x, 31)
-                G[m] = x * _LOG2E
+                x[m] = cutlass.max(raw[m], f32(GATE_FLOOR)) if t0 + 32 * m < seq.seqlen else f32(0.0)
+            # 64 tokens at a time (lane l holds l and l + 32 of each), the second 64 after the first's total
+            total = f32(0.0)
+            for half in cutlass.range_constexpr(C // 64):
+                lo, hi = warp_scan_64(x[2 * half], x[2 * half + 1], lane, False)
+                G[2 * half] = (lo + total) * _LOG2E
+                G[2 * half + 1] = (hi + total) * _LOG2E
+                total = total + cute.arch.shuffle_sync(hi, 31)
             G_last = total * _LOG2E
             gate.producer_acquire(pos)
             slot = pos.index
