@@ -3,9 +3,8 @@ in PyTorch on any device, bf16 where the kernels round (their wgmma operands: to
 and fp32 elsewhere, so that it can be checked against the fp64 recurrence's autograd on a CPU.
 
 Per sequence and value head, chunks of C tokens (64; the SM100 kernel's walks 128), G the cumulative natural-log
-gate inside a chunk (per key; a
-scalar gate is the same value on every key), G_L its last row, S_c the state at chunk c's start and dS'_c the
-gradient of the state at its end (that is, of S_{c+1}):
+gate inside a chunk (per key; a scalar gate is the same value on every key), G_L its last row, S_c the state at
+chunk c's start and dS'_c the gradient of the state at its end (that is, of S_{c+1}):
 
 1. states, walking forward:   S_{c+1}  = diag(e^G_L) S_c + (K * e^(G_L - G))^T V          (S_0 = h0)
 2. state gradients, backward: dS'_{c-1} = diag(e^G_L) dS'_c + scale (Q * e^G)^T dO         (dS'_last = dht)
