@@ -291,7 +291,8 @@ def explain(fn: Callable, *args, **kwargs) -> Decision:
     op = op_of(fn)
     bound = inspect.signature(fn).bind(*args, **kwargs)
     bound.apply_defaults()
-    args = call_args(bound.arguments)
+    named = dict(bound.arguments)
+    args = call_args(named, named.pop("kwargs", None))
     op.validate(args)
     return op.decide(args)[0]
 
@@ -363,11 +364,11 @@ def fla_gated_backward_ok(args: dict[str, Any]) -> Verdict:
     return True, ""
 
 
-def call_args(local_vars: dict[str, Any]) -> dict[str, Any]:
-    """An entry point's ``locals()`` as keyword arguments, with its ``**kwargs`` merged in and FLA's deprecated
-    ``transpose_state_layout`` turned into ``state_v_first`` as FLA does."""
-    args = dict(local_vars)
-    args.update(args.pop("kwargs", {}))
+def call_args(named: dict[str, Any], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """An entry point's arguments by name: its named parameters, its ``**kwargs`` (``extra``) merged in, and FLA's
+    deprecated ``transpose_state_layout`` turned into ``state_v_first`` as FLA does. Entry points spell their
+    parameters out rather than pass ``locals()``, which torch.compile cannot trace before torch 2.13."""
+    args = {**named, **(extra or {})}
     if "transpose_state_layout" in args and "state_v_first" in args:
         if args["state_v_first"]:
             raise ValueError("pass `state_v_first` or the deprecated `transpose_state_layout`, not both")

@@ -54,6 +54,22 @@ def test_signature_matches_fla(ours, target):
     assert [p for p in params(ours) if p not in extension] == params(fla_fn(target))
 
 
+@pytest.mark.parametrize("ours,target", ENTRY_POINTS, ids=[t for _, t in ENTRY_POINTS])
+def test_every_parameter_reaches_the_op(ours, target, monkeypatch):
+    """Each entry point names its parameters one by one to its op (not ``locals()``, which torch.compile cannot
+    trace before torch 2.13): every parameter, and a keyword that ``**kwargs`` takes, arrives by name."""
+    op = dispatch.op_of(ours)
+    seen = {}
+    monkeypatch.setattr(op, "call", lambda args: seen.update(args))
+    parameters = inspect.signature(ours).parameters.values()
+    values = {p.name: object() for p in parameters if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        values["chunk_size"] = object()
+    ours(**values)
+    assert seen.keys() == values.keys()
+    assert all(seen[name] is value for name, value in values.items())
+
+
 # -- inputs -----------------------------------------------------------------------------------------------------
 
 
@@ -602,9 +618,9 @@ def test_the_sm100_simple_gla_kernel_says_what_it_declines(monkeypatch):
     assert cula.explain(fn, **call(grad=True)).reason == "lightning.chunk_fwd_sm100 on sm_100"
 
 
-def test_the_gla_backward_is_opt_in_and_yields_to_fla(monkeypatch):
-    """A GLA training call on a faked H200: its kernel's backward (state walks never run on a GPU) declines without
-    CULA_UNTESTED_KERNELS=1, yields to FLA's faster backward with it, and serves the call when FLA is not there."""
+def test_the_gla_backward_yields_to_fla(monkeypatch):
+    """A GLA training call on a faked H200: its kernel's backward (PyTorch per-chunk gradients) yields to FLA's faster
+    backward, and serves the call when FLA is not there."""
     FakeCuda(monkeypatch, (9, 0))
     monkeypatch.setattr(dispatch, "fla_function", lambda target: None)
     args = {n: torch.randn(1, 70, 2, 64).bfloat16() for n in ("q", "k", "v")}
@@ -612,9 +628,6 @@ def test_the_gla_backward_is_opt_in_and_yields_to_fla(monkeypatch):
     args["g"] = -torch.rand(1, 70, 2, 64)
     fn = cula.gla.chunk_gla
     monkeypatch.setenv(dispatch.ENV_UNTESTED, "0")
-    decision = cula.explain(fn, **args)
-    assert decision.backend == "fla" and "its backward has not run on a GPU" in dict(decision.rejected)["cute"]
-    monkeypatch.setenv(dispatch.ENV_UNTESTED, "1")
     decision = cula.explain(fn, **args)
     assert decision.backend == "fla" and "FLA's backward is faster" in dict(decision.rejected)["cute"]
     monkeypatch.setattr(dispatch, "fla_function", lambda target: (_ for _ in ()).throw(ImportError("no fla")))

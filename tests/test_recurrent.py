@@ -124,8 +124,9 @@ def bound_args(variant, **extra):
     sig = inspect.signature(fn)
     bound = sig.bind(**{k: v for k, v in extra.items() if k in sig.parameters})
     bound.apply_defaults()
-    args = cula.dispatch.call_args(bound.arguments)
-    args.update({k: v for k, v in extra.items() if k not in sig.parameters})
+    named = dict(bound.arguments)
+    named.pop("kwargs", None)
+    args = cula.dispatch.call_args(named, {k: v for k, v in extra.items() if k not in sig.parameters})
     fn.cula_op.validate(args)
     return args
 

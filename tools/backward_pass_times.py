@@ -31,6 +31,12 @@ def median_ms(fn, reps: int = 10) -> float:
     return statistics.median(times)
 
 
+def report(label: str, value):
+    """Prints one measurement as soon as it is taken (a run cut short still tells what it had), and returns it."""
+    print(f"  {label}: {value}", flush=True)
+    return value
+
+
 def inputs(op: str, B: int, T: int, H: int, gate: str):
     import torch
     import torch.nn.functional as F
@@ -79,22 +85,28 @@ def passes(op: str, args: dict, do) -> dict:
         rows_beta = None
     w = walks.both_walks(kernel, q, k, v, do, g, beta, scale, None, None, None, None, False)
     inputs = walks.walk_inputs(kernel, q, k, v, do)
-    times = {
-        f"walk {name}": median_ms(
-            lambda name=name: walks.state_walk(
-                kernel, name, *inputs[name], g, beta, scale, None, None, w.index.shape[0], False
-            )
+    times = {}
+    for name in ("states", "state_grads"):
+        times[f"walk {name}"] = report(
+            f"walk {name}",
+            median_ms(
+                lambda name=name: walks.state_walk(
+                    kernel, name, *inputs[name], g, beta, scale, None, None, w.index.shape[0], False
+                )
+            ),
         )
-        for name in ("states", "state_grads")
-    }
-    times["per-chunk, PyTorch"] = median_ms(
-        lambda: chunk_backward.rows_backward(q, k, v, do, g, rows_beta, w.starts, w.ends, w.index, scale), reps=3
+    times["per-chunk, PyTorch"] = report(
+        "per-chunk, PyTorch",
+        median_ms(
+            lambda: chunk_backward.rows_backward(q, k, v, do, g, rows_beta, w.starts, w.ends, w.index, scale), reps=3
+        ),
     )
     if op == "simple_gla":
         from cula.lightning.chunk_bwd_sm90 import chunk_gradients_sm90
 
-        times["per-chunk, kernel"] = median_ms(
-            lambda: chunk_gradients_sm90(q, k, v, do, g, w.starts, w.ends, w.index, scale, False)
+        times["per-chunk, kernel"] = report(
+            "per-chunk, kernel",
+            median_ms(lambda: chunk_gradients_sm90(q, k, v, do, g, w.starts, w.ends, w.index, scale, False)),
         )
     return times
 
@@ -130,13 +142,15 @@ def main() -> None:
     for shape in opts.shapes.split(","):
         B, T, H = (int(x) for x in shape.split("x"))
         args, do = inputs(opts.op, B, T, H, opts.gate)
+        print(f"{opts.op} {shape}", flush=True)
         row = {"op": opts.op, "shape": shape, **passes(opts.op, args, do)}
         os.environ["CULA_CHUNK_GRADIENT_KERNEL"] = "1" if opts.op == "simple_gla" else "0"
-        row["cuLA forward + backward"] = forward_backward(opts.op, args, do, "cute")
+        row["cuLA forward + backward"] = report("cuLA forward + backward", forward_backward(opts.op, args, do, "cute"))
         try:
-            row["FLA forward + backward"] = forward_backward(opts.op, args, do, "fla")
+            fla = forward_backward(opts.op, args, do, "fla")
         except Exception as error:  # FLA refuses some backwards on some triton versions
-            row["FLA forward + backward"] = f"{type(error).__name__}: {str(error)[:120]}"
+            fla = f"{type(error).__name__}: {str(error)[:120]}"
+        row["FLA forward + backward"] = report("FLA forward + backward", fla)
         print(json.dumps(row), flush=True)
 
 

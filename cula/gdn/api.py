@@ -76,7 +76,17 @@ def chunk_gated_delta_rule(
     (``use_gate_in_kernel``, ``A_log``, ``dt_bias``, ``chunk_size``), and cuLA's state pools (``ssm_state_indices``
     [N], ``inplace_final_state``: `cula.ops.state_pool`).
     """
-    return CHUNK.call(call_args(locals()))
+    return CHUNK.call(
+        call_args(
+            dict(
+                q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                chunk_indices=chunk_indices, cp_context=cp_context
+            ), kwargs
+        )
+    )  # fmt: skip
 
 
 def fused_recurrent_gated_delta_rule(
@@ -102,7 +112,17 @@ def fused_recurrent_gated_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token Gated DeltaNet (decode). Shapes as `chunk_gated_delta_rule`; gk [B, T, HV, K], gv [B, T, HV, V].
     State pools as `fused_recurrent_kda` takes them (cuLA's extension for GDN, `cula.ops.state_pool`)."""
-    return RECURRENT.call(call_args(locals()))
+    return RECURRENT.call(
+        call_args(
+            dict(
+                q=q, k=k, v=v, g=g, gk=gk, gv=gv, beta=beta, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+                use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                state_v_first=state_v_first, cu_seqlens=cu_seqlens
+            ), kwargs
+        )
+    )  # fmt: skip
 
 
 CHUNK = bind(
@@ -198,8 +218,10 @@ def _sm90_backward(args: dict[str, Any], residuals: list, grad_o, grad_final_sta
     return grads
 
 
-# correct in plan on a CPU (tests/test_chunk_backward.py), its walks never run on a GPU: opt-in
-SM90_BACKWARD = BackwardKernel(recomputing(_sm90_run), lambda args: [], _sm90_backward, hardware_tested=False)
+# the kernel's state walks, then the per-chunk gradients in PyTorch; its GPU tests passed on an H100
+# (tests/test_gdn_sm90_backward.py). FLA 0.6.0 refuses this backward on Hopper with triton < 3.7.1; elsewhere FLA's
+# Triton backward is likely the faster (not measured side by side yet), so it keeps FLA's calls
+SM90_BACKWARD = BackwardKernel(recomputing(_sm90_run), lambda args: [], _sm90_backward, beats_fla=False)
 CHUNK.register_kernel(
     CuteKernel("gdn.chunk_fwd_sm90", 9, _sm90_supports, _sm90_run, _sm90_faster_than_fla, backward=SM90_BACKWARD)
 )

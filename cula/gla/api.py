@@ -42,7 +42,14 @@ def chunk_gla(
 
     Returns ``(o [B, T, H, V], final_state [N, H, K, V] fp32 or None)``.
     """
-    return CHUNK.call(call_args(locals()))
+    return CHUNK.call(
+        call_args(
+            dict(
+                q=q, k=k, v=v, g=g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu
+            )
+        )
+    )  # fmt: skip
 
 
 def fused_recurrent_gla(
@@ -61,7 +68,14 @@ def fused_recurrent_gla(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token GLA. gk: [B, T, H, K], gv: [B, T, H, V] (both optional log gates). State pools as
     `cula.kda.fused_recurrent_kda` takes them (`cula.ops.state_pool`)."""
-    return RECURRENT.call(call_args(locals()))
+    return RECURRENT.call(
+        call_args(
+            dict(
+                q=q, k=k, v=v, gk=gk, gv=gv, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, reverse=reverse, state_v_first=state_v_first, cu_seqlens=cu_seqlens
+            ), kwargs
+        )
+    )  # fmt: skip
 
 
 CHUNK = bind(Op("gla.chunk_gla", "fla.ops.gla:chunk_gla", reference.chunk_gla, _validate), chunk_gla)
@@ -124,9 +138,8 @@ def _sm90_backward(args: dict[str, Any], residuals: list, grad_o, grad_final_sta
     return grads
 
 
-# the kernel's state walks (compile-checked, never run), then the per-chunk gradients in PyTorch: opt-in, and only for
-# the training calls FLA does not serve (without FLA, or with CULA_BACKEND=cute), which would go to the reference
-SM90_BACKWARD = BackwardKernel(
-    recomputing(_sm90_run), lambda args: [], _sm90_backward, hardware_tested=False, beats_fla=False
-)
+# the kernel's state walks, then the per-chunk gradients in PyTorch; its GPU tests passed on an H100
+# (tests/test_gla_sm90_backward.py), but FLA's backward is faster: it serves only the training calls FLA does not
+# (without FLA, or with CULA_BACKEND=cute), which would otherwise go to the reference backend
+SM90_BACKWARD = BackwardKernel(recomputing(_sm90_run), lambda args: [], _sm90_backward, beats_fla=False)
 CHUNK.register_kernel(CuteKernel("gla.chunk_fwd_sm90", 9, _sm90_supports, _sm90_run, backward=SM90_BACKWARD))

@@ -81,7 +81,19 @@ def chunk_kda(
     as keyword arguments, as in FLA. ``ssm_state_indices`` [N] / ``inplace_final_state`` keywords: states read from
     and written back to a pool (cuLA's extension, `cula.ops.state_pool`).
     """
-    return CHUNK.call(call_args(locals()))
+    return CHUNK.call(
+        call_args(
+            dict(
+                q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound,
+                disable_recompute=disable_recompute, return_intermediate_states=return_intermediate_states,
+                state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, cp_context=cp_context,
+                use_graph=use_graph, max_num_seqs=max_num_seqs
+            ), kwargs
+        )
+    )  # fmt: skip
 
 
 def fused_recurrent_kda(
@@ -107,7 +119,17 @@ def fused_recurrent_kda(
     """Token-by-token KDA (decode). Shapes as `chunk_kda`. State pools, speculative verify included: the keywords
     ``ssm_state_indices``, ``num_accepted_tokens``, ``inplace_final_state`` of FLA's ``fused_recurrent_kda_fwd``
     (`cula.ops.state_pool`)."""
-    return RECURRENT.call(call_args(locals()))
+    return RECURRENT.call(
+        call_args(
+            dict(
+                q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, state_v_first=state_v_first,
+                cu_seqlens=cu_seqlens
+            ), kwargs
+        )
+    )  # fmt: skip
 
 
 CHUNK = bind(Op("kda.chunk_kda", "fla.ops.kda:chunk_kda", reference.chunk_kda, _validate_chunk), chunk_kda)

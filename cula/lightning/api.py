@@ -70,7 +70,15 @@ def chunk_simple_gla(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked simple GLA. q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H] log gate; g_gamma: [H] constant.
     ``ssm_state_indices`` [N] / ``inplace_final_state`` keywords: a state pool (`cula.ops.state_pool`)."""
-    return CHUNK_SIMPLE_GLA.call(call_args(locals()))
+    return CHUNK_SIMPLE_GLA.call(
+        call_args(
+            dict(
+                q=q, k=k, v=v, g=g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+                cu_seqlens_cpu=cu_seqlens_cpu
+            ), kwargs
+        )
+    )  # fmt: skip
 
 
 def fused_recurrent_simple_gla(
@@ -89,7 +97,14 @@ def fused_recurrent_simple_gla(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token simple GLA; shapes as `chunk_simple_gla`. State pools as `cula.kda.fused_recurrent_kda` takes
     them (`cula.ops.state_pool`)."""
-    return RECURRENT_SIMPLE_GLA.call(call_args(locals()))
+    return RECURRENT_SIMPLE_GLA.call(
+        call_args(
+            dict(
+                q=q, k=k, v=v, g=g, g_gamma=g_gamma, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, reverse=reverse, state_v_first=state_v_first, cu_seqlens=cu_seqlens
+            ), kwargs
+        )
+    )  # fmt: skip
 
 
 def chunk_lightning_attn(
@@ -107,7 +122,14 @@ def chunk_lightning_attn(
     """Chunked Lightning Attention. q, k: [B, T, H, K]; v: [B, T, H, V]; the decay of head h is
     ``-(8 / H) * (1 - layer_idx / num_layers) * h``. ``ssm_state_indices`` [N] / ``inplace_final_state`` keywords: a
     state pool (`cula.ops.state_pool`)."""
-    return CHUNK_LIGHTNING.call(call_args(locals()))
+    return CHUNK_LIGHTNING.call(
+        call_args(
+            dict(
+                q=q, k=k, v=v, layer_idx=layer_idx, num_layers=num_layers, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, cu_seqlens=cu_seqlens
+            ), kwargs
+        )
+    )  # fmt: skip
 
 
 def fused_recurrent_lightning_attn(
@@ -129,7 +151,16 @@ def fused_recurrent_lightning_attn(
     """Token-by-token Lightning Attention; shapes as `chunk_lightning_attn`. State pools as
     `cula.kda.fused_recurrent_kda` takes them (`cula.ops.state_pool`): FLA's op has no ``**kwargs``, through which
     the other entry points take them, so they are keyword-only parameters here."""
-    return RECURRENT_LIGHTNING.call(call_args(locals()))
+    return RECURRENT_LIGHTNING.call(
+        call_args(
+            dict(
+                q=q, k=k, v=v, layer_idx=layer_idx, num_layers=num_layers, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, reverse=reverse, cu_seqlens=cu_seqlens,
+                ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
+                inplace_final_state=inplace_final_state
+            )
+        )
+    )  # fmt: skip
 
 
 CHUNK_SIMPLE_GLA = bind(
