@@ -4,16 +4,17 @@ graph node (no graph break), and autograd reaches the backward of the backend th
 Each chunk entry point has two ops (``Op.library``), on tensors and scalar options only (the entry point's
 parameters that its backends read, in its order and with its defaults), and a keyword ``implementation`` naming what
 serves the call as dispatch chose it: ``"reference"`` (the PyTorch reference backend, any device) or a
-:class:`~cula.dispatch.CuteKernel`'s name.
+:class:`~cula.dispatch.CuteKernel`'s name; or ``"auto"`` (a compiled call): dispatch chooses as the op runs, as it
+would for the same call made eagerly, FLA included, so that the graph holds no backend's host code.
 
 - ``cula::<name>_fwd(..., *, str implementation, bool save_residuals) -> (o, final_state, residuals)``:
   o ``[B, T, HV, V]`` in q's dtype; final_state ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``) in
   fp32 (fp64 for fp64 inputs), or None without ``output_final_state``; residuals: with ``save_residuals`` (a
   training call) what the kernel's backward reads (its :class:`~cula.dispatch.BackwardKernel`), else none. The
-  reference saves nothing.
+  reference saves nothing, nor does ``"auto"``: the backward recomputes what it needs.
 - ``cula::<name>_bwd(residuals, grad_o, grad_final_state, ..., *, str implementation) -> Tensor?[]``: one gradient
   per tensor parameter (contiguous), None where the argument is absent or integer. The reference recomputes its
-  forward under autograd (:func:`reference_grads`).
+  forward under autograd (:func:`reference_grads`), and so does FLA under ``"auto"``.
 
 The forward's autograd formula calls the backward op, so a compiled backward holds it as one node too. The varlen
 offsets are checked on the host as an op runs: a compiled call's validation cannot read them
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from cula.dispatch import Op
 
 REFERENCE = "reference"
+CHOSEN_AS_IT_RUNS = "auto"
 
 
 class ChunkOps:
@@ -84,6 +86,12 @@ class ChunkOps:
     def _forward(self, *values, implementation: str, save_residuals: bool):
         args = self._bind(values)
         _check_offsets(args)
+        if implementation == CHOSEN_AS_IT_RUNS:
+            implementation, fla = self._choose(args, save_residuals, record=True)
+            if fla is not None:
+                o, final_state = fla(args)
+                return o, final_state, []
+            save_residuals = False
         if implementation == REFERENCE:
             o, final_state = self.op.reference(args)
             return o, final_state, []
@@ -105,13 +113,22 @@ class ChunkOps:
             shape = (N, HV, V, K) if args.get("state_v_first") else (N, HV, K, V)
             final_state = q.new_empty(shape, dtype=torch.promote_types(q.dtype, torch.float32))
         residuals = []
-        if save_residuals and implementation != REFERENCE:
+        if save_residuals and implementation not in (REFERENCE, CHOSEN_AS_IT_RUNS):
             residuals = list(self.op.kernel(implementation).backward.residuals_like(args))
         return q.new_empty(B, T, HV, V), final_state, residuals
 
     # -- backward -------------------------------------------------------------------------------------------------
     def _backward(self, residuals, grad_o, grad_final_state, *values, implementation: str):
         args = self._bind(values)
+        if implementation == CHOSEN_AS_IT_RUNS:
+            implementation, fla = self._choose(args, training=True, record=False)
+            if fla is not None:
+                grads = reference_grads(fla, args, self._differentiable(args), grad_o, grad_final_state)
+                return [None if grads.get(name) is None else grads[name].contiguous() for name in self.tensors]
+            if implementation != REFERENCE:
+                backward = self.op.kernel(implementation).backward
+                if backward.residuals_like(args):  # the compiled forward kept none: made again
+                    residuals = backward.forward(args)[2]
         if implementation == REFERENCE:
             grads = reference_grads(self.op.reference, args, self._differentiable(args), grad_o, grad_final_state)
         else:
@@ -122,6 +139,20 @@ class ChunkOps:
         args = self._bind(values)
         differentiable = self._differentiable(args)
         return [args[name].new_empty(args[name].shape) if name in differentiable else None for name in self.tensors]
+
+    def _choose(self, args: dict[str, Any], training: bool, record: bool) -> tuple[str, Any]:
+        """What serves a call made with ``"auto"``, as dispatch chooses for the same call made eagerly (a training
+        call's floating tensors requiring grad): ``(implementation, None)``, or ``(None, FLA's function on the
+        bound arguments)``. ``record``: the decision becomes the thread's last (`cula.last_decision`)."""
+        if training:
+            args = {**args, **{n: args[n].detach().requires_grad_() for n in self._differentiable(args)}}
+        with torch.enable_grad():
+            decision, server = self.op.choose(args)
+        if record:
+            self.op.record(decision)
+        if decision.backend == "fla":
+            return None, server
+        return (server.name if decision.backend == "cute" else REFERENCE), None
 
     def _differentiable(self, args: dict[str, Any]) -> list[str]:
         """The tensor arguments that get a gradient: those present with a floating dtype."""

@@ -14,8 +14,11 @@ backend and raises `BackendUnavailableError` with the reason when it cannot serv
 
 A training call (a tensor argument requires grad) goes to a kernel only when the kernel has a backward
 (`BackwardKernel`). Chunk entry points run their chosen backend through their ``torch.library`` ops
-(:mod:`cula.custom_ops`) when autograd or ``torch.compile`` needs them. While compiling, decisions are taken once, as
-the graph is made: the environment is read then, and the decision is logged then.
+(:mod:`cula.custom_ops`) when autograd or ``torch.compile`` needs them. A compiled call of a chunk entry point holds its
+forward op with the backend left to be chosen as the op runs, as the same call made eagerly would choose it (FLA
+included): no backend's host code is traced, and the environment is read, and the decision logged, at each call. The
+other compiled calls (the token-by-token entry points, state pools, context parallelism) are decided once, as the
+graph is made.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from typing import Any
 import torch
 
 from cula import validation
-from cula.custom_ops import REFERENCE
+from cula.custom_ops import CHOSEN_AS_IT_RUNS, REFERENCE
 from cula.devices import FlaTime, KernelTime, times_for
 
 logger = logging.getLogger("cula.dispatch")
@@ -160,7 +163,7 @@ class Op:
         raise KeyError(f"{self.name} has no kernel {name!r}")
 
     # -- backends ---------------------------------------------------------------------------------------------
-    def _cute(self, args: dict[str, Any], forced: bool = False) -> tuple[Verdict, Callable | None]:
+    def _cute(self, args: dict[str, Any], forced: bool = False) -> tuple[Verdict, CuteKernel | None]:
         q = args["q"]
         if not q.is_cuda:
             return (False, f"tensors are on {q.device.type}, CuTe DSL kernels need CUDA"), None
@@ -185,7 +188,7 @@ class Op:
             if ok and not forced and kernel.faster_than_fla is not None and self._fla(args)[0][0]:
                 ok, why = kernel.faster_than_fla(args)
             if ok:
-                return (True, f"{kernel.name} on sm_{major}{minor}"), self._runner(args, kernel.name, kernel.run)
+                return (True, f"{kernel.name} on sm_{major}{minor}"), kernel
             reasons.append(f"{kernel.name}: {why}")
         if not reasons:
             return (False, f"no CuTe DSL kernel for sm_{major}{minor}"), None
@@ -217,8 +220,8 @@ class Op:
             return (True, f"FLA Triton {target}"), lambda a: _call_fla(fn, _contiguous_but_pool(a))
         return (True, f"FLA Triton {target}"), lambda a: _call_fla(fn, _without_pool_args(a))
 
-    def _torch(self, args: dict[str, Any]) -> tuple[Verdict, Callable | None]:
-        return (True, "PyTorch reference backend"), self._runner(args, REFERENCE, self.reference)
+    def _torch(self, args: dict[str, Any]) -> tuple[Verdict, None]:
+        return (True, "PyTorch reference backend"), None
 
     def _runner(self, args: dict[str, Any], implementation: str, direct: Callable) -> Callable:
         """How a chosen cuLA backend runs: through the custom ops where a compiled graph must hold the call as one
@@ -226,14 +229,23 @@ class Op:
         directly otherwise, which spares the ops' dispatch (about 20 us) and keeps the reference's own autograd (no
         recomputation, double backward)."""
         through_ops = torch.compiler.is_compiling() or (implementation != REFERENCE and requires_grad(args))
-        # the ops' schemas hold no state pool and no cp_context: such calls run their backend directly
-        special = validation.pooled(args) or args.get("cp_context") is not None
-        if self.library is None or not through_ops or special:
+        if self.library is None or not through_ops or _runs_directly(args):
             return direct
         save_residuals = requires_grad(args)
         return lambda a: self.library(a, implementation, save_residuals)
 
     def decide(self, args: dict[str, Any]) -> tuple[Decision, Callable]:
+        """The decision on a call, and how to run it."""
+        decision, server = self.choose(args)
+        if decision.backend == "cute":
+            return decision, self._runner(args, server.name, server.run)
+        if decision.backend == "torch":
+            return decision, self._runner(args, REFERENCE, self.reference)
+        return decision, server
+
+    def choose(self, args: dict[str, Any]) -> tuple[Decision, CuteKernel | Callable | None]:
+        """The decision on a call, with what serves it: the kernel (cute), FLA's function on the call's arguments
+        (fla), or None (torch, the reference)."""
         forced = os.environ.get(ENV_BACKEND, "").strip().lower()
         if forced and forced not in BACKENDS:
             raise ValueError(f"{ENV_BACKEND}={forced!r}: expected one of {', '.join(BACKENDS)}")
@@ -241,21 +253,28 @@ class Op:
         for name in BACKENDS:
             if forced and name != forced:
                 continue
-            (ok, why), run = self._cute(args, bool(forced)) if name == "cute" else getattr(self, f"_{name}")(args)
+            (ok, why), server = self._cute(args, bool(forced)) if name == "cute" else getattr(self, f"_{name}")(args)
             if ok:
-                decision = Decision(self.name, name, why, tuple(rejected))
-                return decision, run
+                return Decision(self.name, name, why, tuple(rejected)), server
             rejected.append((name, why))
         assert forced, "the torch backend serves every call"
         raise BackendUnavailableError(f"{ENV_BACKEND}={forced}: {self.name} cannot run on '{forced}': {rejected[0][1]}")
 
     def call(self, args: dict[str, Any]) -> Any:
         self.validate(args)
+        if torch.compiler.is_compiling() and self.library is not None and not _runs_directly(args):
+            # chosen as the op runs, not as the graph is made: the backends' host code (kernel modules, FLA's
+            # wrappers) need not be traceable
+            return self.library(args, CHOSEN_AS_IT_RUNS, requires_grad(args))
         decision, run = self.decide(args)
+        self.record(decision)
+        return run(args)
+
+    def record(self, decision: Decision) -> None:
+        """``decision`` as this thread's last, logged with ``CULA_LOG_DISPATCH=1``."""
         self.last = decision
         if os.environ.get(ENV_LOG, "0") not in ("", "0"):
             _log_decision(str(decision))
-        return run(args)
 
 
 @torch.compiler.assume_constant_result
@@ -343,6 +362,12 @@ def _backward_declines(kernel: CuteKernel, args: dict[str, Any], fla_takes_it: C
     if not kernel.backward.beats_fla and fla_takes_it():
         return "inputs require grad, and FLA's backward is faster than the kernel's (CULA_BACKEND=cute forces it)"
     return None
+
+
+def _runs_directly(args: dict[str, Any]) -> bool:
+    """Whether a call runs its backend outside the custom ops: their schemas hold no state pool, no cp_context, and
+    no ``return_intermediate_states`` (which only FLA honours)."""
+    return validation.pooled(args) or args.get("cp_context") is not None or bool(args.get("return_intermediate_states"))
 
 
 def requires_grad(args: dict[str, Any]) -> bool:

@@ -292,17 +292,17 @@ def test_ops_check_the_offsets_whatever_serves_them(gdn_kernels):
         FORWARD_OPS["gdn"](**args, implementation="unchecked", save_residuals=False)
 
 
-def test_compiled_call_logs_its_decision_once(monkeypatch, caplog, fresh_compiler):
-    """CULA_LOG_DISPATCH=1 logs a compiled call's decision as its graph is made, without breaking it."""
+def test_compiled_call_logs_its_decision_as_it_runs(monkeypatch, caplog, fresh_compiler):
+    """CULA_LOG_DISPATCH=1 logs each compiled call's decision as the call runs, as eager calls do, without breaking
+    the graph."""
     monkeypatch.setenv(dispatch.ENV_LOG, "1")
     fn = torch.compile(lambda **kw: cula.gla.chunk_gla(**kw)[0], backend="aot_eager", fullgraph=True)
     args = inputs("gla", dtype=torch.float32)
     with caplog.at_level(logging.WARNING, logger="cula.dispatch"):
         fn(**args)
         fn(**args)
-    assert [r.getMessage().splitlines()[0] for r in caplog.records if r.name == "cula.dispatch"] == [
-        "gla.chunk_gla: served by 'torch' (PyTorch reference backend)"
-    ]
+    served = "gla.chunk_gla: served by 'torch' (PyTorch reference backend)"
+    assert [r.getMessage().splitlines()[0] for r in caplog.records if r.name == "cula.dispatch"] == [served] * 2
 
 
 def test_kernel_time_model_reads_no_offsets_while_compiling(monkeypatch):
@@ -465,3 +465,68 @@ def test_a_backward_needs_the_custom_ops():
     op = dispatch.Op("test.op", "fla.ops.gla:chunk_gla", lambda a: None, lambda a: None)
     with pytest.raises(ValueError, match="no custom ops"):
         op.register_kernel(trainable_kernel("trainable", []))
+
+
+def untraceable(fn):
+    """``fn`` behind a graph break: torch.compile(fullgraph=True) raises if it traces the call."""
+
+    def wrapped(*args, **kwargs):
+        torch._dynamo.graph_break()
+        return fn(*args, **kwargs)
+
+    return wrapped
+
+
+def compiled_and_eager_gradients(fn, args):
+    """(compiled, eager) gradients of one training step through ``fn`` with the floating tensors of ``args``."""
+    tensors = [n for n, x in args.items() if isinstance(x, torch.Tensor) and x.is_floating_point()]
+
+    def step(**kwargs):
+        o, final_state = fn(**kwargs)
+        return (o * o).sum() + final_state.square().sum()
+
+    grads = []
+    for run in (torch.compile(step, backend="aot_eager", fullgraph=True), step):
+        leaves = {n: x.detach().clone().requires_grad_() if n in tensors else x for n, x in args.items()}
+        run(**leaves).backward()
+        grads.append({n: leaves[n].grad for n in tensors})
+    return grads
+
+
+def test_a_compiled_training_step_chooses_its_kernel_as_it_runs(monkeypatch, gdn_kernels, fresh_compiler):
+    """A compiled call (fullgraph) on a faked SM90 device: the graph holds the op, not the kernel's host code (here
+    behind graph breaks), and the kernel is chosen as the call runs; its backward makes again the residuals the
+    compiled forward did not keep. Gradients as eager."""
+    FakeCuda(monkeypatch, (9, 0))
+    monkeypatch.setattr(dispatch, "fla_function", lambda target: None)
+    calls = []
+    kernel = trainable_kernel("host_code", calls)
+    kernel.supports, kernel.run = untraceable(kernel.supports), untraceable(kernel.run)
+    gdn_kernels.register_kernel(kernel)
+    args = gdn_args(initial_state=torch.randn(1, 4, 16, 8), output_final_state=True)
+    compiled, eager = compiled_and_eager_gradients(cula.gdn.chunk_gated_delta_rule, args)
+    assert calls == ["inference", "forward", "backward", "forward", "backward"]
+    assert cula.last_decision(cula.gdn.chunk_gated_delta_rule).reason == "host_code on sm_90"
+    for name, grad in eager.items():
+        torch.testing.assert_close(compiled[name], grad, msg=name)
+
+
+def test_a_compiled_training_step_reaches_fla_as_it_runs(monkeypatch, gdn_kernels, fresh_compiler):
+    """Where FLA serves the call, a compiled call runs FLA's function inside the op (its host code untraced), and
+    the backward recomputes FLA's forward under autograd. Gradients as eager."""
+    FakeCuda(monkeypatch, (9, 0))
+    reference = dispatch.op_of(cula.gdn.chunk_gated_delta_rule).reference
+    calls = []
+
+    def fla(**kwargs):
+        calls.append(torch.is_grad_enabled())
+        return reference(kwargs)
+
+    monkeypatch.setattr(dispatch, "fla_function", lambda target: untraceable(fla))
+    args = gdn_args(initial_state=torch.randn(1, 4, 16, 8), output_final_state=True)
+    compiled, eager = compiled_and_eager_gradients(cula.gdn.chunk_gated_delta_rule, args)
+    # compiled: the forward without a graph, then again under autograd for the backward; eager: one forward
+    assert calls == [False, True, True]
+    assert cula.last_decision(cula.gdn.chunk_gated_delta_rule).backend == "fla"
+    for name, grad in eager.items():
+        torch.testing.assert_close(compiled[name], grad, msg=name)

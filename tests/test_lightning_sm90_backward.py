@@ -25,7 +25,7 @@ def test_state_walks_store_the_plans_checkpoints(walk, D):
 
 @pytest.fixture(params=["pytorch", "kernel"])
 def gradient_passes(request, monkeypatch):
-    """Passes 3 and 4 by PyTorch products, or by their kernel (CULA_CHUNK_GRADIENT_KERNEL=1)."""
+    """Passes 3 and 4 by their kernel (the default), or by PyTorch products (CULA_CHUNK_GRADIENT_KERNEL=0)."""
     monkeypatch.setenv("CULA_CHUNK_GRADIENT_KERNEL", "1" if request.param == "kernel" else "0")
     return request.param
 

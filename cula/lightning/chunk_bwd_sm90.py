@@ -4,9 +4,10 @@
 1. the state at each chunk's start, and 2. the gradient of the state at each chunk's end: the family's scalar-gate
    kernel walking the chunks without output (:func:`cula.sm90.walks.state_walk`: "states" on (k, v), "state_grads"
    from the last chunk on (q, do)), each storing a bf16 checkpoint per chunk; the second walk's final state is dh0;
-3. and 4. dq, dk, dv and the gate's gradient per chunk, from the checkpoints: batched PyTorch products over the
-   chunk rows (:func:`cula.ops.chunk_backward.rows_backward`), or with ``CULA_CHUNK_GRADIENT_KERNEL=1`` the
-   kernel :class:`cula.sm90.scalar_chunk_bwd.ScalarGateChunkBwdSm90` (compile-checked, not yet run on a GPU).
+3. and 4. dq, dk, dv and the gate's gradient per chunk, from the checkpoints: the kernel
+   :class:`cula.sm90.scalar_chunk_bwd.ScalarGateChunkBwdSm90` (one CTA per chunk and head), or with
+   ``CULA_CHUNK_GRADIENT_KERNEL=0`` batched PyTorch products over the chunk rows
+   (:func:`cula.ops.chunk_backward.rows_backward`, 17x slower on an H100 at B1 T8192 H64, PERF.md).
 
 Shapes: q, k, v, do [B, T, H, D] bf16; the gate fp32 [B, T, H] (:func:`cula.lightning.chunk_fwd_sm90.token_gate`);
 states [N, H, K, V] fp32 ([N, H, V, K] with ``state_v_first``). One value head per q / k head.
@@ -24,7 +25,7 @@ from cula.ops.chunk_emulation import GATE_FLOOR
 from cula.sm90 import entry, walks
 from cula.sm90.scalar_chunk_bwd import ScalarGateChunkBwdSm90
 
-# passes 3 and 4 by the kernel instead of PyTorch products (until its GPU tests have run)
+# "0": passes 3 and 4 by PyTorch products instead of the kernel (the SM100 walks always take the PyTorch products)
 ENV_GRADIENT_KERNEL = "CULA_CHUNK_GRADIENT_KERNEL"
 
 
@@ -72,7 +73,7 @@ def chunk_simple_gla_bwd_sm90(
     (SM90's, or SM100's :data:`cula.lightning.chunk_fwd_sm100.SIMPLE_GLA_SM100`, chunks of 128); the per-chunk
     kernel of passes 3 and 4 is SM90's only."""
     rows = None
-    if os.environ.get(ENV_GRADIENT_KERNEL, "0") == "1" and kernel is SIMPLE_GLA_SM90:
+    if os.environ.get(ENV_GRADIENT_KERNEL, "1") != "0" and kernel is SIMPLE_GLA_SM90:
 
         def rows(q, k, v, do, w, scale):
             grads = chunk_gradients_sm90(q, k, v, do, gate, w.starts, w.ends, w.index, scale, cu_seqlens is not None)
