@@ -1,7 +1,8 @@
-"""The ``torch.library`` custom ops of the chunk entry points: a ``torch.compile``d model holds a cuLA call as one
-graph node (no graph break), and autograd reaches the backward of the backend that served the forward.
+"""The ``torch.library`` custom ops of the chunk and token-by-token entry points: a ``torch.compile``d model holds a
+cuLA call as one graph node (no graph break), and autograd reaches the backward of the backend that served the
+forward.
 
-Each chunk entry point has two ops (``Op.library``), on tensors and scalar options only (the entry point's
+Each entry point has two ops (``Op.library``: ``<variant>_chunk`` or ``<variant>_recurrent``), on tensors and scalar options only (the entry point's
 parameters that its backends read, in its order and with its defaults), and a keyword ``implementation`` naming what
 serves the call as dispatch chose it: ``"reference"`` (the PyTorch reference backend, any device) or a
 :class:`~cula.dispatch.CuteKernel`'s name; or ``"auto"`` (a compiled call): dispatch chooses as the op runs, as it
@@ -18,7 +19,8 @@ would for the same call made eagerly, FLA included, so that the graph holds no b
 
 The forward's autograd formula calls the backward op, so a compiled backward holds it as one node too. The varlen
 offsets are checked on the host as an op runs: a compiled call's validation cannot read them
-(:func:`cula.validation.common`).
+(:func:`cula.validation.common`). The ops take no state pool (written in place) and no option outside their
+parameters: such calls run their backend directly (:meth:`EntryOps.carries`).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ REFERENCE = "reference"
 CHOSEN_AS_IT_RUNS = "auto"
 
 
-class ChunkOps:
+class EntryOps:
     """The forward and backward ops of one chunk entry point ``op``: ``cula::<name>_fwd`` and ``cula::<name>_bwd``
     with ``params`` (schema text) as their parameters. Calling it runs the forward op on bound arguments."""
 
@@ -77,6 +79,10 @@ class ChunkOps:
         values = [args.get(name, self.defaults.get(name)) for name in self.names]
         o, final_state, _ = self.forward(*values, implementation=implementation, save_residuals=save_residuals)
         return o, final_state
+
+    def carries(self, args: dict[str, Any]) -> bool:
+        """Whether the ops' parameters hold the call: every argument outside them absent (None, or False)."""
+        return all(name in self.names or value is None or value is False for name, value in args.items())
 
     def _bind(self, values: tuple) -> dict[str, Any]:
         # an op's implementation receives only the arguments its caller passed: the rest take their defaults

@@ -136,7 +136,7 @@ class Op:
     # FLA's function that serves calls with a state pool (FLA's public ops leave the pool arguments unread), if any
     fla_pool_target: str | None = None
     kernels: list[CuteKernel] = field(default_factory=list)
-    library: Any = None  # the entry point's custom ops (cula.custom_ops.ChunkOps), through which its backends run
+    library: Any = None  # the entry point's custom ops (cula.custom_ops.EntryOps), through which its backends run
     _local: threading.local = field(default_factory=threading.local, repr=False, compare=False)
 
     @property
@@ -229,7 +229,7 @@ class Op:
         directly otherwise, which spares the ops' dispatch (about 20 us) and keeps the reference's own autograd (no
         recomputation, double backward)."""
         through_ops = torch.compiler.is_compiling() or (implementation != REFERENCE and requires_grad(args))
-        if self.library is None or not through_ops or _runs_directly(args):
+        if not through_ops or not self._held_by_ops(args):
             return direct
         save_residuals = requires_grad(args)
         return lambda a: self.library(a, implementation, save_residuals)
@@ -262,13 +262,18 @@ class Op:
 
     def call(self, args: dict[str, Any]) -> Any:
         self.validate(args)
-        if torch.compiler.is_compiling() and self.library is not None and not _runs_directly(args):
+        if torch.compiler.is_compiling() and self._held_by_ops(args):
             # chosen as the op runs, not as the graph is made: the backends' host code (kernel modules, FLA's
             # wrappers) need not be traceable
             return self.library(args, CHOSEN_AS_IT_RUNS, requires_grad(args))
         decision, run = self.decide(args)
         self.record(decision)
         return run(args)
+
+    def _held_by_ops(self, args: dict[str, Any]) -> bool:
+        """Whether the entry point's custom ops can carry the call: a state pool (written in place), ``cp_context``
+        or an option outside the ops' parameters (``return_intermediate_states``, ...) runs its backend directly."""
+        return self.library is not None and self.library.carries(args)
 
     def record(self, decision: Decision) -> None:
         """``decision`` as this thread's last, logged with ``CULA_LOG_DISPATCH=1``."""
@@ -362,12 +367,6 @@ def _backward_declines(kernel: CuteKernel, args: dict[str, Any], fla_takes_it: C
     if not kernel.backward.beats_fla and fla_takes_it():
         return "inputs require grad, and FLA's backward is faster than the kernel's (CULA_BACKEND=cute forces it)"
     return None
-
-
-def _runs_directly(args: dict[str, Any]) -> bool:
-    """Whether a call runs its backend outside the custom ops: their schemas hold no state pool, no cp_context, and
-    no ``return_intermediate_states`` (which only FLA honours)."""
-    return validation.pooled(args) or args.get("cp_context") is not None or bool(args.get("return_intermediate_states"))
 
 
 def requires_grad(args: dict[str, Any]) -> bool:

@@ -1,4 +1,4 @@
-"""The chunk entry points' torch.library custom ops (cula.custom_ops) on the CPU: opcheck, fake shapes, gradients
+"""The entry points' torch.library custom ops (cula.custom_ops) on the CPU: opcheck, fake shapes, gradients
 through the ops, torch.compile(fullgraph=True) without graph breaks, and dispatch of training calls to kernels with
 and without a backward."""
 
@@ -211,7 +211,7 @@ def test_reference_backward_runs_under_a_dispatch_mode():
         torch.testing.assert_close(args[n].grad, expected[n].grad, msg=n)
 
 
-def custom_ops_of(variant) -> custom_ops.ChunkOps:
+def custom_ops_of(variant) -> custom_ops.EntryOps:
     return dispatch.op_of(ENTRY_POINTS[variant]).library
 
 
@@ -530,3 +530,81 @@ def test_a_compiled_training_step_reaches_fla_as_it_runs(monkeypatch, gdn_kernel
     assert cula.last_decision(cula.gdn.chunk_gated_delta_rule).backend == "fla"
     for name, grad in eager.items():
         torch.testing.assert_close(compiled[name], grad, msg=name)
+
+
+RECURRENT_ENTRY_POINTS = {
+    "gdn": cula.gdn.fused_recurrent_gated_delta_rule,
+    "kda": cula.kda.fused_recurrent_kda,
+    "gla": cula.gla.fused_recurrent_gla,
+    "simple_gla": cula.lightning.fused_recurrent_simple_gla,
+    "lightning": cula.lightning.fused_recurrent_lightning_attn,
+}
+
+
+def recurrent_inputs(variant, **options):
+    """:func:`inputs` as the token-by-token entry point of ``variant`` takes them (GLA's per-key gate is ``gk``)."""
+    args = inputs(variant, **options)
+    if variant == "gla":
+        args["gk"] = args.pop("g")
+    return args
+
+
+@pytest.mark.parametrize("variant", list(RECURRENT_ENTRY_POINTS))
+def test_opcheck_recurrent(variant):
+    """The token-by-token entry points' ops: schema, fake implementation against the real one, autograd."""
+    op = torch.ops.cula.__getattr__(f"{variant}_recurrent_fwd")
+    args = requiring_grad(recurrent_inputs(variant, lengths=[3, 1, 4], initial_state=True, output_final_state=True))
+    tensors, rest = op_call(variant, args)
+    torch.library.opcheck(op.default, tensors, {**rest, "implementation": "reference", "save_residuals": True})
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+@pytest.mark.parametrize("variant", list(RECURRENT_ENTRY_POINTS))
+def test_compiled_recurrent_entry_point_matches_eager(variant, varlen, training, fresh_compiler):
+    """A decode step compiled with fullgraph=True: the graph holds the token-by-token entry point as its forward op
+    (and its backward op), varlen included, with the eager results and gradients."""
+    options = {"lengths": [3, 1, 2]} if varlen else {"T": 2}
+    args = recurrent_inputs(variant, H=2, K=4, V=3, dtype=torch.float32, initial_state=True, **options)
+    tensors = [n for n, x in args.items() if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    fn = RECURRENT_ENTRY_POINTS[variant]
+
+    def loss(**kwargs):
+        o, final_state = fn(**kwargs, output_final_state=True)
+        return (o * o).sum() + final_state.sum()
+
+    backend, seen = recording_backend()
+    compiled_args = {n: x.clone().requires_grad_(training) if n in tensors else x for n, x in args.items()}
+    eager_args = {n: x.clone().requires_grad_(training) if n in tensors else x for n, x in args.items()}
+    compiled = torch.compile(loss, backend=backend, fullgraph=True)(**compiled_args)
+    eager = loss(**eager_args)
+    torch.testing.assert_close(compiled, eager)
+    assert getattr(torch.ops.cula, f"{variant}_recurrent_fwd").default in seen["forward"]
+    if training:
+        compiled.backward()
+        eager.backward()
+        assert getattr(torch.ops.cula, f"{variant}_recurrent_bwd").default in seen["backward"]
+        for n in tensors:
+            torch.testing.assert_close(compiled_args[n].grad, eager_args[n].grad, msg=n)
+
+
+def test_a_compiled_decode_step_chooses_its_kernel_as_it_runs(monkeypatch, fresh_compiler):
+    """On a faked SM90 device a compiled token-by-token call runs its kernel, chosen as the call runs: the kernel's
+    host code (here behind a graph break) stays out of the graph."""
+    FakeCuda(monkeypatch, (9, 0))
+    monkeypatch.setattr(dispatch, "fla_function", lambda target: None)
+    fn = cula.gdn.fused_recurrent_gated_delta_rule
+    op = dispatch.op_of(fn)
+    calls = []
+
+    def run(args):
+        calls.append("kernel")
+        return op.reference(args)
+
+    monkeypatch.setattr(op, "kernels", [])
+    op.register_kernel(CuteKernel("decode", 9, untraceable(lambda a: (True, "")), untraceable(run)))
+    args = recurrent_inputs("gdn", lengths=[1, 1, 1], initial_state=True, output_final_state=True)
+    compiled = torch.compile(lambda **kw: fn(**kw), backend="aot_eager", fullgraph=True)(**args)
+    torch.testing.assert_close(compiled, fn(**args))
+    assert calls == ["kernel", "kernel"]
+    assert cula.last_decision(fn).reason == "decode on sm_90"

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from cula import validation
-from cula.custom_ops import ChunkOps
+from cula.custom_ops import EntryOps
 from cula.dispatch import (
     BackwardKernel,
     CuteKernel,
@@ -135,7 +135,7 @@ CHUNK = bind(
     ),
     chunk_gated_delta_rule,
 )
-CHUNK.library = ChunkOps(
+CHUNK.library = EntryOps(
     CHUNK,
     "gdn_chunk",
     "Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float? scale=None, Tensor? initial_state=None, "
@@ -151,6 +151,14 @@ RECURRENT = bind(
         _validate_recurrent,
     ),
     fused_recurrent_gated_delta_rule,
+)
+RECURRENT.library = EntryOps(
+    RECURRENT,
+    "gdn_recurrent",
+    "Tensor q, Tensor k, Tensor v, Tensor? g=None, Tensor? gk=None, Tensor? gv=None, Tensor? beta=None, "
+    "float? scale=None, Tensor? initial_state=None, bool output_final_state=False, bool use_qk_l2norm_in_kernel=False, "
+    "bool use_gate_in_kernel=False, Tensor? A_log=None, Tensor? dt_bias=None, bool use_beta_sigmoid_in_kernel=False, "
+    "bool allow_neg_eigval=False, bool state_v_first=False, Tensor? cu_seqlens=None",
 )
 
 

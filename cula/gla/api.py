@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from cula import validation
-from cula.custom_ops import ChunkOps
+from cula.custom_ops import EntryOps
 from cula.dispatch import BackwardKernel, CuteKernel, Op, bind, call_args, chunk_fwd_kernel_declines, recomputing
 from cula.gla import reference
 from cula.recurrent.plan import recurrent_kernel
@@ -79,7 +79,7 @@ def fused_recurrent_gla(
 
 
 CHUNK = bind(Op("gla.chunk_gla", "fla.ops.gla:chunk_gla", reference.chunk_gla, _validate), chunk_gla)
-CHUNK.library = ChunkOps(
+CHUNK.library = EntryOps(
     CHUNK,
     "gla_chunk",
     "Tensor q, Tensor k, Tensor v, Tensor g, float? scale=None, Tensor? initial_state=None, "
@@ -90,6 +90,13 @@ RECURRENT = bind(
         "gla.fused_recurrent_gla", "fla.ops.gla:fused_recurrent_gla", reference.fused_recurrent_gla, _validate_recurrent
     ),
     fused_recurrent_gla,
+)
+RECURRENT.library = EntryOps(
+    RECURRENT,
+    "gla_recurrent",
+    "Tensor q, Tensor k, Tensor v, Tensor? gk=None, Tensor? gv=None, float? scale=None, "
+    "Tensor? initial_state=None, bool output_final_state=False, bool reverse=False, bool state_v_first=False, "
+    "Tensor? cu_seqlens=None",
 )
 
 

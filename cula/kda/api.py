@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from cula import validation
-from cula.custom_ops import ChunkOps
+from cula.custom_ops import EntryOps
 from cula.dispatch import CuteKernel, Op, bind, call_args, chunk_fwd_kernel_declines, kernel_vs_fla
 from cula.kda import reference
 from cula.ops import context_parallel, state_pool
@@ -133,7 +133,7 @@ def fused_recurrent_kda(
 
 
 CHUNK = bind(Op("kda.chunk_kda", "fla.ops.kda:chunk_kda", reference.chunk_kda, _validate_chunk), chunk_kda)
-CHUNK.library = ChunkOps(
+CHUNK.library = EntryOps(
     CHUNK,
     "kda_chunk",
     "Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float? scale=None, Tensor? initial_state=None, "
@@ -152,6 +152,14 @@ RECURRENT = bind(
         fla_pool_target="fla.ops.kda.fused_recurrent:fused_recurrent_kda_fwd",
     ),
     fused_recurrent_kda,
+)
+RECURRENT.library = EntryOps(
+    RECURRENT,
+    "kda_recurrent",
+    "Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log=None, Tensor? dt_bias=None, "
+    "float? scale=None, Tensor? initial_state=None, bool output_final_state=False, bool use_qk_l2norm_in_kernel=False, "
+    "bool use_gate_in_kernel=False, bool use_beta_sigmoid_in_kernel=False, bool allow_neg_eigval=False, "
+    "float? lower_bound=None, bool state_v_first=False, Tensor? cu_seqlens=None",
 )
 
 

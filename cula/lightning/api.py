@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from cula import validation
-from cula.custom_ops import ChunkOps
+from cula.custom_ops import EntryOps
 from cula.dispatch import (
     BackwardKernel,
     CuteKernel,
@@ -173,7 +173,7 @@ CHUNK_SIMPLE_GLA = bind(
     ),
     chunk_simple_gla,
 )
-CHUNK_SIMPLE_GLA.library = ChunkOps(
+CHUNK_SIMPLE_GLA.library = EntryOps(
     CHUNK_SIMPLE_GLA,
     "simple_gla_chunk",
     "Tensor q, Tensor k, Tensor v, Tensor? g=None, Tensor? g_gamma=None, float? scale=None, "
@@ -189,6 +189,13 @@ RECURRENT_SIMPLE_GLA = bind(
     ),
     fused_recurrent_simple_gla,
 )
+RECURRENT_SIMPLE_GLA.library = EntryOps(
+    RECURRENT_SIMPLE_GLA,
+    "simple_gla_recurrent",
+    "Tensor q, Tensor k, Tensor v, Tensor? g=None, Tensor? g_gamma=None, float? scale=None, "
+    "Tensor? initial_state=None, bool output_final_state=False, bool reverse=False, bool state_v_first=False, "
+    "Tensor? cu_seqlens=None",
+)
 CHUNK_LIGHTNING = bind(
     Op(
         "lightning.chunk_lightning_attn",
@@ -198,7 +205,7 @@ CHUNK_LIGHTNING = bind(
     ),
     chunk_lightning_attn,
 )
-CHUNK_LIGHTNING.library = ChunkOps(
+CHUNK_LIGHTNING.library = EntryOps(
     CHUNK_LIGHTNING,
     "lightning_chunk",
     "Tensor q, Tensor k, Tensor v, int layer_idx, int num_layers, float? scale=None, Tensor? initial_state=None, "
@@ -212,6 +219,12 @@ RECURRENT_LIGHTNING = bind(
         _validate_lightning,
     ),
     fused_recurrent_lightning_attn,
+)
+RECURRENT_LIGHTNING.library = EntryOps(
+    RECURRENT_LIGHTNING,
+    "lightning_recurrent",
+    "Tensor q, Tensor k, Tensor v, int layer_idx, int num_layers, float? scale=None, "
+    "Tensor? initial_state=None, bool output_final_state=False, bool reverse=False, Tensor? cu_seqlens=None",
 )
 
 
