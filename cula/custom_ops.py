@@ -39,10 +39,17 @@ if TYPE_CHECKING:
 
 REFERENCE = "reference"
 CHOSEN_AS_IT_RUNS = "auto"
+# FLA's options that the ops may drop, with the values at which dropping them changes nothing: FLA's default chunk
+# size, and the chunk indices FLA precomputes for varlen calls (it makes them again)
+DROPPABLE = {"chunk_size": lambda value: value == 64, "chunk_indices": lambda value: True}
+
+
+def _never(value) -> bool:
+    return False
 
 
 class EntryOps:
-    """The forward and backward ops of one chunk entry point ``op``: ``cula::<name>_fwd`` and ``cula::<name>_bwd``
+    """The forward and backward ops of one entry point ``op``: ``cula::<name>_fwd`` and ``cula::<name>_bwd``
     with ``params`` (schema text) as their parameters. Calling it runs the forward op on bound arguments."""
 
     def __init__(self, op: Op, name: str, params: str):
@@ -81,8 +88,12 @@ class EntryOps:
         return o, final_state
 
     def carries(self, args: dict[str, Any]) -> bool:
-        """Whether the ops' parameters hold the call: every argument outside them absent (None, or False)."""
-        return all(name in self.names or value is None or value is False for name, value in args.items())
+        """Whether the ops' parameters hold the call: every argument outside them absent (None, or False), or one
+        that changes neither the result nor the choice of backend (:data:`DROPPABLE`)."""
+        return all(
+            name in self.names or value is None or value is False or DROPPABLE.get(name, _never)(value)
+            for name, value in args.items()
+        )
 
     def _bind(self, values: tuple) -> dict[str, Any]:
         # an op's implementation receives only the arguments its caller passed: the rest take their defaults
@@ -150,9 +161,11 @@ class EntryOps:
         """What serves a call made with ``"auto"``, as dispatch chooses for the same call made eagerly (a training
         call's floating tensors requiring grad): ``(implementation, None)``, or ``(None, FLA's function on the
         bound arguments)``. ``record``: the decision becomes the thread's last (`cula.last_decision`)."""
+        # as an eager call in grad mode (training) or under no_grad: the caller's parameters (A_log, g_gamma, ...)
+        # may require grad in an inference call
         if training:
             args = {**args, **{n: args[n].detach().requires_grad_() for n in self._differentiable(args)}}
-        with torch.enable_grad():
+        with torch.enable_grad() if training else torch.no_grad():
             decision, server = self.op.choose(args)
         if record:
             self.op.record(decision)

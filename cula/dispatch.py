@@ -13,12 +13,12 @@ backend and raises `BackendUnavailableError` with the reason when it cannot serv
 ``last_decision(fn)`` says which one served the calling thread's most recent call. ``CULA_LOG_DISPATCH=1`` logs every decision.
 
 A training call (a tensor argument requires grad) goes to a kernel only when the kernel has a backward
-(`BackwardKernel`). Chunk entry points run their chosen backend through their ``torch.library`` ops
-(:mod:`cula.custom_ops`) when autograd or ``torch.compile`` needs them. A compiled call of a chunk entry point holds its
+(`BackwardKernel`) and the call's arguments fit its ``torch.library`` ops (:mod:`cula.custom_ops`), through which
+the entry points run their chosen backend when autograd or ``torch.compile`` needs them. A compiled call holds its
 forward op with the backend left to be chosen as the op runs, as the same call made eagerly would choose it (FLA
 included): no backend's host code is traced, and the environment is read, and the decision logged, at each call. The
-other compiled calls (the token-by-token entry points, state pools, context parallelism) are decided once, as the
-graph is made.
+compiled calls the ops cannot carry (state pools, context parallelism, FLA options outside their parameters:
+:meth:`cula.custom_ops.EntryOps.carries`) are decided once, as the graph is made, and traced into their backend.
 """
 
 from __future__ import annotations
@@ -174,7 +174,9 @@ class Op:
             if kernel.arch_major != major:
                 continue
             declined = (
-                _backward_declines(kernel, args, lambda: not forced and self._fla(args)[0][0]) if training else None
+                _backward_declines(kernel, args, self._held_by_ops(args), lambda: not forced and self._fla(args)[0][0])
+                if training
+                else None
             )
             if declined:
                 reasons.append(f"{kernel.name}: {declined}")
@@ -355,15 +357,21 @@ def fla_function(target: str) -> Callable:
     return getattr(importlib.import_module(module), name)
 
 
-def _backward_declines(kernel: CuteKernel, args: dict[str, Any], fla_takes_it: Callable[[], bool]) -> str | None:
-    """Why ``kernel`` does not serve a training call (some tensor argument requires grad), or None;
-    ``fla_takes_it()``: whether FLA would serve the call instead (asked only of a backward FLA's beats)."""
+def _backward_declines(
+    kernel: CuteKernel, args: dict[str, Any], held: bool, fla_takes_it: Callable[[], bool]
+) -> str | None:
+    """Why ``kernel`` does not serve a training call (some tensor argument requires grad), or None; ``held``: whether
+    the entry point's custom ops carry the call (:meth:`Op._held_by_ops`); ``fla_takes_it()``: whether FLA would serve
+    the call instead (asked only of a backward FLA's beats)."""
     if kernel.backward is None:
         return "inputs require grad and the kernel has no backward (forward only)"
     if not kernel.backward.hardware_tested and os.environ.get(ENV_UNTESTED, "0") != "1":
         return f"inputs require grad, and its backward has not run on a GPU ({ENV_UNTESTED}=1 serves it)"
     if validation.pooled(args):
         return "inputs require grad with a state pool: the pool is written in place, outside autograd"
+    if not held:
+        # a kernel's gradients reach autograd only through the ops
+        return "inputs require grad with an argument the kernel's custom ops do not take (an FLA option)"
     if not kernel.backward.beats_fla and fla_takes_it():
         return "inputs require grad, and FLA's backward is faster than the kernel's (CULA_BACKEND=cute forces it)"
     return None

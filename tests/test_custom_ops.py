@@ -67,6 +67,23 @@ def inputs(variant, T=9, H=1, HV=None, K=4, V=3, dtype=torch.float64, lengths=No
     return args
 
 
+RECURRENT_ENTRY_POINTS = {
+    "gdn": cula.gdn.fused_recurrent_gated_delta_rule,
+    "kda": cula.kda.fused_recurrent_kda,
+    "gla": cula.gla.fused_recurrent_gla,
+    "simple_gla": cula.lightning.fused_recurrent_simple_gla,
+    "lightning": cula.lightning.fused_recurrent_lightning_attn,
+}
+
+
+def recurrent_inputs(variant, **options):
+    """:func:`inputs` as the token-by-token entry point of ``variant`` takes them (GLA's per-key gate is ``gk``)."""
+    args = inputs(variant, **options)
+    if variant == "gla":
+        args["gk"] = args.pop("g")
+    return args
+
+
 def requiring_grad(args: dict) -> dict:
     return {
         n: x.requires_grad_() if isinstance(x, torch.Tensor) and x.is_floating_point() else x for n, x in args.items()
@@ -244,13 +261,16 @@ def recording_backend():
 @pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
 @pytest.mark.parametrize("variant", list(ENTRY_POINTS))
-def test_compiled_entry_point_matches_eager(variant, varlen, training, fresh_compiler):
-    """torch.compile(fullgraph=True) raises on a graph break; the graph holds the entry point as its forward op (and
-    its backward op), and gives the eager results and gradients (eager: the reference under plain autograd)."""
+@pytest.mark.parametrize("kind", ["chunk", "recurrent"])
+def test_compiled_entry_point_matches_eager(kind, variant, varlen, training, fresh_compiler):
+    """torch.compile(fullgraph=True) raises on a graph break; the graph holds the entry point (chunk or token by
+    token) as its forward op (and its backward op), and gives the eager results and gradients (eager: the reference
+    under plain autograd)."""
     options = {"lengths": [7, 13]} if varlen else {"T": 20}
-    args = inputs(variant, H=2, K=16, V=8, dtype=torch.float32, initial_state=True, **options)
+    make = inputs if kind == "chunk" else recurrent_inputs
+    args = make(variant, H=2, K=16, V=8, dtype=torch.float32, initial_state=True, **options)
     tensors = [n for n, x in args.items() if isinstance(x, torch.Tensor) and x.is_floating_point()]
-    fn = ENTRY_POINTS[variant]
+    fn = (ENTRY_POINTS if kind == "chunk" else RECURRENT_ENTRY_POINTS)[variant]
 
     def loss(**kwargs):
         o, final_state = fn(**kwargs, output_final_state=True)
@@ -262,12 +282,12 @@ def test_compiled_entry_point_matches_eager(variant, varlen, training, fresh_com
     compiled = torch.compile(loss, backend=backend, fullgraph=True)(**compiled_args)
     eager = loss(**eager_args)
     torch.testing.assert_close(compiled, eager)
-    assert FORWARD_OPS[variant].default in seen["forward"]
+    assert getattr(torch.ops.cula, f"{variant}_{kind}_fwd").default in seen["forward"]
     assert cula.last_decision(fn).backend == "torch"
     if training:
         compiled.backward()
         eager.backward()
-        assert BACKWARD_OPS[variant].default in seen["backward"]
+        assert getattr(torch.ops.cula, f"{variant}_{kind}_bwd").default in seen["backward"]
         for n in tensors:
             torch.testing.assert_close(compiled_args[n].grad, eager_args[n].grad, msg=n)
 
@@ -532,23 +552,6 @@ def test_a_compiled_training_step_reaches_fla_as_it_runs(monkeypatch, gdn_kernel
         torch.testing.assert_close(compiled[name], grad, msg=name)
 
 
-RECURRENT_ENTRY_POINTS = {
-    "gdn": cula.gdn.fused_recurrent_gated_delta_rule,
-    "kda": cula.kda.fused_recurrent_kda,
-    "gla": cula.gla.fused_recurrent_gla,
-    "simple_gla": cula.lightning.fused_recurrent_simple_gla,
-    "lightning": cula.lightning.fused_recurrent_lightning_attn,
-}
-
-
-def recurrent_inputs(variant, **options):
-    """:func:`inputs` as the token-by-token entry point of ``variant`` takes them (GLA's per-key gate is ``gk``)."""
-    args = inputs(variant, **options)
-    if variant == "gla":
-        args["gk"] = args.pop("g")
-    return args
-
-
 @pytest.mark.parametrize("variant", list(RECURRENT_ENTRY_POINTS))
 def test_opcheck_recurrent(variant):
     """The token-by-token entry points' ops: schema, fake implementation against the real one, autograd."""
@@ -556,36 +559,6 @@ def test_opcheck_recurrent(variant):
     args = requiring_grad(recurrent_inputs(variant, lengths=[3, 1, 4], initial_state=True, output_final_state=True))
     tensors, rest = op_call(variant, args)
     torch.library.opcheck(op.default, tensors, {**rest, "implementation": "reference", "save_residuals": True})
-
-
-@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
-@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
-@pytest.mark.parametrize("variant", list(RECURRENT_ENTRY_POINTS))
-def test_compiled_recurrent_entry_point_matches_eager(variant, varlen, training, fresh_compiler):
-    """A decode step compiled with fullgraph=True: the graph holds the token-by-token entry point as its forward op
-    (and its backward op), varlen included, with the eager results and gradients."""
-    options = {"lengths": [3, 1, 2]} if varlen else {"T": 2}
-    args = recurrent_inputs(variant, H=2, K=4, V=3, dtype=torch.float32, initial_state=True, **options)
-    tensors = [n for n, x in args.items() if isinstance(x, torch.Tensor) and x.is_floating_point()]
-    fn = RECURRENT_ENTRY_POINTS[variant]
-
-    def loss(**kwargs):
-        o, final_state = fn(**kwargs, output_final_state=True)
-        return (o * o).sum() + final_state.sum()
-
-    backend, seen = recording_backend()
-    compiled_args = {n: x.clone().requires_grad_(training) if n in tensors else x for n, x in args.items()}
-    eager_args = {n: x.clone().requires_grad_(training) if n in tensors else x for n, x in args.items()}
-    compiled = torch.compile(loss, backend=backend, fullgraph=True)(**compiled_args)
-    eager = loss(**eager_args)
-    torch.testing.assert_close(compiled, eager)
-    assert getattr(torch.ops.cula, f"{variant}_recurrent_fwd").default in seen["forward"]
-    if training:
-        compiled.backward()
-        eager.backward()
-        assert getattr(torch.ops.cula, f"{variant}_recurrent_bwd").default in seen["backward"]
-        for n in tensors:
-            torch.testing.assert_close(compiled_args[n].grad, eager_args[n].grad, msg=n)
 
 
 def test_a_compiled_decode_step_chooses_its_kernel_as_it_runs(monkeypatch, fresh_compiler):
@@ -608,3 +581,42 @@ def test_a_compiled_decode_step_chooses_its_kernel_as_it_runs(monkeypatch, fresh
     torch.testing.assert_close(compiled, fn(**args))
     assert calls == ["kernel", "kernel"]
     assert cula.last_decision(fn).reason == "decode on sm_90"
+
+
+def test_a_training_call_reaches_a_kernel_only_through_its_ops(monkeypatch, gdn_kernels):
+    """A kernel's gradients reach autograd only through the custom ops: a training call with an option the ops do
+    not take goes to the next backend, with the reason; FLA's default chunk size and its chunk indices, which change
+    nothing, stay with the kernel."""
+    calls = []
+    FakeCuda(monkeypatch, (9, 0))
+    monkeypatch.setattr(dispatch, "fla_function", lambda target: None)
+    gdn_kernels.register_kernel(trainable_kernel("trainable", calls))
+    fn = cula.gdn.chunk_gated_delta_rule
+    args = requiring_grad(gdn_args())
+    decision = cula.explain(fn, **args, an_fla_option=1)
+    assert decision.backend == "fla"
+    assert "an argument the kernel's custom ops do not take" in dict(decision.rejected)["cute"]
+    o, _ = fn(**args, chunk_size=64, chunk_indices=torch.zeros(1, 2, dtype=torch.long))
+    assert calls == ["forward"] and o.requires_grad
+
+
+def test_a_compiled_inference_call_is_chosen_as_inference(monkeypatch, gdn_kernels, fresh_compiler):
+    """Under no_grad a compiled call is chosen as the eager one is, whatever its tensors' requires_grad (a model's
+    parameters): the forward-only kernel serves it."""
+    FakeCuda(monkeypatch, (9, 0))
+    monkeypatch.setattr(dispatch, "fla_function", lambda target: None)
+    reference = gdn_kernels.reference
+    gdn_kernels.register_kernel(CuteKernel("forward_only", 9, lambda a: (True, ""), untraceable(reference)))
+    fn = cula.gdn.chunk_gated_delta_rule
+    args = gdn_args()
+    args["g"].requires_grad_()
+    with torch.no_grad():
+        torch.compile(lambda **kw: fn(**kw), backend="aot_eager", fullgraph=True)(**args)
+    assert cula.last_decision(fn).reason == "forward_only on sm_90"
+
+
+def test_kdas_gate_options_ride_on_its_ops():
+    """KDA's kernel reads ``safe_gate`` as it decides: the op carries it (and ``disable_recompute``), so a compiled
+    KDA call is held by the op and decided as it runs."""
+    args = dispatch.call_args(inputs("kda", lower_bound=-5.0, safe_gate=True, disable_recompute=True))
+    assert dispatch.op_of(cula.kda.chunk_kda).library.carries(args)

@@ -138,9 +138,9 @@ CHUNK.library = EntryOps(
     "kda_chunk",
     "Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float? scale=None, Tensor? initial_state=None, "
     "bool output_final_state=False, bool use_qk_l2norm_in_kernel=False, bool use_gate_in_kernel=False, "
-    "bool use_beta_sigmoid_in_kernel=False, bool allow_neg_eigval=False, float? lower_bound=None, "
-    "bool state_v_first=False, Tensor? cu_seqlens=None, Tensor? cu_seqlens_cpu=None, Tensor? A_log=None, "
-    "Tensor? dt_bias=None",
+    "bool use_beta_sigmoid_in_kernel=False, bool allow_neg_eigval=False, bool safe_gate=False, "
+    "float? lower_bound=None, bool disable_recompute=False, bool state_v_first=False, Tensor? cu_seqlens=None, "
+    "Tensor? cu_seqlens_cpu=None, Tensor? A_log=None, Tensor? dt_bias=None",
 )
 RECURRENT = bind(
     Op(
