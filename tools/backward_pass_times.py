@@ -2,6 +2,7 @@
 PERF.md's backward rows.
 
     python tools/backward_pass_times.py [--op simple_gla|gdn|gla] [--shapes 1x8192x64,2x16384x64] [--gate g|g_gamma]
+        [--skip-fla] [--profile FILE]
 
 For each B x T x H shape (D = 128, bf16, H = HV) it prints, as medians of CUDA-event timings over 10 calls: the two
 state walks, the per-chunk passes in PyTorch (``rows_backward``) and, for simple GLA, by the kernel
@@ -111,25 +112,40 @@ def passes(op: str, args: dict, do) -> dict:
     return times
 
 
-def forward_backward(op: str, args: dict, do, backend: str) -> float:
+def training_step(op: str, args: dict, do, backend: str):
+    """One forward + backward through the public op, served by ``backend`` (``CULA_BACKEND`` set while it runs)."""
     import cula
 
     fn = {"gdn": cula.gdn.chunk_gated_delta_rule, "gla": cula.gla.chunk_gla}.get(op, cula.lightning.chunk_simple_gla)
     leaves = {n: (x.detach().requires_grad_() if x.is_floating_point() else x) for n, x in args.items()}
 
     def step():
-        o, _ = fn(**leaves)
-        o.backward(do)
+        previous = os.environ.get("CULA_BACKEND")
+        os.environ["CULA_BACKEND"] = backend
+        try:
+            o, _ = fn(**leaves)
+            o.backward(do)
+        finally:
+            if previous is None:
+                del os.environ["CULA_BACKEND"]
+            else:
+                os.environ["CULA_BACKEND"] = previous
 
-    previous = os.environ.get("CULA_BACKEND")
-    os.environ["CULA_BACKEND"] = backend
-    try:
-        return median_ms(step, reps=5)
-    finally:
-        if previous is None:
-            del os.environ["CULA_BACKEND"]
-        else:
-            os.environ["CULA_BACKEND"] = previous
+    return step
+
+
+def profile_table(step, path: str, title: str) -> None:
+    """Appends to ``path`` the CUDA time per kernel and op of one ``step`` (after a warm-up), by torch.profiler."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    with open(path, "a") as out:
+        out.write(f"== {title}\n{prof.key_averages().table(sort_by='cuda_time_total', row_limit=40)}\n")
 
 
 def main() -> None:
@@ -137,6 +153,8 @@ def main() -> None:
     parser.add_argument("--op", choices=("simple_gla", "gdn", "gla"), default="simple_gla")
     parser.add_argument("--shapes", default="1x8192x64")
     parser.add_argument("--gate", choices=("g", "g_gamma"), default="g_gamma", help="simple GLA's gate")
+    parser.add_argument("--skip-fla", action="store_true", help="no FLA column (its first call autotunes for minutes)")
+    parser.add_argument("--profile", metavar="FILE", help="also append a torch.profiler table of one cuLA step here")
     opts = parser.parse_args()
     os.environ["CULA_UNTESTED_KERNELS"] = "1"
     for shape in opts.shapes.split(","):
@@ -145,12 +163,16 @@ def main() -> None:
         print(f"{opts.op} {shape}", flush=True)
         row = {"op": opts.op, "shape": shape, **passes(opts.op, args, do)}
         os.environ["CULA_CHUNK_GRADIENT_KERNEL"] = "1" if opts.op == "simple_gla" else "0"
-        row["cuLA forward + backward"] = report("cuLA forward + backward", forward_backward(opts.op, args, do, "cute"))
-        try:
-            fla = forward_backward(opts.op, args, do, "fla")
-        except Exception as error:  # FLA refuses some backwards on some triton versions
-            fla = f"{type(error).__name__}: {str(error)[:120]}"
-        row["FLA forward + backward"] = report("FLA forward + backward", fla)
+        cula_step = training_step(opts.op, args, do, "cute")
+        row["cuLA forward + backward"] = report("cuLA forward + backward", median_ms(cula_step, reps=5))
+        if opts.profile:
+            profile_table(cula_step, opts.profile, f"{opts.op} {shape}: cuLA forward + backward")
+        if not opts.skip_fla:
+            try:
+                fla = median_ms(training_step(opts.op, args, do, "fla"), reps=5)
+            except Exception as error:  # FLA refuses some backwards on some triton versions
+                fla = f"{type(error).__name__}: {str(error)[:120]}"
+            row["FLA forward + backward"] = report("FLA forward + backward", fla)
         print(json.dumps(row), flush=True)
 
 
