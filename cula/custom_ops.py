@@ -2,9 +2,9 @@
 cuLA call as one graph node (no graph break), and autograd reaches the backward of the backend that served the
 forward.
 
-Each entry point has two ops (``Op.library``: ``<variant>_chunk`` or ``<variant>_recurrent``), on tensors and scalar options only (the entry point's
-parameters that its backends read, in its order and with its defaults), and a keyword ``implementation`` naming what
-serves the call as dispatch chose it: ``"reference"`` (the PyTorch reference backend, any device) or a
+Each entry point has two ops (``Op.library``: ``<variant>_chunk`` or ``<variant>_recurrent``), on tensors and scalar
+options only (the entry point's parameters that its backends read, in its order and with its defaults), and a
+keyword ``implementation`` naming what serves the call as dispatch chose it: ``"reference"`` (the PyTorch reference backend, any device) or a
 :class:`~cula.dispatch.CuteKernel`'s name; or ``"auto"`` (a compiled call): dispatch chooses as the op runs, as it
 would for the same call made eagerly, FLA included, so that the graph holds no backend's host code.
 

@@ -226,15 +226,13 @@ class Op:
         return (True, "PyTorch reference backend"), None
 
     def _runner(self, args: dict[str, Any], implementation: str, direct: Callable) -> Callable:
-        """How a chosen cuLA backend runs: through the custom ops where a compiled graph must hold the call as one
-        node, or where autograd needs their backward (a kernel's training call; the reference is plain autograd);
-        directly otherwise, which spares the ops' dispatch (about 20 us) and keeps the reference's own autograd (no
-        recomputation, double backward)."""
-        through_ops = torch.compiler.is_compiling() or (implementation != REFERENCE and requires_grad(args))
-        if not through_ops or not self._held_by_ops(args):
+        """How a chosen cuLA backend runs outside a compiled graph (a compiled call runs the ops with ``"auto"``,
+        :meth:`call`): through the custom ops where autograd needs their backward (a kernel's training call; the
+        reference is plain autograd); directly otherwise, which spares the ops' dispatch (about 20 us) and keeps the
+        reference's own autograd (no recomputation, double backward)."""
+        if implementation == REFERENCE or not requires_grad(args) or not self._held_by_ops(args):
             return direct
-        save_residuals = requires_grad(args)
-        return lambda a: self.library(a, implementation, save_residuals)
+        return lambda a: self.library(a, implementation, True)
 
     def decide(self, args: dict[str, Any]) -> tuple[Decision, Callable]:
         """The decision on a call, and how to run it."""
