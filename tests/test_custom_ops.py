@@ -5,6 +5,7 @@ and without a backward."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 
 import pytest
@@ -513,17 +514,22 @@ def compiled_and_eager_gradients(fn, args):
     return grads
 
 
-def test_a_compiled_training_step_chooses_its_kernel_as_it_runs(monkeypatch, gdn_kernels, fresh_compiler):
-    """A compiled call (fullgraph) on a faked SM90 device: the graph holds the op, not the kernel's host code (here
-    behind graph breaks), and the kernel is chosen as the call runs; its backward makes again the residuals the
-    compiled forward did not keep. Gradients as eager."""
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+def test_a_compiled_training_step_chooses_its_kernel_as_it_runs(monkeypatch, gdn_kernels, fresh_compiler, varlen):
+    """A compiled call (fullgraph) on a faked SM90 device, GVA, fixed-length or varlen with an empty sequence and the
+    offsets on the host too: the graph holds the op, not the kernel's host code (here behind graph breaks), and the
+    kernel is chosen as the call runs; its backward makes again the residuals the compiled forward did not keep.
+    Gradients as eager."""
     FakeCuda(monkeypatch, (9, 0))
     monkeypatch.setattr(dispatch, "fla_function", lambda target: None)
     calls = []
     kernel = trainable_kernel("host_code", calls)
     kernel.supports, kernel.run = untraceable(kernel.supports), untraceable(kernel.run)
     gdn_kernels.register_kernel(kernel)
-    args = gdn_args(initial_state=torch.randn(1, 4, 16, 8), output_final_state=True)
+    offsets = [0, 5, 5, 20] if varlen else None
+    extra = {"cu_seqlens": torch.tensor(offsets), "cu_seqlens_cpu": torch.tensor(offsets)} if varlen else {}
+    N = 3 if varlen else 1
+    args = gdn_args(initial_state=torch.randn(N, 4, 16, 8), output_final_state=True, **extra)
     compiled, eager = compiled_and_eager_gradients(cula.gdn.chunk_gated_delta_rule, args)
     assert calls == ["inference", "forward", "backward", "forward", "backward"]
     assert cula.last_decision(cula.gdn.chunk_gated_delta_rule).reason == "host_code on sm_90"
@@ -620,3 +626,15 @@ def test_kdas_gate_options_ride_on_its_ops():
     KDA call is held by the op and decided as it runs."""
     args = dispatch.call_args(inputs("kda", lower_bound=-5.0, safe_gate=True, disable_recompute=True))
     assert dispatch.op_of(cula.kda.chunk_kda).library.carries(args)
+
+
+@pytest.mark.parametrize("kind", ["chunk", "recurrent"])
+@pytest.mark.parametrize("variant", list(ENTRY_POINTS))
+def test_fla_takes_every_parameter_of_the_ops(kind, variant):
+    """A compiled call that FLA serves runs FLA's function inside the op, on the op's parameters: each is one of the
+    function's own (FLA 0.6.0, a dependency), or it takes them through ``**kwargs``."""
+    fn = (ENTRY_POINTS if kind == "chunk" else RECURRENT_ENTRY_POINTS)[variant]
+    op = dispatch.op_of(fn)
+    parameters = inspect.signature(dispatch.fla_function(op.fla_target)).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        assert set(op.library.names) <= set(parameters), op.fla_target
