@@ -80,7 +80,7 @@ def test_steep_and_reset_gates(gradient_passes, monkeypatch):
 
 def test_a_compiled_training_step_holds_the_kernel_ops(monkeypatch):
     """torch.compile(fullgraph=True) of a training step through the kernel's backward: no graph break (the custom
-    ops' fake implementations), and the same gradients as eager."""
+    ops' fake implementations, the backend chosen as the op runs), and the same gradients as eager."""
     monkeypatch.setenv("CULA_BACKEND", "cute")
     torch._dynamo.reset()
     inputs = simple_gla_inputs(1, 200, 2, 128, "g", True)
@@ -94,5 +94,7 @@ def test_a_compiled_training_step_holds_the_kernel_ops(monkeypatch):
     step(*eager).backward()
     compiled = [inputs[n].detach().clone().requires_grad_() for n in names]
     torch.compile(step, backend="aot_eager", fullgraph=True)(*compiled).backward()
+    # chosen as the op ran: the kernel (its host code stays out of the graph)
+    assert cula.last_decision(cula.lightning.chunk_simple_gla).reason.startswith("lightning.chunk_fwd_sm90")
     for name, a, b in zip(names, eager, compiled, strict=True):
         assert rel_rmse(b.grad, a.grad.double()) <= 1e-3, name

@@ -290,6 +290,25 @@ def test_gpu_varlen_with_empty_and_single_token_sequences(monkeypatch, variant):
 
 @gpu
 @needs_gpu
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gpu_a_compiled_decode_step_runs_the_kernel(monkeypatch, variant):
+    """torch.compile(fullgraph=True) of a varlen decode step: the graph holds the entry point's op, which runs the
+    kernel as the call runs (its host code untraced), with the eager kernel's results."""
+    lengths = [1, 0, 2, 1]
+    args = make_args(variant, lengths=lengths, device="cuda", seed=2)
+    args["initial_state"] = torch.randn(state_shape(args), device="cuda") * 0.1
+    args["output_final_state"] = True
+    monkeypatch.setenv("CULA_BACKEND", "cute")
+    fn = ENTRY[variant]
+    torch._dynamo.reset()
+    o, state = torch.compile(lambda **kw: fn(**kw), backend="aot_eager", fullgraph=True)(**args)
+    assert fn.cula_op.last.backend == "cute", fn.cula_op.last
+    eager = fn(**args)
+    check((o, state, None), (*eager, None), lengths, tol_o=1e-6, tol_state=1e-6)
+
+
+@gpu
+@needs_gpu
 @pytest.mark.parametrize("variant", ["gdn", "kda", "lightning"])
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
