@@ -96,10 +96,11 @@ def shape_calls(op: str, device: str, whole: bool = False):
         yield name, call
 
 
-# the backwards' calls (op name -> the chunk op and the environment its backward runs under): GDN, simple GLA (its
-# per-chunk passes in PyTorch, or by their kernel), GLA
+# the backwards' calls (op name -> the chunk op and the environment its backward runs under): GDN and simple GLA
+# (their per-chunk passes in PyTorch, or by their kernels), GLA
 TRAINING = {
-    "gdn_train": ("gdn", {}),
+    "gdn_train": ("gdn", {"CULA_DELTA_GRADIENT_KERNEL": "0"}),
+    "gdn_train_kernel": ("gdn", {"CULA_DELTA_GRADIENT_KERNEL": "1"}),
     "simple_gla_train": ("simple_gla", {"CULA_CHUNK_GRADIENT_KERNEL": "0"}),
     "simple_gla_train_kernel": ("simple_gla", {"CULA_CHUNK_GRADIENT_KERNEL": "1"}),
     "gla_train": ("gla", {}),

@@ -12,7 +12,7 @@ from delta_rule_recurrence import offsets_of
 from launch_emulation import launch as emulated_launch
 
 import cula
-from cula.ops import chunk_backward
+from cula.ops import chunk_backward, chunk_emulation
 from cula.ops.chunk_emulation import bf16
 
 H, K, V = 2, 64, 64
@@ -418,3 +418,42 @@ def test_key_gated_products_by_blocks_equal_the_pair_factors(block):
     for name, have, ref in zip(("P", "dq", "dk"), got, want, strict=True):
         assert torch.isfinite(have).all(), name
         assert ((have - ref).norm() / ref.norm()).item() <= 1e-12, name
+
+
+def delta_chunk_inputs(N, C, K, V, gates, valid, dtype=torch.float64):
+    """Chunk-heads as scalar_delta_rows takes them, the tokens past each one's ``valid`` zero (a sequence's end)."""
+    q, k = torch.randn(N, C, K, dtype=dtype), F.normalize(torch.randn(N, C, K, dtype=dtype), dim=-1)
+    v, do = torch.randn(N, C, V, dtype=dtype), torch.randn(N, C, V, dtype=dtype)
+    beta = torch.rand(N, C, dtype=dtype)
+    g = F.logsigmoid(torch.randn(N, C, dtype=dtype) + 3) if gates == "layer" else -5 * torch.rand(N, C, dtype=dtype)
+    inside = (torch.arange(C)[None, :] < torch.tensor(valid)[:, None]).to(dtype)
+    q, k, v, do = (x * inside[..., None] for x in (q, k, v, do))
+    beta, g = beta * inside, g * inside
+    S, dS = torch.randn(N, K, V, dtype=dtype) * 0.5, torch.randn(N, K, V, dtype=dtype) * 0.5
+    return q, k, v, beta, g, S, dS, do
+
+
+def test_the_delta_gradient_kernels_stages_are_the_plans_algebra():
+    """The delta rule's per-chunk gradient kernel (cula.sm90.delta_chunk_bwd), emulated stage by stage with exact
+    operands (cula.ops.chunk_emulation.delta_chunk_gradients: its factoring of T, dT, the pair terms and the gate's
+    row sums), equals the plan's per-chunk gradients (scalar_delta_rows) to rounding, on whole and cut chunks."""
+    torch.manual_seed(5)
+    x = delta_chunk_inputs(4, 64, 16, 8, "layer", [64, 1, 37, 0])
+    want = chunk_backward.scalar_delta_rows(*x, 0.3)
+    got = chunk_emulation.delta_chunk_gradients(*x, 0.3, operand=lambda t: t)
+    for name, a, b in zip(("dq", "dk", "dv", "dbeta", "dg"), got, want, strict=True):
+        assert rel_rmse(a, b) <= 1e-12, name
+
+
+@pytest.mark.parametrize("gates", ["layer", "steep"])
+def test_the_delta_gradient_kernels_roundings_hold_the_bf16_tolerances(gates):
+    """With the kernel's bf16 roundings (its wgmma operands and stored tiles: T, T diag(beta), 2^G K, W, V', dV', dW,
+    dT, X, dA_b, the masked scores) each chunk-head's gradients stay within the bf16 tolerances of the exact ones."""
+    torch.manual_seed(6)
+    x = delta_chunk_inputs(8, 64, 128, 128, gates, [64] * 6 + [40, 3])
+    want = chunk_backward.scalar_delta_rows(*x, 128**-0.5)
+    got = chunk_emulation.delta_chunk_gradients(*(t.float() for t in x), 128**-0.5)
+    tolerances = (0.008, 0.008, 0.008, 0.02, 0.02)
+    for name, a, b, tol in zip(("dq", "dk", "dv", "dbeta", "dg"), got, want, tolerances, strict=True):
+        for n in range(b.shape[0]):
+            assert rel_rmse(a[n], b[n]) <= tol, (name, n, rel_rmse(a[n], b[n]))

@@ -58,6 +58,13 @@ def test_gdn_walks_store_the_plans_checkpoints(walk, D, H, HV):
         assert rel_rmse(final[n], want_final) <= 0.005, n
 
 
+@pytest.fixture(params=["pytorch", "kernel"])
+def gradient_passes(request, monkeypatch):
+    """Passes 3 and 4 by PyTorch products, or by their kernel (CULA_DELTA_GRADIENT_KERNEL=1)."""
+    monkeypatch.setenv("CULA_DELTA_GRADIENT_KERNEL", "1" if request.param == "kernel" else "0")
+    return request.param
+
+
 def gdn_inputs(B, T, H, HV, D=128, options=False, N=None):
     torch.manual_seed(T + HV)
     inputs = {
@@ -78,17 +85,18 @@ def gdn_inputs(B, T, H, HV, D=128, options=False, N=None):
 
 
 @pytest.mark.parametrize("T", [1, 65, 300])
-def test_gdn_gradients_fixed_length(monkeypatch, T):
+def test_gdn_gradients_fixed_length(gradient_passes, monkeypatch, T):
     check_gradients(cula.gdn.chunk_gated_delta_rule, gdn_inputs(2, T, 2, 2), {}, monkeypatch)
 
 
-def test_gdn_gradients_varlen_gva(monkeypatch):
+@pytest.mark.parametrize("D", [64, 128])
+def test_gdn_gradients_varlen_gva(gradient_passes, monkeypatch, D):
     lengths = [0, 1, 130, 64, 777]
-    inputs = gdn_inputs(1, sum(lengths), 2, 4, N=len(lengths))
+    inputs = gdn_inputs(1, sum(lengths), 2, 4, D=D, N=len(lengths))
     cu = torch.tensor(offsets_of(lengths), device="cuda")
     check_gradients(cula.gdn.chunk_gated_delta_rule, inputs, {"cu_seqlens": cu}, monkeypatch, lengths)
 
 
-def test_gdn_gradients_through_in_kernel_options(monkeypatch):
+def test_gdn_gradients_through_in_kernel_options(gradient_passes, monkeypatch):
     extra = {"use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True, "use_beta_sigmoid_in_kernel": True}
     check_gradients(cula.gdn.chunk_gated_delta_rule, gdn_inputs(2, 200, 2, 4, options=True), extra, monkeypatch)

@@ -1,10 +1,12 @@
-"""GDN backward on SM90 (opt-in: its GPU tests have not run), the delta rule's plan of :mod:`cula.ops.chunk_backward`:
+"""GDN backward on SM90, the delta rule's plan of :mod:`cula.ops.chunk_backward`:
 
 1. the state at each chunk's start and 2. the gradient of the state at each chunk's end: the GDN kernel's two walks
    (:func:`cula.sm90.walks.state_walk`: "states", and "state_grads" through the transposed chain), each storing a
    bf16 checkpoint per chunk; the second walk's final state is dh0;
 3. and 4. each chunk's gradients from its tokens and the two checkpoints, the WY form recomputed: batched PyTorch
-   products over the chunk rows (:func:`cula.ops.chunk_backward.rows_backward`) until a kernel makes them.
+   products over the chunk rows (:func:`cula.ops.chunk_backward.rows_backward`), or with
+   ``CULA_DELTA_GRADIENT_KERNEL=1`` the kernel :class:`cula.sm90.delta_chunk_bwd.DeltaChunkBwdSm90`
+   (compile-checked, not yet run on a GPU).
 
 The in-kernel options (q / k L2 norm, the gate from A_log and dt_bias, beta's sigmoid) are applied before the walks
 and differentiated through by autograd after them. Shapes: q, k [B, T, H, K]; v, do [B, T, HV, V] bf16; g, beta
@@ -12,6 +14,57 @@ and differentiated through by autograd after them. Shapes: q, k [B, T, H, K]; v,
 """
 
 from __future__ import annotations
+
+import os
+
+import torch
+
+from cula import runtime
+from cula.ops.chunk_emulation import GATE_FLOOR
+from cula.sm90 import entry
+from cula.sm90.delta_chunk_bwd import DeltaChunkBwdSm90
+
+# "1": passes 3 and 4 by the kernel instead of PyTorch products (until its GPU tests have run)
+ENV_GRADIENT_KERNEL = "CULA_DELTA_GRADIENT_KERNEL"
+
+
+def compile_delta_chunk_gradients_sm90(arch="sm_90a", *, head_dim=128, is_varlen=False, keep_artifacts=False):
+    """The kernel of passes 3 and 4, compiled on any machine for ``arch``."""
+    import cutlass
+
+    sym, fake = runtime.sym_int, runtime.fake_tensor
+    B, T, H, HV, rows = sym(), sym(), sym(), sym(), sym()
+    D = head_dim
+    bf16, f32 = cutlass.BFloat16, cutlass.Float32
+    args = (
+        fake(bf16, (B, T, H, D)), fake(bf16, (B, T, H, D)), fake(bf16, (B, T, HV, D)), fake(bf16, (B, T, HV, D)),
+        fake(f32, (B, T, HV), align=4), fake(f32, (B, T, HV), align=4),
+        fake(bf16, (rows, HV, D, D)), fake(bf16, (rows, HV, D, D)), fake(cutlass.Int32, (rows, 2), align=4),
+        fake(f32, (B, T, HV, D)), fake(f32, (B, T, HV, D)), fake(f32, (B, T, HV, D)),
+        fake(f32, (B, T, HV), align=4), fake(f32, (B, T, HV), align=4), f32(1.0), runtime.fake_stream(),
+    )  # fmt: skip
+    return runtime.compile_kernel(DeltaChunkBwdSm90(D, is_varlen), args, arch, keep_artifacts)
+
+
+def delta_chunk_gradients_sm90(q, k, v, do, g, beta, S, dS, index, scale, is_varlen):
+    """Passes 3 and 4 by the kernel: ``(dq, dk [B, T, H, K] summed over each GVA group, dv, dg, dbeta)`` in fp32, as
+    :func:`cula.ops.chunk_backward.rows_backward` gives them; ``index`` the chunk rows' tokens
+    (:func:`cula.ops.chunk_backward.chunk_token_index`)."""
+    B, T, H, D = q.shape
+    HV = v.shape[2]
+    n_tokens = B * T
+    valid = (index < n_tokens).sum(1)
+    first = torch.where(valid > 0, index[:, 0], 0)
+    chunks = torch.stack([first, valid], 1).to(torch.int32).contiguous()
+    arch = runtime.device_arch(q.device)
+    key = ("delta_chunk_bwd", D, is_varlen, arch)
+    fn = runtime.get_or_compile(key, lambda: compile_delta_chunk_gradients_sm90(arch, head_dim=D, is_varlen=is_varlen))
+    dq, dk, dv = (torch.empty(B, T, HV, D, dtype=torch.float32, device=q.device) for _ in range(3))
+    dbeta, dg = (torch.empty(B, T, HV, dtype=torch.float32, device=q.device) for _ in range(2))
+    fn(q, k, v, do, g, beta, S, dS, chunks, dq, dk, dv, dbeta, dg, float(scale))
+    if HV != H:
+        dq, dk = (x.view(B, T, H, HV // H, D).sum(3) for x in (dq, dk))
+    return dq, dk, dv, torch.where(g < GATE_FLOOR, 0.0, dg), dbeta
 
 
 def chunk_gdn_bwd_sm90(q, k, v, g, beta, do, scale, initial_state, dht, cu_seqlens, cu_seqlens_cpu, state_v_first):
@@ -21,6 +74,23 @@ def chunk_gdn_bwd_sm90(q, k, v, g, beta, do, scale, initial_state, dht, cu_seqle
     from cula.sm90 import walks
 
     g, beta = g.float().contiguous(), beta.float().contiguous()
+    rows = None
+    if os.environ.get(ENV_GRADIENT_KERNEL, "0") == "1":
+
+        def rows(q, k, v, do, w, scale):
+            return delta_chunk_gradients_sm90(
+                q, k, v, do, g, beta, w.starts, w.ends, w.index, scale, cu_seqlens is not None
+            )
+
     return walks.walk_backward(
-        GDN_SM90, q, k, v, do, g, beta, scale, initial_state, dht, cu_seqlens, cu_seqlens_cpu, state_v_first
+        GDN_SM90, q, k, v, do, g, beta, scale, initial_state, dht, cu_seqlens, cu_seqlens_cpu, state_v_first, rows
     )
+
+
+entry.register_checked(
+    "gdn_chunk_bwd_sm90",
+    compile_delta_chunk_gradients_sm90,
+    {"": {"is_varlen": True}, "[fixed length]": {}, "[D=64]": {"head_dim": 64, "is_varlen": True}},
+    # measured: ptxas spills a few registers of the fixed-length variant at 168 a thread (the varlen one is clean)
+    sass_allowed={"[fixed length]": (5, 0)},
+)

@@ -11,6 +11,8 @@ checked against the fp64 recurrence on a CPU, and a new scheme tried before it i
 - :func:`direct_scores`: each score summed directly over the keys (exact for any gate).
 - :func:`gla_scores`, :func:`key_gate_forward`: the GLA kernel (:mod:`cula.gla.chunk_fwd_sm90`): KDA's halves where
   no operand's exponent passes ``GLA_SAFE_SPAN``, else each score summed directly.
+- :func:`delta_chunk_gradients`: the delta rule's per-chunk gradient kernel (:mod:`cula.sm90.delta_chunk_bwd`), stage
+  by stage (batched chunk-heads, not one sequence).
 
 Shapes: one sequence per call, heads first: q, k [H, T, K]; v [H, T, V]; g [H, T] natural-log gate (per key: [H, T,
 K]); beta [H, T]; states [H, K, V]. Gates are in log2 units inside, as in the kernels.
@@ -199,3 +201,59 @@ def key_gate_forward(
         G_last = G[:, -1:]  # [H, 1, K]
         S = torch.exp2(G_last.transpose(1, 2)) * S + bf16(kc * torch.exp2(G_last - G)).transpose(1, 2) @ vc
     return o, S, steep
+
+
+def delta_chunk_gradients(q, k, v, beta, g, S, dS_end, do, scale, operand=bf16) -> tuple[torch.Tensor, ...]:
+    """The delta rule's per-chunk gradient kernel (:mod:`cula.sm90.delta_chunk_bwd`), stage by stage and with its
+    roundings (``operand``: bf16 as the kernel's wgmma operands and stored tiles; exact for the algebra alone), on
+    chunk-heads batched as :func:`cula.ops.chunk_backward.scalar_delta_rows` takes them: q, k [N, C, K], v, do [N, C,
+    V], beta and g [N, C] (natural log, floored; zero past a sequence's end), S and dS_end [N, K, V]. Returns ``(dq,
+    dk, dv, dbeta, dg)``, dg each token's gradient (the suffix sums and the chunk's constant)."""
+    r = operand
+    C = q.shape[1]
+    G = torch.cumsum(g, dim=1)
+    E, F = torch.exp(G), torch.exp(G[:, -1:] - G)
+    idx = torch.arange(C, device=q.device)
+    lower, strict = idx[:, None] >= idx[None, :], idx[:, None] > idx[None, :]
+    diff = G[:, :, None] - G[:, None, :]
+    gamma = torch.where(lower, torch.exp(torch.where(lower, diff, 0.0)), 0.0)
+    gamma_a = torch.where(strict, gamma, 0.0)
+    b = beta[..., None]
+    S, dS_end, q, k, v, do = (r(x) for x in (S, dS_end, q, k, v, do))
+    t = lambda x: x.transpose(1, 2)  # noqa: E731
+    # stage 1: A and T (stored bf16); dV' = F (K dS') + P^T dO
+    kk = k @ t(k)
+    eye = torch.eye(C, dtype=q.dtype, device=q.device)
+    T = r(torch.linalg.solve_triangular(eye + b * kk * gamma_a, eye.expand(q.shape[0], C, C), upper=False))
+    pt = r(t(scale * (q @ t(k)) * gamma))
+    dvn = r(F[..., None] * (k @ dS_end) + pt @ do)
+    # stage 2: W = T diag(beta) (E K), U = T diag(beta) V, V' = U - W S; dW = -dV' S^T
+    t_beta = r(T * t(b))
+    w_neg = r(-(t_beta @ r(E[..., None] * k)))
+    vn = r(t_beta @ v + w_neg @ S)
+    dw = r(-(dvn @ t(S)))
+    # stage 3: dP = scale dO V'^T; dq, and dk's P and end parts
+    dp = r(scale * (do @ t(vn)) * gamma)
+    dq = scale * E[..., None] * (do @ t(S)) + dp @ k
+    dk_end = F[..., None] * (vn @ t(dS_end))
+    dk = dk_end + t(dp) @ q
+    rows = {"q_dq": (q * dq).sum(-1), "k_dk": (k * dk).sum(-1), "k_dk_end": (k * dk_end).sum(-1)}
+    # stage 4: dT, d_bk = T^T dW, d_bv = T^T dV'
+    dT = r(t(b) * (t(E[..., None]) * (dw @ t(k)) + dvn @ t(v)))
+    d_bk, d_bv = t(T) @ dw, t(T) @ dvn
+    k_dbk = (k * d_bk).sum(-1)
+    dk = dk + b * E[..., None] * d_bk
+    dv = b * d_bv
+    # stage 5: X = dT T^T, dA = -(T^T X) on the strict lower triangle; the pair terms
+    x_ = r(dT @ t(T))
+    da = torch.where(strict, -(t(T) @ x_), 0.0) * gamma_a
+    da_kk = da * kk
+    pair = b * da_kk
+    dab = r(b * da)
+    # stage 6: dk's pair terms; dbeta and dg
+    dk = dk + dab @ k + t(dab) @ k
+    dbeta = da_kk.sum(-1) + E * k_dbk + (v * d_bv).sum(-1)
+    local = rows["q_dq"] - rows["k_dk"] + pair.sum(-1) - pair.sum(-2) + beta * E * k_dbk
+    constant = rows["k_dk_end"].sum(-1, keepdim=True) + torch.exp(G[:, -1:]) * (S * dS_end).sum((1, 2))[:, None]
+    dg = local.flip(1).cumsum(1).flip(1) + constant
+    return dq, dk, dv, dbeta, dg

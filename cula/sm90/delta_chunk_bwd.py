@@ -1,0 +1,512 @@
+"""Passes 3 and 4 of the delta rule's backward for a scalar gate (GDN; :func:`cula.ops.chunk_backward.scalar_delta_rows`)
+on SM90: one CTA per (chunk, value head) recomputes the chunk's WY form from its tokens and its start checkpoint and
+makes dq, dk, dv, dbeta and the gate's gradient.
+
+Per chunk (C = 64 tokens; G the cumulative log2 gate, E = 2^G, F = 2^(G_L - G); Gamma_ij = 2^(G_i - G_j) for
+j <= i and Gamma^a for j < i, zero elsewhere by a select; T = (I + A)^-1 with A = diag(beta) (K K^T . Gamma^a); S^T
+and dS'^T the checkpoints, stored (V, K); V' the chunk's V_new), in six stages, each closed by a CTA barrier:
+
+    1. wg 0: A, T (the forward's solve)   wg 1: dV' = F (K dS') + P^T dO
+    2. wg 0: T^T kept; W = T diag(beta) (E K), U = T diag(beta) V (T's columns scaled in place), V' = U - W S
+       wg 2: dW = -dV' S^T
+    3. wg 1: dK = F (V' dS'^T) + (dP . Gamma)^T Q
+       wg 2: dQ = scale E (dO S^T) + (dP . Gamma) K, dP = scale dO V'^T
+    4. wg 0: dT = (dW K^T) diag(beta E) + (dV' V^T) diag(beta)   wg 1: d_bk = T^T dW, dK += beta E d_bk
+       wg 2: d_bv = T^T dV', dV = beta d_bv
+    5. wg 0: X = dT T^T, dA = -(T^T X) (strict lower), dA_b = beta dA . Gamma^a, both ways round, to shared memory
+    6. wg 1: dK += dA_b K + dA_b^T K; then warp 0: dbeta and dg (a suffix scan of the row sums)
+
+Every product is a wgmma with both operands in shared memory but the masked scores' (bf16 registers); the beta and
+gate factors scale T's columns and the (C x C) products' columns, so they need no tiles of their own. dT and X live
+in q's tile once stage 3 has read it: 209 KB of shared memory at D = 128.
+
+Shapes: q, k [B, T, H, D], v, do [B, T, HV, D] bf16 (GVA: value head hv reads q / k head hv // (HV / H)); g, beta
+[B, T, HV] fp32 (natural-log gate, activated beta); the checkpoints [rows, HV, D, D] bf16 (S^T); ``chunks`` [rows,
+2] int32 (each row's first token in the flattened (B T) axis and its valid tokens; 0: no chunk); dq, dk [B, T, HV, D],
+dv [B, T, HV, D], dbeta, dg [B, T, HV], all fp32 (dq and dk per value head: the host sums each GVA group).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from cula.sm90 import mma, pipeline, scalar_gates, solve, tiles
+from cula.sm90.chunk_fwd import A_STRIDE
+from cula.sm90.scalar_chunk_bwd import ScalarGateChunkBwdSm90
+
+WARPGROUPS = 3
+STAGE_BARRIER = 1  # the CTA's stage hand-offs (named barrier, all threads)
+WY_BARRIER = 2  # warpgroup 0's own steps
+# sRows columns: per token, the row sums the last stage adds up
+Q_DQ, K_DK, K_DK_END, K_DBK, V_DBV, DA_KK, PAIR_ROW, PAIR_COL = range(8)
+
+
+class Tensors(NamedTuple):
+    q: cute.Tensor
+    k: cute.Tensor
+    v: cute.Tensor
+    do: cute.Tensor
+    g: cute.Tensor
+    beta: cute.Tensor
+    states: cute.Tensor
+    state_grads: cute.Tensor
+    chunks: cute.Tensor
+    dq: cute.Tensor
+    dk: cute.Tensor
+    dv: cute.Tensor
+    dbeta: cute.Tensor
+    dg: cute.Tensor
+
+
+class Loads(NamedTuple):
+    q: tuple
+    k: tuple
+    v: tuple
+    do: tuple
+    states: tuple
+    state_grads: tuple
+
+
+class Params(NamedTuple):
+    loads: Loads
+    t: Tensors
+    scale: cutlass.Float32
+    tile_tok: object
+    tile_tok_mn: object
+    tile_state: object
+    tile_state_mn: object
+    tile_cc: object
+    tile_cc_mn: object
+
+
+class Smem(NamedTuple):
+    """The CTA's shared tiles: the loaded tokens and checkpoints, the chunk's made tiles (W, dW, V', dV'), T and T^T,
+    A^T (fp32, the solve's; then dW in its bytes; then the pair terms of dA), dT and X (in q's bytes), and the
+    per-token values."""
+
+    q: cute.Tensor
+    k: cute.Tensor
+    v: cute.Tensor
+    do: cute.Tensor
+    s: cute.Tensor
+    ds: cute.Tensor
+    w: cute.Tensor
+    dw: cute.Tensor
+    vn: cute.Tensor
+    dvn: cute.Tensor
+    at: cute.Tensor
+    t: cute.Tensor
+    tt: cute.Tensor
+    x1: cute.Tensor
+    x2: cute.Tensor
+    g: cute.Tensor
+    beta: cute.Tensor
+    fac: cute.Tensor
+    rows: cute.Tensor
+    warps: cute.Tensor
+
+
+def mn(tile, mn_layout):
+    """The MN-major (N, K) view of the 2-D K-major tile ``tile``; ``mn_layout`` its tile's MN layout, with or without
+    a stage mode (:func:`cula.sm90.tiles.token_tiles`)."""
+    view = cute.make_tensor(cute.recast_ptr(tile.iterator, mn_layout.inner), mn_layout.outer)
+    if cutlass.const_expr(cute.rank(mn_layout.outer) == 3):
+        return view[None, None, 0]
+    return view
+
+
+class DeltaChunkBwdSm90(ScalarGateChunkBwdSm90):
+    """The kernel (module docstring); the token and score helpers are the scalar-gate kernel's."""
+
+    def __init__(self, head_dim: int, is_varlen: bool):
+        super().__init__(head_dim, is_varlen)
+        self.threads = 128 * WARPGROUPS
+
+    # ---------------------------------------------------------------- host side
+    @cute.jit
+    def __call__(
+        self, q, k, v, do, g, beta, states, state_grads, chunks, dq, dk, dv, dbeta, dg, scale, stream
+    ):  # fmt: skip
+        C, D = self.C, self.D
+        t = Tensors(q, k, v, do, g, beta, states, state_grads, chunks, dq, dk, dv, dbeta, dg)
+        tile_tok, tile_tok_mn = tiles.token_tiles(C, D, 1)
+        tile_state, tile_state_mn = tiles.token_tiles(D, D, 1)
+        tile_cc, tile_cc_mn = tiles.token_tiles(C, C)
+        load = cpasync.CopyBulkTensorTileG2SOp()
+
+        def atom(view, tile, shape):
+            return cpasync.make_tiled_tma_atom(load, view, cute.slice_(tile, (None, None, 0)), shape)
+
+        tok, ckpt = tiles.tma_view, tiles.state_tma_view
+        loads = Loads(
+            atom(tok(q), tile_tok, (C, D)), atom(tok(k), tile_tok, (C, D)), atom(tok(v), tile_tok, (C, D)),
+            atom(tok(do), tile_tok, (C, D)), atom(ckpt(states), tile_state, (D, D)),
+            atom(ckpt(state_grads), tile_state, (D, D)),
+        )  # fmt: skip
+        p = Params(loads, t, scale, tile_tok, tile_tok_mn, tile_state, tile_state_mn, tile_cc, tile_cc_mn)
+        bf16, f32 = cutlass.BFloat16, cutlass.Float32
+        tok_elems, cc_elems = cute.cosize(tile_tok), cute.cosize(tile_cc)
+
+        def tile(elems):
+            return cute.struct.Align[cute.struct.MemRange[bf16, elems], 1024]
+
+        fields = {
+            "ring": pipeline.ring_storage(1),
+            **{name: tile(tok_elems) for name in ("sQ", "sK", "sV", "sDO", "sW", "sVN", "sDVN")},
+            "sS": tile(cute.cosize(tile_state)),
+            "sDS": tile(cute.cosize(tile_state)),
+            "sT": tile(cc_elems),
+            "sTt": tile(cc_elems),
+            # A^T for the solve, then dW (bf16, stages 2-4), then the pair terms of dA (fp32)
+            "sAt": cute.struct.Align[cute.struct.MemRange[f32, C * A_STRIDE], 1024],
+            "sG": cute.struct.MemRange[f32, C],
+            "sBeta": cute.struct.MemRange[f32, C],
+            "sFac": cute.struct.MemRange[f32, 2 * C],
+            "sRows": cute.struct.MemRange[f32, 8 * C],
+            "sWarps": cute.struct.MemRange[f32, 4 * WARPGROUPS],
+        }
+        self.storage = cute.struct(type("Storage", (), {"__annotations__": fields}))
+        self.kernel(p).launch(
+            grid=(chunks.shape[0], v.shape[2], 1),
+            block=(self.threads, 1, 1),
+            smem=self.storage.size_in_bytes(),
+            stream=stream,
+        )
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(self, p: Params):
+        C, D = self.C, self.D
+        t = p.t
+        tidx, _, _ = cute.arch.thread_idx()
+        row, hv, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        first, valid = t.chunks[row, 0], t.chunks[row, 1]
+        T = t.q.shape[1]
+        b, t0 = first // T, first % T
+        h = hv // (t.v.shape[2] // t.q.shape[2])
+
+        st = cutlass.memory.SmemAllocator().allocate(self.storage)
+
+        def tok(field):
+            return field.get_tensor(p.tile_tok.outer, swizzle=p.tile_tok.inner)
+
+        def cc(field):
+            return field.get_tensor(p.tile_cc.outer, swizzle=p.tile_cc.inner)
+
+        sQ, sK, sV, sDO = tok(st.sQ), tok(st.sK), tok(st.sV), tok(st.sDO)
+        sS = st.sS.get_tensor(p.tile_state.outer, swizzle=p.tile_state.inner)
+        sDS = st.sDS.get_tensor(p.tile_state.outer, swizzle=p.tile_state.inner)
+        q_tile = sQ[None, None, 0]
+        # dT and X take q's bytes once stage 3 has read q: two (C x C) tiles, 8 KB apart (a whole swizzle period)
+        sX1 = cute.make_tensor(cute.recast_ptr(q_tile.iterator, p.tile_cc.inner), p.tile_cc.outer)
+        sX2 = cute.make_tensor(cute.recast_ptr(q_tile.iterator + C * C, p.tile_cc.inner), p.tile_cc.outer)
+        sAt = st.sAt.get_tensor(cute.make_layout((C, A_STRIDE), stride=(A_STRIDE, 1)))
+        sDW = cute.make_tensor(
+            cute.recast_ptr(sAt.iterator, p.tile_tok.inner, dtype=cutlass.BFloat16), p.tile_tok.outer
+        )[None, None, 0]
+        sm = Smem(
+            q_tile, sK[None, None, 0], sV[None, None, 0], sDO[None, None, 0], sS[None, None, 0], sDS[None, None, 0],
+            tok(st.sW)[None, None, 0], sDW, tok(st.sVN)[None, None, 0], tok(st.sDVN)[None, None, 0], sAt, cc(st.sT),
+            cc(st.sTt),
+            sX1, sX2, st.sG.get_tensor(cute.make_layout((C, 1))), st.sBeta.get_tensor(cute.make_layout((C, 1))),
+            st.sFac.get_tensor(cute.make_layout((C, 1, 2))), st.sRows.get_tensor(cute.make_layout((C, 8))),
+            st.sWarps.get_tensor(cute.make_layout(4 * WARPGROUPS)),
+        )  # fmt: skip
+        loads = pipeline.tma_ring(st.ring, 1, 4 * C * D * 2 + 2 * D * D * 2, 4 * WARPGROUPS)
+        pipeline.rings_made()
+
+        if valid > 0:
+            if warp == 0:
+                self.issue_loads_gva(p, loads, sQ, sK, sV, sDO, sS, sDS, b, t0, h, hv, row)
+                raw = scalar_gates.load_gates(t.g[b, None, hv], t.beta[b, None, hv], t0, valid, 0, lane, C)
+                scalar_gates.publish_gates(sm.g, sm.beta, sm.fac, 0, raw, 0, valid, lane, C)
+            if warp == 4:
+                solve.solve_clear(sm.t, lane, 32)
+            loaded = pipeline.consumer_start(1)
+            loads.consumer_wait(loaded)
+            if cutlass.const_expr(self.is_varlen):
+                # rows past the chunk's end hold the next sequence's tokens: zeroed before any product reads them
+                if valid < C:
+                    for tile_ in (sQ, sK, sV, sDO):
+                        tiles.zero_rows_from(tile_[None, None, 0], valid, tidx, self.threads)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_threads()  # the gates, T's zeros and the zeroed rows
+            wg = warp // 4
+            wtid = tidx % 128
+            if wg == 0:
+                self.wy_role(p, sm, valid, wtid)
+            elif wg == 1:
+                self.dk_role(p, sm, valid, wtid, b, t0, hv)
+            else:
+                self.dq_dv_role(p, sm, valid, wtid, b, t0, hv)
+            self.state_product(sS, sDS, sm.warps, tidx, warp, lane)
+            cute.arch.sync_threads()
+            if warp == 0:
+                self.beta_and_gate_gradients(t, sm, valid, lane, b, t0, hv)
+
+    @cute.jit
+    def issue_loads_gva(self, p, loads, sQ, sK, sV, sDO, sS, sDS, b, t0, h, hv, row):
+        """Warp 0: q and k of head h, v and dO of value head hv (token t0 of batch row b), and the chunk row's two
+        checkpoints, on one mbarrier."""
+        L = p.loads
+        fill = pipeline.producer_start(1)
+        loads.producer_acquire(fill)
+        bar = loads.producer_get_barrier(fill)
+        for (tma, view), smem_tile, head in zip(
+            (L.q, L.k, L.v, L.do), (sQ, sK, sV, sDO), (h, h, hv, hv), strict=True
+        ):  # fmt: skip
+            tS, tG = tiles.tma_chunk_tiles(tma, view[None, None, head, b], t0, smem_tile)
+            cute.copy(tma, tG[None, 0], tS[None, 0], tma_bar_ptr=bar)
+        for (tma, view), smem_tile in zip((L.states, L.state_grads), (sS, sDS), strict=True):
+            tS, tG = tiles.tma_chunk_tiles(tma, view[None, None, hv, row], 0, smem_tile)
+            cute.copy(tma, tG[None, 0], tS[None, 0], tma_bar_ptr=bar)
+
+    # ---------------------------------------------------------------- shared steps
+    @cute.jit
+    def stage_done(self):
+        """The end of a stage: this thread's shared-memory writes made visible to wgmma, then all warpgroups meet."""
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=STAGE_BARRIER, number_of_threads=self.threads)
+
+    @cute.jit
+    def wy_step(self):
+        """Warpgroup 0 between two of its own steps within a stage."""
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=WY_BARRIER, number_of_threads=128)
+
+    @cute.jit
+    def accumulate(self, b_major: cutlass.Constexpr, acc, sA, sB, wtid):
+        """acc += A B, both operands in shared memory (B a view as ``product`` takes it)."""
+        tiled = mma.tiled_mma(self.C, self.D, b_major=b_major, a_in_registers=False)
+        thr = tiled.get_slice(wtid)
+        a = thr.make_fragment_A(thr.partition_A(sA))
+        bb = thr.make_fragment_B(thr.partition_B(sB))
+        warpgroup.fence()
+        mma.gemm(tiled, acc, a, bb, False)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+
+    @cute.jit
+    def cc_product(self, sA, sB_view, wtid):
+        """A B for (C x C) operands in shared memory, B read MN-major (``sB_view`` (N, K)): an fp32 (C x C)
+        accumulator and its coordinates."""
+        return self.product(
+            mma.tiled_mma(self.C, self.C, b_major="MN", a_in_registers=False), sA, sB_view, wtid, self.C
+        )
+
+    @cute.jit
+    def to_tile(self, acc, coords, sX, factor: cutlass.Constexpr):
+        """The accumulator times ``factor`` (a constant) to the bf16 tile ``sX``, element by element."""
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            r, c = coords[e]
+            sX[r, c] = (acc[e] * factor).to(cutlass.BFloat16)
+
+    @cute.jit
+    def quad_sums(self, part, coords, sRows, col: cutlass.Constexpr, wtid):
+        """Each row's sum of an accumulator-shaped tile, from this thread's part of its two rows (``part``, by row slot:
+        a row lies on the four lanes of a quad), to ``sRows[row, col]``."""
+        for rr in cutlass.range_constexpr(2):
+            x = part[rr]
+            x = x + cute.arch.shuffle_sync_bfly(x, 1)
+            x = x + cute.arch.shuffle_sync_bfly(x, 2)
+            r, _ = coords[2 * rr]
+            if wtid % 4 == 0:
+                sRows[r, col] = x
+
+    @cute.jit
+    def add_rows(self, acc, cTD, row_factor, mX, valid, b, t0, h):
+        """``mX[b, t0 + i, h] +=`` the (C x D) accumulator's rows before ``valid`` (times ``row_factor[i, 0]``, an
+        smem column, unless None)."""
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            r, d = cTD[e]
+            if r < valid:
+                x = acc[e]
+                if cutlass.const_expr(row_factor is not None):
+                    x = x * row_factor[r, 0]
+                mX[b, t0 + r, h, d] = mX[b, t0 + r, h, d] + x
+
+    # ---------------------------------------------------------------- warpgroup 0: the WY form and its gradients
+    @cute.jit
+    def wy_role(self, p, sm, valid, wtid):
+        C = self.C
+        f32 = cutlass.Float32
+        # stage 1: A (strict lower, fp32, transposed for the solve), then T
+        acc_kk, cCC = self.scores(sm.k, sm.k, wtid)
+        g_r, b_r, g_c = scalar_gates.gates_at(cCC, sm.g, sm.beta, sm.g, 0)
+        for e in cutlass.range_constexpr(cute.size(acc_kk)):
+            r, c = cCC[e]
+            rr, kc = mma.acc_row_slot(e), mma.acc_col_slot(e)
+            a = f32(0.0)
+            if c < r and r < valid:
+                a = acc_kk[e] * b_r[rr] * cute.math.exp2(g_r[rr] - g_c[kc], fastmath=True)
+            sm.at[c, r] = a
+        self.wy_step()
+        solve.solve_diag16_per_warp(sm.at, wtid)
+        self.wy_step()
+        solve.solve_merge_to_bf16(sm.at, sm.t, wtid, WY_BARRIER)
+        self.stage_done()  # 1
+        # stage 2: T^T kept; T's columns scaled by beta; W = T diag(beta) (2^G K), U = T diag(beta) V, V' = U - W S
+        for idx in cutlass.range(wtid, C * C, 128, unroll=1):
+            r, c = idx // C, idx % C
+            sm.tt[c, r] = sm.t[r, c]
+        self.wy_step()
+        for idx in cutlass.range(wtid, C * C, 128, unroll=1):
+            r, c = idx // C, idx % C
+            sm.t[r, c] = (sm.t[r, c].to(f32) * sm.beta[c, 0]).to(cutlass.BFloat16)
+        for idx in cutlass.range(wtid, C * self.D, 128, unroll=1):
+            r, d = idx // self.D, idx % self.D
+            sm.w[r, d] = (sm.k[r, d].to(f32) * sm.fac[r, 0, 0]).to(cutlass.BFloat16)
+        self.wy_step()
+        acc_w, cTD = self.inter("MN", sm.t, mn(sm.w, p.tile_tok_mn), wtid)
+        self.wy_step()  # every thread's wgmma has read 2^G K before W overwrites it
+        self.to_tile(acc_w, cTD, sm.w, -1.0)
+        self.wy_step()
+        acc_u, _ = self.inter("MN", sm.t, mn(sm.v, p.tile_tok_mn), wtid)
+        self.accumulate("K", acc_u, sm.w, sm.s, wtid)
+        self.to_tile(acc_u, cTD, sm.vn, 1.0)
+        self.stage_done()  # 2
+        self.stage_done()  # 3
+        # stage 4: dT = (dW K^T) diag(beta 2^G) + (dV' V^T) diag(beta), to X1 (q's bytes)
+        acc_a, cCC = self.scores(sm.dw, sm.k, wtid)
+        acc_b, _ = self.scores(sm.dvn, sm.v, wtid)
+        for e in cutlass.range_constexpr(cute.size(acc_a)):
+            r, c = cCC[e]
+            sm.x1[r, c] = (sm.beta[c, 0] * (acc_a[e] * sm.fac[c, 0, 0] + acc_b[e])).to(cutlass.BFloat16)
+        self.stage_done()  # 4
+        # stage 5: X = dT T^T (to X2), dA = -(T^T X), the pair terms
+        acc_x, cCC = self.cc_product(sm.x1, mn(sm.tt, p.tile_cc_mn), wtid)
+        self.to_tile(acc_x, cCC, sm.x2, 1.0)
+        self.wy_step()
+        acc_da, cCC = self.cc_product(sm.tt, mn(sm.x2, p.tile_cc_mn), wtid)
+        acc_kk, _ = self.scores(sm.k, sm.k, wtid)
+        self.wy_step()  # every thread's X read before dA_b overwrites X2
+        g_r, b_r, g_c = scalar_gates.gates_at(cCC, sm.g, sm.beta, sm.g, 0)
+        da_kk = cute.make_rmem_tensor(cute.make_layout(2), f32)
+        pair = cute.make_rmem_tensor(cute.make_layout(2), f32)
+        da_kk.fill(0.0)
+        pair.fill(0.0)
+        for e in cutlass.range_constexpr(cute.size(acc_da)):
+            r, c = cCC[e]
+            rr, kc = mma.acc_row_slot(e), mma.acc_col_slot(e)
+            da_gated = f32(0.0)
+            if c < r:
+                da_gated = -acc_da[e] * cute.math.exp2(g_r[rr] - g_c[kc], fastmath=True)
+            x = da_gated * acc_kk[e]
+            da_kk[rr] = da_kk[rr] + x
+            pair[rr] = pair[rr] + b_r[rr] * x
+            dab = (b_r[rr] * da_gated).to(cutlass.BFloat16)
+            sm.x1[r, c] = dab
+            sm.x2[c, r] = dab
+            sm.at[r, c] = b_r[rr] * x
+        self.quad_sums(da_kk, cCC, sm.rows, DA_KK, wtid)
+        self.quad_sums(pair, cCC, sm.rows, PAIR_ROW, wtid)
+        self.stage_done()  # 5
+        # stage 6: the pair terms' column sums
+        if wtid < C:
+            col = f32(0.0)
+            for r in cutlass.range(C, unroll=4):
+                col = col + sm.at[r, wtid]
+            sm.rows[wtid, PAIR_COL] = col
+        self.stage_done()  # 6
+
+    # ---------------------------------------------------------------- warpgroup 1: dV', then dk
+    @cute.jit
+    def dk_role(self, p, sm, valid, wtid, b, t0, hv):
+        f32 = cutlass.Float32
+        # stage 1: dV' = F (K dS') + P^T dO
+        acc_pt, cCC = self.scores(sm.k, sm.q, wtid)
+        r_pt = self.masked_scores(acc_pt, cCC, sm.g, valid, True, p.scale)
+        acc, cTD = self.inter("K", sm.k, sm.ds, wtid)
+        self.scale_rows(acc, cTD, sm.fac, 1, f32(1.0))
+        self.add_intra(acc, r_pt, mn(sm.do, p.tile_tok_mn), wtid)
+        self.to_tile(acc, cTD, sm.dvn, 1.0)
+        self.stage_done()  # 1
+        self.stage_done()  # 2
+        # stage 3: dK = F (V' dS'^T) + (dP . Gamma)^T Q
+        acc_dpt, cCC = self.scores(sm.vn, sm.do, wtid)
+        r_dpt = self.masked_scores(acc_dpt, cCC, sm.g, valid, True, p.scale)
+        acc_dk, cTD = self.inter("MN", sm.vn, mn(sm.ds, p.tile_state_mn), wtid)
+        self.scale_rows(acc_dk, cTD, sm.fac, 1, f32(1.0))
+        self.row_dot(acc_dk, cTD, sm.k, sm.rows, K_DK_END, wtid)
+        self.add_intra(acc_dk, r_dpt, mn(sm.q, p.tile_tok_mn), wtid)
+        self.row_dot(acc_dk, cTD, sm.k, sm.rows, K_DK, wtid)
+        # dk goes out now and takes its later terms in place (each thread its own elements): no accumulator is held
+        # across the stages
+        self.store_rows(acc_dk, cTD, p.t.dk, valid, b, t0, hv)
+        self.stage_done()  # 3
+        # stage 4: d_bk = T^T dW; dK += beta 2^G d_bk
+        acc_dbk, cTD = self.inter("MN", sm.tt, mn(sm.dw, p.tile_tok_mn), wtid)
+        self.row_dot(acc_dbk, cTD, sm.k, sm.rows, K_DBK, wtid)
+        self.scale_rows(acc_dbk, cTD, sm.fac, 0, f32(1.0))
+        self.add_rows(acc_dbk, cTD, sm.beta, p.t.dk, valid, b, t0, hv)
+        self.stage_done()  # 4
+        self.stage_done()  # 5
+        # stage 6: dK += dA_b K + dA_b^T K
+        acc_da, cTD = self.inter("MN", sm.x1, mn(sm.k, p.tile_tok_mn), wtid)
+        self.accumulate("MN", acc_da, sm.x2, mn(sm.k, p.tile_tok_mn), wtid)
+        self.add_rows(acc_da, cTD, None, p.t.dk, valid, b, t0, hv)
+        self.stage_done()  # 6
+
+    # ---------------------------------------------------------------- warpgroup 2: dq, then dv
+    @cute.jit
+    def dq_dv_role(self, p, sm, valid, wtid, b, t0, hv):
+        self.stage_done()  # 1
+        # stage 2: -dW = dV' S^T, kept as dW
+        acc_dw, cTD = self.inter("MN", sm.dvn, mn(sm.s, p.tile_state_mn), wtid)
+        self.to_tile(acc_dw, cTD, sm.dw, -1.0)
+        self.stage_done()  # 2
+        # stage 3: dQ = scale 2^G (dO S^T) + (dP . Gamma) K, dP = scale dO V'^T
+        acc_dp, cCC = self.scores(sm.do, sm.vn, wtid)
+        r_dp = self.masked_scores(acc_dp, cCC, sm.g, valid, False, p.scale)
+        acc_dq, cTD = self.inter("MN", sm.do, mn(sm.s, p.tile_state_mn), wtid)
+        self.scale_rows(acc_dq, cTD, sm.fac, 0, p.scale)
+        self.add_intra(acc_dq, r_dp, mn(sm.k, p.tile_tok_mn), wtid)
+        self.row_dot(acc_dq, cTD, sm.q, sm.rows, Q_DQ, wtid)
+        self.store_rows(acc_dq, cTD, p.t.dq, valid, b, t0, hv)
+        self.stage_done()  # 3
+        # stage 4: d_bv = T^T dV', dV = beta d_bv
+        acc_dbv, cTD = self.inter("MN", sm.tt, mn(sm.dvn, p.tile_tok_mn), wtid)
+        self.row_dot(acc_dbv, cTD, sm.v, sm.rows, V_DBV, wtid)
+        for e in cutlass.range_constexpr(cute.size(acc_dbv)):
+            r, _ = cTD[e]
+            acc_dbv[e] = acc_dbv[e] * sm.beta[r, 0]
+        self.store_rows(acc_dbv, cTD, p.t.dv, valid, b, t0, hv)
+        self.stage_done()  # 4
+        self.stage_done()  # 5
+        self.stage_done()  # 6
+
+    # ---------------------------------------------------------------- warp 0: dbeta and dg
+    @cute.jit
+    def beta_and_gate_gradients(self, t, sm, valid, lane, b, t0, hv):
+        """Two tokens per lane. dbeta = sum_m dA Gamma^a kk + 2^G k . d_bk + v . d_bv; dg = the suffix sum of
+        q . dq - k . dk + (pair row - pair column) + beta 2^G k . d_bk, plus the chunk's constant
+        sum_j k_j . dk_j^end + 2^G_L sum (S * dS')."""
+        C = self.C
+        f32 = cutlass.Float32
+        rows = sm.rows
+        local = cute.make_rmem_tensor(cute.make_layout(2), f32)
+        end = f32(0.0)
+        for half in cutlass.range_constexpr(2):
+            i = lane + 32 * half
+            k_dbk = rows[i, K_DBK] * sm.fac[i, 0, 0]
+            local[half] = rows[i, Q_DQ] - rows[i, K_DK] + rows[i, PAIR_ROW] - rows[i, PAIR_COL] + sm.beta[i, 0] * k_dbk
+            end = end + rows[i, K_DK_END]
+            if i < valid:
+                t.dbeta[b, t0 + i, hv] = rows[i, DA_KK] + k_dbk + rows[i, V_DBV]
+        states = f32(0.0)
+        for w in cutlass.range_constexpr(4 * WARPGROUPS):
+            states = states + sm.warps[w]
+        after_lo, after_hi = scalar_gates.warp_scan_64(local[0], local[1], lane, True)
+        for i in cutlass.range_constexpr(5):
+            end = end + cute.arch.shuffle_sync_bfly(end, 1 << i)
+        constant = end + cute.math.exp2(sm.g[C - 1, 0], fastmath=True) * states
+        if lane < valid:
+            t.dg[b, t0 + lane, hv] = after_lo + constant
+        if lane + 32 < valid:
+            t.dg[b, t0 + lane + 32, hv] = after_hi + constant
