@@ -17,8 +17,9 @@ and dS'^T the checkpoints, stored (V, K); V' the chunk's V_new), in six stages, 
     6. wg 1: dK += dA_b K + dA_b^T K; then warp 0: dbeta and dg (a suffix scan of the row sums)
 
 Every product is a wgmma with both operands in shared memory but the masked scores' (bf16 registers); the beta and
-gate factors scale T's columns and the (C x C) products' columns, so they need no tiles of their own. dT and X live
-in q's tile once stage 3 has read it: 209 KB of shared memory at D = 128.
+gate factors scale T's columns and the (C x C) products' columns, so they need no tiles of their own. dT lives in
+q's tile once stage 3 has read it, X in v's once stage 4 has, dW in the solve's A^T: 212 KB of shared memory at
+D = 128.
 
 Shapes: q, k [B, T, H, D], v, do [B, T, HV, D] bf16 (GVA: value head hv reads q / k head hv // (HV / H)); g, beta
 [B, T, HV] fp32 (natural-log gate, activated beta); the checkpoints [rows, HV, D, D] bf16 (S^T); ``chunks`` [rows,
@@ -85,8 +86,8 @@ class Params(NamedTuple):
 
 class Smem(NamedTuple):
     """The CTA's shared tiles: the loaded tokens and checkpoints, the chunk's made tiles (W, dW, V', dV'), T and T^T,
-    A^T (fp32, the solve's; then dW in its bytes; then the pair terms of dA), dT and X (in q's bytes), and the
-    per-token values."""
+    A^T (fp32, the solve's; then dW in its bytes; then the pair terms of dA), dT and X (in q's and v's bytes), and
+    the per-token values."""
 
     q: cute.Tensor
     k: cute.Tensor
@@ -202,16 +203,17 @@ class DeltaChunkBwdSm90(ScalarGateChunkBwdSm90):
         sQ, sK, sV, sDO = tok(st.sQ), tok(st.sK), tok(st.sV), tok(st.sDO)
         sS = st.sS.get_tensor(p.tile_state.outer, swizzle=p.tile_state.inner)
         sDS = st.sDS.get_tensor(p.tile_state.outer, swizzle=p.tile_state.inner)
-        q_tile = sQ[None, None, 0]
-        # dT and X take q's bytes once stage 3 has read q: two (C x C) tiles, 8 KB apart (a whole swizzle period)
+        q_tile, v_tile = sQ[None, None, 0], sV[None, None, 0]
+        # dT (then dA_b) takes q's bytes once stage 3 has read q, X (then dA_b^T) v's once stage 4 has read v: a
+        # (C x C) tile fits a token tile at D = 64 too
         sX1 = cute.make_tensor(cute.recast_ptr(q_tile.iterator, p.tile_cc.inner), p.tile_cc.outer)
-        sX2 = cute.make_tensor(cute.recast_ptr(q_tile.iterator + C * C, p.tile_cc.inner), p.tile_cc.outer)
+        sX2 = cute.make_tensor(cute.recast_ptr(v_tile.iterator, p.tile_cc.inner), p.tile_cc.outer)
         sAt = st.sAt.get_tensor(cute.make_layout((C, A_STRIDE), stride=(A_STRIDE, 1)))
         sDW = cute.make_tensor(
             cute.recast_ptr(sAt.iterator, p.tile_tok.inner, dtype=cutlass.BFloat16), p.tile_tok.outer
         )[None, None, 0]
         sm = Smem(
-            q_tile, sK[None, None, 0], sV[None, None, 0], sDO[None, None, 0], sS[None, None, 0], sDS[None, None, 0],
+            q_tile, sK[None, None, 0], v_tile, sDO[None, None, 0], sS[None, None, 0], sDS[None, None, 0],
             tok(st.sW)[None, None, 0], sDW, tok(st.sVN)[None, None, 0], tok(st.sDVN)[None, None, 0], sAt, cc(st.sT),
             cc(st.sTt),
             sX1, sX2, st.sG.get_tensor(cute.make_layout((C, 1))), st.sBeta.get_tensor(cute.make_layout((C, 1))),
