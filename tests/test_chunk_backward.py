@@ -457,3 +457,58 @@ def test_the_delta_gradient_kernels_roundings_hold_the_bf16_tolerances(gates):
     for name, a, b, tol in zip(("dq", "dk", "dv", "dbeta", "dg"), got, want, tolerances, strict=True):
         for n in range(b.shape[0]):
             assert rel_rmse(a[n], b[n]) <= tol, (name, n, rel_rmse(a[n], b[n]))
+
+
+def emulated_delta_gradient_kernel(q, k, v, do, g, beta, S, dS, chunks, dq, dk, dv, dbeta, dg, scale):
+    """cula.sm90.delta_chunk_bwd's launch on a CPU: per chunk row (its first flattened token and valid tokens) and
+    value head, the kernel's stages (cula.ops.chunk_emulation.delta_chunk_gradients, exact operands) on the row's
+    tokens padded with zeros, the gates floored as the kernel loads them; outputs per value head."""
+    B, T, H, D = q.shape
+    HV, C = v.shape[2], chunk_backward.CHUNK
+    flat = [x.reshape(B * T, *x.shape[2:]).float() for x in (q, k, v, do, g, beta)]
+    outs = [x.view(B * T, *x.shape[2:]) for x in (dq, dk, dv, dbeta, dg)]
+    for row, (first, valid) in enumerate(chunks.tolist()):
+        tokens = torch.arange(first, first + valid)
+        for hv in range(HV):
+            h = hv // (HV // H)
+            padded = []
+            for x, head in zip(flat, (h, h, hv, hv, hv, hv), strict=True):
+                chunk = x.new_zeros(C, *x.shape[2:])
+                chunk[:valid] = x[tokens, head]
+                padded.append(chunk[None])
+            qc, kc, vc, doc, gc, bc = padded
+            gc = torch.where(torch.arange(C) < valid, gc.clamp_min(chunk_emulation.GATE_FLOOR), 0.0)
+            S_row, dS_row = (x[row, hv].float().T[None] for x in (S, dS))
+            grads = chunk_emulation.delta_chunk_gradients(
+                qc, kc, vc, bc, gc, S_row, dS_row, doc, scale, operand=lambda t: t
+            )
+            for out, grad in zip(outs, grads, strict=True):
+                out[tokens, hv] = grad[0, :valid]
+
+
+@pytest.mark.parametrize("lengths", [[0, 1, 130, 64, 77], None], ids=["varlen", "fixed"])
+def test_the_delta_gradient_kernels_host_gives_the_rows_gradients(monkeypatch, lengths):
+    """GDN's per-chunk gradients by the kernel's host (cula.gdn.chunk_bwd_sm90.delta_chunk_gradients_sm90: the chunk
+    rows' first tokens and lengths, outputs per value head summed over each GVA group, gates below the floor taking no
+    gradient), its launch emulated on the CPU, equal the PyTorch passes (rows_backward) on the same checkpoints."""
+    from cula.gdn import chunk_bwd_sm90
+
+    monkeypatch.setattr(chunk_bwd_sm90.runtime, "device_arch", lambda device: "sm_90a")
+    monkeypatch.setattr(chunk_bwd_sm90.runtime, "get_or_compile", lambda key, build: emulated_delta_gradient_kernel)
+    torch.manual_seed(4)
+    B, T = (1, sum(lengths)) if lengths else (2, 100)
+    H, HV, D = 1, 2, 16
+    offsets = offsets_of(lengths) if lengths else [0, T, 2 * T]
+    index, rows = chunk_backward.chunk_token_index(offsets, lengths is None)
+    q, k = torch.randn(B, T, H, D), F.normalize(torch.randn(B, T, H, D), dim=-1)
+    v, do = torch.randn(B, T, HV, D), torch.randn(B, T, HV, D)
+    g, beta = F.logsigmoid(torch.randn(B, T, HV) + 3.0), torch.rand(B, T, HV)
+    g[0, 3] = -1e4  # below the floor: no gradient
+    starts, ends = (torch.randn(max(rows, 1), HV, D, D) * 0.3 for _ in range(2))
+    got = chunk_bwd_sm90.delta_chunk_gradients_sm90(
+        q, k, v, do, g, beta, starts, ends, index, 0.25, lengths is not None
+    )
+    want = chunk_backward.rows_backward(q, k, v, do, g, beta, starts, ends, index, 0.25)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want, strict=True):
+        assert rel_rmse(a, b) <= 1e-5, (name, rel_rmse(a, b))
+    assert got[3][0, 3].eq(0).all()
