@@ -20,6 +20,7 @@ import os
 import torch
 
 from cula import runtime
+from cula.ops import chunk_backward
 from cula.ops.chunk_emulation import GATE_FLOOR
 from cula.sm90 import entry
 from cula.sm90.delta_chunk_bwd import DeltaChunkBwdSm90
@@ -52,10 +53,7 @@ def delta_chunk_gradients_sm90(q, k, v, do, g, beta, S, dS, index, scale, is_var
     (:func:`cula.ops.chunk_backward.chunk_token_index`)."""
     B, T, H, D = q.shape
     HV = v.shape[2]
-    n_tokens = B * T
-    valid = (index < n_tokens).sum(1)
-    first = torch.where(valid > 0, index[:, 0], 0)
-    chunks = torch.stack([first, valid], 1).to(torch.int32).contiguous()
+    chunks = chunk_backward.kernel_chunk_rows(index, B * T)
     arch = runtime.device_arch(q.device)
     key = ("delta_chunk_bwd", D, is_varlen, arch)
     fn = runtime.get_or_compile(key, lambda: compile_delta_chunk_gradients_sm90(arch, head_dim=D, is_varlen=is_varlen))

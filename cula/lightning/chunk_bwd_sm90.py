@@ -21,6 +21,7 @@ import torch
 
 from cula import runtime
 from cula.lightning.chunk_fwd_sm90 import SIMPLE_GLA_SM90
+from cula.ops import chunk_backward
 from cula.ops.chunk_emulation import GATE_FLOOR
 from cula.sm90 import entry, walks
 from cula.sm90.scalar_chunk_bwd import ScalarGateChunkBwdSm90
@@ -52,10 +53,7 @@ def chunk_gradients_sm90(q, k, v, do, gate, S, dS, index, scale, is_varlen):
     :func:`cula.ops.chunk_backward.rows_backward` gives them; ``index`` the chunk rows' tokens
     (:func:`cula.ops.chunk_backward.chunk_token_index`)."""
     B, T, H, D = q.shape
-    n_tokens = B * T
-    valid = (index < n_tokens).sum(1)
-    first = torch.where(valid > 0, index[:, 0], 0)
-    chunks = torch.stack([first, valid], 1).to(torch.int32).contiguous()
+    chunks = chunk_backward.kernel_chunk_rows(index, B * T)
     arch = runtime.device_arch(q.device)
     key = ("simple_gla_chunk_bwd", D, is_varlen, arch)
     fn = runtime.get_or_compile(key, lambda: compile_chunk_gradients_sm90(arch, head_dim=D, is_varlen=is_varlen))

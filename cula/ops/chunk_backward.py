@@ -193,6 +193,14 @@ def chunk_token_index(
     return index.to(device), rows
 
 
+def kernel_chunk_rows(index: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    """The per-chunk gradient kernels' view of the chunk rows ``index`` (:func:`chunk_token_index`): each row's first
+    token in the flattened (B T) axis and its number of tokens (0: no chunk), ``[rows, 2]`` int32."""
+    valid = (index < n_tokens).sum(1)
+    first = torch.where(valid > 0, index[:, 0], 0)
+    return torch.stack([first, valid], 1).to(torch.int32).contiguous()
+
+
 def scalar_gated_rows(q, k, v, do, g, S, dS_end, scale) -> tuple[torch.Tensor, ...]:
     """Passes 3 and 4 for a scalar gate without the delta rule (simple GLA, Lightning), batched, with the roundings
     of their kernel (:mod:`cula.sm90.scalar_chunk_bwd`: P and scale dP Gamma as bf16 operands): q, k, v, do

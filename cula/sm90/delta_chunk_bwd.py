@@ -18,7 +18,7 @@ and dS'^T the checkpoints, stored (V, K); V' the chunk's V_new), in six stages, 
 
 Every product is a wgmma with both operands in shared memory but the masked scores' (bf16 registers); the beta and
 gate factors scale T's columns and the (C x C) products' columns, so they need no tiles of their own. dT lives in
-q's tile once stage 3 has read it, X in v's once stage 4 has, dW in the solve's A^T: 212 KB of shared memory at
+q's tile once stage 3 has read it, X in v's once stage 4 has, dW in the solve's A^T: 214 KB of shared memory at
 D = 128.
 
 Shapes: q, k [B, T, H, D], v, do [B, T, HV, D] bf16 (GVA: value head hv reads q / k head hv // (HV / H)); g, beta
@@ -33,11 +33,11 @@ from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import warpgroup
 
 from cula.sm90 import mma, pipeline, scalar_gates, solve, tiles
 from cula.sm90.chunk_fwd import A_STRIDE
-from cula.sm90.scalar_chunk_bwd import ScalarGateChunkBwdSm90
+from cula.sm90.scalar_chunk_bwd import Loads, ScalarGateChunkBwdSm90
 
 WARPGROUPS = 3
 STAGE_BARRIER = 1  # the CTA's stage hand-offs (named barrier, all threads)
@@ -61,15 +61,6 @@ class Tensors(NamedTuple):
     dv: cute.Tensor
     dbeta: cute.Tensor
     dg: cute.Tensor
-
-
-class Loads(NamedTuple):
-    q: tuple
-    k: tuple
-    v: tuple
-    do: tuple
-    states: tuple
-    state_grads: tuple
 
 
 class Params(NamedTuple):
@@ -132,51 +123,20 @@ class DeltaChunkBwdSm90(ScalarGateChunkBwdSm90):
     def __call__(
         self, q, k, v, do, g, beta, states, state_grads, chunks, dq, dk, dv, dbeta, dg, scale, stream
     ):  # fmt: skip
-        C, D = self.C, self.D
+        C = self.C
         t = Tensors(q, k, v, do, g, beta, states, state_grads, chunks, dq, dk, dv, dbeta, dg)
-        tile_tok, tile_tok_mn = tiles.token_tiles(C, D, 1)
-        tile_state, tile_state_mn = tiles.token_tiles(D, D, 1)
+        loads, tile_tok, tile_tok_mn, tile_state, tile_state_mn = self.chunk_loads(q, k, v, do, states, state_grads)
         tile_cc, tile_cc_mn = tiles.token_tiles(C, C)
-        load = cpasync.CopyBulkTensorTileG2SOp()
-
-        def atom(view, tile, shape):
-            return cpasync.make_tiled_tma_atom(load, view, cute.slice_(tile, (None, None, 0)), shape)
-
-        tok, ckpt = tiles.tma_view, tiles.state_tma_view
-        loads = Loads(
-            atom(tok(q), tile_tok, (C, D)), atom(tok(k), tile_tok, (C, D)), atom(tok(v), tile_tok, (C, D)),
-            atom(tok(do), tile_tok, (C, D)), atom(ckpt(states), tile_state, (D, D)),
-            atom(ckpt(state_grads), tile_state, (D, D)),
-        )  # fmt: skip
         p = Params(loads, t, scale, tile_tok, tile_tok_mn, tile_state, tile_state_mn, tile_cc, tile_cc_mn)
-        bf16, f32 = cutlass.BFloat16, cutlass.Float32
-        tok_elems, cc_elems = cute.cosize(tile_tok), cute.cosize(tile_cc)
-
-        def tile(elems):
-            return cute.struct.Align[cute.struct.MemRange[bf16, elems], 1024]
-
+        tile = cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(tile_cc)], 1024]
         fields = {
-            "ring": pipeline.ring_storage(1),
-            **{name: tile(tok_elems) for name in ("sQ", "sK", "sV", "sDO", "sW", "sVN", "sDVN")},
-            "sS": tile(cute.cosize(tile_state)),
-            "sDS": tile(cute.cosize(tile_state)),
-            "sT": tile(cc_elems),
-            "sTt": tile(cc_elems),
+            **self.shared_fields(tile_tok, tile_state, ("sQ", "sK", "sV", "sDO", "sW", "sVN", "sDVN"), 8),
+            "sT": tile,
+            "sTt": tile,
             # A^T for the solve, then dW (bf16, stages 2-4), then the pair terms of dA (fp32)
-            "sAt": cute.struct.Align[cute.struct.MemRange[f32, C * A_STRIDE], 1024],
-            "sG": cute.struct.MemRange[f32, C],
-            "sBeta": cute.struct.MemRange[f32, C],
-            "sFac": cute.struct.MemRange[f32, 2 * C],
-            "sRows": cute.struct.MemRange[f32, 8 * C],
-            "sWarps": cute.struct.MemRange[f32, 4 * WARPGROUPS],
+            "sAt": cute.struct.Align[cute.struct.MemRange[cutlass.Float32, C * A_STRIDE], 1024],
         }
-        self.storage = cute.struct(type("Storage", (), {"__annotations__": fields}))
-        self.kernel(p).launch(
-            grid=(chunks.shape[0], v.shape[2], 1),
-            block=(self.threads, 1, 1),
-            smem=self.storage.size_in_bytes(),
-            stream=stream,
-        )
+        self.launch_with(p, fields, chunks.shape[0], v.shape[2], stream)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel

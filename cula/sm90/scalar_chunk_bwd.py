@@ -82,10 +82,10 @@ class ScalarGateChunkBwdSm90:
         self.threads = 128 * WARPGROUPS
 
     # ---------------------------------------------------------------- host side
-    @cute.jit
-    def __call__(self, q, k, v, do, g, states, state_grads, chunks, dq, dk, dv, dg, scale, stream):
+    def chunk_loads(self, q, k, v, do, states, state_grads):
+        """The TMA atoms of a chunk's six loads (:class:`Loads`), with the token tile's and the checkpoint tile's
+        layouts: ``(loads, tile_tok, tile_tok_mn, tile_state, tile_state_mn)``."""
         C, D = self.C, self.D
-        t = Tensors(q, k, v, do, g, states, state_grads, chunks, dq, dk, dv, dg)
         tile_tok, tile_tok_mn = tiles.token_tiles(C, D, 1)
         tile_state, tile_state_mn = tiles.token_tiles(D, D, 1)
         load = cpasync.CopyBulkTensorTileG2SOp()
@@ -99,31 +99,44 @@ class ScalarGateChunkBwdSm90:
             atom(tok(do), tile_tok, (C, D)), atom(ckpt(states), tile_state, (D, D)),
             atom(ckpt(state_grads), tile_state, (D, D)),
         )  # fmt: skip
-        p = Params(loads, t, scale, tile_tok, tile_tok_mn, tile_state, tile_state_mn)
+        return loads, tile_tok, tile_tok_mn, tile_state, tile_state_mn
+
+    def shared_fields(self, tile_tok, tile_state, token_tiles, row_sums: int) -> dict:
+        """The shared storage both gradient kernels hold: the load ring, the bf16 ``token_tiles`` (names) and the two
+        checkpoints, the gates, ``row_sums`` fp32 values per token and one per warp."""
+        C = self.C
         bf16, f32 = cutlass.BFloat16, cutlass.Float32
-        tok_bytes = cute.cosize(tile_tok)
-        fields = {
+
+        def tile(elems):
+            return cute.struct.Align[cute.struct.MemRange[bf16, elems], 1024]
+
+        return {
             "ring": pipeline.ring_storage(1),
-            "sQ": cute.struct.Align[cute.struct.MemRange[bf16, tok_bytes], 1024],
-            "sK": cute.struct.Align[cute.struct.MemRange[bf16, tok_bytes], 1024],
-            "sV": cute.struct.Align[cute.struct.MemRange[bf16, tok_bytes], 1024],
-            "sDO": cute.struct.Align[cute.struct.MemRange[bf16, tok_bytes], 1024],
-            "sS": cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_state)], 1024],
-            "sDS": cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_state)], 1024],
+            **{name: tile(cute.cosize(tile_tok)) for name in token_tiles},
+            "sS": tile(cute.cosize(tile_state)),
+            "sDS": tile(cute.cosize(tile_state)),
             "sG": cute.struct.MemRange[f32, C],
             "sBeta": cute.struct.MemRange[f32, C],
             "sFac": cute.struct.MemRange[f32, 2 * C],
-            # per row: q . dq, k . dk, k . dk^inter; per warp: its part of sum(S * dS')
-            "sRows": cute.struct.MemRange[f32, 3 * C],
-            "sWarps": cute.struct.MemRange[f32, 4 * WARPGROUPS],
+            "sRows": cute.struct.MemRange[f32, row_sums * C],
+            "sWarps": cute.struct.MemRange[f32, self.threads // 32],
         }
+
+    def launch_with(self, p, fields: dict, rows, heads, stream):
+        """The kernel on ``fields`` (its shared storage): one CTA per (chunk row, head)."""
         self.storage = cute.struct(type("Storage", (), {"__annotations__": fields}))
         self.kernel(p).launch(
-            grid=(chunks.shape[0], q.shape[2], 1),
-            block=(self.threads, 1, 1),
-            smem=self.storage.size_in_bytes(),
-            stream=stream,
+            grid=(rows, heads, 1), block=(self.threads, 1, 1), smem=self.storage.size_in_bytes(), stream=stream
         )
+
+    @cute.jit
+    def __call__(self, q, k, v, do, g, states, state_grads, chunks, dq, dk, dv, dg, scale, stream):
+        t = Tensors(q, k, v, do, g, states, state_grads, chunks, dq, dk, dv, dg)
+        loads, tile_tok, tile_tok_mn, tile_state, tile_state_mn = self.chunk_loads(q, k, v, do, states, state_grads)
+        p = Params(loads, t, scale, tile_tok, tile_tok_mn, tile_state, tile_state_mn)
+        # per row: q . dq, k . dk, k . dk^inter; per warp: its part of sum(S * dS')
+        fields = self.shared_fields(tile_tok, tile_state, ("sQ", "sK", "sV", "sDO"), 3)
+        self.launch_with(p, fields, chunks.shape[0], q.shape[2], stream)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
