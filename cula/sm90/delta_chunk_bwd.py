@@ -185,7 +185,7 @@ class DeltaChunkBwdSm90(ScalarGateChunkBwdSm90):
 
         if valid > 0:
             if warp == 0:
-                self.issue_loads_gva(p, loads, sQ, sK, sV, sDO, sS, sDS, b, t0, h, hv, row)
+                self.issue_loads(p, loads, sQ, sK, sV, sDO, sS, sDS, b, t0, h, hv, row)
                 raw = scalar_gates.load_gates(t.g[b, None, hv], t.beta[b, None, hv], t0, valid, 0, lane, C)
                 scalar_gates.publish_gates(sm.g, sm.beta, sm.fac, 0, raw, 0, valid, lane, C)
             if warp == 4:
@@ -211,23 +211,6 @@ class DeltaChunkBwdSm90(ScalarGateChunkBwdSm90):
             cute.arch.sync_threads()
             if warp == 0:
                 self.beta_and_gate_gradients(t, sm, valid, lane, b, t0, hv)
-
-    @cute.jit
-    def issue_loads_gva(self, p, loads, sQ, sK, sV, sDO, sS, sDS, b, t0, h, hv, row):
-        """Warp 0: q and k of head h, v and dO of value head hv (token t0 of batch row b), and the chunk row's two
-        checkpoints, on one mbarrier."""
-        L = p.loads
-        fill = pipeline.producer_start(1)
-        loads.producer_acquire(fill)
-        bar = loads.producer_get_barrier(fill)
-        for (tma, view), smem_tile, head in zip(
-            (L.q, L.k, L.v, L.do), (sQ, sK, sV, sDO), (h, h, hv, hv), strict=True
-        ):  # fmt: skip
-            tS, tG = tiles.tma_chunk_tiles(tma, view[None, None, head, b], t0, smem_tile)
-            cute.copy(tma, tG[None, 0], tS[None, 0], tma_bar_ptr=bar)
-        for (tma, view), smem_tile in zip((L.states, L.state_grads), (sS, sDS), strict=True):
-            tS, tG = tiles.tma_chunk_tiles(tma, view[None, None, hv, row], 0, smem_tile)
-            cute.copy(tma, tG[None, 0], tS[None, 0], tma_bar_ptr=bar)
 
     # ---------------------------------------------------------------- shared steps
     @cute.jit
@@ -268,18 +251,6 @@ class DeltaChunkBwdSm90(ScalarGateChunkBwdSm90):
         for e in cutlass.range_constexpr(cute.size(acc)):
             r, c = coords[e]
             sX[r, c] = (acc[e] * factor).to(cutlass.BFloat16)
-
-    @cute.jit
-    def quad_sums(self, part, coords, sRows, col: cutlass.Constexpr, wtid):
-        """Each row's sum of an accumulator-shaped tile, from this thread's part of its two rows (``part``, by row slot:
-        a row lies on the four lanes of a quad), to ``sRows[row, col]``."""
-        for rr in cutlass.range_constexpr(2):
-            x = part[rr]
-            x = x + cute.arch.shuffle_sync_bfly(x, 1)
-            x = x + cute.arch.shuffle_sync_bfly(x, 2)
-            r, _ = coords[2 * rr]
-            if wtid % 4 == 0:
-                sRows[r, col] = x
 
     @cute.jit
     def add_rows(self, acc, cTD, row_factor, mX, valid, b, t0, h):

@@ -168,7 +168,7 @@ class ScalarGateChunkBwdSm90:
 
         if valid > 0:
             if warp == 0:
-                self.issue_loads(p, loads, sQ, sK, sV, sDO, sS, sDS, b, t0, h, row)
+                self.issue_loads(p, loads, sQ, sK, sV, sDO, sS, sDS, b, t0, h, h, row)
                 raw = scalar_gates.load_gates(t.g[b, None, h], None, t0, valid, 0, lane, C)
                 scalar_gates.publish_gates(sG, sBeta, sFac, 0, raw, 0, valid, lane, C)
             loaded = pipeline.consumer_start(1)
@@ -195,18 +195,20 @@ class ScalarGateChunkBwdSm90:
                 self.gate_gradient(t, sG, sRows, sWarps, valid, lane, b, t0, h)
 
     @cute.jit
-    def issue_loads(self, p, loads, sQ, sK, sV, sDO, sS, sDS, b, t0, h, row):
-        """Warp 0: the chunk's four token tiles from token t0 of batch row b, and its two checkpoints, on one
-        mbarrier."""
+    def issue_loads(self, p, loads, sQ, sK, sV, sDO, sS, sDS, b, t0, h, hv, row):
+        """Warp 0: q and k of head h, v and dO of value head hv (token t0 of batch row b), and the chunk row's two
+        checkpoints, on one mbarrier."""
         L = p.loads
         fill = pipeline.producer_start(1)
         loads.producer_acquire(fill)
         bar = loads.producer_get_barrier(fill)
-        for (tma, view), smem_tile in zip((L.q, L.k, L.v, L.do), (sQ, sK, sV, sDO), strict=True):
-            tS, tG = tiles.tma_chunk_tiles(tma, view[None, None, h, b], t0, smem_tile)
+        for (tma, view), smem_tile, head in zip(
+            (L.q, L.k, L.v, L.do), (sQ, sK, sV, sDO), (h, h, hv, hv), strict=True
+        ):  # fmt: skip
+            tS, tG = tiles.tma_chunk_tiles(tma, view[None, None, head, b], t0, smem_tile)
             cute.copy(tma, tG[None, 0], tS[None, 0], tma_bar_ptr=bar)
         for (tma, view), smem_tile in zip((L.states, L.state_grads), (sS, sDS), strict=True):
-            tS, tG = tiles.tma_chunk_tiles(tma, view[None, None, h, row], 0, smem_tile)
+            tS, tG = tiles.tma_chunk_tiles(tma, view[None, None, hv, row], 0, smem_tile)
             cute.copy(tma, tG[None, 0], tS[None, 0], tma_bar_ptr=bar)
 
     @cute.jit
@@ -281,11 +283,17 @@ class ScalarGateChunkBwdSm90:
         for e in cutlass.range_constexpr(cute.size(acc)):
             r, d = cTD[e]
             part[mma.acc_row_slot(e)] = part[mma.acc_row_slot(e)] + sX[r, d].to(cutlass.Float32) * acc[e]
+        self.quad_sums(part, cTD, sRows, col, wtid)
+
+    @cute.jit
+    def quad_sums(self, part, coords, sRows, col: cutlass.Constexpr, wtid):
+        """Each row's sum of an accumulator-shaped tile, from this thread's part of its two rows (``part``, by row slot:
+        a row lies on the four lanes of a quad), to ``sRows[row, col]``."""
         for rr in cutlass.range_constexpr(2):
             x = part[rr]
             x = x + cute.arch.shuffle_sync_bfly(x, 1)
             x = x + cute.arch.shuffle_sync_bfly(x, 2)
-            r, _ = cTD[2 * rr]
+            r, _ = coords[2 * rr]
             if wtid % 4 == 0:
                 sRows[r, col] = x
 
