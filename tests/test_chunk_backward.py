@@ -459,31 +459,40 @@ def test_the_delta_gradient_kernels_roundings_hold_the_bf16_tolerances(gates):
             assert rel_rmse(a[n], b[n]) <= tol, (name, n, rel_rmse(a[n], b[n]))
 
 
-def emulated_delta_gradient_kernel(q, k, v, do, g, beta, S, dS, chunks, dq, dk, dv, dbeta, dg, scale):
-    """cula.sm90.delta_chunk_bwd's launch on a CPU: per chunk row (its first flattened token and valid tokens) and
-    value head, the kernel's stages (cula.ops.chunk_emulation.delta_chunk_gradients, exact operands) on the row's
-    tokens padded with zeros, the gates floored as the kernel loads them; outputs per value head."""
-    B, T, H, D = q.shape
-    HV, C = v.shape[2], chunk_backward.CHUNK
-    flat = [x.reshape(B * T, *x.shape[2:]).float() for x in (q, k, v, do, g, beta)]
-    outs = [x.view(B * T, *x.shape[2:]) for x in (dq, dk, dv, dbeta, dg)]
+def emulate_chunk_rows(chunks, inputs, outputs, S, dS, value_heads_per_head, gradients):
+    """A per-chunk gradient kernel's launch on a CPU: per chunk row (its first flattened token and valid tokens) and
+    value head hv, ``gradients(*chunk inputs [1, C, ...], S^T row, dS'^T row)`` (the kernel's stages, emulated) on
+    the row's tokens of ``inputs`` ([B, T, heads, ...]: q and k read at head hv // ``value_heads_per_head``, the rest
+    at hv) padded with zeros, the gate (the last input) floored as the kernel loads it; its results' valid rows to
+    ``outputs`` per value head."""
+    C = chunk_backward.CHUNK
+    B, T, HV = inputs[2].shape[:3]
+    flat = [x.reshape(B * T, *x.shape[2:]).float() for x in inputs]
+    outs = [x.view(B * T, *x.shape[2:]) for x in outputs]
     for row, (first, valid) in enumerate(chunks.tolist()):
         tokens = torch.arange(first, first + valid)
         for hv in range(HV):
-            h = hv // (HV // H)
             padded = []
-            for x, head in zip(flat, (h, h, hv, hv, hv, hv), strict=True):
+            for n, x in enumerate(flat):
                 chunk = x.new_zeros(C, *x.shape[2:])
-                chunk[:valid] = x[tokens, head]
+                chunk[:valid] = x[tokens, hv // value_heads_per_head if n < 2 else hv]
                 padded.append(chunk[None])
-            qc, kc, vc, doc, gc, bc = padded
-            gc = torch.where(torch.arange(C) < valid, gc.clamp_min(chunk_emulation.GATE_FLOOR), 0.0)
-            S_row, dS_row = (x[row, hv].float().T[None] for x in (S, dS))
-            grads = chunk_emulation.delta_chunk_gradients(
-                qc, kc, vc, bc, gc, S_row, dS_row, doc, scale, operand=lambda t: t
-            )
+            inside = (torch.arange(C) < valid).view(1, C, *([1] * (padded[-1].dim() - 2)))
+            padded[-1] = torch.where(inside, padded[-1].clamp_min(chunk_emulation.GATE_FLOOR), 0.0)
+            grads = gradients(*padded, *(x[row, hv].float().T[None] for x in (S, dS)))
             for out, grad in zip(outs, grads, strict=True):
-                out[tokens, hv] = grad[0, :valid]
+                out[tokens, hv] = grad[0, :valid].to(out.dtype)
+
+
+def emulated_delta_gradient_kernel(q, k, v, do, g, beta, S, dS, chunks, dq, dk, dv, dbeta, dg, scale):
+    """cula.sm90.delta_chunk_bwd's launch on a CPU (:func:`emulate_chunk_rows` with the kernel's stages,
+    cula.ops.chunk_emulation.delta_chunk_gradients, exact operands); outputs per value head."""
+
+    def stages(qc, kc, vc, doc, bc, gc, S_row, dS_row):
+        return chunk_emulation.delta_chunk_gradients(qc, kc, vc, bc, gc, S_row, dS_row, doc, scale, operand=lambda t: t)
+
+    rep = v.shape[2] // q.shape[2]
+    emulate_chunk_rows(chunks, (q, k, v, do, beta, g), (dq, dk, dv, dbeta, dg), S, dS, rep, stages)
 
 
 @pytest.mark.parametrize("lengths", [[0, 1, 130, 64, 77], None], ids=["varlen", "fixed"])
@@ -512,3 +521,90 @@ def test_the_delta_gradient_kernels_host_gives_the_rows_gradients(monkeypatch, l
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want, strict=True):
         assert rel_rmse(a, b) <= 1e-5, (name, rel_rmse(a, b))
     assert got[3][0, 3].eq(0).all()
+
+
+def key_chunk_inputs(N, C, K, gates, valid):
+    """Chunk-heads as chunk_gradients takes them (fp64), the tokens past each one's ``valid`` zero; per-key gates of a
+    layer (mild), or steep in some chunk-heads' channels (past the kernel's SAFE_SPAN), -200 on a few tokens."""
+    q, k, v, do = (torch.randn(N, C, K, dtype=torch.float64) for _ in range(4))
+    g = F.logsigmoid(torch.randn(N, C, K, dtype=torch.float64) + 2.0)
+    if gates == "steep":
+        g[::2, :, :5] = -6.0 + torch.rand(N // 2 + N % 2, C, 5, dtype=torch.float64)
+        g[1, 10, 3] = -200.0
+    inside = (torch.arange(C)[None, :] < torch.tensor(valid)[:, None]).to(torch.float64)[..., None]
+    q, k, v, do, g = (x * inside for x in (q, k, v, do, g))
+    S, dS = torch.randn(N, K, K, dtype=torch.float64) * 0.5, torch.randn(N, K, K, dtype=torch.float64) * 0.5
+    return q, k, v, do, g, S, dS
+
+
+def test_the_key_gradient_kernels_paths_are_the_plans_algebra(monkeypatch):
+    """GLA's per-chunk gradient kernel (cula.sm90.key_chunk_bwd), emulated with exact operands (cula.ops.
+    chunk_emulation.key_chunk_gradients: the fast path's reference-token products and per-key column factors, the
+    steep path's direct sums), equals the plan's per-chunk gradients (chunk_gradients, its roundings taken out) to
+    rounding, on whole and cut chunks of both paths."""
+    torch.manual_seed(7)
+    x = key_chunk_inputs(6, 64, 16, "steep", [64, 64, 1, 37, 64, 0])
+    G = x[4].cumsum(1) * chunk_emulation.LOG2E
+    widest = torch.maximum(G[:, 0] - G[:, 32], G[:, 32] - G[:, -1]).amax(-1)
+    assert bool((widest > chunk_emulation.GLA_SAFE_SPAN).any()) and bool((widest <= chunk_emulation.GLA_SAFE_SPAN).any())
+    got = chunk_emulation.key_chunk_gradients(*x, 0.3, operand=lambda t: t)
+    monkeypatch.setattr(chunk_backward, "bf16", lambda t: t)
+    want = chunk_backward.chunk_gradients(*x, 0.3)
+    for name, a, b in zip(("dq", "dk", "dv", "dg"), got, want, strict=True):
+        assert torch.isfinite(a).all(), name
+        for n in range(b.shape[0]):
+            if b[n].norm() > 0:
+                assert rel_rmse(a[n], b[n]) <= 1e-12, (name, n)
+
+
+@pytest.mark.parametrize("gates", ["layer", "steep"])
+def test_the_key_gradient_kernels_roundings_hold_the_bf16_tolerances(monkeypatch, gates):
+    """With the kernel's bf16 roundings (its wgmma operands: q, k, v, dO, the checkpoints, Q_L, K_R, K_F, dA and P^T)
+    each chunk-head's gradients stay within the bf16 tolerances of the exact ones."""
+    torch.manual_seed(8)
+    x = key_chunk_inputs(8, 64, 128, gates, [64] * 6 + [40, 3])
+    got = chunk_emulation.key_chunk_gradients(*(t.float() for t in x), 128**-0.5)
+    monkeypatch.setattr(chunk_backward, "bf16", lambda t: t)
+    want = chunk_backward.chunk_gradients(*x, 128**-0.5)
+    for name, a, b, tol in zip(("dq", "dk", "dv", "dg"), got, want, (0.008, 0.008, 0.008, 0.02), strict=True):
+        for n in range(b.shape[0]):
+            assert rel_rmse(a[n], b[n]) <= tol, (name, n, rel_rmse(a[n], b[n]))
+
+
+def emulated_key_gradient_kernel(q, k, v, do, g, S, dS, chunks, dq, dk, dv, dg, scale):
+    """cula.sm90.key_chunk_bwd's launch on a CPU (:func:`emulate_chunk_rows` with cula.ops.chunk_emulation.
+    key_chunk_gradients, exact operands), gates below the floor taking no gradient as the kernel's scan gives them."""
+
+    def kernel(qc, kc, vc, doc, gc, S_row, dS_row):
+        return chunk_emulation.key_chunk_gradients(qc, kc, vc, doc, gc, S_row, dS_row, scale, operand=lambda t: t)
+
+    emulate_chunk_rows(chunks, (q, k, v, do, g), (dq, dk, dv, dg), S, dS, 1, kernel)
+    dg.masked_fill_(g < chunk_emulation.GATE_FLOOR, 0.0)
+
+
+@pytest.mark.parametrize("lengths", [[0, 1, 130, 64, 77], None], ids=["varlen", "fixed"])
+def test_the_key_gradient_kernels_host_gives_the_rows_gradients(monkeypatch, lengths):
+    """GLA's per-chunk gradients by the kernel's host (cula.gla.chunk_bwd_sm90.key_chunk_gradients_sm90: the chunk
+    rows' first tokens and lengths, gates below the floor taking no gradient), its launch emulated on the CPU, equal
+    the PyTorch passes (rows_backward) on the same checkpoints."""
+    from cula.gla import chunk_bwd_sm90
+
+    monkeypatch.setattr(chunk_bwd_sm90.runtime, "device_arch", lambda device: "sm_90a")
+    monkeypatch.setattr(chunk_bwd_sm90.runtime, "get_or_compile", lambda key, build: emulated_key_gradient_kernel)
+    torch.manual_seed(9)
+    B, T = (1, sum(lengths)) if lengths else (2, 100)
+    H, D = 2, 16
+    offsets = offsets_of(lengths) if lengths else [0, T, 2 * T]
+    index, rows = chunk_backward.chunk_token_index(offsets, lengths is None)
+    q, k, v, do = (torch.randn(B, T, H, D) for _ in range(4))
+    g = F.logsigmoid(torch.randn(B, T, H, D) + 2.0)
+    g[0, 3, 1] = -1e4  # below the floor: no gradient
+    g[0, 40:60, 0, :3] = -8.0  # a steep chunk
+    starts, ends = (torch.randn(max(rows, 1), H, D, D) * 0.3 for _ in range(2))
+    got = chunk_bwd_sm90.key_chunk_gradients_sm90(q, k, v, do, g, starts, ends, index, 0.25, lengths is not None)
+    monkeypatch.setattr(chunk_backward, "bf16", lambda t: t)  # exact operands, as the emulated kernel's
+    want = chunk_backward.rows_backward(q, k, v, do, g, None, starts, ends, index, 0.25)
+    assert got[4] is None
+    for name, a, b in zip(("dq", "dk", "dv", "dg"), got[:4], want[:4], strict=True):
+        assert rel_rmse(a, b) <= 1e-5, (name, rel_rmse(a, b))
+    assert got[3][0, 3, 1].eq(0).all()

@@ -1,6 +1,7 @@
 """GLA backward on SM90 (cula.gla.chunk_bwd_sm90): GLA's kernel's two state walks against the chunked plan
 (cula.ops.chunk_backward, per-key gate), and every gradient of chunk_gla served by cuLA's backward (opt-in, the
-kernel forced) against the fp64 reference backend's autograd, per sequence and over the call."""
+kernel forced; passes 3 and 4 by PyTorch products or by their kernel) against the fp64 reference backend's autograd,
+per sequence and over the call."""
 
 import pytest
 import torch
@@ -23,6 +24,13 @@ def test_state_walks_store_the_plans_checkpoints(walk, D):
     check_state_walk(GLA_SM90, walk, D, per_key_gate=True)
 
 
+@pytest.fixture(params=["pytorch", "kernel"])
+def gradient_passes(request, monkeypatch):
+    """Passes 3 and 4 by PyTorch products, or by their kernel (CULA_KEY_GRADIENT_KERNEL=1)."""
+    monkeypatch.setenv("CULA_KEY_GRADIENT_KERNEL", "1" if request.param == "kernel" else "0")
+    return request.param
+
+
 def gla_inputs(B, T, H, D, h0, N=None):
     torch.manual_seed(T + D)
     return {
@@ -35,21 +43,28 @@ def gla_inputs(B, T, H, D, h0, N=None):
 
 
 @pytest.mark.parametrize("T,h0", [(1, False), (65, True), (1000, True)])
-def test_gla_gradients_fixed_length(monkeypatch, T, h0):
+def test_gla_gradients_fixed_length(gradient_passes, monkeypatch, T, h0):
     check_gradients(cula.gla.chunk_gla, gla_inputs(2, T, 2, 128, h0), {}, monkeypatch)
 
 
 @pytest.mark.parametrize("D", [64, 128])
-def test_gla_gradients_varlen(monkeypatch, D):
+def test_gla_gradients_varlen(gradient_passes, monkeypatch, D):
     lengths = [0, 1, 130, 64, 777]
     inputs = gla_inputs(1, sum(lengths), 2, D, True, N=len(lengths))
     cu = torch.tensor(offsets_of(lengths), device="cuda")
     check_gradients(cula.gla.chunk_gla, inputs, {"cu_seqlens": cu}, monkeypatch, lengths)
 
 
-def test_gla_gradients_state_v_first_and_steep_gates(monkeypatch):
+def test_gla_gradients_state_v_first_and_steep_gates(gradient_passes, monkeypatch):
     inputs = gla_inputs(2, 300, 2, 128, True)
     inputs["initial_state"] = inputs["initial_state"].transpose(-1, -2).contiguous()
     inputs["g"][0, 100, :, :16] = -1e4
     inputs["g"][1, 200] = float("-inf")
     check_gradients(cula.gla.chunk_gla, inputs, {"state_v_first": True}, monkeypatch)
+
+
+def test_gla_gradients_steep_in_every_chunk(gradient_passes, monkeypatch):
+    """Gates of -3 to -4 per token on every key: every chunk past the gradient kernel's SAFE_SPAN (its steep path)."""
+    inputs = gla_inputs(1, 200, 2, 128, True)
+    inputs["g"] = -3.0 - torch.rand_like(inputs["g"])
+    check_gradients(cula.gla.chunk_gla, inputs, {}, monkeypatch)

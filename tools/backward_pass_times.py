@@ -5,8 +5,8 @@ PERF.md's backward rows.
         [--skip-fla] [--profile FILE]
 
 For each B x T x H shape (D = 128, bf16, H = HV) it prints, as medians of CUDA-event timings over 10 calls: the two
-state walks, the per-chunk passes in PyTorch (``rows_backward``) and, for simple GLA and GDN, by their kernels
-(``CULA_CHUNK_GRADIENT_KERNEL``, ``CULA_DELTA_GRADIENT_KERNEL``), then the whole forward + backward through the
+state walks, the per-chunk passes in PyTorch (``rows_backward``) and by their kernels (``CULA_CHUNK_GRADIENT_KERNEL``,
+``CULA_DELTA_GRADIENT_KERNEL``, ``CULA_KEY_GRADIENT_KERNEL``), then the whole forward + backward through the
 public op served by cuLA (``CULA_BACKEND=cute CULA_UNTESTED_KERNELS=1``, with those kernels) and by FLA (where FLA
 runs it; its first call autotunes).
 """
@@ -119,6 +119,13 @@ def passes(op: str, args: dict, do) -> dict:
                 lambda: delta_chunk_gradients_sm90(q, k, v, do, g, beta, w.starts, w.ends, w.index, scale, False)
             ),
         )
+    else:
+        from cula.gla.chunk_bwd_sm90 import key_chunk_gradients_sm90
+
+        times["per-chunk, kernel"] = report(
+            "per-chunk, kernel",
+            median_ms(lambda: key_chunk_gradients_sm90(q, k, v, do, g, w.starts, w.ends, w.index, scale, False)),
+        )
     return times
 
 
@@ -174,6 +181,7 @@ def main() -> None:
         row = {"op": opts.op, "shape": shape, **passes(opts.op, args, do)}
         os.environ["CULA_CHUNK_GRADIENT_KERNEL"] = "1" if opts.op == "simple_gla" else "0"
         os.environ["CULA_DELTA_GRADIENT_KERNEL"] = "1" if opts.op == "gdn" else "0"
+        os.environ["CULA_KEY_GRADIENT_KERNEL"] = "1" if opts.op == "gla" else "0"
         cula_step = training_step(opts.op, args, do, "cute")
         row["cuLA forward + backward"] = report("cuLA forward + backward", median_ms(cula_step, reps=5))
         if opts.profile:

@@ -5,7 +5,9 @@
    state_walk`: "states" on (k, v) with K 2^(G_last - G) in the update, "state_grads" from the last chunk on (q, dO)
    with scale Q 2^G), each storing a bf16 checkpoint per chunk; the second walk's final state is dh0;
 3. and 4. dq, dk, dv and the gate's gradient per chunk, from the checkpoints: batched PyTorch products over the chunk
-   rows (:func:`cula.ops.chunk_backward.rows_backward`, the per-key products by 16-token blocks).
+   rows (:func:`cula.ops.chunk_backward.rows_backward`, the per-key products by 16-token blocks), or with
+   ``CULA_KEY_GRADIENT_KERNEL=1`` the kernel :class:`cula.sm90.key_chunk_bwd.KeyGateChunkBwdSm90` (compile-checked,
+   not yet run on a GPU).
 
 Shapes: q, k, v, do [B, T, H, D] bf16; g [B, T, H, D] per-key natural-log gate; states [N, H, K, V] fp32 ([N, H, V,
 K] with ``state_v_first``). One value head per q / k head.
@@ -13,10 +15,51 @@ K] with ``state_v_first``). One value head per q / k head.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from cula import runtime
 from cula.gla.chunk_fwd_sm90 import GLA_SM90
-from cula.sm90 import walks
+from cula.ops import chunk_backward
+from cula.sm90 import entry, walks
+from cula.sm90.key_chunk_bwd import KeyGateChunkBwdSm90
+
+# "1": passes 3 and 4 by the kernel instead of PyTorch products (until its GPU tests have run)
+ENV_GRADIENT_KERNEL = "CULA_KEY_GRADIENT_KERNEL"
+
+
+def compile_key_chunk_gradients_sm90(arch="sm_90a", *, head_dim=128, is_varlen=False, keep_artifacts=False):
+    """The kernel of passes 3 and 4, compiled on any machine for ``arch``."""
+    import cutlass
+
+    sym, fake = runtime.sym_int, runtime.fake_tensor
+    B, T, H, rows = sym(), sym(), sym(), sym()
+    D = head_dim
+    bf16, f32 = cutlass.BFloat16, cutlass.Float32
+    tokens = [fake(bf16, (B, T, H, D)) for _ in range(4)]
+    args = (
+        *tokens, fake(f32, (B, T, H, D)),
+        fake(bf16, (rows, H, D, D)), fake(bf16, (rows, H, D, D)), fake(cutlass.Int32, (rows, 2), align=4),
+        fake(bf16, (B, T, H, D)), fake(bf16, (B, T, H, D)), fake(bf16, (B, T, H, D)), fake(f32, (B, T, H, D)),
+        f32(1.0), runtime.fake_stream(),
+    )  # fmt: skip
+    return runtime.compile_kernel(KeyGateChunkBwdSm90(D, is_varlen), args, arch, keep_artifacts)
+
+
+def key_chunk_gradients_sm90(q, k, v, do, gate, S, dS, index, scale, is_varlen):
+    """Passes 3 and 4 by the kernel: ``(dq, dk, dv in q's dtype, dg fp32 [B, T, H, D], None)``, as
+    :func:`cula.ops.chunk_backward.rows_backward` gives them; ``index`` the chunk rows' tokens
+    (:func:`cula.ops.chunk_backward.chunk_token_index`)."""
+    B, T, H, D = q.shape
+    chunks = chunk_backward.kernel_chunk_rows(index, B * T)
+    arch = runtime.device_arch(q.device)
+    key = ("gla_chunk_bwd", D, is_varlen, arch)
+    fn = runtime.get_or_compile(key, lambda: compile_key_chunk_gradients_sm90(arch, head_dim=D, is_varlen=is_varlen))
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dg = torch.empty(B, T, H, D, dtype=torch.float32, device=q.device)
+    fn(q, k, v, do, gate, S, dS, chunks, dq, dk, dv, dg, float(scale))
+    return dq, dk, dv, dg, None
 
 
 def chunk_gla_bwd_sm90(q, k, v, g, do, scale, initial_state, dht, cu_seqlens, cu_seqlens_cpu, state_v_first):
@@ -25,7 +68,21 @@ def chunk_gla_bwd_sm90(q, k, v, g, do, scale, initial_state, dht, cu_seqlens, cu
     gate = g.float().contiguous()
     # beta's slot: an unread [B, T, H] tensor, as the forward passes
     unread_beta = torch.empty(v.shape[:3], dtype=torch.float32, device=v.device)
+    rows = None
+    if os.environ.get(ENV_GRADIENT_KERNEL, "0") == "1":
+
+        def rows(q, k, v, do, w, scale):
+            return key_chunk_gradients_sm90(q, k, v, do, gate, w.starts, w.ends, w.index, scale, cu_seqlens is not None)
+
     dq, dk, dv, dg, _, dh0 = walks.walk_backward(
-        GLA_SM90, q, k, v, do, gate, unread_beta, scale, initial_state, dht, cu_seqlens, cu_seqlens_cpu, state_v_first
-    )
+        GLA_SM90,
+        q, k, v, do, gate, unread_beta, scale, initial_state, dht, cu_seqlens, cu_seqlens_cpu, state_v_first, rows,
+    )  # fmt: skip
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg, dh0
+
+
+entry.register_checked(
+    "gla_chunk_bwd_sm90",
+    compile_key_chunk_gradients_sm90,
+    {"": {"is_varlen": True}, "[fixed length]": {}, "[D=64]": {"head_dim": 64, "is_varlen": True}},
+)

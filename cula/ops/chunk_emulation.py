@@ -13,6 +13,8 @@ checked against the fp64 recurrence on a CPU, and a new scheme tried before it i
   no operand's exponent passes ``GLA_SAFE_SPAN``, else each score summed directly.
 - :func:`delta_chunk_gradients`: the delta rule's per-chunk gradient kernel (:mod:`cula.sm90.delta_chunk_bwd`), stage
   by stage (batched chunk-heads, not one sequence).
+- :func:`key_chunk_gradients`: GLA's per-chunk gradient kernel (:mod:`cula.sm90.key_chunk_bwd`), its fast and steep
+  paths (batched chunk-heads).
 
 Shapes: one sequence per call, heads first: q, k [H, T, K]; v [H, T, V]; g [H, T] natural-log gate (per key: [H, T,
 K]); beta [H, T]; states [H, K, V]. Gates are in log2 units inside, as in the kernels.
@@ -257,3 +259,50 @@ def delta_chunk_gradients(q, k, v, beta, g, S, dS_end, do, scale, operand=bf16) 
     constant = rows["k_dk_end"].sum(-1, keepdim=True) + torch.exp(G[:, -1:]) * (S * dS_end).sum((1, 2))[:, None]
     dg = local.flip(1).cumsum(1).flip(1) + constant
     return dq, dk, dv, dbeta, dg
+
+
+def key_chunk_gradients(q, k, v, do, g, S, dS_end, scale, operand=bf16) -> tuple[torch.Tensor, ...]:
+    """GLA's per-chunk gradient kernel (:mod:`cula.sm90.key_chunk_bwd`) with its roundings (``operand``: bf16 as the
+    kernel's wgmma operands; exact for the algebra alone), on chunk-heads batched as
+    :func:`cula.ops.chunk_backward.chunk_gradients` takes them: q, k [N, C, K], v, do [N, C, V], g [N, C, K] (natural
+    log, floored; zero past a sequence's end), S and dS_end [N, K, V]. Returns ``(dq, dk, dv, dg)``.
+
+    With G the cumulative log2 gate and r = C / 2 the reference token: a chunk-head whose operands' exponents
+    (G_0 - G_r, G_r - G_last) stay within ``GLA_SAFE_SPAN`` in every key channel takes the fast path, its intra-chunk
+    products as matrix products of Q_L = Q 2^(G - G_r) and K_R = K 2^(G_r - G); a steeper one sums them directly in
+    fp32 with factors <= 1 (the steep path: dA kept in fp32, P^T rounded once)."""
+    r = operand
+    N, C, K = q.shape
+    ref = C // 2
+    G = torch.cumsum(g, dim=1) * LOG2E
+    G_r, G_L = G[:, ref : ref + 1], G[:, -1:]
+    widest = torch.maximum(G[:, 0] - G_r[:, 0], G_r[:, 0] - G_L[:, 0]).amax(-1)
+    steep = (widest > GLA_SAFE_SPAN)[:, None, None]
+    q, k, v, do, S, dS_end = (r(x) for x in (q, k, v, do, S, dS_end))
+    t = lambda x: x.transpose(1, 2)  # noqa: E731
+    lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    da = torch.where(lower, scale * (do @ t(v)), 0.0)  # dA_ij = scale dP_ij, j <= i
+    k_f = r(k * torch.exp2(G_L - G))  # K 2^(G_L - G): the dv's inter operand on both paths
+    # fast path: E_q = 2^(G - G_r), E_k = 2^(G_r - G), the fp32 accumulators scaled per key before the intra part
+    e_q = torch.exp2(torch.where(steep, 0.0, G - G_r))
+    e_k = torch.exp2(torch.where(steep, 0.0, G_r - G))
+    q_l, k_r = r(q * e_q), r(k * e_k)
+    dq_fast = e_q * (scale * torch.exp2(G_r) * (do @ t(S)) + r(da) @ k_r)
+    dk_inter_fast = torch.exp2(G_L - G_r) * (v @ t(dS_end))
+    dk_fast = e_k * (dk_inter_fast + t(r(da)) @ q_l)
+    pt_fast = r(torch.where(lower.T, scale * (k_r @ t(q_l)), 0.0))
+    # steep path: every pair factor 2^(G_i - G_j) <= 1, summed in fp32
+    diff = G[:, :, None, :] - G[:, None, :, :]  # [N, i, j, K]
+    gamma = torch.where(lower[..., None], torch.exp2(torch.where(lower[..., None], diff, 0.0)), 0.0)
+    dq_steep = scale * torch.exp2(G) * (do @ t(S)) + torch.einsum("nij,nijk,njk->nik", da, gamma, k)
+    dk_inter_steep = torch.exp2(G_L - G) * (v @ t(dS_end))
+    dk_steep = dk_inter_steep + torch.einsum("nij,nijk,nik->njk", da, gamma, q)
+    pt_steep = r(t(scale * torch.einsum("nik,njk,nijk->nij", q, k, gamma)))
+    dq = torch.where(steep, dq_steep, dq_fast)
+    dk = torch.where(steep, dk_steep, dk_fast)
+    dk_inter = torch.where(steep, dk_inter_steep, e_k * dk_inter_fast)
+    dv = k_f @ dS_end + torch.where(steep, pt_steep, pt_fast) @ do
+    local = q * dq - k * dk
+    constant = (k * dk_inter).sum(1, keepdim=True) + torch.exp2(G_L) * (S * dS_end).sum(-1)[:, None, :]
+    dg = local.flip(1).cumsum(1).flip(1) + constant
+    return dq, dk, dv, dg

@@ -102,15 +102,6 @@ class Smem(NamedTuple):
     warps: cute.Tensor
 
 
-def mn(tile, mn_layout):
-    """The MN-major (N, K) view of the 2-D K-major tile ``tile``; ``mn_layout`` its tile's MN layout, with or without
-    a stage mode (:func:`cula.sm90.tiles.token_tiles`)."""
-    view = cute.make_tensor(cute.recast_ptr(tile.iterator, mn_layout.inner), mn_layout.outer)
-    if cutlass.const_expr(cute.rank(mn_layout.outer) == 3):
-        return view[None, None, 0]
-    return view
-
-
 class DeltaChunkBwdSm90(ScalarGateChunkBwdSm90):
     """The kernel (module docstring); the token and score helpers are the scalar-gate kernel's."""
 
@@ -296,11 +287,11 @@ class DeltaChunkBwdSm90(ScalarGateChunkBwdSm90):
             r, d = idx // self.D, idx % self.D
             sm.w[r, d] = (sm.k[r, d].to(f32) * sm.fac[r, 0, 0]).to(cutlass.BFloat16)
         self.wy_step()
-        acc_w, cTD = self.inter("MN", sm.t, mn(sm.w, p.tile_tok_mn), wtid)
+        acc_w, cTD = self.inter("MN", sm.t, tiles.mn_plane(sm.w, p.tile_tok_mn), wtid)
         self.wy_step()  # every thread's wgmma has read 2^G K before W overwrites it
         self.to_tile(acc_w, cTD, sm.w, -1.0)
         self.wy_step()
-        acc_u, _ = self.inter("MN", sm.t, mn(sm.v, p.tile_tok_mn), wtid)
+        acc_u, _ = self.inter("MN", sm.t, tiles.mn_plane(sm.v, p.tile_tok_mn), wtid)
         self.accumulate("K", acc_u, sm.w, sm.s, wtid)
         self.to_tile(acc_u, cTD, sm.vn, 1.0)
         self.stage_done()  # 2
@@ -313,10 +304,10 @@ class DeltaChunkBwdSm90(ScalarGateChunkBwdSm90):
             sm.x1[r, c] = (sm.beta[c, 0] * (acc_a[e] * sm.fac[c, 0, 0] + acc_b[e])).to(cutlass.BFloat16)
         self.stage_done()  # 4
         # stage 5: X = dT T^T (to X2), dA = -(T^T X), the pair terms
-        acc_x, cCC = self.cc_product(sm.x1, mn(sm.tt, p.tile_cc_mn), wtid)
+        acc_x, cCC = self.cc_product(sm.x1, tiles.mn_plane(sm.tt, p.tile_cc_mn), wtid)
         self.to_tile(acc_x, cCC, sm.x2, 1.0)
         self.wy_step()
-        acc_da, cCC = self.cc_product(sm.tt, mn(sm.x2, p.tile_cc_mn), wtid)
+        acc_da, cCC = self.cc_product(sm.tt, tiles.mn_plane(sm.x2, p.tile_cc_mn), wtid)
         acc_kk, _ = self.scores(sm.k, sm.k, wtid)
         self.wy_step()  # every thread's X read before dA_b overwrites X2
         g_r, b_r, g_c = scalar_gates.gates_at(cCC, sm.g, sm.beta, sm.g, 0)
@@ -357,32 +348,32 @@ class DeltaChunkBwdSm90(ScalarGateChunkBwdSm90):
         r_pt = self.masked_scores(acc_pt, cCC, sm.g, valid, True, p.scale)
         acc, cTD = self.inter("K", sm.k, sm.ds, wtid)
         self.scale_rows(acc, cTD, sm.fac, 1, f32(1.0))
-        self.add_intra(acc, r_pt, mn(sm.do, p.tile_tok_mn), wtid)
+        self.add_intra(acc, r_pt, tiles.mn_plane(sm.do, p.tile_tok_mn), wtid)
         self.to_tile(acc, cTD, sm.dvn, 1.0)
         self.stage_done()  # 1
         self.stage_done()  # 2
         # stage 3: dK = F (V' dS'^T) + (dP . Gamma)^T Q
         acc_dpt, cCC = self.scores(sm.vn, sm.do, wtid)
         r_dpt = self.masked_scores(acc_dpt, cCC, sm.g, valid, True, p.scale)
-        acc_dk, cTD = self.inter("MN", sm.vn, mn(sm.ds, p.tile_state_mn), wtid)
+        acc_dk, cTD = self.inter("MN", sm.vn, tiles.mn_plane(sm.ds, p.tile_state_mn), wtid)
         self.scale_rows(acc_dk, cTD, sm.fac, 1, f32(1.0))
         self.row_dot(acc_dk, cTD, sm.k, sm.rows, K_DK_END, wtid)
-        self.add_intra(acc_dk, r_dpt, mn(sm.q, p.tile_tok_mn), wtid)
+        self.add_intra(acc_dk, r_dpt, tiles.mn_plane(sm.q, p.tile_tok_mn), wtid)
         self.row_dot(acc_dk, cTD, sm.k, sm.rows, K_DK, wtid)
         # dk goes out now and takes its later terms in place (each thread its own elements): no accumulator is held
         # across the stages
         self.store_rows(acc_dk, cTD, p.t.dk, valid, b, t0, hv)
         self.stage_done()  # 3
         # stage 4: d_bk = T^T dW; dK += beta 2^G d_bk
-        acc_dbk, cTD = self.inter("MN", sm.tt, mn(sm.dw, p.tile_tok_mn), wtid)
+        acc_dbk, cTD = self.inter("MN", sm.tt, tiles.mn_plane(sm.dw, p.tile_tok_mn), wtid)
         self.row_dot(acc_dbk, cTD, sm.k, sm.rows, K_DBK, wtid)
         self.scale_rows(acc_dbk, cTD, sm.fac, 0, f32(1.0))
         self.add_rows(acc_dbk, cTD, sm.beta, p.t.dk, valid, b, t0, hv)
         self.stage_done()  # 4
         self.stage_done()  # 5
         # stage 6: dK += dA_b K + dA_b^T K
-        acc_da, cTD = self.inter("MN", sm.x1, mn(sm.k, p.tile_tok_mn), wtid)
-        self.accumulate("MN", acc_da, sm.x2, mn(sm.k, p.tile_tok_mn), wtid)
+        acc_da, cTD = self.inter("MN", sm.x1, tiles.mn_plane(sm.k, p.tile_tok_mn), wtid)
+        self.accumulate("MN", acc_da, sm.x2, tiles.mn_plane(sm.k, p.tile_tok_mn), wtid)
         self.add_rows(acc_da, cTD, None, p.t.dk, valid, b, t0, hv)
         self.stage_done()  # 6
 
@@ -391,20 +382,20 @@ class DeltaChunkBwdSm90(ScalarGateChunkBwdSm90):
     def dq_dv_role(self, p, sm, valid, wtid, b, t0, hv):
         self.stage_done()  # 1
         # stage 2: -dW = dV' S^T, kept as dW
-        acc_dw, cTD = self.inter("MN", sm.dvn, mn(sm.s, p.tile_state_mn), wtid)
+        acc_dw, cTD = self.inter("MN", sm.dvn, tiles.mn_plane(sm.s, p.tile_state_mn), wtid)
         self.to_tile(acc_dw, cTD, sm.dw, -1.0)
         self.stage_done()  # 2
         # stage 3: dQ = scale 2^G (dO S^T) + (dP . Gamma) K, dP = scale dO V'^T
         acc_dp, cCC = self.scores(sm.do, sm.vn, wtid)
         r_dp = self.masked_scores(acc_dp, cCC, sm.g, valid, False, p.scale)
-        acc_dq, cTD = self.inter("MN", sm.do, mn(sm.s, p.tile_state_mn), wtid)
+        acc_dq, cTD = self.inter("MN", sm.do, tiles.mn_plane(sm.s, p.tile_state_mn), wtid)
         self.scale_rows(acc_dq, cTD, sm.fac, 0, p.scale)
-        self.add_intra(acc_dq, r_dp, mn(sm.k, p.tile_tok_mn), wtid)
+        self.add_intra(acc_dq, r_dp, tiles.mn_plane(sm.k, p.tile_tok_mn), wtid)
         self.row_dot(acc_dq, cTD, sm.q, sm.rows, Q_DQ, wtid)
         self.store_rows(acc_dq, cTD, p.t.dq, valid, b, t0, hv)
         self.stage_done()  # 3
         # stage 4: d_bv = T^T dV', dV = beta d_bv
-        acc_dbv, cTD = self.inter("MN", sm.tt, mn(sm.dvn, p.tile_tok_mn), wtid)
+        acc_dbv, cTD = self.inter("MN", sm.tt, tiles.mn_plane(sm.dvn, p.tile_tok_mn), wtid)
         self.row_dot(acc_dbv, cTD, sm.v, sm.rows, V_DBV, wtid)
         for e in cutlass.range_constexpr(cute.size(acc_dbv)):
             r, _ = cTD[e]

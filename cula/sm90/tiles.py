@@ -26,6 +26,15 @@ def mn_view(tile, mn_layout):
     return cute.make_tensor(cute.recast_ptr(tile.iterator, mn_layout.inner), mn_layout.outer)
 
 
+def mn_plane(tile, mn_layout):
+    """The MN-major (N, K) view of the 2-D K-major tile ``tile`` (one stage's plane); ``mn_layout`` its tile's MN
+    layout, with or without a stage mode (:func:`token_tiles`)."""
+    view = cute.make_tensor(cute.recast_ptr(tile.iterator, mn_layout.inner), mn_layout.outer)
+    if cutlass.const_expr(cute.rank(mn_layout.outer) == 3):
+        return view[None, None, 0]
+    return view
+
+
 def tma_view(x):
     """``[B, T, heads, D]`` as ``(T, D, heads, B)``: the tiled modes first, for ``make_tiled_tma_atom``."""
     return cute.make_tensor(

@@ -1,0 +1,409 @@
+"""Passes 3 and 4 of GLA's backward (a per-key gate; :func:`cula.ops.chunk_backward.chunk_gradients`) on SM90: one
+CTA per (chunk, head) makes the chunk's dq, dk, dv and dg from its tokens and the two state walks' checkpoints.
+
+Per chunk (C = 64 tokens; G [C, K] the cumulative log2 gate per key, r = C / 2 the reference token, G_L the last row;
+S^T and dS'^T the checkpoints, stored (V, K); dA = scale (dO V^T) on j <= i < valid, zero elsewhere):
+
+- the fast path, where every key channel's G_0 - G_r and G_r - G_L stay within ``SAFE_SPAN`` (the operands' widest
+  exponents), with the bf16 tiles Q_L = Q 2^(G - G_r), K_R = K 2^(G_r - G) and K_F = K 2^(G_L - G):
+
+      dq = 2^(G - G_r) * (scale 2^G_r * (dO S) + dA K_R)
+      dk = 2^(G_r - G) * (2^(G_L - G_r) * (V dS'^T) + dA^T Q_L)
+      dv = K_F dS' + P^T dO,        P^T = scale (K_R Q_L^T) on j <= i
+
+  (the per-key factors scale the fp32 accumulators' columns, so that each product is one wgmma);
+- the steep path (a chunk with a wider exponent in some channel): the same inter parts with their exact factors 2^G
+  and 2^(G_L - G), and the intra parts summed per element in fp32 with factors 2^(G_i - G_j) <= 1 (dA read from
+  shared memory in fp32, P^T rounded once): exact for any gate, and slower;
+- the gate, per key: dg_t = sum_{s >= t} (q * dq - k * dk)_s + sum_j (k * dk^inter)_j + 2^G_L sum_v (S * dS').
+
+Three warpgroups, one output each (dq, dk, dv); warp 0 issues the six TMA loads (q, k, v, do tiles (C, D); the
+checkpoints (D, D)) on one mbarrier while the first D threads scan the gates from global memory, one key channel each.
+Once all three outputs are made, q * dq and k * dk go to shared memory over the tiles no product reads any more (S and
+dS', V and dO), and the same D threads scan them into dg.
+
+Shapes: q, k, v, do, dq, dk, dv [B, T, H, D] bf16; g, dg [B, T, H, D] fp32 (g the natural-log gate; gates below
+the floor take no gradient); the checkpoints [rows, H, D, D] bf16 (S^T); ``chunks`` [rows, 2] int32 as
+:class:`cula.sm90.scalar_chunk_bwd.ScalarGateChunkBwdSm90` reads them. D = 64 or 128.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+
+from cula.sm90 import mma, pipeline, tiles
+from cula.sm90.scalar_chunk_bwd import Params, ScalarGateChunkBwdSm90, Tensors
+
+WARPGROUPS = 3  # dq, dk, dv
+GATE_FLOOR = -200.0  # natural log, as the forward's
+SAFE_SPAN = 108.0  # log2: as the forward's two-reference operands (cula.gla.chunk_fwd_sm90.SAFE_SPAN)
+_LOG2E = math.log2(math.e)
+ROW = "row"  # an exponent's term: the accumulator element's own row (KeyGateChunkBwdSm90.exponent)
+
+
+class Barrier(enum.IntEnum):
+    GRADS_MADE = 1  # all warpgroups: dq, dk, dv made, the tiles under q * dq and k * dk free
+    DA_READY = 2  # the steep path: dA in shared memory, from the dq warpgroup to the dk one
+
+
+class Smem(NamedTuple):
+    q: cute.Tensor
+    k: cute.Tensor
+    v: cute.Tensor
+    do: cute.Tensor
+    s: cute.Tensor  # S^T (V, K)
+    ds: cute.Tensor  # dS'^T (V, K)
+    q_l: cute.Tensor
+    k_r: cute.Tensor
+    k_f: cute.Tensor
+    da: cute.Tensor  # the steep path: dA (C x C) fp32 in Q_L's and K_R's bytes, :func:`swizzled`
+    gates: cute.Tensor  # G (C x D) fp32 log2, :func:`swizzled`
+    x_q: cute.Tensor  # q * dq (C x D) fp32 in S's and dS''s bytes
+    x_k: cute.Tensor  # k * dk (C x D) fp32 in V's and dO's bytes
+    col_warps: cute.Tensor  # (4, D): sum_j (k * dk^inter)_j per warp of the dk warpgroup
+    col_state: cute.Tensor  # (D,): 2^G_L sum_v (S * dS')
+    steep: cute.Tensor  # (1,) int32
+
+
+@cute.jit
+def swizzled(r, c, width: cutlass.Constexpr):
+    """The flat index of (r, c) in a row-major fp32 (rows x ``width``) tile whose columns are XOR-permuted per row:
+    a column walked by consecutive threads along a row and an accumulator's (8 rows x 4 column pairs) per warp both
+    meet at most two ways per bank."""
+    return r * width + (c ^ ((r & 7) << 2))
+
+
+class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
+    """The kernel (module docstring); the token and score helpers are the scalar-gate kernel's."""
+
+    def __init__(self, head_dim: int, is_varlen: bool):
+        super().__init__(head_dim, is_varlen)
+        self.threads = 128 * WARPGROUPS
+
+    # ---------------------------------------------------------------- host side
+    @cute.jit
+    def __call__(self, q, k, v, do, g, states, state_grads, chunks, dq, dk, dv, dg, scale, stream):
+        C, D = self.C, self.D
+        f32 = cutlass.Float32
+        t = Tensors(q, k, v, do, g, states, state_grads, chunks, dq, dk, dv, dg)
+        loads, tile_tok, tile_tok_mn, tile_state, tile_state_mn = self.chunk_loads(q, k, v, do, states, state_grads)
+        p = Params(loads, t, scale, tile_tok, tile_tok_mn, tile_state, tile_state_mn)
+        tok = cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(tile_tok)], 1024]
+        fields = {
+            **self.shared_fields(tile_tok, tile_state, ("sQ", "sK", "sV", "sDO"), 1),
+            # Q_L and K_R back to back: the steep path's dA (C x C fp32) takes their bytes at D = 64 as well
+            "sQL": tok,
+            "sKR": tok,
+            "sKF": tok,
+            "sGates": cute.struct.Align[cute.struct.MemRange[f32, C * D], 16],
+            "sColWarps": cute.struct.MemRange[f32, 4 * D],
+            "sColState": cute.struct.MemRange[f32, D],
+            "sSteep": cute.struct.MemRange[cutlass.Int32, 4],
+        }
+        self.launch_with(p, fields, chunks.shape[0], q.shape[2], stream)
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(self, p: Params):
+        C, D = self.C, self.D
+        t = p.t
+        tidx, _, _ = cute.arch.thread_idx()
+        row, h, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        first, valid = t.chunks[row, 0], t.chunks[row, 1]
+        T = t.q.shape[1]
+        b, t0 = first // T, first % T
+        f32 = cutlass.Float32
+
+        st = cutlass.memory.SmemAllocator().allocate(self.storage)
+
+        def tok(field):
+            return field.get_tensor(p.tile_tok.outer, swizzle=p.tile_tok.inner)
+
+        def fp32_over(field, elems):
+            return cute.make_tensor(cute.recast_ptr(field.data_ptr(), dtype=f32), cute.make_layout(elems))
+
+        sQ, sK, sV, sDO, sQL = tok(st.sQ), tok(st.sK), tok(st.sV), tok(st.sDO), tok(st.sQL)
+        sS = st.sS.get_tensor(p.tile_state.outer, swizzle=p.tile_state.inner)
+        sDS = st.sDS.get_tensor(p.tile_state.outer, swizzle=p.tile_state.inner)
+        sm = Smem(
+            sQ[None, None, 0], sK[None, None, 0], sV[None, None, 0], sDO[None, None, 0], sS[None, None, 0],
+            sDS[None, None, 0], sQL[None, None, 0], tok(st.sKR)[None, None, 0], tok(st.sKF)[None, None, 0],
+            fp32_over(st.sQL, C * C), st.sGates.get_tensor(cute.make_layout(C * D)), fp32_over(st.sS, C * D),
+            fp32_over(st.sV, C * D), st.sColWarps.get_tensor(cute.make_layout((4, D), stride=(D, 1))),
+            st.sColState.get_tensor(cute.make_layout(D)), st.sSteep.get_tensor(cute.make_layout(4)),
+        )  # fmt: skip
+        loads = pipeline.tma_ring(st.ring, 1, 4 * C * D * 2 + 2 * D * D * 2, 4 * WARPGROUPS)
+        if tidx == 0:
+            sm.steep[0] = cutlass.Int32(0)
+        pipeline.rings_made()
+
+        if valid > 0:
+            if warp == 0:
+                self.issue_loads(p, loads, sQ, sK, sV, sDO, sS, sDS, b, t0, h, h, row)
+            if tidx < D:
+                self.scan_gates(t, sm, valid, tidx, b, t0, h)
+            loaded = pipeline.consumer_start(1)
+            loads.consumer_wait(loaded)
+            if cutlass.const_expr(self.is_varlen):
+                # rows past the chunk's end hold the next sequence's tokens: zeroed before any product reads them
+                if valid < C:
+                    for tile in (sQ, sK, sV, sDO):
+                        tiles.zero_rows_from(tile[None, None, 0], valid, tidx, self.threads)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_threads()  # the gates, the steep flag and the zeroed rows
+            steep = sm.steep[0]
+            self.gated_tiles(sm, steep, tidx)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_threads()
+            wg = warp // 4
+            wtid = tidx % 128
+            if wg == 0:
+                self.make_dq(p, sm, steep, valid, wtid, b, t0, h)
+            elif wg == 1:
+                self.make_dk(p, sm, steep, valid, wtid, warp % 4, b, t0, h)
+            else:
+                self.make_dv(p, sm, steep, valid, wtid, b, t0, h)
+            cute.arch.sync_threads()  # q * dq and k * dk in shared memory
+            if tidx < D:
+                self.gate_gradient(t, sm, valid, tidx, b, t0, h)
+
+    @cute.jit
+    def scan_gates(self, t, sm, valid, key, b, t0, h):
+        """One key channel per thread: G, the inclusive sum of max(g, floor) log2(e) over the chunk (0 past its end), to
+        shared memory; the steep flag raised where the channel's G_0 - G_r or G_r - G_L passes SAFE_SPAN. The token
+        index is clamped into the chunk, so that every load is issued before the sum needs it."""
+        C, D = self.C, self.D
+        f32 = cutlass.Float32
+        raw = cute.make_rmem_tensor(cute.make_layout(C), f32)
+        for r in cutlass.range_constexpr(C):
+            raw[r] = t.g[b, t0 + cutlass.min(r, valid - 1), h, key]
+        run = f32(0.0)
+        g_first, g_ref = f32(0.0), f32(0.0)
+        for r in cutlass.range_constexpr(C):
+            x = cutlass.max(raw[r], f32(GATE_FLOOR)) * f32(_LOG2E)
+            if r >= valid:
+                x = f32(0.0)
+            run = run + x
+            sm.gates[swizzled(r, key, D)] = run
+            if cutlass.const_expr(r == 0):
+                g_first = run
+            if cutlass.const_expr(r == C // 2):
+                g_ref = run
+        if cutlass.max(g_first - g_ref, g_ref - run) > f32(SAFE_SPAN):
+            sm.steep[0] = cutlass.Int32(1)
+
+    @cute.jit
+    def gated_tiles(self, sm, steep, tidx):
+        """K_F (and on the fast path Q_L and K_R) from q, k and G: each thread one key channel, every
+        (threads / D)-th token."""
+        C, D = self.C, self.D
+        f32, bf16 = cutlass.Float32, cutlass.BFloat16
+        key = tidx % D
+        g_ref = sm.gates[swizzled(C // 2, key, D)]
+        g_last = sm.gates[swizzled(C - 1, key, D)]
+        for r in cutlass.range(tidx // D, C, self.threads // D, unroll=1):
+            g_r = sm.gates[swizzled(r, key, D)]
+            k_val = sm.k[r, key].to(f32)
+            sm.k_f[r, key] = (k_val * cute.math.exp2(g_last - g_r, fastmath=True)).to(bf16)
+            if steep == 0:
+                q_val = sm.q[r, key].to(f32)
+                sm.q_l[r, key] = (q_val * cute.math.exp2(g_r - g_ref, fastmath=True)).to(bf16)
+                sm.k_r[r, key] = (k_val * cute.math.exp2(g_ref - g_r, fastmath=True)).to(bf16)
+
+    @cute.jit
+    def causal_operand(self, acc, cCC, valid, transposed: cutlass.Constexpr, scale):
+        """A (C x C) score accumulator as a bf16 register operand: entry (i, j) (or (j, i), ``transposed``) times
+        ``scale`` where j <= i < valid, else zero by a select."""
+        return mma.acc_to_operand(self.causal(acc, cCC, valid, transposed, scale))
+
+    @cute.jit
+    def causal(self, acc, cCC, valid, transposed: cutlass.Constexpr, scale):
+        """:meth:`causal_operand` in fp32."""
+        out = cute.make_rmem_tensor(acc.layout, cutlass.Float32)
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            r, c = cCC[e]
+            i, j = (c, r) if cutlass.const_expr(transposed) else (r, c)
+            x = cutlass.Float32(0.0)
+            if j <= i and i < valid:
+                x = acc[e] * scale
+            out[e] = x
+        return out
+
+    @cute.jit
+    def gate_at(self, sm, r, c):
+        """G (log2) of token ``r``, key ``c``."""
+        return sm.gates[swizzled(r, c, self.D)]
+
+    @cute.jit
+    def exponent(self, sm, term, r, d):
+        """G of ``term`` at key ``d``: ``ROW`` for the element's row ``r``, a token index, or None for zero."""
+        if cutlass.const_expr(term is None):
+            return cutlass.Float32(0.0)
+        return self.gate_at(sm, r if cutlass.const_expr(term == ROW) else term, d)
+
+    @cute.jit
+    def scale_elements(self, acc, cTD, sm, plus, minus, factor):
+        """acc[i, d] *= factor 2^(G_plus - G_minus) at key d (each term as :meth:`exponent` takes it)."""
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            i, d = cTD[e]
+            x = self.exponent(sm, plus, i, d) - self.exponent(sm, minus, i, d)
+            acc[e] = acc[e] * factor * cute.math.exp2(x, fastmath=True)
+
+    @cute.jit
+    def steep_intra(self, acc, cTD, sm, valid, queries: cutlass.Constexpr):
+        """The steep path's intra-chunk part, summed per element from dA in shared memory with factors
+        2^(G_i - G_j) <= 1: dq's (``queries``: acc[i] += sum_{j <= i} dA_ij 2^(G_i - G_j) k_j) or dk's
+        (acc[j] += sum_{i >= j} dA_ij 2^(G_i - G_j) q_i)."""
+        C = self.C
+        for rr in cutlass.range_constexpr(2):
+            own, _ = cTD[2 * rr]
+            lo, hi = own, valid
+            if cutlass.const_expr(queries):
+                lo, hi = cutlass.Int32(0), cutlass.min(own + 1, valid)
+            for other in cutlass.range(lo, hi, unroll=1):
+                i, j = (own, other) if cutlass.const_expr(queries) else (other, own)
+                da = sm.da[swizzled(i, j, C)]
+                for kc in cutlass.range_constexpr(self.D // 4):
+                    e = element_at(rr, kc)
+                    _, d = cTD[e]
+                    pair = cute.math.exp2(self.gate_at(sm, i, d) - self.gate_at(sm, j, d), fastmath=True)
+                    x = sm.k[j, d] if cutlass.const_expr(queries) else sm.q[i, d]
+                    acc[e] = acc[e] + da * pair * x.to(cutlass.Float32)
+
+    @cute.jit
+    def make_dq(self, p, sm, steep, valid, wtid, b, t0, h):
+        """Warpgroup 0: dq, then q * dq to shared memory once every output is made."""
+        C = self.C
+        acc_dp, cCC = self.scores(sm.do, sm.v, wtid)
+        acc, cTD = self.inter("MN", sm.do, tiles.mn_plane(sm.s, p.tile_state_mn), wtid)
+        if steep != 0:
+            da = self.causal(acc_dp, cCC, valid, False, p.scale)
+            for e in cutlass.range_constexpr(cute.size(da)):
+                i, j = cCC[e]
+                sm.da[swizzled(i, j, C)] = da[e]
+            cute.arch.barrier(barrier_id=Barrier.DA_READY, number_of_threads=256)
+            self.scale_elements(acc, cTD, sm, ROW, None, p.scale)  # scale 2^G (dO S)
+            self.steep_intra(acc, cTD, sm, valid, True)
+        else:
+            r_da = self.causal_operand(acc_dp, cCC, valid, False, p.scale)
+            self.scale_elements(acc, cTD, sm, C // 2, None, p.scale)  # scale 2^G_r (dO S)
+            self.add_intra(acc, r_da, tiles.mn_plane(sm.k_r, p.tile_tok_mn), wtid)
+            self.scale_elements(acc, cTD, sm, ROW, C // 2, cutlass.Float32(1.0))
+        self.store_rows(acc, cTD, p.t.dq, valid, b, t0, h)
+        self.times_tile(acc, cTD, sm.q)
+        cute.arch.barrier(barrier_id=Barrier.GRADS_MADE, number_of_threads=self.threads)
+        self.store_fp32(sm.x_q, acc, cTD)
+
+    @cute.jit
+    def make_dk(self, p, sm, steep, valid, wtid, warp_in_group, b, t0, h):
+        """Warpgroup 1: dk and sum_j (k * dk^inter)_j per key, then k * dk to shared memory once every output is
+        made."""
+        C = self.C
+        one = cutlass.Float32(1.0)
+        acc, cTD = self.inter("MN", sm.v, tiles.mn_plane(sm.ds, p.tile_state_mn), wtid)
+        if steep != 0:
+            self.scale_elements(acc, cTD, sm, C - 1, ROW, one)  # dk^inter = 2^(G_L - G) (V dS'^T)
+            self.inter_column_sums(acc, cTD, sm, None, warp_in_group, wtid)
+            cute.arch.barrier(barrier_id=Barrier.DA_READY, number_of_threads=256)
+            self.steep_intra(acc, cTD, sm, valid, False)
+        else:
+            acc_dpt, cCC = self.scores(sm.v, sm.do, wtid)
+            r_dat = self.causal_operand(acc_dpt, cCC, valid, True, p.scale)
+            self.scale_elements(acc, cTD, sm, C - 1, C // 2, one)  # 2^(G_L - G_r) (V dS'^T)
+            self.inter_column_sums(acc, cTD, sm, C // 2, warp_in_group, wtid)
+            self.add_intra(acc, r_dat, tiles.mn_plane(sm.q_l, p.tile_tok_mn), wtid)
+            self.scale_elements(acc, cTD, sm, C // 2, ROW, one)
+        self.store_rows(acc, cTD, p.t.dk, valid, b, t0, h)
+        self.times_tile(acc, cTD, sm.k)
+        cute.arch.barrier(barrier_id=Barrier.GRADS_MADE, number_of_threads=self.threads)
+        self.store_fp32(sm.x_k, acc, cTD)
+
+    @cute.jit
+    def make_dv(self, p, sm, steep, valid, wtid, b, t0, h):
+        """Warpgroup 2: dv; then 2^G_L sum_v (S * dS') per key before S and dS' give their bytes to q * dq."""
+        C, D = self.C, self.D
+        # on the steep path the product's value (of the bytes dA took) is replaced: it gives P^T's coordinates
+        acc_pt, cCC = self.scores(sm.k_r, sm.q_l, wtid)
+        if steep != 0:
+            for e in cutlass.range_constexpr(cute.size(acc_pt)):
+                j, i = cCC[e]
+                x = cutlass.Float32(0.0)
+                if j <= i and i < valid:
+                    for d in cutlass.range(D, unroll=1):
+                        pair = cute.math.exp2(self.gate_at(sm, i, d) - self.gate_at(sm, j, d), fastmath=True)
+                        x = x + sm.q[i, d].to(cutlass.Float32) * sm.k[j, d].to(cutlass.Float32) * pair
+                acc_pt[e] = x
+        r_pt = self.causal_operand(acc_pt, cCC, valid, True, p.scale)
+        acc, cTD = self.inter("K", sm.k_f, sm.ds, wtid)
+        self.add_intra(acc, r_pt, tiles.mn_plane(sm.do, p.tile_tok_mn), wtid)
+        self.store_rows(acc, cTD, p.t.dv, valid, b, t0, h)
+        if wtid < D:
+            x = cutlass.Float32(0.0)
+            for v in cutlass.range(D, unroll=8):
+                x = x + sm.s[v, wtid].to(cutlass.Float32) * sm.ds[v, wtid].to(cutlass.Float32)
+            sm.col_state[wtid] = x * cute.math.exp2(self.gate_at(sm, C - 1, wtid), fastmath=True)
+        cute.arch.barrier(barrier_id=Barrier.GRADS_MADE, number_of_threads=self.threads)
+
+    @cute.jit
+    def inter_column_sums(self, acc, cTD, sm, ref, warp_in_group, wtid):
+        """sum_j k_j * dk^inter_j per key over this warp's 16 rows to ``sm.col_warps[warp_in_group]``, with dk^inter =
+        acc (``ref`` None) or 2^(G_ref - G_j) acc: each thread's two rows, then the eight lanes that share its
+        columns (lanes 4 apart)."""
+        for kc in cutlass.range_constexpr(self.D // 4):
+            x = cutlass.Float32(0.0)
+            for rr in cutlass.range_constexpr(2):
+                e = element_at(rr, kc)
+                j, d = cTD[e]
+                y = sm.k[j, d].to(cutlass.Float32) * acc[e]
+                if cutlass.const_expr(ref is not None):
+                    y = y * cute.math.exp2(self.gate_at(sm, ref, d) - self.gate_at(sm, j, d), fastmath=True)
+                x = x + y
+            for step in cutlass.range_constexpr(3):
+                x = x + cute.arch.shuffle_sync_bfly(x, 4 << step)
+            _, d = cTD[element_at(0, kc)]
+            if wtid % 32 < 4:
+                sm.col_warps[warp_in_group, d] = x
+
+    @cute.jit
+    def times_tile(self, acc, cTD, sX):
+        """acc *= x per element, x the bf16 token tile ``sX`` (before the barrier: fewer values live across it)."""
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            i, d = cTD[e]
+            acc[e] = acc[e] * sX[i, d].to(cutlass.Float32)
+
+    @cute.jit
+    def store_fp32(self, dst, acc, cTD):
+        """The accumulator to the fp32 tile ``dst`` (:func:`swizzled`)."""
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            i, d = cTD[e]
+            dst[swizzled(i, d, self.D)] = acc[e]
+
+    @cute.jit
+    def gate_gradient(self, t, sm, valid, key, b, t0, h):
+        """One key channel per thread: dg_t = sum_{s >= t} (q * dq - k * dk)_s + the chunk's constant, stored for the
+        valid tokens (zero where the raw gate is below the floor)."""
+        C, D = self.C, self.D
+        f32 = cutlass.Float32
+        constant = sm.col_state[key]
+        for w in cutlass.range_constexpr(4):
+            constant = constant + sm.col_warps[w, key]
+        run = f32(0.0)
+        for rev in cutlass.range_constexpr(C):
+            r = C - 1 - rev
+            run = run + (sm.x_q[swizzled(r, key, D)] - sm.x_k[swizzled(r, key, D)])
+            if r < valid:
+                x = run + constant
+                if t.g[b, t0 + r, h, key] < f32(GATE_FLOOR):
+                    x = f32(0.0)
+                t.dg[b, t0 + r, h, key] = x
+
+
+def element_at(rr: int, kc: int) -> int:
+    """The flat accumulator element on row slot ``rr`` and column slot ``kc`` (:mod:`cula.sm90.mma`)."""
+    return mma.acc_col_element(kc) + 2 * rr
