@@ -546,7 +546,9 @@ def test_the_key_gradient_kernels_paths_are_the_plans_algebra(monkeypatch):
     x = key_chunk_inputs(6, 64, 16, "steep", [64, 64, 1, 37, 64, 0])
     G = x[4].cumsum(1) * chunk_emulation.LOG2E
     widest = torch.maximum(G[:, 0] - G[:, 32], G[:, 32] - G[:, -1]).amax(-1)
-    assert bool((widest > chunk_emulation.GLA_SAFE_SPAN).any()) and bool((widest <= chunk_emulation.GLA_SAFE_SPAN).any())
+    assert bool((widest > chunk_emulation.GLA_SAFE_SPAN).any()) and bool(
+        (widest <= chunk_emulation.GLA_SAFE_SPAN).any()
+    )
     got = chunk_emulation.key_chunk_gradients(*x, 0.3, operand=lambda t: t)
     monkeypatch.setattr(chunk_backward, "bf16", lambda t: t)
     want = chunk_backward.chunk_gradients(*x, 0.3)
