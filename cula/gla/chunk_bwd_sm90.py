@@ -22,7 +22,7 @@ import torch
 from cula import runtime
 from cula.gla.chunk_fwd_sm90 import GLA_SM90
 from cula.ops import chunk_backward
-from cula.sm90 import entry, walks
+from cula.sm90 import entry, scalar_chunk_bwd, walks
 from cula.sm90.key_chunk_bwd import KeyGateChunkBwdSm90
 
 # "1": passes 3 and 4 by the kernel instead of PyTorch products (until its GPU tests have run)
@@ -31,20 +31,8 @@ ENV_GRADIENT_KERNEL = "CULA_KEY_GRADIENT_KERNEL"
 
 def compile_key_chunk_gradients_sm90(arch="sm_90a", *, head_dim=128, is_varlen=False, keep_artifacts=False):
     """The kernel of passes 3 and 4, compiled on any machine for ``arch``."""
-    import cutlass
-
-    sym, fake = runtime.sym_int, runtime.fake_tensor
-    B, T, H, rows = sym(), sym(), sym(), sym()
-    D = head_dim
-    bf16, f32 = cutlass.BFloat16, cutlass.Float32
-    tokens = [fake(bf16, (B, T, H, D)) for _ in range(4)]
-    args = (
-        *tokens, fake(f32, (B, T, H, D)),
-        fake(bf16, (rows, H, D, D)), fake(bf16, (rows, H, D, D)), fake(cutlass.Int32, (rows, 2), align=4),
-        fake(bf16, (B, T, H, D)), fake(bf16, (B, T, H, D)), fake(bf16, (B, T, H, D)), fake(f32, (B, T, H, D)),
-        f32(1.0), runtime.fake_stream(),
-    )  # fmt: skip
-    return runtime.compile_kernel(KeyGateChunkBwdSm90(D, is_varlen), args, arch, keep_artifacts)
+    args = scalar_chunk_bwd.fake_args(head_dim, per_key_gate=True)
+    return runtime.compile_kernel(KeyGateChunkBwdSm90(head_dim, is_varlen), args, arch, keep_artifacts)
 
 
 def key_chunk_gradients_sm90(q, k, v, do, gate, S, dS, index, scale, is_varlen):

@@ -23,7 +23,7 @@ from cula import runtime
 from cula.lightning.chunk_fwd_sm90 import SIMPLE_GLA_SM90
 from cula.ops import chunk_backward
 from cula.ops.chunk_emulation import GATE_FLOOR
-from cula.sm90 import entry, walks
+from cula.sm90 import entry, scalar_chunk_bwd, walks
 from cula.sm90.scalar_chunk_bwd import ScalarGateChunkBwdSm90
 
 # "0": passes 3 and 4 by PyTorch products instead of the kernel (the SM100 walks always take the PyTorch products)
@@ -32,20 +32,8 @@ ENV_GRADIENT_KERNEL = "CULA_CHUNK_GRADIENT_KERNEL"
 
 def compile_chunk_gradients_sm90(arch="sm_90a", *, head_dim=128, is_varlen=False, keep_artifacts=False):
     """The kernel of passes 3 and 4, compiled on any machine for ``arch``."""
-    import cutlass
-
-    sym, fake = runtime.sym_int, runtime.fake_tensor
-    B, T, H, rows = sym(), sym(), sym(), sym()
-    D = head_dim
-    bf16, f32 = cutlass.BFloat16, cutlass.Float32
-    tokens = [fake(bf16, (B, T, H, D)) for _ in range(4)]
-    args = (
-        *tokens, fake(f32, (B, T, H), align=4),
-        fake(bf16, (rows, H, D, D)), fake(bf16, (rows, H, D, D)), fake(cutlass.Int32, (rows, 2), align=4),
-        fake(bf16, (B, T, H, D)), fake(bf16, (B, T, H, D)), fake(bf16, (B, T, H, D)), fake(f32, (B, T, H), align=4),
-        f32(1.0), runtime.fake_stream(),
-    )  # fmt: skip
-    return runtime.compile_kernel(ScalarGateChunkBwdSm90(D, is_varlen), args, arch, keep_artifacts)
+    args = scalar_chunk_bwd.fake_args(head_dim, per_key_gate=False)
+    return runtime.compile_kernel(ScalarGateChunkBwdSm90(head_dim, is_varlen), args, arch, keep_artifacts)
 
 
 def chunk_gradients_sm90(q, k, v, do, gate, S, dS, index, scale, is_varlen):

@@ -138,9 +138,7 @@ class DeltaChunkBwdSm90(ScalarGateChunkBwdSm90):
         row, hv, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
-        first, valid = t.chunks[row, 0], t.chunks[row, 1]
-        T = t.q.shape[1]
-        b, t0 = first // T, first % T
+        valid, b, t0 = self.chunk_start(t, row)
         h = hv // (t.v.shape[2] // t.q.shape[2])
 
         st = cutlass.memory.SmemAllocator().allocate(self.storage)

@@ -115,9 +115,7 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
         tidx, _, _ = cute.arch.thread_idx()
         row, h, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        first, valid = t.chunks[row, 0], t.chunks[row, 1]
-        T = t.q.shape[1]
-        b, t0 = first // T, first % T
+        valid, b, t0 = self.chunk_start(t, row)
         f32 = cutlass.Float32
 
         st = cutlass.memory.SmemAllocator().allocate(self.storage)

@@ -71,6 +71,23 @@ class Params(NamedTuple):
     tile_state_mn: object
 
 
+def fake_args(head_dim: int, per_key_gate: bool) -> tuple:
+    """The arguments of :meth:`ScalarGateChunkBwdSm90.__call__` (and of the per-key kernel's, whose g and dg carry a
+    key mode) as fake tensors of symbolic B, T, H and rows, for a compile on any machine."""
+    from cula import runtime
+
+    sym, fake = runtime.sym_int, runtime.fake_tensor
+    B, T, H, rows = sym(), sym(), sym(), sym()
+    D = head_dim
+    bf16, f32 = cutlass.BFloat16, cutlass.Float32
+    gates = [fake(f32, (B, T, H, D)) if per_key_gate else fake(f32, (B, T, H), align=4) for _ in range(2)]
+    tokens = [fake(bf16, (B, T, H, D)) for _ in range(4)]
+    grads = [fake(bf16, (B, T, H, D)) for _ in range(3)]
+    checkpoints = [fake(bf16, (rows, H, D, D)) for _ in range(2)]
+    chunks = fake(cutlass.Int32, (rows, 2), align=4)
+    return (*tokens, gates[0], *checkpoints, chunks, *grads, gates[1], f32(1.0), runtime.fake_stream())
+
+
 class ScalarGateChunkBwdSm90:
     """The kernel (module docstring)."""
 
@@ -139,6 +156,13 @@ class ScalarGateChunkBwdSm90:
         self.launch_with(p, fields, chunks.shape[0], q.shape[2], stream)
 
     # ---------------------------------------------------------------- device side
+    @cute.jit
+    def chunk_start(self, t, row):
+        """Chunk row ``row``'s valid tokens and its first token as (batch row b, token t0): ``(valid, b, t0)``."""
+        first, valid = t.chunks[row, 0], t.chunks[row, 1]
+        T = t.q.shape[1]
+        return valid, first // T, first % T
+
     @cute.kernel
     def kernel(self, p: Params):
         C, D = self.C, self.D
@@ -147,9 +171,7 @@ class ScalarGateChunkBwdSm90:
         row, h, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
-        first, valid = t.chunks[row, 0], t.chunks[row, 1]
-        T = t.q.shape[1]
-        b, t0 = first // T, first % T
+        valid, b, t0 = self.chunk_start(t, row)
 
         st = cutlass.memory.SmemAllocator().allocate(self.storage)
         sQ = st.sQ.get_tensor(p.tile_tok.outer, swizzle=p.tile_tok.inner)
