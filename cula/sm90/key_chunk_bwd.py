@@ -146,14 +146,7 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
                 self.issue_loads(p, loads, sQ, sK, sV, sDO, sS, sDS, b, t0, h, h, row)
             if tidx < D:
                 self.scan_gates(t, sm, valid, tidx, b, t0, h)
-            loaded = pipeline.consumer_start(1)
-            loads.consumer_wait(loaded)
-            if cutlass.const_expr(self.is_varlen):
-                # rows past the chunk's end hold the next sequence's tokens: zeroed before any product reads them
-                if valid < C:
-                    for tile in (sQ, sK, sV, sDO):
-                        tiles.zero_rows_from(tile[None, None, 0], valid, tidx, self.threads)
-                    cute.arch.fence_proxy("async.shared", space="cta")
+            self.await_tokens(loads, (sQ, sK, sV, sDO), valid, tidx)
             cute.arch.sync_threads()  # the gates, the steep flag and the zeroed rows
             steep = sm.steep[0]
             self.gated_tiles(sm, steep, tidx)

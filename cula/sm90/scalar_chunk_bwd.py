@@ -193,14 +193,7 @@ class ScalarGateChunkBwdSm90:
                 self.issue_loads(p, loads, sQ, sK, sV, sDO, sS, sDS, b, t0, h, h, row)
                 raw = scalar_gates.load_gates(t.g[b, None, h], None, t0, valid, 0, lane, C)
                 scalar_gates.publish_gates(sG, sBeta, sFac, 0, raw, 0, valid, lane, C)
-            loaded = pipeline.consumer_start(1)
-            loads.consumer_wait(loaded)
-            if cutlass.const_expr(self.is_varlen):
-                # rows past the chunk's end hold the next sequence's tokens: zeroed before any product reads them
-                if valid < C:
-                    for tile in (sQ, sK, sV, sDO):
-                        tiles.zero_rows_from(tile[None, None, 0], valid, tidx, self.threads)
-                    cute.arch.fence_proxy("async.shared", space="cta")
+            self.await_tokens(loads, (sQ, sK, sV, sDO), valid, tidx)
             cute.arch.sync_threads()  # the gates and the zeroed rows
             wg = warp // 4
             wtid = tidx % 128
@@ -215,6 +208,18 @@ class ScalarGateChunkBwdSm90:
             cute.arch.sync_threads()
             if warp == 0:
                 self.gate_gradient(t, sG, sRows, sWarps, valid, lane, b, t0, h)
+
+    @cute.jit
+    def await_tokens(self, loads, token_tiles, valid, tidx):
+        """Every thread: waits for the chunk's loads; in a varlen call, zeroes the rows of the ``token_tiles`` past
+        the chunk's end (the next sequence's tokens) before any product reads them. The caller synchronises."""
+        loaded = pipeline.consumer_start(1)
+        loads.consumer_wait(loaded)
+        if cutlass.const_expr(self.is_varlen):
+            if valid < self.C:
+                for tile in token_tiles:
+                    tiles.zero_rows_from(tile[None, None, 0], valid, tidx, self.threads)
+                cute.arch.fence_proxy("async.shared", space="cta")
 
     @cute.jit
     def issue_loads(self, p, loads, sQ, sK, sV, sDO, sS, sDS, b, t0, h, hv, row):
