@@ -1,6 +1,6 @@
 """Every SM90 chunk kernel once on each awkward shape, through the public entry points with the kernel forced
 (``CULA_BACKEND=cute``): the workload that ``scripts/gpu_check.sh`` runs under compute-sanitizer (``SANITIZE=1``).
-The backwards too (ops ``<variant>_train``: forward and backward, the kernels' state walks and, for simple GLA with
+The backwards too (ops ``<variant>_train``: forward and backward, the kernels' state walks and, with
 ``_train_kernel``, the per-chunk gradient kernel), their gradients checked finite.
 
     python scripts/sanitize_kernels.py [--list] [--op gla gla_decode ...]
@@ -96,14 +96,15 @@ def shape_calls(op: str, device: str, whole: bool = False):
         yield name, call
 
 
-# the backwards' calls (op name -> the chunk op and the environment its backward runs under): GDN and simple GLA
-# (their per-chunk passes in PyTorch, or by their kernels), GLA
+# the backwards' calls (op name -> the chunk op and the environment its backward runs under): GDN, simple GLA and
+# GLA (their per-chunk passes in PyTorch, or by their kernels)
 TRAINING = {
     "gdn_train": ("gdn", {"CULA_DELTA_GRADIENT_KERNEL": "0"}),
     "gdn_train_kernel": ("gdn", {"CULA_DELTA_GRADIENT_KERNEL": "1"}),
     "simple_gla_train": ("simple_gla", {"CULA_CHUNK_GRADIENT_KERNEL": "0"}),
     "simple_gla_train_kernel": ("simple_gla", {"CULA_CHUNK_GRADIENT_KERNEL": "1"}),
-    "gla_train": ("gla", {}),
+    "gla_train": ("gla", {"CULA_KEY_GRADIENT_KERNEL": "0"}),
+    "gla_train_kernel": ("gla", {"CULA_KEY_GRADIENT_KERNEL": "1"}),
 }
 
 
