@@ -6,8 +6,8 @@
    with scale Q 2^G), each storing a bf16 checkpoint per chunk; the second walk's final state is dh0;
 3. and 4. dq, dk, dv and the gate's gradient per chunk, from the checkpoints: batched PyTorch products over the chunk
    rows (:func:`cula.ops.chunk_backward.rows_backward`, the per-key products by 16-token blocks), or with
-   ``CULA_KEY_GRADIENT_KERNEL=1`` the kernel :class:`cula.sm90.key_chunk_bwd.KeyGateChunkBwdSm90` (compile-checked,
-   not yet run on a GPU).
+   ``CULA_KEY_GRADIENT_KERNEL=1`` the kernel :class:`cula.sm90.key_chunk_bwd.KeyGateChunkBwdSm90` (its gradients
+   GPU-tested, not yet timed).
 
 Shapes: q, k, v, do [B, T, H, D] bf16; g [B, T, H, D] per-key natural-log gate; states [N, H, K, V] fp32 ([N, H, V,
 K] with ``state_v_first``). One value head per q / k head.
@@ -25,7 +25,7 @@ from cula.ops import chunk_backward
 from cula.sm90 import entry, scalar_chunk_bwd, walks
 from cula.sm90.key_chunk_bwd import KeyGateChunkBwdSm90
 
-# "1": passes 3 and 4 by the kernel instead of PyTorch products (until its GPU tests have run)
+# "1": passes 3 and 4 by the kernel instead of PyTorch products (opt-in until its timing is taken)
 ENV_GRADIENT_KERNEL = "CULA_KEY_GRADIENT_KERNEL"
 
 
