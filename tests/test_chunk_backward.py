@@ -347,17 +347,24 @@ def test_the_sm100_backward_host_path_gives_the_reference_gradients(monkeypatch,
     assert_gradients_per_sequence(got, leaves, bounds, N)
 
 
+@pytest.mark.parametrize("passes", ["pytorch", "kernel"])
 @pytest.mark.parametrize(
     "lengths, states", [([0, 1, 130, 64, 200], True), (None, True), (None, False)], ids=["varlen", "fixed", "no_states"]
 )
-def test_the_gla_backward_host_path_gives_the_reference_gradients(monkeypatch, lengths, states):
-    """GLA's backward (cula.gla.chunk_bwd_sm90: its kernel's state walks, then rows_backward with the per-key gate),
-    the walks' launch emulated on the CPU (tests/launch_emulation.py): every gradient against the fp64 reference's
-    autograd, per sequence, gates steep in places; with h0 and a gradient into the final state, or neither."""
+def test_the_gla_backward_host_path_gives_the_reference_gradients(monkeypatch, lengths, states, passes):
+    """GLA's backward (cula.gla.chunk_bwd_sm90: its kernel's state walks, then the per-chunk gradients by
+    rows_backward with the per-key gate, or by the per-chunk kernel, CULA_KEY_GRADIENT_KERNEL), the launches
+    emulated on the CPU (tests/launch_emulation.py; the kernel's with its bf16 roundings): every gradient against
+    the fp64 reference's autograd, per sequence, gates steep in places; with h0 and a gradient into the final
+    state, or neither."""
+    from cula.gla import chunk_bwd_sm90
     from cula.gla.chunk_bwd_sm90 import chunk_gla_bwd_sm90
     from cula.sm90 import walks
 
     monkeypatch.setattr(walks.entry, "launch", emulated_launch)
+    monkeypatch.setenv("CULA_KEY_GRADIENT_KERNEL", "1" if passes == "kernel" else "0")
+    monkeypatch.setattr(chunk_bwd_sm90.runtime, "device_arch", lambda device: "sm_90a")
+    monkeypatch.setattr(chunk_bwd_sm90.runtime, "get_or_compile", lambda key, build: rounding_key_gradient_kernel)
     torch.manual_seed(5)
     B, T = (1, sum(lengths)) if lengths else (2, 150)
     N, H, D = (len(lengths) if lengths else B), 2, 64
@@ -573,15 +580,21 @@ def test_the_key_gradient_kernels_roundings_hold_the_bf16_tolerances(monkeypatch
             assert rel_rmse(a[n], b[n]) <= tol, (name, n, rel_rmse(a[n], b[n]))
 
 
-def emulated_key_gradient_kernel(q, k, v, do, g, S, dS, chunks, dq, dk, dv, dg, scale):
+def emulated_key_gradient_kernel(q, k, v, do, g, S, dS, chunks, dq, dk, dv, dg, scale, operand=lambda t: t):
     """cula.sm90.key_chunk_bwd's launch on a CPU (:func:`emulate_chunk_rows` with cula.ops.chunk_emulation.
-    key_chunk_gradients, exact operands), gates below the floor taking no gradient as the kernel's scan gives them."""
+    key_chunk_gradients, exact operands unless ``operand`` rounds), gates below the floor taking no gradient as the
+    kernel's scan gives them."""
 
     def kernel(qc, kc, vc, doc, gc, S_row, dS_row):
-        return chunk_emulation.key_chunk_gradients(qc, kc, vc, doc, gc, S_row, dS_row, scale, operand=lambda t: t)
+        return chunk_emulation.key_chunk_gradients(qc, kc, vc, doc, gc, S_row, dS_row, scale, operand=operand)
 
     emulate_chunk_rows(chunks, (q, k, v, do, g), (dq, dk, dv, dg), S, dS, 1, kernel)
     dg.masked_fill_(g < chunk_emulation.GATE_FLOOR, 0.0)
+
+
+def rounding_key_gradient_kernel(*args):
+    """:func:`emulated_key_gradient_kernel` with the kernel's bf16 operands."""
+    emulated_key_gradient_kernel(*args, operand=bf16)
 
 
 @pytest.mark.parametrize("lengths", [[0, 1, 130, 64, 77], None], ids=["varlen", "fixed"])

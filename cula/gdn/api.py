@@ -226,7 +226,7 @@ def _sm90_backward(args: dict[str, Any], residuals: list, grad_o, grad_final_sta
     return grads
 
 
-# the kernel's state walks, then the per-chunk gradients in PyTorch; its GPU tests passed on an H100
+# the kernel's state walks, then the per-chunk gradient kernel; its GPU tests passed on an H100
 # (tests/test_gdn_sm90_backward.py). FLA 0.6.0 refuses this backward on Hopper with triton < 3.7.1; elsewhere FLA's
 # Triton backward is likely the faster (not measured side by side yet), so it keeps FLA's calls
 SM90_BACKWARD = BackwardKernel(recomputing(_sm90_run), lambda args: [], _sm90_backward, beats_fla=False)

@@ -3,10 +3,10 @@
 1. the state at each chunk's start and 2. the gradient of the state at each chunk's end: the GDN kernel's two walks
    (:func:`cula.sm90.walks.state_walk`: "states", and "state_grads" through the transposed chain), each storing a
    bf16 checkpoint per chunk; the second walk's final state is dh0;
-3. and 4. each chunk's gradients from its tokens and the two checkpoints, the WY form recomputed: batched PyTorch
-   products over the chunk rows (:func:`cula.ops.chunk_backward.rows_backward`), or with
-   ``CULA_DELTA_GRADIENT_KERNEL=1`` the kernel :class:`cula.sm90.delta_chunk_bwd.DeltaChunkBwdSm90`
-   (compile-checked, not yet run on a GPU).
+3. and 4. each chunk's gradients from its tokens and the two checkpoints, the WY form recomputed: the kernel
+   :class:`cula.sm90.delta_chunk_bwd.DeltaChunkBwdSm90` (one CTA per chunk and value head), or with
+   ``CULA_DELTA_GRADIENT_KERNEL=0`` batched PyTorch products over the chunk rows
+   (:func:`cula.ops.chunk_backward.rows_backward`, 6x slower on an H100 at B1 T8192 H64, PERF.md).
 
 The in-kernel options (q / k L2 norm, the gate from A_log and dt_bias, beta's sigmoid) are applied before the walks
 and differentiated through by autograd after them. Shapes: q, k [B, T, H, K]; v, do [B, T, HV, V] bf16; g, beta
@@ -25,7 +25,7 @@ from cula.ops.chunk_emulation import GATE_FLOOR
 from cula.sm90 import entry
 from cula.sm90.delta_chunk_bwd import DeltaChunkBwdSm90
 
-# "1": passes 3 and 4 by the kernel instead of PyTorch products (until its GPU tests have run)
+# "0": passes 3 and 4 by PyTorch products instead of the kernel
 ENV_GRADIENT_KERNEL = "CULA_DELTA_GRADIENT_KERNEL"
 
 
@@ -73,7 +73,7 @@ def chunk_gdn_bwd_sm90(q, k, v, g, beta, do, scale, initial_state, dht, cu_seqle
 
     g, beta = g.float().contiguous(), beta.float().contiguous()
     rows = None
-    if os.environ.get(ENV_GRADIENT_KERNEL, "0") == "1":
+    if os.environ.get(ENV_GRADIENT_KERNEL, "1") != "0":
 
         def rows(q, k, v, do, w, scale):
             return delta_chunk_gradients_sm90(

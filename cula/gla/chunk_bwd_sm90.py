@@ -4,10 +4,11 @@
    (:class:`cula.gla.chunk_fwd_sm90.GLAChunkFwdSm90`) walking the chunks without output (:func:`cula.sm90.walks.
    state_walk`: "states" on (k, v) with K 2^(G_last - G) in the update, "state_grads" from the last chunk on (q, dO)
    with scale Q 2^G), each storing a bf16 checkpoint per chunk; the second walk's final state is dh0;
-3. and 4. dq, dk, dv and the gate's gradient per chunk, from the checkpoints: batched PyTorch products over the chunk
-   rows (:func:`cula.ops.chunk_backward.rows_backward`, the per-key products by 16-token blocks), or with
-   ``CULA_KEY_GRADIENT_KERNEL=1`` the kernel :class:`cula.sm90.key_chunk_bwd.KeyGateChunkBwdSm90` (its gradients
-   GPU-tested, not yet timed).
+3. and 4. dq, dk, dv and the gate's gradient per chunk, from the checkpoints: the kernel
+   :class:`cula.sm90.key_chunk_bwd.KeyGateChunkBwdSm90` (one CTA per chunk and head), or with
+   ``CULA_KEY_GRADIENT_KERNEL=0`` batched PyTorch products over the chunk rows
+   (:func:`cula.ops.chunk_backward.rows_backward`, the per-key products by 16-token blocks; 21x slower on an H100 at
+   B1 T8192 H64, PERF.md).
 
 Shapes: q, k, v, do [B, T, H, D] bf16; g [B, T, H, D] per-key natural-log gate; states [N, H, K, V] fp32 ([N, H, V,
 K] with ``state_v_first``). One value head per q / k head.
@@ -25,7 +26,7 @@ from cula.ops import chunk_backward
 from cula.sm90 import entry, scalar_chunk_bwd, walks
 from cula.sm90.key_chunk_bwd import KeyGateChunkBwdSm90
 
-# "1": passes 3 and 4 by the kernel instead of PyTorch products (opt-in until its timing is taken)
+# "0": passes 3 and 4 by PyTorch products instead of the kernel
 ENV_GRADIENT_KERNEL = "CULA_KEY_GRADIENT_KERNEL"
 
 
@@ -57,7 +58,7 @@ def chunk_gla_bwd_sm90(q, k, v, g, do, scale, initial_state, dht, cu_seqlens, cu
     # beta's slot: an unread [B, T, H] tensor, as the forward passes
     unread_beta = torch.empty(v.shape[:3], dtype=torch.float32, device=v.device)
     rows = None
-    if os.environ.get(ENV_GRADIENT_KERNEL, "0") == "1":
+    if os.environ.get(ENV_GRADIENT_KERNEL, "1") != "0":
 
         def rows(q, k, v, do, w, scale):
             return key_chunk_gradients_sm90(q, k, v, do, gate, w.starts, w.ends, w.index, scale, cu_seqlens is not None)

@@ -303,9 +303,9 @@ def _sm100_backward(args: dict[str, Any], residuals: list, grad_o, grad_final_st
     return _backward(args, grad_o, grad_final_state, SIMPLE_GLA_SM100)
 
 
-# its GPU tests passed on an H100 (tests/test_lightning_sm90_backward.py), but its per-chunk gradients are PyTorch
-# products, slower than FLA's backward (PERF.md): it serves the training calls FLA refuses (gated ones on Hopper with
-# triton < 3.7.1), which would otherwise go to the reference backend
+# its GPU tests passed on an H100 (tests/test_lightning_sm90_backward.py), but with its per-chunk gradient kernel it
+# is still slower than FLA's backward (0.78x, PERF.md): it serves the training calls FLA refuses (gated ones on
+# Hopper with triton < 3.7.1), which would otherwise go to the reference backend
 SM90_BACKWARD = BackwardKernel(recomputing(_sm90_run), lambda args: [], _sm90_backward, beats_fla=False)
 # the SM100 kernel's state walks in chunks of 128, then the per-chunk gradients in PyTorch, as on SM90; compiled for
 # sm_100a / sm_103a only, like the forward: no Blackwell GPU has run either
