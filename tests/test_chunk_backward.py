@@ -12,6 +12,7 @@ from delta_rule_recurrence import offsets_of
 from launch_emulation import launch as emulated_launch
 
 import cula
+from cula import runtime
 from cula.ops import chunk_backward, chunk_emulation
 from cula.ops.chunk_emulation import bf16
 
@@ -357,14 +358,13 @@ def test_the_gla_backward_host_path_gives_the_reference_gradients(monkeypatch, l
     emulated on the CPU (tests/launch_emulation.py; the kernel's with its bf16 roundings): every gradient against
     the fp64 reference's autograd, per sequence, gates steep in places; with h0 and a gradient into the final
     state, or neither."""
-    from cula.gla import chunk_bwd_sm90
     from cula.gla.chunk_bwd_sm90 import chunk_gla_bwd_sm90
     from cula.sm90 import walks
 
     monkeypatch.setattr(walks.entry, "launch", emulated_launch)
     monkeypatch.setenv("CULA_KEY_GRADIENT_KERNEL", "1" if passes == "kernel" else "0")
-    monkeypatch.setattr(chunk_bwd_sm90.runtime, "device_arch", lambda device: "sm_90a")
-    monkeypatch.setattr(chunk_bwd_sm90.runtime, "get_or_compile", lambda key, build: rounding_key_gradient_kernel)
+    monkeypatch.setattr(runtime, "device_arch", lambda device: "sm_90a")
+    monkeypatch.setattr(runtime, "get_or_compile", lambda key, build: rounding_key_gradient_kernel)
     torch.manual_seed(5)
     B, T = (1, sum(lengths)) if lengths else (2, 150)
     N, H, D = (len(lengths) if lengths else B), 2, 64
@@ -509,8 +509,8 @@ def test_the_delta_gradient_kernels_host_gives_the_rows_gradients(monkeypatch, l
     gradient), its launch emulated on the CPU, equal the PyTorch passes (rows_backward) on the same checkpoints."""
     from cula.gdn import chunk_bwd_sm90
 
-    monkeypatch.setattr(chunk_bwd_sm90.runtime, "device_arch", lambda device: "sm_90a")
-    monkeypatch.setattr(chunk_bwd_sm90.runtime, "get_or_compile", lambda key, build: emulated_delta_gradient_kernel)
+    monkeypatch.setattr(runtime, "device_arch", lambda device: "sm_90a")
+    monkeypatch.setattr(runtime, "get_or_compile", lambda key, build: emulated_delta_gradient_kernel)
     torch.manual_seed(4)
     B, T = (1, sum(lengths)) if lengths else (2, 100)
     H, HV, D = 1, 2, 16
@@ -604,8 +604,8 @@ def test_the_key_gradient_kernels_host_gives_the_rows_gradients(monkeypatch, len
     the PyTorch passes (rows_backward) on the same checkpoints."""
     from cula.gla import chunk_bwd_sm90
 
-    monkeypatch.setattr(chunk_bwd_sm90.runtime, "device_arch", lambda device: "sm_90a")
-    monkeypatch.setattr(chunk_bwd_sm90.runtime, "get_or_compile", lambda key, build: emulated_key_gradient_kernel)
+    monkeypatch.setattr(runtime, "device_arch", lambda device: "sm_90a")
+    monkeypatch.setattr(runtime, "get_or_compile", lambda key, build: emulated_key_gradient_kernel)
     torch.manual_seed(9)
     B, T = (1, sum(lengths)) if lengths else (2, 100)
     H, D = 2, 16

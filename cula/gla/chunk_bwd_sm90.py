@@ -20,9 +20,7 @@ import os
 
 import torch
 
-from cula import runtime
 from cula.gla.chunk_fwd_sm90 import GLA_SM90
-from cula.ops import chunk_backward
 from cula.sm90 import entry, scalar_chunk_bwd, walks
 from cula.sm90.key_chunk_bwd import KeyGateChunkBwdSm90
 
@@ -32,23 +30,16 @@ ENV_GRADIENT_KERNEL = "CULA_KEY_GRADIENT_KERNEL"
 
 def compile_key_chunk_gradients_sm90(arch="sm_90a", *, head_dim=128, is_varlen=False, keep_artifacts=False):
     """The kernel of passes 3 and 4, compiled on any machine for ``arch``."""
-    args = scalar_chunk_bwd.fake_args(head_dim, per_key_gate=True)
-    return runtime.compile_kernel(KeyGateChunkBwdSm90(head_dim, is_varlen), args, arch, keep_artifacts)
+    return scalar_chunk_bwd.compile_gradients(KeyGateChunkBwdSm90, True, arch, head_dim, is_varlen, keep_artifacts)
 
 
 def key_chunk_gradients_sm90(q, k, v, do, gate, S, dS, index, scale, is_varlen):
-    """Passes 3 and 4 by the kernel: ``(dq, dk, dv in q's dtype, dg fp32 [B, T, H, D], None)``, as
-    :func:`cula.ops.chunk_backward.rows_backward` gives them; ``index`` the chunk rows' tokens
-    (:func:`cula.ops.chunk_backward.chunk_token_index`)."""
-    B, T, H, D = q.shape
-    chunks = chunk_backward.kernel_chunk_rows(index, B * T)
-    arch = runtime.device_arch(q.device)
-    key = ("gla_chunk_bwd", D, is_varlen, arch)
-    fn = runtime.get_or_compile(key, lambda: compile_key_chunk_gradients_sm90(arch, head_dim=D, is_varlen=is_varlen))
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    dg = torch.empty(B, T, H, D, dtype=torch.float32, device=q.device)
-    fn(q, k, v, do, gate, S, dS, chunks, dq, dk, dv, dg, float(scale))
-    return dq, dk, dv, dg, None
+    """Passes 3 and 4 by the kernel (:func:`cula.sm90.scalar_chunk_bwd.gradients`): ``(dq, dk, dv in q's dtype, dg
+    fp32 [B, T, H, D], None)``, as :func:`cula.ops.chunk_backward.rows_backward` gives them."""
+    grads = scalar_chunk_bwd.gradients(
+        "gla_chunk_bwd", KeyGateChunkBwdSm90, q, k, v, do, gate, S, dS, index, scale, is_varlen
+    )
+    return *grads, None
 
 
 def chunk_gla_bwd_sm90(q, k, v, g, do, scale, initial_state, dht, cu_seqlens, cu_seqlens_cpu, state_v_first):

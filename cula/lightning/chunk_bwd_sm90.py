@@ -19,9 +19,7 @@ import os
 
 import torch
 
-from cula import runtime
 from cula.lightning.chunk_fwd_sm90 import SIMPLE_GLA_SM90
-from cula.ops import chunk_backward
 from cula.ops.chunk_emulation import GATE_FLOOR
 from cula.sm90 import entry, scalar_chunk_bwd, walks
 from cula.sm90.scalar_chunk_bwd import ScalarGateChunkBwdSm90
@@ -32,23 +30,16 @@ ENV_GRADIENT_KERNEL = "CULA_CHUNK_GRADIENT_KERNEL"
 
 def compile_chunk_gradients_sm90(arch="sm_90a", *, head_dim=128, is_varlen=False, keep_artifacts=False):
     """The kernel of passes 3 and 4, compiled on any machine for ``arch``."""
-    args = scalar_chunk_bwd.fake_args(head_dim, per_key_gate=False)
-    return runtime.compile_kernel(ScalarGateChunkBwdSm90(head_dim, is_varlen), args, arch, keep_artifacts)
+    return scalar_chunk_bwd.compile_gradients(ScalarGateChunkBwdSm90, False, arch, head_dim, is_varlen, keep_artifacts)
 
 
 def chunk_gradients_sm90(q, k, v, do, gate, S, dS, index, scale, is_varlen):
-    """Passes 3 and 4 by the kernel: ``(dq, dk, dv, dgate fp32 [B, T, H])``, as
-    :func:`cula.ops.chunk_backward.rows_backward` gives them; ``index`` the chunk rows' tokens
-    (:func:`cula.ops.chunk_backward.chunk_token_index`)."""
-    B, T, H, D = q.shape
-    chunks = chunk_backward.kernel_chunk_rows(index, B * T)
-    arch = runtime.device_arch(q.device)
-    key = ("simple_gla_chunk_bwd", D, is_varlen, arch)
-    fn = runtime.get_or_compile(key, lambda: compile_chunk_gradients_sm90(arch, head_dim=D, is_varlen=is_varlen))
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    dgate = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
-    fn(q, k, v, do, gate, S, dS, chunks, dq, dk, dv, dgate, float(scale))
-    return dq, dk, dv, torch.where(gate < GATE_FLOOR, 0.0, dgate)  # gates below the floor take no gradient
+    """Passes 3 and 4 by the kernel (:func:`cula.sm90.scalar_chunk_bwd.gradients`): ``(dq, dk, dv, dgate fp32 [B, T,
+    H])``, as :func:`cula.ops.chunk_backward.rows_backward` gives them; gates below the floor take no gradient."""
+    dq, dk, dv, dgate = scalar_chunk_bwd.gradients(
+        "simple_gla_chunk_bwd", ScalarGateChunkBwdSm90, q, k, v, do, gate, S, dS, index, scale, is_varlen
+    )
+    return dq, dk, dv, torch.where(gate < GATE_FLOOR, 0.0, dgate)
 
 
 def chunk_simple_gla_bwd_sm90(

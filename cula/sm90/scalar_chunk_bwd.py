@@ -88,6 +88,37 @@ def fake_args(head_dim: int, per_key_gate: bool) -> tuple:
     return (*tokens, gates[0], *checkpoints, chunks, *grads, gates[1], f32(1.0), runtime.fake_stream())
 
 
+def compile_gradients(kernel_class, per_key_gate: bool, arch: str, head_dim: int, is_varlen: bool, keep=False):
+    """``kernel_class`` (this kernel, or the per-key one) compiled on any machine for ``arch``."""
+    from cula import runtime
+
+    args = fake_args(head_dim, per_key_gate)
+    return runtime.compile_kernel(kernel_class(head_dim, is_varlen), args, arch, keep)
+
+
+def gradients(name: str, kernel_class, q, k, v, do, gate, S, dS, index, scale, is_varlen) -> tuple:
+    """Passes 3 and 4 by ``kernel_class`` (compiled once per head dim, layout and architecture, cached under
+    ``name``): ``(dq, dk, dv in q's dtype, the gate's gradient fp32 in the gate's shape)``, as
+    :func:`cula.ops.chunk_backward.rows_backward` gives them; ``index`` the chunk rows' tokens
+    (:func:`cula.ops.chunk_backward.chunk_token_index`). The gate is [B, T, H] or, per key, [B, T, H, D]."""
+    import torch
+
+    from cula import runtime
+    from cula.ops import chunk_backward
+
+    B, T, H, D = q.shape
+    per_key = gate.dim() == 4
+    chunks = chunk_backward.kernel_chunk_rows(index, B * T)
+    arch = runtime.device_arch(q.device)
+    fn = runtime.get_or_compile(
+        (name, D, is_varlen, arch), lambda: compile_gradients(kernel_class, per_key, arch, D, is_varlen)
+    )
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dgate = torch.empty(gate.shape, dtype=torch.float32, device=q.device)
+    fn(q, k, v, do, gate, S, dS, chunks, dq, dk, dv, dgate, float(scale))
+    return dq, dk, dv, dgate
+
+
 class ScalarGateChunkBwdSm90:
     """The kernel (module docstring)."""
 
