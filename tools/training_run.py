@@ -11,6 +11,8 @@ the same batches; the model runs under bf16 autocast. ``--against fla`` switches
 triton < 3.7.1: there use ``--against torch``, cuLA's fp32 reference backend, over fewer steps). Writes
 ``training_<layer>.json`` (per run: the loss per step, the median step time) and, with matplotlib, a PNG of the
 curves. FLA's layers import ``transformers`` for logging and typing only: where it is absent, stubs stand in.
+``CULA_LOG_DISPATCH=1`` logs which backend serves each of the layers' calls (cuLA declines what its dispatch would
+hand to FLA, e.g. GDN's training calls where FLA's backward runs).
 """
 
 from __future__ import annotations
