@@ -134,11 +134,7 @@ class DeltaChunkBwdSm90(ScalarGateChunkBwdSm90):
     def kernel(self, p: Params):
         C, D = self.C, self.D
         t = p.t
-        tidx, _, _ = cute.arch.thread_idx()
-        row, hv, _ = cute.arch.block_idx()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        lane = cute.arch.lane_idx()
-        valid, b, t0 = self.chunk_start(t, row)
+        tidx, row, hv, warp, lane, valid, b, t0 = self.coordinates(t)
         h = hv // (t.v.shape[2] // t.q.shape[2])
 
         st = cutlass.memory.SmemAllocator().allocate(self.storage)

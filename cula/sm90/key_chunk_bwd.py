@@ -112,10 +112,7 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
     def kernel(self, p: Params):
         C, D = self.C, self.D
         t = p.t
-        tidx, _, _ = cute.arch.thread_idx()
-        row, h, _ = cute.arch.block_idx()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        valid, b, t0 = self.chunk_start(t, row)
+        tidx, row, h, warp, _, valid, b, t0 = self.coordinates(t)
         f32 = cutlass.Float32
 
         st = cutlass.memory.SmemAllocator().allocate(self.storage)

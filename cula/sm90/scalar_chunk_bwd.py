@@ -188,21 +188,22 @@ class ScalarGateChunkBwdSm90:
 
     # ---------------------------------------------------------------- device side
     @cute.jit
-    def chunk_start(self, t, row):
-        """Chunk row ``row``'s valid tokens and its first token as (batch row b, token t0): ``(valid, b, t0)``."""
+    def coordinates(self, t):
+        """This thread and CTA: ``(tidx, row, head, warp, lane, valid, b, t0)``: the chunk row and head of its block
+        index, the row's valid tokens and its first token as (batch row b, token t0)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        row, head, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
         first, valid = t.chunks[row, 0], t.chunks[row, 1]
         T = t.q.shape[1]
-        return valid, first // T, first % T
+        return tidx, row, head, warp, lane, valid, first // T, first % T
 
     @cute.kernel
     def kernel(self, p: Params):
         C, D = self.C, self.D
         t = p.t
-        tidx, _, _ = cute.arch.thread_idx()
-        row, h, _ = cute.arch.block_idx()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        lane = cute.arch.lane_idx()
-        valid, b, t0 = self.chunk_start(t, row)
+        tidx, row, h, warp, lane, valid, b, t0 = self.coordinates(t)
 
         st = cutlass.memory.SmemAllocator().allocate(self.storage)
         sQ = st.sQ.get_tensor(p.tile_tok.outer, swizzle=p.tile_tok.inner)
