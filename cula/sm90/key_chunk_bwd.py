@@ -258,7 +258,7 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
                 i, j = (own, other) if cutlass.const_expr(queries) else (other, own)
                 da = sm.da[swizzled(i, j, C)]
                 for kc in cutlass.range_constexpr(self.D // 4):
-                    e = element_at(rr, kc)
+                    e = mma.acc_col_element(kc, rr)
                     _, d = cTD[e]
                     pair = cute.math.exp2(self.gate_at(sm, i, d) - self.gate_at(sm, j, d), fastmath=True)
                     x = sm.k[j, d] if cutlass.const_expr(queries) else sm.q[i, d]
@@ -346,7 +346,7 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
         for kc in cutlass.range_constexpr(self.D // 4):
             x = cutlass.Float32(0.0)
             for rr in cutlass.range_constexpr(2):
-                e = element_at(rr, kc)
+                e = mma.acc_col_element(kc, rr)
                 j, d = cTD[e]
                 y = sm.k[j, d].to(cutlass.Float32) * acc[e]
                 if cutlass.const_expr(ref is not None):
@@ -354,7 +354,7 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
                 x = x + y
             for step in cutlass.range_constexpr(3):
                 x = x + cute.arch.shuffle_sync_bfly(x, 4 << step)
-            _, d = cTD[element_at(0, kc)]
+            _, d = cTD[mma.acc_col_element(kc)]
             if wtid % 32 < 4:
                 sm.col_warps[warp_in_group, d] = x
 
@@ -390,8 +390,3 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
                 if t.g[b, t0 + r, h, key] < f32(GATE_FLOOR):
                     x = f32(0.0)
                 t.dg[b, t0 + r, h, key] = x
-
-
-def element_at(rr: int, kc: int) -> int:
-    """The flat accumulator element on row slot ``rr`` and column slot ``kc`` (:mod:`cula.sm90.mma`)."""
-    return mma.acc_col_element(kc) + 2 * rr

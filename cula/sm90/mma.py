@@ -85,6 +85,7 @@ def acc_col_slot(i: int) -> int:
     return (i % 2) + 2 * (i // 4)
 
 
-def acc_col_element(kc: int) -> int:
-    """A flat element (the first row's) on column slot ``kc``: the inverse of :func:`acc_col_slot` there."""
-    return (kc % 2) + 4 * (kc // 2)
+def acc_col_element(kc: int, rr: int = 0) -> int:
+    """The flat element on column slot ``kc`` and row slot ``rr`` (the first row's by default): the inverse of
+    :func:`acc_col_slot` and :func:`acc_row_slot`."""
+    return (kc % 2) + 4 * (kc // 2) + 2 * rr
