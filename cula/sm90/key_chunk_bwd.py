@@ -205,25 +205,6 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
                 sm.k_r[r, key] = (k_val * cute.math.exp2(g_ref - g_r, fastmath=True)).to(bf16)
 
     @cute.jit
-    def causal_operand(self, acc, cCC, valid, transposed: cutlass.Constexpr, scale):
-        """A (C x C) score accumulator as a bf16 register operand: entry (i, j) (or (j, i), ``transposed``) times
-        ``scale`` where j <= i < valid, else zero by a select."""
-        return mma.acc_to_operand(self.causal(acc, cCC, valid, transposed, scale))
-
-    @cute.jit
-    def causal(self, acc, cCC, valid, transposed: cutlass.Constexpr, scale):
-        """:meth:`causal_operand` in fp32."""
-        out = cute.make_rmem_tensor(acc.layout, cutlass.Float32)
-        for e in cutlass.range_constexpr(cute.size(acc)):
-            r, c = cCC[e]
-            i, j = (c, r) if cutlass.const_expr(transposed) else (r, c)
-            x = cutlass.Float32(0.0)
-            if j <= i and i < valid:
-                x = acc[e] * scale
-            out[e] = x
-        return out
-
-    @cute.jit
     def gate_at(self, sm, r, c):
         """G (log2) of token ``r``, key ``c``."""
         return sm.gates[swizzled(r, c, self.D)]
@@ -271,7 +252,7 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
         acc_dp, cCC = self.scores(sm.do, sm.v, wtid)
         acc, cTD = self.inter("MN", sm.do, tiles.mn_plane(sm.s, p.tile_state_mn), wtid)
         if steep != 0:
-            da = self.causal(acc_dp, cCC, valid, False, p.scale)
+            da = self.masked(acc_dp, cCC, None, valid, False, p.scale)
             for e in cutlass.range_constexpr(cute.size(da)):
                 i, j = cCC[e]
                 sm.da[swizzled(i, j, C)] = da[e]
@@ -279,7 +260,7 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
             self.scale_elements(acc, cTD, sm, ROW, None, p.scale)  # scale 2^G (dO S)
             self.steep_intra(acc, cTD, sm, valid, True)
         else:
-            r_da = self.causal_operand(acc_dp, cCC, valid, False, p.scale)
+            r_da = self.masked_scores(acc_dp, cCC, None, valid, False, p.scale)
             self.scale_elements(acc, cTD, sm, C // 2, None, p.scale)  # scale 2^G_r (dO S)
             self.add_intra(acc, r_da, tiles.mn_plane(sm.k_r, p.tile_tok_mn), wtid)
             self.scale_elements(acc, cTD, sm, ROW, C // 2, cutlass.Float32(1.0))
@@ -302,7 +283,7 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
             self.steep_intra(acc, cTD, sm, valid, False)
         else:
             acc_dpt, cCC = self.scores(sm.v, sm.do, wtid)
-            r_dat = self.causal_operand(acc_dpt, cCC, valid, True, p.scale)
+            r_dat = self.masked_scores(acc_dpt, cCC, None, valid, True, p.scale)
             self.scale_elements(acc, cTD, sm, C - 1, C // 2, one)  # 2^(G_L - G_r) (V dS'^T)
             self.inter_column_sums(acc, cTD, sm, C // 2, warp_in_group, wtid)
             self.add_intra(acc, r_dat, tiles.mn_plane(sm.q_l, p.tile_tok_mn), wtid)
@@ -327,7 +308,7 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
                         pair = cute.math.exp2(self.gate_at(sm, i, d) - self.gate_at(sm, j, d), fastmath=True)
                         x = x + sm.q[i, d].to(cutlass.Float32) * sm.k[j, d].to(cutlass.Float32) * pair
                 acc_pt[e] = x
-        r_pt = self.causal_operand(acc_pt, cCC, valid, True, p.scale)
+        r_pt = self.masked_scores(acc_pt, cCC, None, valid, True, p.scale)
         acc, cTD = self.inter("K", sm.k_f, sm.ds, wtid)
         self.add_intra(acc, r_pt, tiles.mn_plane(sm.do, p.tile_tok_mn), wtid)
         self.store_rows(acc, cTD, p.t.dv, valid, b, t0, h)

@@ -272,9 +272,16 @@ class ScalarGateChunkBwdSm90:
 
     @cute.jit
     def masked_scores(self, acc, cCC, sG, valid, transposed: cutlass.Constexpr, scale):
-        """A (C x C) score accumulator as a bf16 register operand: entry (i, j) (or (j, i), ``transposed``) times
-        ``scale`` 2^(G_i - G_j) where j <= i < valid, else zero by a select."""
-        g_r, _, g_c = scalar_gates.gates_at(cCC, sG, sG, sG, 0)
+        """:meth:`masked` as a bf16 register operand."""
+        return mma.acc_to_operand(self.masked(acc, cCC, sG, valid, transposed, scale))
+
+    @cute.jit
+    def masked(self, acc, cCC, sG, valid, transposed: cutlass.Constexpr, scale):
+        """A (C x C) score accumulator in fp32: entry (i, j) (or (j, i), ``transposed``) times ``scale`` 2^(G_i - G_j)
+        (the gate's factor left out with ``sG`` None) where j <= i < valid, else zero by a select."""
+        gated = sG is not None
+        if cutlass.const_expr(gated):
+            g_r, _, g_c = scalar_gates.gates_at(cCC, sG, sG, sG, 0)
         out = cute.make_rmem_tensor(acc.layout, cutlass.Float32)
         for e in cutlass.range_constexpr(cute.size(acc)):
             r, c = cCC[e]
@@ -282,12 +289,16 @@ class ScalarGateChunkBwdSm90:
             x = cutlass.Float32(0.0)
             if cutlass.const_expr(transposed):
                 if r <= c and c < valid:
-                    x = acc[e] * scale * cute.math.exp2(g_c[kc] - g_r[rr], fastmath=True)
+                    x = acc[e] * scale
+                    if cutlass.const_expr(gated):
+                        x = x * cute.math.exp2(g_c[kc] - g_r[rr], fastmath=True)
             else:
                 if c <= r and r < valid:
-                    x = acc[e] * scale * cute.math.exp2(g_r[rr] - g_c[kc], fastmath=True)
+                    x = acc[e] * scale
+                    if cutlass.const_expr(gated):
+                        x = x * cute.math.exp2(g_r[rr] - g_c[kc], fastmath=True)
             out[e] = x
-        return mma.acc_to_operand(out)
+        return out
 
     @cute.jit
     def product(self, tiled, sA, sB, wtid, n: cutlass.Constexpr):
