@@ -238,7 +238,9 @@ class Op:
         """The decision on a call, and how to run it."""
         decision, server = self.choose(args)
         if decision.backend == "cute":
-            return decision, self._runner(args, server.name, server.run)
+            run = self._runner(args, server.name, server.run)
+            # the kernels index their tensors as contiguous (FLA's layers hand over strided q, k, v)
+            return decision, lambda a: run(_contiguous_but_pool(a))
         if decision.backend == "torch":
             return decision, self._runner(args, REFERENCE, self.reference)
         return decision, server
@@ -345,7 +347,8 @@ def _without_pool_args(args: dict[str, Any]) -> dict[str, Any]:
 
 
 def _contiguous_but_pool(args: dict[str, Any]) -> dict[str, Any]:
-    """Every tensor contiguous but the pool, which is written in place (FLA's kernel takes its slot stride)."""
+    """Every tensor contiguous but the initial state, which may be a pool written in place (its slot stride is
+    taken); a copy only where a tensor is strided, which autograd sees through."""
     return {n: a.contiguous() if isinstance(a, torch.Tensor) and n != "initial_state" else a for n, a in args.items()}
 
 

@@ -430,6 +430,48 @@ def test_training_call_goes_to_a_kernel_only_with_a_backward(monkeypatch, gdn_ke
         torch.testing.assert_close(args[n].grad, expected[n].grad, msg=n)
 
 
+def test_strided_inputs_reach_the_kernel_contiguous(monkeypatch, gdn_kernels):
+    """FLA's layers hand over q, k, v as strided views of one projection; the kernel is served them contiguous,
+    for inference and training, and the gradients reach the strided leaves as on the reference."""
+    FakeCuda(monkeypatch, (9, 0))
+    monkeypatch.setattr(dispatch, "fla_function", lambda target: None)
+    calls, seen = [], []
+    kernel = trainable_kernel("trainable", calls)
+    strict = lambda run: lambda a: seen.append(all(a[n].is_contiguous() for n in ("q", "k", "v", "g"))) or run(a)  # noqa: E731
+    kernel.run = strict(kernel.run)
+    kernel.backward = dataclasses.replace(kernel.backward, forward=strict(kernel.backward.forward))
+    gdn_kernels.register_kernel(kernel)
+    fn = cula.gdn.chunk_gated_delta_rule
+
+    def strided_args():
+        torch.manual_seed(3)
+        fused = torch.randn(1, 20, 2, 16 * 2 + 8 * 2, dtype=torch.float64)  # one projection, split per head
+        g = F.logsigmoid(torch.randn(1, 4, 20, dtype=torch.float64)).transpose(1, 2)
+        args = {
+            "q": fused[..., :16], "k": F.normalize(fused[..., 16:32], dim=-1),
+            "v": fused[..., 32:].reshape(1, 20, 2, 2, 8).transpose(2, 3).reshape(1, 20, 4, 8), "g": g,
+            "beta": torch.rand(1, 20, 4, dtype=torch.float64), "output_final_state": True,
+        }  # fmt: skip
+        return args, fused.requires_grad_(True)
+
+    args, _ = strided_args()
+    assert not args["q"].is_contiguous() and not args["g"].is_contiguous()
+    o, final_state = fn(**args)
+    assert cula.last_decision(fn).backend == "cute" and seen == [True]
+
+    losses = {}
+    for backend in ("cute", "torch"):
+        monkeypatch.setenv(dispatch.ENV_BACKEND, backend)
+        args, leaf = strided_args()
+        args["q"], args["k"] = leaf[..., :16], F.normalize(leaf[..., 16:32], dim=-1)
+        o, final_state = fn(**args)
+        (o.square().sum() + final_state.sum()).backward()
+        losses[backend] = (o.detach(), leaf.grad)
+    assert calls[-2:] == ["forward", "backward"] and seen[-1] is True
+    torch.testing.assert_close(losses["cute"][0], losses["torch"][0])
+    torch.testing.assert_close(losses["cute"][1], losses["torch"][1])
+
+
 def training_call_with(monkeypatch, gdn_kernels, name, **backward_fields):
     """On a faked SM90 device with FLA importable: a trainable kernel ``name`` whose backward has
     ``backward_fields``, and GDN arguments of a training call (q requires grad)."""

@@ -111,11 +111,19 @@ def test_gdn_chunk_matches_fla(raw, monkeypatch):
 
 
 @needs_sm90
-def test_training_calls_fall_back_with_a_reason(monkeypatch):
+@pytest.mark.parametrize("variant", ["gdn", "kda"])
+def test_training_calls_are_served_with_a_reason(variant, monkeypatch):
+    """GDN's training calls go to its gradient kernel unless FLA's backward can take them; KDA has no backward kernel
+    and falls back, saying why. Either way the gradients arrive."""
     args = gdn_inputs(1, 130, 32, 32)  # H=32: FLA's autotuning is shared with the benchmark's shapes
+    fn = GDN
+    if variant == "kda":
+        fn = cula.kda.chunk_kda
+        args["g"] = F.logsigmoid(torch.randn(*args["v"].shape, device="cuda") + 3)
     args["q"].requires_grad_(True)
-    o, _ = GDN(**args)
-    decision = cula.last_decision(GDN)
-    assert decision.backend != "cute" and "require grad" in dict(decision.rejected)["cute"]
+    o, _ = fn(**args)
+    decision = cula.last_decision(fn)
+    if variant == "kda" or decision.backend != "cute":
+        assert decision.backend != "cute" and "require grad" in dict(decision.rejected)["cute"], decision
     o.float().square().sum().backward()
     assert torch.isfinite(args["q"].grad).all() and args["q"].grad.abs().sum() > 0

@@ -911,11 +911,9 @@ def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, **
     if not ok:
         return ok, why
     if g is not None and (
-        g.dtype not in (torch.float32, torch.bfloat16)
-        or tuple(g.shape) != (*v.shape[:3], q.shape[-1])
-        or not g.is_contiguous()
+        g.dtype not in (torch.float32, torch.bfloat16) or tuple(g.shape) != (*v.shape[:3], q.shape[-1])
     ):
-        return False, "g must be contiguous float32 or bfloat16 [B, T, HV, K]"
+        return False, "g must be float32 or bfloat16 [B, T, HV, K]"
     return True, ""
 
 

@@ -285,7 +285,8 @@ ARCH_CAPABILITIES = {9: ((9, 0),), 10: ((10, 0), (10, 3))}
 
 def supports_qkv(q, k, v, beta, initial_state, cu_seqlens, dims, arch_major: int = 9) -> tuple[bool, str]:
     """The checks every chunk kernel makes but the gate's: device (a GPU of ``arch_major``'s capabilities), dtypes,
-    shapes, head dims in ``dims`` (K = V), GVA, contiguity, beta, varlen batch, fp32 initial state."""
+    shapes, head dims in ``dims`` (K = V), GVA, beta, varlen batch, fp32 initial state. Strided inputs are served:
+    dispatch makes them contiguous."""
     if not (q.is_cuda and k.is_cuda and v.is_cuda):
         return False, "tensors are not on a CUDA device"
     capability = torch.cuda.get_device_capability(q.device)
@@ -302,8 +303,6 @@ def supports_qkv(q, k, v, beta, initial_state, cu_seqlens, dims, arch_major: int
         return False, f"head dims K={K}, V={V} not supported (supported: K = V = {supported})"
     if HV % H != 0:
         return False, f"HV={HV} must be a multiple of H={H}"
-    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
-        return False, "q, k, v must be contiguous"
     if beta is not None and (beta.dtype not in (torch.float32, torch.bfloat16) or beta.shape != v.shape[:3]):
         return False, "beta must be float32 or bfloat16 [B, T, HV]"
     if cu_seqlens is not None and q.shape[0] != 1:
