@@ -4,7 +4,9 @@
 #   bash scripts/gpu_check.sh OUTDIR [benchmark arguments...]     (SKIP_GPU_TESTS=1: the benchmark only)
 #   e.g. bash scripts/gpu_check.sh out --op gdn kda --shapes core varlen long layer   (python -m benchmarks.run --help)
 # SANITIZE=1: first every SM90 kernel on awkward shapes (scripts/sanitize_kernels.py) under compute-sanitizer's
-# memcheck and racecheck; each log's summary goes to OUTDIR/sanitize.txt, and an error fails the check.
+# memcheck and racecheck; each log's summary goes to OUTDIR/sanitize.txt, and an error fails the check. The kernels are
+# compiled with line info there (CUTE_DSL_LINEINFO), so that a report names the source line of each access;
+# SANITIZE_OPS="gla gdn_train ..." narrows the calls (scripts/sanitize_kernels.py --op).
 # Without matplotlib there the plot is skipped; draw it elsewhere with `python -m benchmarks.plot OUTDIR/benchmark.json`.
 # FLA autotunes each op at each new shape on its first call (up to minutes). Its choices are kept on disk
 # (TRITON_CACHE_AUTOTUNING) and packed into OUTDIR/fla_autotune.tgz; a later run reads them back from
@@ -29,8 +31,8 @@ if [ "${SANITIZE:-0}" = 1 ]; then
   : > "$out/sanitize.txt"
   for tool in memcheck racecheck; do
     # without the variable, torch's caching allocator hides overruns inside its blocks
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool "$tool" --error-exitcode 1 --report-api-errors no --show-backtrace no \
-      python3 scripts/sanitize_kernels.py > "$out/sanitize_$tool.log" 2>&1
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 CUTE_DSL_LINEINFO=1 compute-sanitizer --tool "$tool" --error-exitcode 1 --report-api-errors no --show-backtrace no \
+      python3 scripts/sanitize_kernels.py ${SANITIZE_OPS:+--op $SANITIZE_OPS} > "$out/sanitize_$tool.log" 2>&1
     rc=$?
     echo "$tool: exit $rc; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitize_$tool.log" | tail -1)" | tee -a "$out/sanitize.txt"
     [ "$rc" -eq 0 ] || sanitize=1
