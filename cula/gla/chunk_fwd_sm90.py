@@ -159,15 +159,13 @@ class GLAChunkFwdSm90(kda.KDAChunkFwdSm90):
                     self.half_scores(p, smem, gs, sP, stid % 128, 0)
                 else:
                     self.half_scores(p, smem, gs, sP, stid % 128, 1)
-        # q, k, G and R of the chunk are no longer read here: the prep role may load the next chunk's and zero its k
-        # tail. One lane per warp releases q | k | G, after the barrier, so that every state thread's reads are
-        # ordered before the release (racecheck found the prep's zeroing racing the direct scores' k loads when a
-        # warp's convergence alone ordered them)
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=Barrier.STATE, number_of_threads=nt)
+        # q, k, G and R of the chunk are no longer read here: the prep role may load the next chunk's (one lane per
+        # warp releases q | k | G: the direct scores' lanes diverge, so the warp converges first)
         cute.arch.sync_warp()
         rings.qkg.consumer_release(states.chunk)
         rings.r.consumer_release(states.chunk)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=Barrier.STATE, number_of_threads=nt)
 
     @cute.jit
     def chunk_is_steep(self, gs, slot):
