@@ -139,15 +139,11 @@ class DeltaChunkBwdSm90(ScalarGateChunkBwdSm90):
 
         st = cutlass.memory.SmemAllocator().allocate(self.storage)
 
-        def tok(field):
-            return field.get_tensor(p.tile_tok.outer, swizzle=p.tile_tok.inner)
-
         def cc(field):
             return field.get_tensor(p.tile_cc.outer, swizzle=p.tile_cc.inner)
 
-        sQ, sK, sV, sDO = tok(st.sQ), tok(st.sK), tok(st.sV), tok(st.sDO)
-        sS = st.sS.get_tensor(p.tile_state.outer, swizzle=p.tile_state.inner)
-        sDS = st.sDS.get_tensor(p.tile_state.outer, swizzle=p.tile_state.inner)
+        sQ, sK, sV, sDO, sS, sDS = self.loaded_tiles(st, p)
+        sW, sVN, sDVN = (self.token_tile(p, field) for field in (st.sW, st.sVN, st.sDVN))
         q_tile, v_tile = sQ[None, None, 0], sV[None, None, 0]
         # dT (then dA_b) takes q's bytes once stage 3 has read q, X (then dA_b^T) v's once stage 4 has read v: a
         # (C x C) tile fits a token tile at D = 64 too
@@ -159,7 +155,7 @@ class DeltaChunkBwdSm90(ScalarGateChunkBwdSm90):
         )[None, None, 0]
         sm = Smem(
             q_tile, sK[None, None, 0], v_tile, sDO[None, None, 0], sS[None, None, 0], sDS[None, None, 0],
-            tok(st.sW)[None, None, 0], sDW, tok(st.sVN)[None, None, 0], tok(st.sDVN)[None, None, 0], sAt, cc(st.sT),
+            sW[None, None, 0], sDW, sVN[None, None, 0], sDVN[None, None, 0], sAt, cc(st.sT),
             cc(st.sTt),
             sX1, sX2, st.sG.get_tensor(cute.make_layout((C, 1))), st.sBeta.get_tensor(cute.make_layout((C, 1))),
             st.sFac.get_tensor(cute.make_layout((C, 1, 2))), st.sRows.get_tensor(cute.make_layout((C, 8))),

@@ -117,18 +117,14 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
 
         st = cutlass.memory.SmemAllocator().allocate(self.storage)
 
-        def tok(field):
-            return field.get_tensor(p.tile_tok.outer, swizzle=p.tile_tok.inner)
-
         def fp32_over(field, elems):
             return cute.make_tensor(cute.recast_ptr(field.data_ptr(), dtype=f32), cute.make_layout(elems))
 
-        sQ, sK, sV, sDO, sQL = tok(st.sQ), tok(st.sK), tok(st.sV), tok(st.sDO), tok(st.sQL)
-        sS = st.sS.get_tensor(p.tile_state.outer, swizzle=p.tile_state.inner)
-        sDS = st.sDS.get_tensor(p.tile_state.outer, swizzle=p.tile_state.inner)
+        sQ, sK, sV, sDO, sS, sDS = self.loaded_tiles(st, p)
+        sQL, sKR, sKF = (self.token_tile(p, field) for field in (st.sQL, st.sKR, st.sKF))
         sm = Smem(
             sQ[None, None, 0], sK[None, None, 0], sV[None, None, 0], sDO[None, None, 0], sS[None, None, 0],
-            sDS[None, None, 0], sQL[None, None, 0], tok(st.sKR)[None, None, 0], tok(st.sKF)[None, None, 0],
+            sDS[None, None, 0], sQL[None, None, 0], sKR[None, None, 0], sKF[None, None, 0],
             fp32_over(st.sQL, C * C), st.sGates.get_tensor(cute.make_layout(C * D)), fp32_over(st.sS, C * D),
             fp32_over(st.sV, C * D), st.sColWarps.get_tensor(cute.make_layout((4, D), stride=(D, 1))),
             st.sColState.get_tensor(cute.make_layout(D)), st.sSteep.get_tensor(cute.make_layout(4)),

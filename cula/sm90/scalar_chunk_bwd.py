@@ -187,6 +187,18 @@ class ScalarGateChunkBwdSm90:
         self.launch_with(p, fields, chunks.shape[0], q.shape[2], stream)
 
     # ---------------------------------------------------------------- device side
+    @staticmethod
+    def token_tile(p, field):
+        """A bf16 token tile of :meth:`shared_fields` as its swizzled (C, D, 1) tensor."""
+        return field.get_tensor(p.tile_tok.outer, swizzle=p.tile_tok.inner)
+
+    def loaded_tiles(self, st, p):
+        """What the loads fill (:meth:`issue_loads`): the token tiles q, k, v, dO (C, D, 1) and the checkpoints S, dS
+        (D, D, 1), swizzled."""
+        tokens = (self.token_tile(p, field) for field in (st.sQ, st.sK, st.sV, st.sDO))
+        states = (field.get_tensor(p.tile_state.outer, swizzle=p.tile_state.inner) for field in (st.sS, st.sDS))
+        return (*tokens, *states)
+
     @cute.jit
     def coordinates(self, t):
         """This thread and CTA: ``(tidx, row, head, warp, lane, valid, b, t0)``: the chunk row and head of its block
@@ -206,12 +218,7 @@ class ScalarGateChunkBwdSm90:
         tidx, row, h, warp, lane, valid, b, t0 = self.coordinates(t)
 
         st = cutlass.memory.SmemAllocator().allocate(self.storage)
-        sQ = st.sQ.get_tensor(p.tile_tok.outer, swizzle=p.tile_tok.inner)
-        sK = st.sK.get_tensor(p.tile_tok.outer, swizzle=p.tile_tok.inner)
-        sV = st.sV.get_tensor(p.tile_tok.outer, swizzle=p.tile_tok.inner)
-        sDO = st.sDO.get_tensor(p.tile_tok.outer, swizzle=p.tile_tok.inner)
-        sS = st.sS.get_tensor(p.tile_state.outer, swizzle=p.tile_state.inner)
-        sDS = st.sDS.get_tensor(p.tile_state.outer, swizzle=p.tile_state.inner)
+        sQ, sK, sV, sDO, sS, sDS = self.loaded_tiles(st, p)
         sG = st.sG.get_tensor(cute.make_layout((C, 1)))
         sBeta = st.sBeta.get_tensor(cute.make_layout((C, 1)))
         sFac = st.sFac.get_tensor(cute.make_layout((C, 1, 2)))

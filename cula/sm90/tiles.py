@@ -29,7 +29,7 @@ def mn_view(tile, mn_layout):
 def mn_plane(tile, mn_layout):
     """The MN-major (N, K) view of the 2-D K-major tile ``tile`` (one stage's plane); ``mn_layout`` its tile's MN
     layout, with or without a stage mode (:func:`token_tiles`)."""
-    view = cute.make_tensor(cute.recast_ptr(tile.iterator, mn_layout.inner), mn_layout.outer)
+    view = mn_view(tile, mn_layout)
     if cutlass.const_expr(cute.rank(mn_layout.outer) == 3):
         return view[None, None, 0]
     return view
