@@ -38,9 +38,9 @@ import cutlass.cute as cute
 
 from cula.sm90 import mma, pipeline, tiles
 from cula.sm90.scalar_chunk_bwd import Params, ScalarGateChunkBwdSm90, Tensors
+from cula.sm90.scalar_gates import GATE_FLOOR  # natural log, as the forward's
 
 WARPGROUPS = 3  # dq, dk, dv
-GATE_FLOOR = -200.0  # natural log, as the forward's
 SAFE_SPAN = 108.0  # log2: as the forward's two-reference operands (cula.gla.chunk_fwd_sm90.SAFE_SPAN)
 _LOG2E = math.log2(math.e)
 ROW = "row"  # an exponent's term: the accumulator element's own row (KeyGateChunkBwdSm90.exponent)
