@@ -366,6 +366,10 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
             L = cutlass.min(seq.seqlen - self.chunk_position(chunk, seq) * C, C)
             slot = chunk % 2
             rings.qkg.consumer_wait(qkg_c)
+            # ring r's stage is free once every state thread has made the previous chunk's A and P: each one's
+            # release orders its own reads of q | k | G before the tail zeroing and the scan below rewrite them (the
+            # qkg ring's release, one lane per warp and then a TMA, did not show that order to racecheck)
+            rings.r.producer_acquire(r_p)
             if cutlass.const_expr(cfg.is_varlen):
                 self.zero_k_tail(sK3[None, None, 0], L, t)
             beta_next = self.stage_beta(gs.sBeta, beta_next, c.beta, seq, chunk, slot, t)
@@ -381,7 +385,6 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
                 if t < D:
                     gp.wd[seq.n, chunk, seq.hv, t] = gs.sDec[t, slot]
             # R_j = k_j 2^(G_r - G_j), r the reference token of j's half; |j - r| <= 16 keeps it in range
-            rings.r.producer_acquire(r_p)
             self.build_r_tile(gs, sK3, t)
             cute.arch.fence_proxy("async.shared", space="cta")
             rings.r.producer_commit(r_p)

@@ -296,6 +296,9 @@ class ChunkFwdSm90:
         and ordered for its readers by a barrier among the state threads (``valid`` is the same on all of them). A
         fixed-length call needs none: its tiles end at the tensor's bound, where TMA fills zeros."""
         if valid < self.C:
+            # every state thread's reads of the stage's earlier chunk are done before any of them zeroes it (their
+            # release reaches the refilling TMA through one lane per warp, an order racecheck does not follow)
+            cute.arch.barrier(barrier_id=Barrier.STATE, number_of_threads=nt)
             tiles.zero_rows_from(sV, valid, stid, nt)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=Barrier.STATE, number_of_threads=nt)
