@@ -382,3 +382,49 @@ def test_gla_runs_without_the_delta_rule_whole_or_split(launches, split):
     assert [(c.delta_rule, c.mode, c.intra) for c, _ in launches] == [(False, m, "none") for m in modes]
     o_ref, ht_ref = cula.gla.chunk_gla(q, k, v, g, initial_state=h0, output_final_state=True, cu_seqlens=cu)
     assert (o.float() - o_ref.float()).abs().max() <= 1e-2 and torch.allclose(ht, ht_ref, atol=1e-4)
+
+
+class _Built(Exception):
+    """Raised in place of a compilation: what the launch asked to compile."""
+
+
+@pytest.mark.parametrize("variant", ["gdn", "kda", "gla", "simple_gla", "simple_gla_sm100"])
+@pytest.mark.parametrize("beta_fp32", [True, False])
+def test_a_launch_compiles_the_variant_for_its_call(variant, beta_fp32, monkeypatch):
+    """``entry.launch`` hands the variant's compile function the launch's config (its kernel object is built from it),
+    beta's dtype and the state order (the fake arguments it compiles for) and the variant's options."""
+    import cutlass
+
+    from cula import runtime
+    from cula.gdn.chunk_fwd_sm90 import GDN_SM90
+    from cula.gla.chunk_fwd_sm90 import GLA_SM90
+    from cula.kda.chunk_fwd_sm90 import KDA_SM90
+    from cula.lightning.chunk_fwd_sm90 import SIMPLE_GLA_SM90
+    from cula.lightning.chunk_fwd_sm100 import SIMPLE_GLA_SM100
+    from cula.sm90.chunk_fwd import ChunkFwdConfig
+
+    kernel = {"gdn": GDN_SM90, "kda": KDA_SM90, "gla": GLA_SM90}.get(variant)
+    kernel = kernel or (SIMPLE_GLA_SM100 if variant.endswith("sm100") else SIMPLE_GLA_SM90)
+    built = {}
+
+    def compile_kernel(obj, fake, arch, keep_artifacts):
+        built.update(obj=obj, fake=fake, arch=arch)
+        raise _Built
+
+    monkeypatch.setattr(runtime, "compile_kernel", compile_kernel)
+    monkeypatch.setattr(runtime, "get_or_compile", lambda key, build: build())
+    monkeypatch.setattr(runtime, "device_arch", lambda device=None: "sm_100a" if variant.endswith("sm100") else "sm_90a")
+    D = 128
+    q = torch.zeros(1, 64, 2, D, dtype=torch.bfloat16)
+    per_key = variant in ("kda", "gla")
+    g = torch.zeros(1, 64, 2, *((D,) if per_key else ()))
+    beta = torch.zeros(1, 64, 2, dtype=torch.float32 if beta_fp32 else torch.bfloat16)
+    call = entry.ChunkCall(q, q, q, g, beta, state_v_first=True)
+    config = ChunkFwdConfig(D, has_initial_state=True, delta_rule=kernel.delta_rule)
+    t = entry.LaunchTensors(q, q, q, g, beta, q, None, torch.zeros(1, 2, D, D))
+    with pytest.raises(_Built):
+        entry.launch(kernel, call, config, t, 1.0)
+    assert built["obj"].cfg == config and built["arch"] in ("sm_90a", "sm_100a")
+    fake_beta, fake_h0 = built["fake"][4], built["fake"][6]
+    assert fake_beta.element_type == (cutlass.Float32 if beta_fp32 else cutlass.BFloat16)
+    assert fake_h0.stride[-1] != 1  # V-first storage: K is the contiguous mode, not V

@@ -50,9 +50,7 @@ def compile_gdn_fwd_sm90(arch="sm_90a", *, beta_fp32=True, state_v_first=False, 
 
 GDN_SM90 = entry.ChunkKernel(
     "gdn",
-    lambda arch, config, beta_fp32, state_v_first: compile_gdn_fwd_sm90(
-        arch, beta_fp32=beta_fp32, state_v_first=state_v_first, **config.__dict__
-    ),
+    compile_gdn_fwd_sm90,
     split_cost=split_cost,
 )
 

@@ -265,12 +265,12 @@ def supports(q, k, v, g, initial_state=None, cu_seqlens=None) -> tuple[bool, str
     return True, ""
 
 
-def compile_gla_fwd_sm90(arch="sm_90a", *, state_v_first=False, keep_artifacts=False, **config):
+def compile_gla_fwd_sm90(arch="sm_90a", *, beta_fp32=True, state_v_first=False, keep_artifacts=False, **config):
     """The GLA chunk kernel for ``config`` (:class:`cula.sm90.chunk_fwd.ChunkFwdConfig` fields; no delta rule,
-    intra "none"), compiled on any machine for ``arch``."""
+    intra "none"), compiled on any machine for ``arch``. Beta's slot is never read (fp32, as the host fills it)."""
     cfg = ChunkFwdConfig(**{**config, "delta_rule": False})
     walk = cfg.walk != "output"
-    fake = entry.fake_args(cfg.head_dim, True, state_v_first, per_key_gate=True, checkpoints=walk)
+    fake = entry.fake_args(cfg.head_dim, beta_fp32, state_v_first, per_key_gate=True, checkpoints=walk)
     return runtime.compile_kernel(GLAChunkFwdSm90(cfg), fake, arch, keep_artifacts)
 
 
@@ -282,9 +282,7 @@ def split_cost(call: entry.ChunkCall) -> segment_split.SplitCost:
 
 GLA_SM90 = entry.ChunkKernel(
     "gla",
-    lambda arch, config, beta_fp32, state_v_first: compile_gla_fwd_sm90(
-        arch, state_v_first=state_v_first, **config.__dict__
-    ),
+    compile_gla_fwd_sm90,
     gate_args=kda.gate_args,
     split_cost=split_cost,
     delta_rule=False,

@@ -968,13 +968,7 @@ def gate_args(call: entry.ChunkCall, t: entry.LaunchTensors) -> tuple:
 
 KDA_SM90 = entry.ChunkKernel(
     "kda",
-    lambda arch, config, beta_fp32, state_v_first, gate_in_kernel: compile_kda_fwd_sm90(
-        arch,
-        beta_fp32=beta_fp32,
-        state_v_first=state_v_first,
-        gate_in_kernel=gate_in_kernel,
-        **config.__dict__,
-    ),  # fmt: skip
+    compile_kda_fwd_sm90,
     gate_args=gate_args,
     split_cost=split_cost,
     workspaces=split_workspaces,

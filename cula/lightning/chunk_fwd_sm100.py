@@ -26,40 +26,14 @@ compile_simple_gla_fwd_sm100 = functools.partial(
     chunk_fwd_sm90.compile_simple_gla_fwd_sm90, kernel_class=ScalarGateChunkFwdSm100
 )
 
-SIMPLE_GLA_SM100 = entry.ChunkKernel(
-    "simple_gla_sm100",
-    lambda arch, config, beta_fp32, state_v_first: compile_simple_gla_fwd_sm100(
-        arch, state_v_first=state_v_first, **config.__dict__
-    ),
-    delta_rule=False,
-    chunk=CHUNK,
-)
+SIMPLE_GLA_SM100 = entry.ChunkKernel("simple_gla_sm100", compile_simple_gla_fwd_sm100, delta_rule=False, chunk=CHUNK)
 
 
-def chunk_simple_gla_fwd_sm100(
-    q,
-    k,
-    v,
-    g=None,
-    g_gamma=None,
-    scale=None,
-    initial_state=None,
-    output_final_state=False,
-    cu_seqlens=None,
-    state_v_first=False,
-    cu_seqlens_cpu=None,
-    out=None,
-    final_state_out=None,
-    state_slots=None,
-    inplace=False,
-):
-    """Simple GLA chunked forward on SM100, as :func:`cula.lightning.chunk_fwd_sm90.chunk_simple_gla_fwd_sm90` but
-    without ``split`` (every sequence walked whole). Returns ``(o, final_state, the pool, or None)``."""
-    return chunk_fwd_sm90.chunk_simple_gla_fwd_sm90(
-        q, k, v, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, state_v_first, cu_seqlens_cpu,
-        False, out=out, final_state_out=final_state_out, state_slots=state_slots, inplace=inplace,
-        kernel=SIMPLE_GLA_SM100,
-    )  # fmt: skip
+def chunk_simple_gla_fwd_sm100(*args, **kwargs):
+    """Simple GLA chunked forward on SM100: the arguments of :func:`cula.lightning.chunk_fwd_sm90.
+    chunk_simple_gla_fwd_sm90` but ``split`` (every sequence walked whole). Returns ``(o, final_state, the pool, or
+    None)``."""
+    return chunk_fwd_sm90.chunk_simple_gla_fwd_sm90(*args, split=False, kernel=SIMPLE_GLA_SM100, **kwargs)
 
 
 entry.register_checked(

@@ -59,22 +59,26 @@ def split_cost(call: entry.ChunkCall) -> segment_split.SplitCost:
 
 
 def compile_simple_gla_fwd_sm90(
-    arch="sm_90a", *, state_v_first=False, keep_artifacts=False, kernel_class=ScalarGateChunkFwdSm90, **config
+    arch="sm_90a",
+    *,
+    beta_fp32=True,
+    state_v_first=False,
+    keep_artifacts=False,
+    kernel_class=ScalarGateChunkFwdSm90,
+    **config,
 ):
     """The kernel for ``config`` (:class:`cula.sm90.chunk_fwd.ChunkFwdConfig` fields; ``delta_rule`` is False),
     compiled on any machine for ``arch``; ``kernel_class``: another architecture's kernel of the same launch
     arguments (SM100's)."""
     cfg = ChunkFwdConfig(**{**config, "delta_rule": False})
     # beta's slot is never read: fp32, as the gate that fills it at launch
-    fake = entry.fake_args(cfg.head_dim, True, state_v_first, per_key_gate=False, checkpoints=cfg.walk != "output")
+    fake = entry.fake_args(cfg.head_dim, beta_fp32, state_v_first, per_key_gate=False, checkpoints=cfg.walk != "output")
     return runtime.compile_kernel(kernel_class(cfg), fake, arch, keep_artifacts)
 
 
 SIMPLE_GLA_SM90 = entry.ChunkKernel(
     "simple_gla",
-    lambda arch, config, beta_fp32, state_v_first: compile_simple_gla_fwd_sm90(
-        arch, state_v_first=state_v_first, **config.__dict__
-    ),
+    compile_simple_gla_fwd_sm90,
     split_cost=split_cost,
     delta_rule=False,
 )

@@ -76,8 +76,9 @@ class LaunchTensors(NamedTuple):
 class ChunkKernel:
     """A variant's chunk forward (SM90's, or SM100's on the same launch arguments) as the host path sees it.
 
-    - ``compile(arch, config, beta_fp32, state_v_first, **options)``: the compiled kernel, called as ``(q, k, v, g,
-      beta, o, h0, ht, starts, ends, w, slots, scale, *gate_args)``.
+    - ``compile(arch, *, beta_fp32, state_v_first, **options, **config fields)``: the variant's compile function
+      (:class:`ChunkFwdConfig`'s fields as keywords); the kernel it returns is called as ``(q, k, v, g, beta, o, h0,
+      ht, starts, ends, w, slots, scale, *gate_args)``.
     - ``gate_args(call, tensors)``: the variant's arguments after ``scale``.
     - ``split_cost(call)``: the planner's costs of its split passes (``cached``: the passes save and load Tinv and P).
     - ``workspaces(ranges, chunks, HV, D, device)``: its further split workspaces, or None.
@@ -117,7 +118,12 @@ def launch(kernel: ChunkKernel, call: ChunkCall, config: ChunkFwdConfig, t: Laun
     arch = runtime.device_arch(t.q.device)
     key = (kernel.name, config, beta_fp32, call.state_v_first)
     key = (*key, *sorted(options.items()), arch)
-    fn = runtime.get_or_compile(key, lambda: kernel.compile(arch, config, beta_fp32, call.state_v_first, **options))
+    fn = runtime.get_or_compile(
+        key,
+        lambda: kernel.compile(
+            arch, beta_fp32=beta_fp32, state_v_first=call.state_v_first, **options, **config.__dict__
+        ),
+    )
     ht, h0 = t.ht, t.h0
     if call.state_v_first:
         # the kernel takes (N, HV, K, V)-shaped tensors; a transposed view carries the V-first storage
