@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from cula import devices, runtime
+from cula import devices
 from cula.ops import segment_split
-from cula.sm90 import entry
-from cula.sm90.chunk_fwd import ChunkFwdConfig
-from cula.sm90.scalar_chunk_fwd import ScalarGateChunkFwdSm90
+from cula.sm90 import entry, scalar_chunk_fwd
 
 SUPPORTED_DIMS = (64, 128)
 # The kernel's time model (its time per chunk, its split passes' costs) is in cula/devices.py, per GPU.
@@ -40,12 +38,8 @@ def split_cost(call: entry.ChunkCall) -> segment_split.SplitCost:
     return devices.times_for(call.q.device).kernels[time_model(call.qk_l2norm)].split
 
 
-def compile_gdn_fwd_sm90(arch="sm_90a", *, beta_fp32=True, state_v_first=False, keep_artifacts=False, **config):
-    """The GDN chunk kernel for ``config`` (:class:`cula.sm90.chunk_fwd.ChunkFwdConfig` fields), compiled on any
-    machine for ``arch``."""
-    cfg = ChunkFwdConfig(**config)
-    fake = entry.fake_args(cfg.head_dim, beta_fp32, state_v_first, per_key_gate=False, checkpoints=cfg.walk != "output")
-    return runtime.compile_kernel(ScalarGateChunkFwdSm90(cfg), fake, arch, keep_artifacts)
+# The GDN chunk kernel for a config (ChunkFwdConfig fields; the delta rule), compiled on any machine for ``arch``
+compile_gdn_fwd_sm90 = scalar_chunk_fwd.compile_fwd
 
 
 GDN_SM90 = entry.ChunkKernel(

@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from cula import devices, runtime
+from cula import devices
 from cula.ops import segment_split
-from cula.sm90 import entry
-from cula.sm90.chunk_fwd import ChunkFwdConfig
-from cula.sm90.scalar_chunk_fwd import ScalarGateChunkFwdSm90
+from cula.sm90 import entry, scalar_chunk_fwd
 
 SUPPORTED_DIMS = (64, 128)
 
@@ -58,22 +56,10 @@ def split_cost(call: entry.ChunkCall) -> segment_split.SplitCost:
     return devices.times_for(call.q.device).kernels["gdn"].split._replace(cached=False)
 
 
-def compile_simple_gla_fwd_sm90(
-    arch="sm_90a",
-    *,
-    beta_fp32=True,
-    state_v_first=False,
-    keep_artifacts=False,
-    kernel_class=ScalarGateChunkFwdSm90,
-    **config,
-):
-    """The kernel for ``config`` (:class:`cula.sm90.chunk_fwd.ChunkFwdConfig` fields; ``delta_rule`` is False),
-    compiled on any machine for ``arch``; ``kernel_class``: another architecture's kernel of the same launch
-    arguments (SM100's)."""
-    cfg = ChunkFwdConfig(**{**config, "delta_rule": False})
-    # beta's slot is never read: fp32, as the gate that fills it at launch
-    fake = entry.fake_args(cfg.head_dim, beta_fp32, state_v_first, per_key_gate=False, checkpoints=cfg.walk != "output")
-    return runtime.compile_kernel(kernel_class(cfg), fake, arch, keep_artifacts)
+def compile_simple_gla_fwd_sm90(arch="sm_90a", **options):
+    """The family's scalar-gate kernel without the delta rule (:func:`cula.sm90.scalar_chunk_fwd.compile_fwd`'s
+    options): beta's slot is never read, fp32 as the gate that fills it at launch."""
+    return scalar_chunk_fwd.compile_fwd(arch, **{**options, "delta_rule": False})
 
 
 SIMPLE_GLA_SM90 = entry.ChunkKernel(

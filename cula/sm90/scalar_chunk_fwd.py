@@ -40,7 +40,7 @@ from cutlass.cute.nvgpu import warpgroup
 
 from cula.ops.gates import L2NORM_EPS  # FLA's l2norm_fwd: x / sqrt(sum(x^2) + eps)
 from cula.sm90 import mma, pipeline, scalar_gates, solve, tiles, workspace
-from cula.sm90.chunk_fwd import ChainInputs, ChunkFwdSm90, ChunkTensors
+from cula.sm90.chunk_fwd import ChainInputs, ChunkFwdConfig, ChunkFwdSm90, ChunkTensors
 from cula.sm90.roles import Barrier, RoleLayout, WarpGroupRole
 from cula.sm90.state_chain import ChainGates
 
@@ -518,3 +518,18 @@ class ScalarGateChunkFwdSm90(ChunkFwdSm90):
         states.qk.advance()
         states.gate.advance()
         return states
+
+
+# -------------------------------------------------------------------- host side
+def compile_fwd(
+    arch="sm_90a", *, beta_fp32=True, state_v_first=False, keep_artifacts=False, kernel_class=None, **config
+):  # fmt: skip
+    """The scalar-gate chunk kernel for ``config`` (:class:`cula.sm90.chunk_fwd.ChunkFwdConfig` fields: GDN's with
+    the delta rule, simple GLA's without), compiled on any machine for ``arch``; ``kernel_class``: another
+    architecture's kernel of the same launch arguments (SM100's)."""
+    from cula import runtime
+    from cula.sm90 import entry
+
+    cfg = ChunkFwdConfig(**config)
+    fake = entry.fake_args(cfg.head_dim, beta_fp32, state_v_first, per_key_gate=False, checkpoints=cfg.walk != "output")
+    return runtime.compile_kernel((kernel_class or ScalarGateChunkFwdSm90)(cfg), fake, arch, keep_artifacts)
