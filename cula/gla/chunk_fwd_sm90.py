@@ -206,10 +206,7 @@ class GLAChunkFwdSm90(kda.KDAChunkFwdSm90):
             cute.autovec_copy(cute.local_tile(gs.sG, (1, 2), (half * Hf + Hf // 2, kb // 2)), ref)
             for rr in cutlass.range_constexpr(2):
                 i = 4 * blk + 2 * rr
-                ri, ki = cST[i]
-                cute.autovec_copy(cute.local_tile(sQ, (1, 2), (ri, ki // 2)), x2)
-                cute.autovec_copy(cute.local_tile(gs.sG, (1, 2), (ri, ki // 2)), g2)
-                x = x2.load().to(f32)
+                ri, x = kda.operand_pair(sQ, gs.sG, cST[i], x2, g2)
                 # rows before the half are zero against it (their entries lie above the diagonal); their exponents,
                 # up to two halves' decay, are capped so that the zeroing multiplies a finite number
                 keep = f32(1.0) if ri >= half * Hf else f32(0.0)

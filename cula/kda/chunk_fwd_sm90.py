@@ -800,10 +800,7 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
             cute.autovec_copy(cute.local_tile(gs.sG, (1, 2), (Hf + Hf // 2, kb // 2)), r1)
             for rr in cutlass.range_constexpr(2):
                 i = 4 * blk + 2 * rr
-                ri, ki = cST[i]
-                cute.autovec_copy(cute.local_tile(sX, (1, 2), (ri, ki // 2)), x2)
-                cute.autovec_copy(cute.local_tile(gs.sG, (1, 2), (ri, ki // 2)), g2)
-                x = x2.load().to(f32)
+                ri, x = operand_pair(sX, gs.sG, cST[i], x2, g2)
                 if cutlass.const_expr(self.cfg.qk_l2norm):
                     x = x * gs.sNorm[ri, wg]
                 for e in cutlass.range_constexpr(2):
@@ -886,6 +883,16 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
         if cutlass.const_expr(self.cfg.intra == "save"):
             if swarp == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+@cute.jit
+def operand_pair(sX, sG, coord, x2, g2):
+    """The two adjacent columns at ``coord`` (row, even column) of a bf16 token tile ``sX``: ``(row, the pair as
+    fp32)``, with their cumulative gates loaded into ``g2`` (``x2``: the bf16 staging registers)."""
+    ri, ki = coord
+    cute.autovec_copy(cute.local_tile(sX, (1, 2), (ri, ki // 2)), x2)
+    cute.autovec_copy(cute.local_tile(sG, (1, 2), (ri, ki // 2)), g2)
+    return ri, x2.load().to(cutlass.Float32)
 
 
 @cute.jit
