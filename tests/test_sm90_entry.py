@@ -413,7 +413,9 @@ def test_a_launch_compiles_the_variant_for_its_call(variant, beta_fp32, monkeypa
 
     monkeypatch.setattr(runtime, "compile_kernel", compile_kernel)
     monkeypatch.setattr(runtime, "get_or_compile", lambda key, build: build())
-    monkeypatch.setattr(runtime, "device_arch", lambda device=None: "sm_100a" if variant.endswith("sm100") else "sm_90a")
+    monkeypatch.setattr(
+        runtime, "device_arch", lambda device=None: "sm_100a" if variant.endswith("sm100") else "sm_90a"
+    )
     D = 128
     q = torch.zeros(1, 64, 2, D, dtype=torch.bfloat16)
     per_key = variant in ("kda", "gla")
