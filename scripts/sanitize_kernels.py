@@ -3,7 +3,7 @@
 The backwards too (ops ``<variant>_train``: forward and backward, the kernels' state walks and, with
 ``_train_kernel``, the per-chunk gradient kernel), their gradients checked finite.
 
-    python scripts/sanitize_kernels.py [--list] [--op gla gla_decode ...]
+    python scripts/sanitize_kernels.py [--list] [--op gla gla_decode ...] [--shape "T=1" "varlen D=64" ...]
 
 Shapes: odd lengths (1, 63, 65, 130), varlen with 0- and 1-token sequences, GVA, initial states, state_v_first,
 D = 64 and 128, long sequences split across CTAs; and the token-by-token kernel on pools (padding, verify slots),
@@ -183,6 +183,7 @@ def main() -> int:
     parser.add_argument(
         "--op", nargs="+", help="only these kernels' calls (gdn, kda, simple_gla, gla, gdn_decode, gdn_train, ...)"
     )
+    parser.add_argument("--shape", nargs="+", help="only the calls of these shapes (names as --list prints them)")
     args = parser.parse_args()
     if args.list:
         for shape in SHAPES:
@@ -195,7 +196,7 @@ def main() -> int:
     os.environ["CULA_UNTESTED_KERNELS"] = "1"  # a kernel not yet run on this architecture too
     bad = 0
     for op, name, fn, call in calls("cuda"):
-        if args.op and op not in args.op:
+        if (args.op and op not in args.op) or (args.shape and name not in args.shape):
             continue
         o, ht = train_step(op, fn, call) if op in TRAINING else fn(**call)
         torch.cuda.synchronize()
