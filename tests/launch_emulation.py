@@ -16,7 +16,8 @@ import math
 
 import torch
 
-from cula.ops.chunk_emulation import GATE_FLOOR, bf16
+from cula.ops.chunk_emulation import bf16
+from cula.ops.gates import GATE_FLOOR
 
 LOG2E = math.log2(math.e)
 

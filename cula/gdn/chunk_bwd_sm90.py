@@ -21,7 +21,7 @@ import torch
 
 from cula import runtime
 from cula.ops import chunk_backward
-from cula.ops.chunk_emulation import GATE_FLOOR
+from cula.ops.gates import GATE_FLOOR
 from cula.sm90 import entry
 from cula.sm90.delta_chunk_bwd import DeltaChunkBwdSm90
 

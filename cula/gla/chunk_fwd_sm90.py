@@ -40,12 +40,12 @@ from cutlass.cute.nvgpu import warpgroup
 from cula import devices, runtime
 from cula.kda import chunk_fwd_sm90 as kda
 from cula.ops import segment_split
+from cula.ops.gates import GATE_FLOOR
 from cula.sm90 import entry, mma
 from cula.sm90.chunk_fwd import ChainInputs, ChunkFwdConfig
 from cula.sm90.roles import Barrier, WarpGroupRole
 
 SUPPORTED_DIMS = (64, 128)
-GATE_FLOOR = -200.0  # natural log, as the scalar-gate kernel's
 # the largest exponent (log2 units) of a two-reference operand with which the scores stay exact up to bf16 rounding:
 # within 2^-108 a left factor flushed to zero (the fast exp2 flushes below 2^-126) drops less than 2^-18 of a score
 SAFE_SPAN = 108.0

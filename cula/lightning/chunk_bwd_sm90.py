@@ -20,7 +20,7 @@ import os
 import torch
 
 from cula.lightning.chunk_fwd_sm90 import SIMPLE_GLA_SM90
-from cula.ops.chunk_emulation import GATE_FLOOR
+from cula.ops.gates import GATE_FLOOR
 from cula.sm90 import entry, scalar_chunk_bwd, walks
 from cula.sm90.scalar_chunk_bwd import ScalarGateChunkBwdSm90
 

@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import torch
 
-from cula.ops.chunk_emulation import CHUNK, GATE_FLOOR, bf16
+from cula.ops.chunk_emulation import CHUNK, bf16
+from cula.ops.gates import GATE_FLOOR
 
 
 def _chunk_gates(g: torch.Tensor, c0: int, c1: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,10 +26,10 @@ import math
 
 import torch
 
+from cula.ops.gates import GATE_FLOOR
+
 CHUNK = 64
 LOG2E = math.log2(math.e)
-# the scalar-gate kernel's floor of a natural-log gate (cula.sm90.scalar_gates.GATE_FLOOR), the GLA kernel's too
-GATE_FLOOR = -200.0
 # the widest exponent (log2 units) of KDA's two-reference operands with which the GLA kernel uses them
 GLA_SAFE_SPAN = 108.0
 

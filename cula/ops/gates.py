@@ -9,6 +9,10 @@ import torch
 import torch.nn.functional as F
 
 L2NORM_EPS = 1e-6
+# The floor of a token's natural-log gate in the kernels and their emulations: exp(-200) is below fp32's smallest
+# subnormal, so the floor changes no product, while -inf (a full state reset) would make the differences of a chunk's
+# cumulative gates NaN. A gate below it takes no gradient.
+GATE_FLOOR = -200.0
 
 
 def to_compute(x: torch.Tensor) -> torch.Tensor:

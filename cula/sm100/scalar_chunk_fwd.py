@@ -53,9 +53,10 @@ from cutlass import pipeline
 from cutlass.cute.nvgpu import cpasync
 from cutlass.pipeline import Agent, CooperativeGroup
 
+from cula.ops.gates import GATE_FLOOR
 from cula.sm90 import sequence, tiles
 from cula.sm90.chunk_fwd import ChunkFwdConfig
-from cula.sm90.scalar_gates import GATE_FLOOR, warp_scan_64
+from cula.sm90.scalar_gates import warp_scan_64
 from cula.sm100 import mma, tmem
 from cula.sm100.roles import THREADS, WARPGROUP, Barrier, WarpRole
 

@@ -36,9 +36,9 @@ from typing import NamedTuple
 import cutlass
 import cutlass.cute as cute
 
+from cula.ops.gates import GATE_FLOOR
 from cula.sm90 import mma, pipeline, tiles
 from cula.sm90.scalar_chunk_bwd import Params, ScalarGateChunkBwdSm90, Tensors
-from cula.sm90.scalar_gates import GATE_FLOOR  # natural log, as the forward's
 
 WARPGROUPS = 3  # dq, dk, dv
 SAFE_SPAN = 108.0  # log2: as the forward's two-reference operands (cula.gla.chunk_fwd_sm90.SAFE_SPAN)

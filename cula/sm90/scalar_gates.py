@@ -7,12 +7,10 @@ import math
 import cutlass
 import cutlass.cute as cute
 
+from cula.ops.gates import GATE_FLOOR
 from cula.sm90 import mma
 
 _LOG2E = math.log2(math.e)
-# The floor of a token's natural-log gate: exp(-200) is below fp32's smallest subnormal, so the floor changes no
-# product, while -inf (a full state reset) would make the differences of the chunk's cumulative gates NaN
-GATE_FLOOR = -200.0
 
 
 @cute.jit
