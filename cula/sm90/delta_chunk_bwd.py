@@ -42,6 +42,7 @@ from cula.sm90.scalar_chunk_bwd import Loads, ScalarGateChunkBwdSm90
 WARPGROUPS = 3
 STAGE_BARRIER = 1  # the CTA's stage hand-offs (named barrier, all threads)
 WY_BARRIER = 2  # warpgroup 0's own steps
+ADD_BATCH = 8  # old values add_rows loads at once
 # sRows columns: per token, the row sums the last stage adds up
 Q_DQ, K_DK, K_DK_END, K_DBK, V_DBV, DA_KK, PAIR_ROW, PAIR_COL = range(8)
 
@@ -236,14 +237,21 @@ class DeltaChunkBwdSm90(ScalarGateChunkBwdSm90):
     @cute.jit
     def add_rows(self, acc, cTD, row_factor, mX, valid, b, t0, h):
         """``mX[b, t0 + i, h] +=`` the (C x D) accumulator's rows before ``valid`` (times ``row_factor[i, 0]``, an
-        smem column, unless None)."""
-        for e in cutlass.range_constexpr(cute.size(acc)):
-            r, d = cTD[e]
-            if r < valid:
-                x = acc[e]
-                if cutlass.const_expr(row_factor is not None):
-                    x = x * row_factor[r, 0]
-                mX[b, t0 + r, h, d] = mX[b, t0 + r, h, d] + x
+        smem column, unless None). The old values are loaded a batch ahead of their stores: loaded between stores to
+        the same tensor, they made one dependent global round trip per pair of elements. The loads' rows are clamped
+        into the chunk, so that a batch's loads issue at once."""
+        old = cute.make_rmem_tensor(cute.make_layout(ADD_BATCH), cutlass.Float32)
+        for e0 in cutlass.range_constexpr(0, cute.size(acc), ADD_BATCH):
+            for i in cutlass.range_constexpr(ADD_BATCH):
+                r, d = cTD[e0 + i]
+                old[i] = mX[b, t0 + cutlass.min(r, valid - 1), h, d]
+            for i in cutlass.range_constexpr(ADD_BATCH):
+                r, d = cTD[e0 + i]
+                if r < valid:
+                    x = acc[e0 + i]
+                    if cutlass.const_expr(row_factor is not None):
+                        x = x * row_factor[r, 0]
+                    mX[b, t0 + r, h, d] = old[i] + x
 
     # ---------------------------------------------------------------- warpgroup 0: the WY form and its gradients
     @cute.jit

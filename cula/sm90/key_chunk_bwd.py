@@ -42,6 +42,7 @@ from cula.sm90.scalar_chunk_bwd import Params, ScalarGateChunkBwdSm90, Tensors
 
 WARPGROUPS = 3  # dq, dk, dv
 SAFE_SPAN = 108.0  # log2: as the forward's two-reference operands (cula.gla.chunk_fwd_sm90.SAFE_SPAN)
+GATE_BATCH = 32  # raw gates loaded at once by gate_gradient: 64 spill at D = 128
 _LOG2E = math.log2(math.e)
 ROW = "row"  # an exponent's term: the accumulator element's own row (KeyGateChunkBwdSm90.exponent)
 
@@ -359,11 +360,21 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
         for w in cutlass.range_constexpr(4):
             constant = constant + sm.col_warps[w, key]
         run = f32(0.0)
-        for rev in cutlass.range_constexpr(C):
-            r = C - 1 - rev
-            run = run + (sm.x_q[swizzled(r, key, D)] - sm.x_k[swizzled(r, key, D)])
-            if r < valid:
-                x = run + constant
-                if t.g[b, t0 + r, h, key] < f32(GATE_FLOOR):
-                    x = f32(0.0)
-                t.dg[b, t0 + r, h, key] = x
+        # the raw gates (for the floor) loaded a batch ahead of its stores: read between the stores to dg, which may
+        # alias them for the compiler, they made a chain of C dependent global round trips (all C at once spill); the
+        # index is clamped as in the scan, so that every load of a batch is issued at once
+        batch = GATE_BATCH
+        raw = cute.make_rmem_tensor(cute.make_layout(batch), f32)
+        for rb in cutlass.range_constexpr(C // batch):
+            r0 = C - batch * (rb + 1)
+            for i in cutlass.range_constexpr(batch):
+                raw[i] = t.g[b, t0 + cutlass.min(r0 + i, valid - 1), h, key]
+            for rev in cutlass.range_constexpr(batch):
+                i = batch - 1 - rev
+                r = r0 + i
+                run = run + (sm.x_q[swizzled(r, key, D)] - sm.x_k[swizzled(r, key, D)])
+                if r < valid:
+                    x = run + constant
+                    if raw[i] < f32(GATE_FLOOR):
+                        x = f32(0.0)
+                    t.dg[b, t0 + r, h, key] = x
