@@ -623,3 +623,70 @@ def test_the_key_gradient_kernels_host_gives_the_rows_gradients(monkeypatch, len
     for name, a, b in zip(("dq", "dk", "dv", "dg"), got[:4], want[:4], strict=True):
         assert rel_rmse(a, b) <= 1e-5, (name, rel_rmse(a, b))
     assert got[3][0, 3, 1].eq(0).all()
+
+
+def test_the_forward_walk_runs_beside_the_reverse_one(monkeypatch):
+    """``walks.both_walks`` launches the "states" walk inside ``walks.beside`` (a side stream on a GPU), into
+    outputs made before it, and the "state_grads" walk after it on the caller's stream."""
+    import contextlib
+
+    from cula.lightning.chunk_fwd_sm90 import SIMPLE_GLA_SM90
+    from cula.sm90 import walks
+
+    inside = []
+    seen = []
+
+    @contextlib.contextmanager
+    def recording_beside(device):
+        inside.append(True)
+        yield
+        inside.pop()
+
+    def recording_walk(kernel, walk, *args, out=None):
+        seen.append((walk, bool(inside), out is not None))
+        return walks.walk_outputs(args[0], args[2], None, 2)
+
+    monkeypatch.setattr(walks, "beside", recording_beside)
+    monkeypatch.setattr(walks, "state_walk", recording_walk)
+    x = torch.zeros(1, 100, 2, 64, dtype=torch.bfloat16)
+    gate = torch.zeros(1, 100, 2)
+    walks.both_walks(SIMPLE_GLA_SM90, x, x, x, x, gate, gate, 1.0, None, None, None, None, False)
+    assert seen == [("states", True, True), ("state_grads", False, False)]
+
+
+def test_beside_orders_the_side_stream_between_the_callers_work(monkeypatch):
+    """On a GPU, ``walks.beside``: the side stream waits for the caller's stream, the block runs on it, and the
+    caller's stream waits for the side stream when the block ends, an error in the block included."""
+    import contextlib
+
+    from cula.sm90 import walks
+
+    log = []
+
+    class FakeStream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append(f"{self.name} waits for {other.name}")
+
+    @contextlib.contextmanager
+    def on(stream):
+        log.append(f"on {stream.name}")
+        yield
+        log.append(f"off {stream.name}")
+
+    monkeypatch.setattr(walks, "_SIDE_STREAMS", {})
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream("caller"))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: FakeStream("side"))
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    with walks.beside(torch.device("cuda", 0)):
+        log.append("launch")
+    assert log == ["side waits for caller", "on side", "launch", "off side", "caller waits for side"]
+    log.clear()
+    with pytest.raises(RuntimeError), walks.beside(torch.device("cuda", 0)):
+        raise RuntimeError("a failed launch")
+    assert log[0] == "side waits for caller" and log[-1] == "caller waits for side"
+    with walks.beside(torch.device("cpu")):
+        log.append("emulated")
+    assert log[-1] == "emulated"

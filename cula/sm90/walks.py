@@ -5,6 +5,7 @@ or SM100's: one launch of a variant's chunk kernel that makes no output and stor
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
@@ -33,15 +34,24 @@ def walk_inputs(kernel: entry.ChunkKernel, q, k, v, do) -> dict[str, tuple]:
     return {"states": (k, k, v), "state_grads": (q, q, do)}
 
 
-def state_walk(kernel: entry.ChunkKernel, walk, q, k, v, g, beta, scale, start, cu_seqlens, rows, state_v_first):
-    """One walk of ``kernel``: ``(checkpoints [rows, HV, V, K] bf16, the walk's final state [N, HV, K, V] fp32, V-first
-    storage with ``state_v_first``)``, on the (q, k, v) of :func:`walk_inputs`. ``start``: the state it starts from
-    (h0, or dht), or None for zero. Shapes as :class:`cula.sm90.entry.ChunkCall`."""
-    B, T, H, D = q.shape
+def walk_outputs(q, v, cu_seqlens, rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """A walk's outputs, uninitialised: ``(checkpoints [rows, HV, V, K] bf16, final state [N, HV, K, V] fp32)``."""
+    B, _, _, D = q.shape
     HV = v.shape[2]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     checkpoints = torch.empty(max(rows, 1), HV, D, D, dtype=torch.bfloat16, device=q.device)
-    final = torch.empty(N, HV, D, D, dtype=torch.float32, device=q.device)
+    return checkpoints, torch.empty(N, HV, D, D, dtype=torch.float32, device=q.device)
+
+
+def state_walk(
+    kernel: entry.ChunkKernel, walk, q, k, v, g, beta, scale, start, cu_seqlens, rows, state_v_first, out=None
+):  # fmt: skip
+    """One walk of ``kernel``: ``(checkpoints [rows, HV, V, K] bf16, the walk's final state [N, HV, K, V] fp32, V-first
+    storage with ``state_v_first``)``, on the (q, k, v) of :func:`walk_inputs`. ``start``: the state it starts from
+    (h0, or dht), or None for zero. ``out``: the two outputs (:func:`walk_outputs`), or None to allocate them. Shapes
+    as :class:`cula.sm90.entry.ChunkCall`."""
+    D = q.shape[3]
+    checkpoints, final = walk_outputs(q, v, cu_seqlens, rows) if out is None else out
     starts, ends = entry.token_ranges(cu_seqlens)
     if start is not None:
         start = start.contiguous()
@@ -63,9 +73,36 @@ def both_walks(
     index, rows = chunk_backward.chunk_token_index(offsets, cu_seqlens is None, q.device, kernel.chunk)
     inputs = walk_inputs(kernel, q, k, v, do)
     at = (cu_seqlens, rows, state_v_first)
-    S, _ = state_walk(kernel, "states", *inputs["states"], g, beta, scale, h0, *at)
+    # outputs made on this stream before the forward walk leaves it (nothing then frees or reuses them early)
+    forward_out = walk_outputs(q, v, cu_seqlens, rows)
+    with beside(q.device):
+        S, _ = state_walk(kernel, "states", *inputs["states"], g, beta, scale, h0, *at, out=forward_out)
     dS, dh0 = state_walk(kernel, "state_grads", *inputs["state_grads"], g, beta, scale, dht, *at)
     return Walks(index, S, dS, dh0)
+
+
+_SIDE_STREAMS: dict = {}
+
+
+@contextlib.contextmanager
+def beside(device: torch.device):
+    """The block's launches on a side stream of ``device``, beside what this stream runs after it: the side stream
+    first waits for this stream's work so far, and this stream for the block's work once it closes. The two walks
+    are independent and each fills only one CTA per (sequence, value head): together they share the GPU. Off CUDA
+    (the launches emulated) the block runs as it is."""
+    if device.type != "cuda":
+        yield
+        return
+    current = torch.cuda.current_stream(device)
+    side = _SIDE_STREAMS.get(device)
+    if side is None:
+        side = _SIDE_STREAMS.setdefault(device, torch.cuda.Stream(device))
+    side.wait_stream(current)
+    try:
+        with torch.cuda.stream(side):
+            yield
+    finally:
+        current.wait_stream(side)
 
 
 def walk_backward(
