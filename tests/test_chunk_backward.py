@@ -626,42 +626,49 @@ def test_the_key_gradient_kernels_host_gives_the_rows_gradients(monkeypatch, len
 
 
 def test_the_forward_walk_runs_beside_the_reverse_one(monkeypatch):
-    """``walks.both_walks`` launches the "states" walk inside ``walks.beside`` (a side stream on a GPU), into
-    outputs made before it, and the "state_grads" walk after it on the caller's stream."""
+    """``walks.both_walks`` launches the "states" walk on the side stream (``walks.side_by_side``), into outputs made
+    before it, and the "state_grads" walk on the caller's stream before the block joins the two."""
     import contextlib
 
     from cula.lightning.chunk_fwd_sm90 import SIMPLE_GLA_SM90
     from cula.sm90 import walks
 
-    inside = []
-    seen = []
+    log = []
 
     @contextlib.contextmanager
-    def recording_beside(device):
-        inside.append(True)
+    def on_side():
+        log.append("on side")
         yield
-        inside.pop()
+        log.append("off side")
+
+    @contextlib.contextmanager
+    def recording_side_by_side(device):
+        yield on_side
+        log.append("join")
 
     def recording_walk(kernel, walk, *args, out=None):
-        seen.append((walk, bool(inside), out is not None))
+        log.append(f"{walk}{' into out' if out is not None else ''}")
         return walks.walk_outputs(args[0], args[2], None, 2)
 
-    monkeypatch.setattr(walks, "beside", recording_beside)
+    monkeypatch.setattr(walks, "side_by_side", recording_side_by_side)
     monkeypatch.setattr(walks, "state_walk", recording_walk)
     x = torch.zeros(1, 100, 2, 64, dtype=torch.bfloat16)
     gate = torch.zeros(1, 100, 2)
     walks.both_walks(SIMPLE_GLA_SM90, x, x, x, x, gate, gate, 1.0, None, None, None, None, False)
-    assert seen == [("states", True, True), ("state_grads", False, False)]
+    assert log == ["on side", "states into out", "off side", "state_grads", "join"]
 
 
-def test_beside_orders_the_side_stream_between_the_callers_work(monkeypatch):
-    """On a GPU, ``walks.beside``: the side stream waits for the caller's stream, the block runs on it, and the
-    caller's stream waits for the side stream when the block ends, an error in the block included."""
+def test_side_by_side_forks_and_joins_the_callers_stream(monkeypatch):
+    """On a GPU, ``walks.side_by_side``: the side stream waits for the caller's stream, ``on_side`` runs its launches
+    on it, the rest of the block runs on the caller's stream, and the caller's stream waits for the side stream when
+    the block ends, an error in the block included. Each thread has its own side stream."""
     import contextlib
+    import threading
 
     from cula.sm90 import walks
 
     log = []
+    made = []
 
     class FakeStream:
         def __init__(self, name):
@@ -670,23 +677,41 @@ def test_beside_orders_the_side_stream_between_the_callers_work(monkeypatch):
         def wait_stream(self, other):
             log.append(f"{self.name} waits for {other.name}")
 
+    def new_side(device=None):
+        made.append(threading.get_ident())
+        return FakeStream("side")
+
     @contextlib.contextmanager
     def on(stream):
         log.append(f"on {stream.name}")
         yield
         log.append(f"off {stream.name}")
 
-    monkeypatch.setattr(walks, "_SIDE_STREAMS", {})
+    monkeypatch.setattr(walks, "_SIDE", threading.local())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream("caller"))
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: FakeStream("side"))
+    monkeypatch.setattr(torch.cuda, "Stream", new_side)
     monkeypatch.setattr(torch.cuda, "stream", on)
-    with walks.beside(torch.device("cuda", 0)):
-        log.append("launch")
-    assert log == ["side waits for caller", "on side", "launch", "off side", "caller waits for side"]
+    gpu = torch.device("cuda", 0)
+    with walks.side_by_side(gpu) as on_side:
+        with on_side():
+            log.append("forward walk")
+        log.append("reverse walk")
+    assert log == [
+        "side waits for caller", "on side", "forward walk", "off side", "reverse walk", "caller waits for side"
+    ]  # fmt: skip
     log.clear()
-    with pytest.raises(RuntimeError), walks.beside(torch.device("cuda", 0)):
+    with pytest.raises(RuntimeError), walks.side_by_side(gpu):
         raise RuntimeError("a failed launch")
-    assert log[0] == "side waits for caller" and log[-1] == "caller waits for side"
-    with walks.beside(torch.device("cpu")):
+    assert log == ["side waits for caller", "caller waits for side"]
+
+    def another_threads_block():
+        with walks.side_by_side(gpu):
+            pass
+
+    other = threading.Thread(target=another_threads_block)
+    other.start()
+    other.join()
+    assert len(made) == 2 and made[0] != made[1]  # one side stream for this thread, one for the other
+    with walks.side_by_side(torch.device("cpu")) as on_side, on_side():
         log.append("emulated")
     assert log[-1] == "emulated"

@@ -364,6 +364,7 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
         # alias them for the compiler, they made a chain of C dependent global round trips (all C at once spill); the
         # index is clamped as in the scan, so that every load of a batch is issued at once
         batch = GATE_BATCH
+        assert C % batch == 0, (C, batch)
         raw = cute.make_rmem_tensor(cute.make_layout(batch), f32)
         for rb in cutlass.range_constexpr(C // batch):
             r0 = C - batch * (rb + 1)

@@ -6,6 +6,7 @@ or SM100's: one launch of a variant's chunk kernel that makes no output and stor
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import NamedTuple
 
 import torch
@@ -73,34 +74,36 @@ def both_walks(
     index, rows = chunk_backward.chunk_token_index(offsets, cu_seqlens is None, q.device, kernel.chunk)
     inputs = walk_inputs(kernel, q, k, v, do)
     at = (cu_seqlens, rows, state_v_first)
-    # outputs made on this stream before the forward walk leaves it (nothing then frees or reuses them early)
+    # the forward walk's outputs made on this stream before the walk leaves it (nothing frees or reuses them early)
     forward_out = walk_outputs(q, v, cu_seqlens, rows)
-    with beside(q.device):
-        S, _ = state_walk(kernel, "states", *inputs["states"], g, beta, scale, h0, *at, out=forward_out)
-    dS, dh0 = state_walk(kernel, "state_grads", *inputs["state_grads"], g, beta, scale, dht, *at)
+    with side_by_side(q.device) as on_side:
+        with on_side():
+            S, _ = state_walk(kernel, "states", *inputs["states"], g, beta, scale, h0, *at, out=forward_out)
+        dS, dh0 = state_walk(kernel, "state_grads", *inputs["state_grads"], g, beta, scale, dht, *at)
     return Walks(index, S, dS, dh0)
 
 
-_SIDE_STREAMS: dict = {}
+_SIDE = threading.local()  # each thread's side stream per device (one capturing a CUDA graph shares it with none)
 
 
 @contextlib.contextmanager
-def beside(device: torch.device):
-    """The block's launches on a side stream of ``device``, beside what this stream runs after it: the side stream
-    first waits for this stream's work so far, and this stream for the block's work once it closes. The two walks
-    are independent and each fills only one CTA per (sequence, value head): together they share the GPU. Off CUDA
-    (the launches emulated) the block runs as it is."""
+def side_by_side(device: torch.device):
+    """Yields ``on_side``: ``with on_side():`` runs its launches on a side stream of ``device``, beside what this
+    stream runs in the rest of the block. The side stream first waits for this stream's work so far; this stream
+    waits for the side stream's work when the block ends (an error included). The two walks are independent and each
+    fills only one CTA per (sequence, value head): side by side they share the GPU. Off CUDA (the launches
+    emulated) ``on_side`` does nothing."""
     if device.type != "cuda":
-        yield
+        yield contextlib.nullcontext
         return
-    current = torch.cuda.current_stream(device)
-    side = _SIDE_STREAMS.get(device)
+    streams = _SIDE.__dict__.setdefault("streams", {})
+    side = streams.get(device)
     if side is None:
-        side = _SIDE_STREAMS.setdefault(device, torch.cuda.Stream(device))
+        side = streams[device] = torch.cuda.Stream(device)
+    current = torch.cuda.current_stream(device)
     side.wait_stream(current)
     try:
-        with torch.cuda.stream(side):
-            yield
+        yield lambda: torch.cuda.stream(side)
     finally:
         current.wait_stream(side)
 
