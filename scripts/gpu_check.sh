@@ -3,6 +3,7 @@
 # into one folder.
 #   bash scripts/gpu_check.sh OUTDIR [benchmark arguments...]     (SKIP_GPU_TESTS=1: the benchmark only)
 #   e.g. bash scripts/gpu_check.sh out --op gdn kda --shapes core varlen long layer   (python -m benchmarks.run --help)
+# GPU_TESTS="...": pytest arguments for a part of the GPU tests instead of all of them.
 # SANITIZE=1: first every SM90 kernel on awkward shapes (scripts/sanitize_kernels.py) under compute-sanitizer's
 # memcheck and racecheck; each log's summary goes to OUTDIR/sanitize.txt, and an error fails the check. The kernels are
 # compiled with line info there (CUTE_DSL_LINEINFO), so that a report names the source line of each access;
@@ -10,9 +11,9 @@
 # Without matplotlib there the plot is skipped; draw it elsewhere with `python -m benchmarks.plot OUTDIR/benchmark.json`.
 # FLA autotunes each op at each new shape on its first call (up to minutes). Its choices are kept on disk
 # (TRITON_CACHE_AUTOTUNING) and packed into OUTDIR/fla_autotune.tgz; a later run reads them back from
-# FLA_AUTOTUNE_TGZ (default: benchmarks/results/fla_autotune_h200.tgz, FLA's GDN, KDA and GLA forward choices for
-# the core, varlen, long and layer grids, not simple_gla's, from the project's H200 with triton 3.6) and skips that
-# autotuning. On the project's H200 test machine, first
+# FLA_AUTOTUNE_TGZ (default: benchmarks/results/fla_autotune_h100.tgz on an H100, else fla_autotune_h200.tgz, FLA's
+# GDN, KDA and GLA forward choices for the core, varlen, long and layer grids from the project's H200 with triton
+# 3.6) and skips that autotuning. On the project's H200 test machine, first
 # `. .device/b/setup.sh` (see PERF.md, "GPU runs on the H200 test machine").
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUTDIR [benchmark args]}
@@ -21,7 +22,12 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/cula_triton_cache}
 mkdir -p "$TRITON_CACHE_DIR"
-FLA_AUTOTUNE_TGZ=${FLA_AUTOTUNE_TGZ:-benchmarks/results/fla_autotune_h200.tgz}
+if [ -z "${FLA_AUTOTUNE_TGZ:-}" ]; then  # FLA's choices from the same kind of GPU, where the project has them
+  case "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)" in
+    *H100*) FLA_AUTOTUNE_TGZ=benchmarks/results/fla_autotune_h100.tgz ;;
+    *) FLA_AUTOTUNE_TGZ=benchmarks/results/fla_autotune_h200.tgz ;;
+  esac
+fi
 if [ -f "$FLA_AUTOTUNE_TGZ" ]; then
   tar -xzf "$FLA_AUTOTUNE_TGZ" -C "$TRITON_CACHE_DIR"
 fi
@@ -42,7 +48,8 @@ if [ "${SKIP_GPU_TESTS:-0}" = 1 ]; then  # a benchmark-only call, right after a 
   echo "GPU tests skipped (SKIP_GPU_TESTS=1)" | tee "$out/gpu_tests.log"
   tests=0
 else
-  python3 -m pytest -q -m gpu -rs tests 2>&1 | tee "$out/gpu_tests.log"
+  # GPU_TESTS="tests/test_gla_sm90_backward.py -k kernel": a part of the suite (pytest arguments)
+  python3 -m pytest -q -m gpu -rs ${GPU_TESTS:-tests} 2>&1 | tee "$out/gpu_tests.log"
   tests=${PIPESTATUS[0]}
 fi
 python3 -m benchmarks.run --out "$out" "$@" 2>&1 | tee "$out/benchmark.log"
