@@ -24,6 +24,7 @@ CHUNK = {
     "gdn": cula.gdn.chunk_gated_delta_rule,
     "simple_gla": cula.lightning.chunk_simple_gla,
     "lightning": cula.lightning.chunk_lightning_attn,
+    "gla": cula.gla.chunk_gla,
 }
 H, K, V = 2, 16, 8
 
@@ -296,6 +297,8 @@ def test_chunk_ops_read_and_write_the_pool(variant):
     """Prefill through the chunked reference (a sequence of 70 tokens spans two chunks) with the same pool."""
     fn, cu, indices = CHUNK[variant], [0, 70, 75, 80], torch.tensor([4, -1, 1])
     x = inputs(variant, 1, cu[-1])
+    if variant == "gla":
+        x["g"] = x.pop("gk")  # chunk_gla's per-key gate
     pool = new_pool(variant, 6)
     before = pool.clone()
     o, state = fn(**x, initial_state=pool, ssm_state_indices=indices, cu_seqlens=torch.tensor(cu))
@@ -442,6 +445,30 @@ def test_pools_fla_cannot_take_go_to_the_reference_with_the_reason(monkeypatch):
         FUSED["gdn"](**inputs("gdn", 3, 1), initial_state=new_pool("gdn", 6), ssm_state_indices=indices)
 
 
+def test_a_pooled_gla_prefill_reaches_its_kernel_only_when_asked(monkeypatch):
+    """GLA's pooled chunk kernel has compiled but not run on a GPU: on an SM90 it serves a pooled call only with
+    CULA_UNTESTED_KERNELS=1, and otherwise the reference does (FLA's chunk_gla takes no pool), each saying why."""
+    FakeCuda(monkeypatch)
+    T, D = 80, 64
+    x = {
+        "q": torch.randn(1, T, H, D).bfloat16(),
+        "k": torch.randn(1, T, H, D).bfloat16(),
+        "v": torch.randn(1, T, H, D).bfloat16(),
+        "g": F.logsigmoid(torch.randn(1, T, H, D)),
+        "cu_seqlens": torch.tensor([0, 70, 80]),
+        "initial_state": torch.zeros(5, H, D, D),
+        "ssm_state_indices": torch.tensor([3, 1]),
+    }
+    decision = cula.explain(CHUNK["gla"], **x)
+    rejected = dict(decision.rejected)
+    assert decision.backend == "torch", decision
+    assert "GLA's pooled kernel has not run on a GPU" in rejected["cute"] and "chunk_gla takes no" in rejected["fla"]
+    monkeypatch.setenv("CULA_UNTESTED_KERNELS", "1")
+    assert cula.explain(CHUNK["gla"], **x).backend == "cute"
+    with pytest.raises(TypeError, match="bogus"):
+        CHUNK["gla"](**x, bogus=1)  # FLA's signature and the pool's two names, nothing else
+
+
 def test_what_fla_receives(monkeypatch):
     """A pooled call hands FLA's fused_recurrent_kda_fwd the pool itself and contiguous inputs; a call without a
     pool hands FLA's public op no pool argument (FLA's fused_recurrent_lightning_attn takes no ``**kwargs``)."""
@@ -555,7 +582,7 @@ def test_gpu_padded_pool(monkeypatch, backend):
     assert not o[[1, 4]].any() and torch.equal(pool[[1, 4, 6, 8, 9, 10]], before[[1, 4, 6, 8, 9, 10]])
 
 
-CHUNK_GPU = {"gdn": CHUNK["gdn"], "kda": CHUNK["kda"], "simple_gla": CHUNK["simple_gla"]}
+CHUNK_GPU = {"gdn": CHUNK["gdn"], "kda": CHUNK["kda"], "simple_gla": CHUNK["simple_gla"], "gla": CHUNK["gla"]}
 
 
 def gpu_chunk_call(variant: str, lengths: list[int], slots: int, D: int = 128) -> dict:
@@ -574,6 +601,8 @@ def gpu_chunk_call(variant: str, lengths: list[int], slots: int, D: int = 128) -
     elif variant == "kda":
         x.update(g=-torch.rand(1, T, HV, D, device=dev) * 2, beta=torch.rand(1, T, HV, device=dev))
         x.update(safe_gate=True, lower_bound=-5.0)
+    elif variant == "gla":
+        x.update(g=F.logsigmoid(torch.randn(1, T, HV, D, device=dev) + 3))
     else:
         x.update(g=F.logsigmoid(torch.randn(1, T, HV, device=dev) + 3))
     return x
@@ -587,6 +616,8 @@ def test_gpu_chunk_kernels_read_and_write_the_pool(monkeypatch, variant, inplace
     """Prefill on a pool: the chunk kernel reads each sequence's state from its slot and writes it back in place (or
     returns fp32 final states), against the reference on the same inputs; slots not named stay bit for bit."""
     fn, lengths, slots = CHUNK_GPU[variant], [70, 1, 130, 64], 9
+    if variant == "gla":
+        monkeypatch.setenv("CULA_UNTESTED_KERNELS", "1")  # its pooled kernel's first GPU run
     x = gpu_chunk_call(variant, lengths, slots)
     x["ssm_state_indices"] = torch.tensor([5, 0, 8, 2], dtype=torch.int32, device="cuda")
     if not inplace:

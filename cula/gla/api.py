@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
 from cula import validation
 from cula.custom_ops import EntryOps
-from cula.dispatch import BackwardKernel, CuteKernel, Op, bind, call_args, chunk_fwd_kernel_declines, recomputing
+from cula.dispatch import (
+    ENV_UNTESTED,
+    BackwardKernel,
+    CuteKernel,
+    Op,
+    bind,
+    call_args,
+    chunk_fwd_kernel_declines,
+    recomputing,
+)
 from cula.gla import reference
 from cula.recurrent.plan import recurrent_kernel
 
@@ -37,17 +47,29 @@ def chunk_gla(
     state_v_first: bool = False,
     cu_seqlens: torch.LongTensor | None = None,
     cu_seqlens_cpu: torch.LongTensor | None = None,
+    *,
+    ssm_state_indices: torch.Tensor | None = None,
+    num_accepted_tokens: torch.Tensor | None = None,
+    inplace_final_state: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked GLA. q, k, g: [B, T, H, K] (g a per-key log gate); v: [B, T, H, V].
 
-    Returns ``(o [B, T, H, V], final_state [N, H, K, V] fp32 or None)``.
+    Returns ``(o [B, T, H, V], final_state [N, H, K, V] fp32 or None)``. Beyond FLA's signature, a state pool as
+    ``cula.kda.chunk_kda`` takes one (``initial_state`` the pool; ``ssm_state_indices`` [N], ``inplace_final_state``;
+    `cula.ops.state_pool`), so that prefill and decode (`fused_recurrent_gla`) share it.
     """
+    pool = {
+        "ssm_state_indices": ssm_state_indices,
+        "num_accepted_tokens": num_accepted_tokens,
+        "inplace_final_state": inplace_final_state,
+    }
     return CHUNK.call(
         call_args(
             dict(
                 q=q, k=k, v=v, g=g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                 state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu
-            )
+            ),
+            {name: value for name, value in pool.items() if value is not None},
         )
     )  # fmt: skip
 
@@ -115,6 +137,9 @@ def _sm90_supports(args: dict[str, Any]) -> tuple[bool, str]:
     declined = chunk_fwd_kernel_declines(args)
     if declined:
         return declined
+    if validation.pooled(args) and os.environ.get(ENV_UNTESTED, "0") != "1":
+        # compiled as KDA's pooled kernel is (the same state load and store), but not yet run on a GPU
+        return False, f"state pool: GLA's pooled kernel has not run on a GPU ({ENV_UNTESTED}=1 serves it)"
     from cula.gla import chunk_fwd_sm90  # imports the CuTe DSL: only on an SM90 device
 
     return chunk_fwd_sm90.supports(
@@ -124,10 +149,11 @@ def _sm90_supports(args: dict[str, Any]) -> tuple[bool, str]:
 
 def _sm90_run(args: dict[str, Any]):
     from cula.gla.chunk_fwd_sm90 import chunk_gla_fwd_sm90
+    from cula.sm90.entry import pool_fields
 
     return chunk_gla_fwd_sm90(
         args["q"], args["k"], args["v"], args["g"], args["scale"], args["initial_state"], args["output_final_state"],
-        args["cu_seqlens"], args.get("state_v_first", False), args.get("cu_seqlens_cpu"),
+        args["cu_seqlens"], args.get("state_v_first", False), args.get("cu_seqlens_cpu"), **pool_fields(args),
     )  # fmt: skip
 
 

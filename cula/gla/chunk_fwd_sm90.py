@@ -288,15 +288,17 @@ GLA_SM90 = entry.ChunkKernel(
 
 def chunk_gla_fwd_sm90(
     q, k, v, g, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, state_v_first=False,
-    cu_seqlens_cpu=None, split=None, out=None, final_state_out=None,
+    cu_seqlens_cpu=None, split=None, out=None, final_state_out=None, state_slots=None, inplace=False,
 ):  # fmt: skip
     """GLA chunked forward on SM90: q, k, v [B, T, H, D] bf16, g [B, T, H, D] per-key log gate; the rest as
     :class:`cula.sm90.entry.ChunkCall` (``split``: None lets the planner split long sequences; ``out`` /
-    ``final_state_out``: preallocated outputs). Returns ``(o, final_state or None)``."""
+    ``final_state_out``: preallocated outputs; ``state_slots`` / ``inplace``: a state pool). Returns ``(o,
+    final_state, the pool, or None)``."""
     unread_beta = torch.empty(v.shape[:3], dtype=torch.float32, device=v.device)
     call = entry.ChunkCall(
         q.contiguous(), k.contiguous(), v.contiguous(), g.float().contiguous(), unread_beta, scale, initial_state,
         output_final_state, cu_seqlens, state_v_first, out, final_state_out, cu_seqlens_cpu, split,
+        state_slots=state_slots, inplace=inplace,
     )  # fmt: skip
     return entry.chunk_fwd(GLA_SM90, call)
 
@@ -307,6 +309,8 @@ entry.register_checked(
     {
         "": {"is_varlen": True, "has_initial_state": True},
         "[fixed length]": {},
+        "[pool]": {"is_varlen": True, "has_initial_state": True, "state_slots": "read_write"},
+        "[pool, read only]": {"has_initial_state": True, "state_slots": "read"},
         "[D=64]": {"head_dim": 64, "is_varlen": True, "has_initial_state": True},
         "[transition]": {"is_varlen": True, "mode": "transition"},
         "[correction]": {"is_varlen": True, "mode": "correction"},
