@@ -124,10 +124,24 @@ H200 = DeviceTimes(
 # pass makes no P (~70 % of a chunk), a transition pass neither P nor output (~50 %); GDN's link, fixed and wave costs.
 H100_GLA_CHUNK_US = 5.6
 H100_GLA_SPLIT = SplitCost.from_us(H100_GLA_CHUNK_US, 3.9, 2.8, 0.5, fixed=25, wave=7)
+# KDA and GDN with the q/k norm (benchmarks/results/h100_fwd.json, the four forwards in one run), fitted as GDN's:
+# the KDA kernel 7.9 us per chunk and the normed GDN kernel 3.74 from B2 T16384 H64 (2.024 and 0.959 ms over 256
+# chunks per CTA in one wave), with the H200's split fractions; FLA's KDA 4.05 ns per token-head (the mean of its B1
+# T8192 H64 and B2 T16384 H64 rows, 4.09 and 4.00) and 3.18 us per chunk from B1 T65536 H8 (3.261 ms over 1024
+# chunks), its minimum the H200's. Against that run's KDA rows the model gives FLA within 5 %, and the kernel within
+# 5 % on the unsplit rows and 10-21 % under on those the planner splits, as GDN's.
 H100_SXM = DeviceTimes(
     "H100 SXM",
-    fla={"gdn": FlaTime(ns_per_token_head=2.05, min_ms=H200_FLA_GDN.min_ms, chunk_us=1.86)},
-    kernels={"gdn": KernelTime(3.57, H200_GDN_SPLIT), "gla": KernelTime(H100_GLA_CHUNK_US, H100_GLA_SPLIT)},
+    fla={
+        "gdn": FlaTime(ns_per_token_head=2.05, min_ms=H200_FLA_GDN.min_ms, chunk_us=1.86),
+        "kda": FlaTime(ns_per_token_head=4.05, min_ms=H200_FLA_KDA.min_ms, chunk_us=3.18),
+    },
+    kernels={
+        "gdn": KernelTime(3.57, H200_GDN_SPLIT),
+        "gdn_l2norm": KernelTime(3.74, H200_GDN_L2NORM_SPLIT),
+        "kda": KernelTime(7.9, H200_KDA_SPLIT),
+        "gla": KernelTime(H100_GLA_CHUNK_US, H100_GLA_SPLIT),
+    },
 )
 
 TABLE = {"NVIDIA H200": H200, "NVIDIA H100 80GB HBM3": H100_SXM}

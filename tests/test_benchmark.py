@@ -247,6 +247,8 @@ MEASURED_RUNS = [
     ("h200_fwd.json", "NVIDIA H200", "gdn", ["core", "varlen", "long", "layer"]),
     ("h200_fwd.json", "NVIDIA H200", "kda", ["core", "varlen", "long"]),
     ("h100_gdn_fwd_flashinfer.json", "NVIDIA H100 80GB HBM3", "gdn", ["core", "varlen", "long"]),
+    ("h100_fwd.json", "NVIDIA H100 80GB HBM3", "kda", ["core", "varlen", "long"]),
+    ("h100_fwd.json", "NVIDIA H100 80GB HBM3", "gdn", ["layer"]),
 ]
 
 

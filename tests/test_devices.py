@@ -89,10 +89,13 @@ def test_rows_are_found_by_exact_device_name(gpu):
     assert times.label == "H100 SXM"
     assert times.fla["gdn"] == FlaTime(ns_per_token_head=2.05, min_ms=0.38, chunk_us=1.86)
     assert times.kernels["gdn"] == KernelTime(3.57, devices.H200_GDN_SPLIT)
-    # what was not measured on the H100 comes from the default
-    assert times.fla["kda"] == devices.DEFAULT.fla["kda"]
-    assert times.kernels["kda"] == devices.DEFAULT.kernels["kda"]
-    assert times.kernels["gdn_l2norm"] == devices.DEFAULT.kernels["gdn_l2norm"]
+    assert times.fla["kda"] == FlaTime(ns_per_token_head=4.05, min_ms=0.38, chunk_us=3.18)
+    assert times.kernels["kda"] == KernelTime(7.9, devices.H200_KDA_SPLIT)
+    # a row completed by the default where its GPU was not measured: a pretend H100 row without KDA's kernel
+    row = dataclasses.replace(devices.H100_SXM, kernels={"gdn": devices.H100_SXM.kernels["gdn"]})
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(devices.TABLE, H100, row)
+        assert devices.times_for(0).kernels["kda"] == devices.DEFAULT.kernels["kda"]
 
 
 @pytest.mark.parametrize("name", ["NVIDIA H20", "NVIDIA H100 PCIe", "NVIDIA H200 NVL", "NVIDIA GH200 480GB"])
@@ -161,16 +164,18 @@ def test_h200_verdicts_are_unchanged(gpu):
 
 
 def test_the_h100_row_changes_what_it_measured(gpu):
-    """FLA's GDN runs 1.25x slower per token-head on the H100 and the kernel about as fast: a batch of a thousand
-    16-token sequences goes to FLA on the H200 and to the kernel on the H100; KDA, not measured there, and an
-    unknown GPU keep the H200's verdicts."""
+    """FLA's GDN runs 1.25x slower per token-head on the H100 and its KDA 1.27x, the kernels about as fast: a batch
+    of a thousand 16-token sequences goes to FLA on the H200 and to the kernel on the H100, for both; three thousand
+    one-token sequences stay with FLA on both (its minimum per call), and an unknown GPU keeps the H200's verdicts."""
     gdn = call_args("gdn", [16] * 1000, 32)
-    kda = call_args("kda", [1] * 3000, 4)
+    kda = call_args("kda", [16] * 1000, 32)
+    tiny = call_args("kda", [1] * 3000, 4)
     gpu(H200)
     assert not faster_than_fla("gdn", gdn)[0] and not faster_than_fla("kda", kda)[0]
+    assert not faster_than_fla("kda", tiny)[0]
     gpu(H100)
-    assert faster_than_fla("gdn", gdn) == (True, "")
-    ok, why = faster_than_fla("kda", kda)
+    assert faster_than_fla("gdn", gdn) == (True, "") and faster_than_fla("kda", kda) == (True, "")
+    ok, why = faster_than_fla("kda", tiny)
     assert not ok and "H100 SXM time model" in why
     gpu("NVIDIA H20")
     ok, why = faster_than_fla("gdn", gdn)
