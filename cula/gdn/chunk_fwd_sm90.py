@@ -59,7 +59,7 @@ entry.register_checked(
     "gdn_chunk_fwd_sm90",
     compile_gdn_fwd_sm90,
     {
-        **entry.CHECKED_CONFIGS,
+        **entry.checked(*entry.DELTA_CONFIGS, *entry.WALK_CONFIGS, "[D=64, state-gradient walk]"),
         "[D=64, qk_l2norm, intra load, correction]": {
             "head_dim": 64,
             "is_varlen": True,
@@ -67,10 +67,6 @@ entry.register_checked(
             "intra": "load",
             "qk_l2norm": True,
         },
-        "[states walk]": {"is_varlen": True, "has_initial_state": True, "walk": "states"},
-        "[state-gradient walk]": {"is_varlen": True, "has_initial_state": True, "walk": "state_grads"},
-        "[state-gradient walk, fixed length]": {"walk": "state_grads"},
-        "[D=64, state-gradient walk]": {"head_dim": 64, "is_varlen": True, "walk": "state_grads"},
     },  # fmt: skip
     # measured: the later split pass's state warpgroups (192 registers) reload a few loop invariants each chunk
     sass_allowed={"[intra load, correction]": (11, 0)},

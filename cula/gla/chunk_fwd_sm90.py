@@ -306,18 +306,16 @@ def chunk_gla_fwd_sm90(
 entry.register_checked(
     "gla_chunk_fwd_sm90",
     compile_gla_fwd_sm90,
-    {
-        "": {"is_varlen": True, "has_initial_state": True},
-        "[fixed length]": {},
-        "[pool]": {"is_varlen": True, "has_initial_state": True, "state_slots": "read_write"},
-        "[pool, read only]": {"has_initial_state": True, "state_slots": "read"},
-        "[D=64]": {"head_dim": 64, "is_varlen": True, "has_initial_state": True},
-        "[transition]": {"is_varlen": True, "mode": "transition"},
-        "[correction]": {"is_varlen": True, "mode": "correction"},
-        "[D=64, correction]": {"head_dim": 64, "is_varlen": True, "mode": "correction"},
-        "[states walk]": {"is_varlen": True, "has_initial_state": True, "walk": "states"},
-        "[state-gradient walk]": {"is_varlen": True, "has_initial_state": True, "walk": "state_grads"},
-        "[state-gradient walk, fixed length]": {"walk": "state_grads"},
-        "[D=64, states walk]": {"head_dim": 64, "is_varlen": True, "walk": "states"},
-    },
+    entry.checked(
+        "",
+        "[fixed length]",
+        "[pool]",
+        "[pool, read only]",
+        "[D=64]",
+        "[transition]",
+        "[correction]",
+        "[D=64, correction]",
+        *entry.WALK_CONFIGS,
+        "[D=64, states walk]",
+    ),  # fmt: skip
 )

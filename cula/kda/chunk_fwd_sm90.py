@@ -1002,7 +1002,7 @@ entry.register_checked(
     "kda_chunk_fwd_sm90",
     compile_kda_fwd_sm90,
     {
-        **entry.CHECKED_CONFIGS,
+        **entry.checked(*entry.DELTA_CONFIGS),
         "[gate in kernel]": {"is_varlen": True, "has_initial_state": True, "gate_in_kernel": True},
         "[gate in kernel, D=64, qk_l2norm]": {"head_dim": 64, "gate_in_kernel": True, "qk_l2norm": True},
         "[gate in kernel, intra load, correction]": {

@@ -40,12 +40,8 @@ entry.register_checked(
     "simple_gla_chunk_fwd_sm100",
     compile_simple_gla_fwd_sm100,
     {
-        "": {"is_varlen": True, "has_initial_state": True},
-        "[fixed length]": {},
-        "[pool]": {"is_varlen": True, "has_initial_state": True, "state_slots": "read_write"},
-        "[pool, read only]": {"has_initial_state": True, "state_slots": "read"},
+        **entry.checked("", "[fixed length]", "[pool]", "[pool, read only]", *entry.WALK_CONFIGS),
         "[state_v_first]": {"is_varlen": True, "has_initial_state": True, "state_v_first": True},
-        "[states walk]": {"is_varlen": True, "has_initial_state": True, "walk": "states"},
         "[states walk, fixed length, no start]": {"walk": "states"},
         "[states walk, state_v_first]": {
             "is_varlen": True,
@@ -53,8 +49,6 @@ entry.register_checked(
             "walk": "states",
             "state_v_first": True,
         },
-        "[state-gradient walk]": {"is_varlen": True, "has_initial_state": True, "walk": "state_grads"},
-        "[state-gradient walk, fixed length]": {"walk": "state_grads"},
     },
     archs=ARCHS,
     expected_ptx=entry.SM100_PTX,

@@ -105,16 +105,14 @@ def chunk_simple_gla_fwd_sm90(
 entry.register_checked(
     "simple_gla_chunk_fwd_sm90",
     compile_simple_gla_fwd_sm90,
-    {
-        "": {"is_varlen": True, "has_initial_state": True},
-        "[fixed length]": {},
-        "[pool, read only]": {"has_initial_state": True, "state_slots": "read"},
-        "[D=64]": {"head_dim": 64, "is_varlen": True, "has_initial_state": True},
-        "[transition]": {"is_varlen": True, "mode": "transition"},
-        "[correction]": {"is_varlen": True, "mode": "correction"},
-        "[states walk]": {"is_varlen": True, "has_initial_state": True, "walk": "states"},
-        "[state-gradient walk]": {"is_varlen": True, "has_initial_state": True, "walk": "state_grads"},
-        "[state-gradient walk, fixed length]": {"walk": "state_grads"},
-        "[D=64, state-gradient walk]": {"head_dim": 64, "is_varlen": True, "walk": "state_grads"},
-    },
+    entry.checked(
+        "",
+        "[fixed length]",
+        "[pool, read only]",
+        "[D=64]",
+        "[transition]",
+        "[correction]",
+        *entry.WALK_CONFIGS,
+        "[D=64, state-gradient walk]",
+    ),  # fmt: skip
 )

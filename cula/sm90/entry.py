@@ -373,29 +373,45 @@ def fake_args(
     )
 
 
-# The compile-checked configurations of each chunk kernel (``python -m cula.compile_check``): name suffix ->
-# ChunkFwdConfig fields (and a variant's own options). Each must hold wgmma and TMA instructions.
-CHECKED_CONFIGS = {
+# The named configurations chunk kernels are compile-checked in (``python -m cula.compile_check``): name suffix ->
+# ChunkFwdConfig fields. Each kernel picks its set (:func:`checked`) and adds what is its own; each must hold its
+# architecture's MMA and TMA instructions.
+CONFIGS = {
     "": {"is_varlen": True, "has_initial_state": True},
     "[fixed length]": {},
     "[pool]": {"is_varlen": True, "has_initial_state": True, "state_slots": "read_write"},
+    "[pool, read only]": {"has_initial_state": True, "state_slots": "read"},
     "[qk_l2norm]": {"is_varlen": True, "has_initial_state": True, "qk_l2norm": True},
     "[D=64]": {"head_dim": 64, "is_varlen": True, "has_initial_state": True},
     "[transition]": {"is_varlen": True, "mode": "transition"},
     "[correction]": {"is_varlen": True, "mode": "correction"},
+    "[D=64, correction]": {"head_dim": 64, "is_varlen": True, "mode": "correction"},
     "[intra save]": {"is_varlen": True, "has_initial_state": True, "intra": "save"},
     "[intra load, transition]": {"is_varlen": True, "mode": "transition", "intra": "load"},
     "[intra load, correction]": {"is_varlen": True, "mode": "correction", "intra": "load"},
     "[D=64, intra save]": {"head_dim": 64, "is_varlen": True, "has_initial_state": True, "intra": "save"},
     "[D=64, intra load, correction]": {"head_dim": 64, "is_varlen": True, "mode": "correction", "intra": "load"},
     "[qk_l2norm, intra save]": {"is_varlen": True, "intra": "save", "qk_l2norm": True},
-    "[qk_l2norm, intra load, correction]": {
-        "is_varlen": True,
-        "mode": "correction",
-        "intra": "load",
-        "qk_l2norm": True,
-    },
-}
+    "[qk_l2norm, intra load, correction]": {"is_varlen": True, "mode": "correction", "intra": "load", "qk_l2norm": True},
+    "[states walk]": {"is_varlen": True, "has_initial_state": True, "walk": "states"},
+    "[D=64, states walk]": {"head_dim": 64, "is_varlen": True, "walk": "states"},
+    "[state-gradient walk]": {"is_varlen": True, "has_initial_state": True, "walk": "state_grads"},
+    "[state-gradient walk, fixed length]": {"walk": "state_grads"},
+    "[D=64, state-gradient walk]": {"head_dim": 64, "is_varlen": True, "walk": "state_grads"},
+}  # fmt: skip
+# The delta-rule kernels' (GDN's, KDA's) set: every mode, intra pass and the q/k norm
+DELTA_CONFIGS = (
+    "", "[fixed length]", "[pool]", "[qk_l2norm]", "[D=64]", "[transition]", "[correction]", "[intra save]",
+    "[intra load, transition]", "[intra load, correction]", "[D=64, intra save]", "[D=64, intra load, correction]",
+    "[qk_l2norm, intra save]", "[qk_l2norm, intra load, correction]",
+)  # fmt: skip
+# The walks of the backward, in each walk's direction
+WALK_CONFIGS = ("[states walk]", "[state-gradient walk]", "[state-gradient walk, fixed length]")
+
+
+def checked(*suffixes: str) -> dict:
+    """The named configurations :data:`CONFIGS` of these suffixes, for :func:`register_checked`."""
+    return {suffix: CONFIGS[suffix] for suffix in suffixes}
 
 
 # what a chunk kernel's PTX must hold: its tensor-core MMAs and TMA copies
