@@ -401,11 +401,20 @@ class RecurrentFwd:
             kf[e] = decay
             if cutlass.const_expr(cfg.gk != "none"):
                 kf[e] = decay * sKf[ch, par]
+        # every row's v (and gv) loaded before the first store of o: loaded between those stores, which may alias
+        # them for the compiler, they made one dependent global round trip per row
+        v_rows = cute.make_rmem_tensor(cute.make_layout(self.rows), f32)
+        gv_rows = cute.make_rmem_tensor(cute.make_layout(self.rows), f32)
+        for i in cutlass.range_constexpr(self.rows):
+            vr = vblk * BLOCK_V + tidx // self.lanes_per_row + self.row_step * i
+            v_rows[i] = mV[b, tok, hv, vr].to(f32)
+            if cutlass.const_expr(cfg.gv):
+                gv_rows[i] = mGv[b, tok, hv, vr].to(f32)
         for i in cutlass.range_constexpr(self.rows):
             vr = vblk * BLOCK_V + tidx // self.lanes_per_row + self.row_step * i
             f = f32(1.0)
             if cutlass.const_expr(cfg.gv):
-                f = cute.math.exp(mGv[b, tok, hv, vr].to(f32))
+                f = cute.math.exp(gv_rows[i])
             s_k = f32(0.0)
             s_q = f32(0.0)
             for e in cutlass.range_constexpr(VEC):
@@ -416,7 +425,7 @@ class RecurrentFwd:
             for off in self.row_shuffles:
                 s_k = s_k + cute.arch.shuffle_sync_bfly(s_k, offset=off)
                 s_q = s_q + cute.arch.shuffle_sync_bfly(s_q, offset=off)
-            ue = mV[b, tok, hv, vr].to(f32)
+            ue = v_rows[i]
             if cutlass.const_expr(cfg.delta_rule):
                 ue = beta * (ue - s_k)
             oe = scale * (s_q + ue * kq)
