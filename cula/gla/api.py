@@ -58,18 +58,14 @@ def chunk_gla(
     ``cula.kda.chunk_kda`` takes one (``initial_state`` the pool; ``ssm_state_indices`` [N], ``inplace_final_state``;
     `cula.ops.state_pool`), so that prefill and decode (`fused_recurrent_gla`) share it.
     """
-    pool = {
-        "ssm_state_indices": ssm_state_indices,
-        "num_accepted_tokens": num_accepted_tokens,
-        "inplace_final_state": inplace_final_state,
-    }
     return CHUNK.call(
         call_args(
             dict(
                 q=q, k=k, v=v, g=g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu
-            ),
-            {name: value for name, value in pool.items() if value is not None},
+                state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
+                inplace_final_state=inplace_final_state
+            )
         )
     )  # fmt: skip
 
