@@ -403,15 +403,16 @@ class RecurrentFwd:
                 kf[e] = decay * sKf[ch, par]
         # every row's v (and gv) loaded before the first store of o: loaded between those stores, which may alias
         # them for the compiler, they made one dependent global round trip per row
+        row0 = vblk * BLOCK_V + tidx // self.lanes_per_row
         v_rows = cute.make_rmem_tensor(cute.make_layout(self.rows), f32)
         gv_rows = cute.make_rmem_tensor(cute.make_layout(self.rows), f32)
         for i in cutlass.range_constexpr(self.rows):
-            vr = vblk * BLOCK_V + tidx // self.lanes_per_row + self.row_step * i
+            vr = row0 + self.row_step * i
             v_rows[i] = mV[b, tok, hv, vr].to(f32)
             if cutlass.const_expr(cfg.gv):
                 gv_rows[i] = mGv[b, tok, hv, vr].to(f32)
         for i in cutlass.range_constexpr(self.rows):
-            vr = vblk * BLOCK_V + tidx // self.lanes_per_row + self.row_step * i
+            vr = row0 + self.row_step * i
             f = f32(1.0)
             if cutlass.const_expr(cfg.gv):
                 f = cute.math.exp(gv_rows[i])
