@@ -38,8 +38,9 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import warp as warp_ops
 from cutlass.cute.nvgpu import warpgroup
 
+from cula import runtime
 from cula.ops.gates import L2NORM_EPS  # FLA's l2norm_fwd: x / sqrt(sum(x^2) + eps)
-from cula.sm90 import mma, pipeline, scalar_gates, solve, tiles, workspace
+from cula.sm90 import entry, mma, pipeline, scalar_gates, solve, tiles, workspace
 from cula.sm90.chunk_fwd import ChainInputs, ChunkFwdConfig, ChunkFwdSm90, ChunkTensors
 from cula.sm90.roles import Barrier, RoleLayout, WarpGroupRole
 from cula.sm90.state_chain import ChainGates
@@ -527,9 +528,6 @@ def compile_fwd(
     """The scalar-gate chunk kernel for ``config`` (:class:`cula.sm90.chunk_fwd.ChunkFwdConfig` fields: GDN's with
     the delta rule, simple GLA's without), compiled on any machine for ``arch``; ``kernel_class``: another
     architecture's kernel of the same launch arguments (SM100's)."""
-    from cula import runtime
-    from cula.sm90 import entry
-
     cfg = ChunkFwdConfig(**config)
     fake = entry.fake_args(cfg.head_dim, beta_fp32, state_v_first, per_key_gate=False, checkpoints=cfg.walk != "output")
     return runtime.compile_kernel((kernel_class or ScalarGateChunkFwdSm90)(cfg), fake, arch, keep_artifacts)
