@@ -183,6 +183,32 @@ def test_the_gates_each_call_compiles_to(variant, extra, expect):
     assert {k: cfg[k] for k in expect} == expect
 
 
+@pytest.mark.parametrize(
+    "untested,B,v_first,pool_dtype,expect",
+    [
+        ("0", 256, True, torch.bfloat16, (32, 4)),  # the GPU-tested shape unless asked
+        ("1", 256, True, torch.bfloat16, (64, 8)),  # 256 x 2 heads x 2 blocks >= 132 SMs; a 16-bit V-first pool
+        ("1", 256, False, torch.bfloat16, (64, 4)),
+        ("1", 256, True, torch.float32, (64, 4)),
+        ("1", 32, True, torch.bfloat16, (32, 8)),  # 32 x 2 x 2 = 128 CTAs of 64 columns: fewer than the SMs
+    ],
+)
+def test_the_block_shape_each_call_compiles_to(monkeypatch, untested, B, v_first, pool_dtype, expect):
+    monkeypatch.setenv(dispatch.ENV_UNTESTED, untested)
+    args = make_args("gdn", B=B, T=1, H=1)
+    pool = torch.zeros(B, *state_shape(args, v_first=v_first)[1:], dtype=pool_dtype)
+    cfg = config("gdn", **args, initial_state=pool, ssm_state_indices=torch.arange(B), state_v_first=v_first)
+    assert (cfg["block_v"], cfg["vec"]) == expect
+
+
+def test_the_block_shapes_the_kernel_refuses():
+    from cula.recurrent.kernel import RecurrentConfig
+
+    for fields in ({"block_v": 48}, {"vec": 2}, {"head_v": 64, "block_v": 128}):
+        with pytest.raises(AssertionError):
+            RecurrentConfig(**fields)
+
+
 def test_without_the_delta_rule_beta_options_cannot_be_set():
     from cula.recurrent.kernel import RecurrentConfig
 
@@ -243,7 +269,9 @@ def run_both(monkeypatch, fn, args):
     return out["cute"], out["torch"]
 
 
-def check(kernel, ref, lengths, tol_o=1e-3, tol_state=1e-3):
+def check(kernel, ref, lengths, tol_o=1e-3, tol_state=1e-3, padded=()):
+    """Outputs and final states against the reference, over the call and per sequence (sequence n: the next
+    ``lengths[n]`` tokens of the flattened output; those in ``padded`` are not compared on their own)."""
     o, state, _ = kernel
     o_ref, state_ref, _ = ref
     assert torch.isfinite(o).all()
@@ -251,7 +279,7 @@ def check(kernel, ref, lengths, tol_o=1e-3, tol_state=1e-3):
     flat, flat_ref = o.flatten(0, 1), o_ref.flatten(0, 1)
     start = 0
     for n, L in enumerate(lengths):  # per sequence: a global figure hides one bad sequence
-        if L:
+        if L and n not in padded:
             err = rel_rmse(flat[start : start + L], flat_ref[start : start + L])
             assert err <= tol_o, (n, err)
         start += L
@@ -322,12 +350,41 @@ def test_gpu_decode_on_a_pool_with_padding(monkeypatch, variant, pool_dtype, ind
     args.update(initial_state=pool, ssm_state_indices=idx)
     kernel, ref = run_both(monkeypatch, ENTRY[variant], args)
     tol = 1e-3 if pool_dtype == torch.float32 else 8e-3
-    check(kernel, ref, [1, 0, 1, 1], tol_state=tol)
+    check(kernel, ref, [1, 1, 1, 1], tol_state=tol, padded=(1,))
     pool_k, pool_r = kernel[2], ref[2]
     untouched = [s for s in range(slots) if s not in (7, 0, 4)]
     assert torch.equal(pool_k[untouched], pool[untouched])
     assert (kernel[0][1] == 0).all()
     assert rel_rmse(pool_k[[7, 0, 4]].float(), pool_r[[7, 0, 4]].float()) <= tol
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("variant", ["gdn", "kda", "gla"])
+@pytest.mark.parametrize("v_first", [False, True])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_gpu_wide_blocks_on_many_sequences(monkeypatch, variant, v_first, pool_dtype):
+    """Enough sequences for 64 value columns per CTA (and 8 state elements per thread on a bf16 V-first pool,
+    :func:`cula.recurrent.plan.block_shape`): two tokens per sequence on a pool, one entry padding."""
+    from cula.recurrent.plan import WIDE_BLOCK_V, block_shape
+
+    monkeypatch.setenv(dispatch.ENV_UNTESTED, "1")
+    B, T = 160, 2
+    args = make_args(variant, B=B, T=T, H=2, device="cuda", seed=5)
+    assert block_shape(args["q"], args["v"], B, v_first, pool_dtype)[0] == WIDE_BLOCK_V
+    slots = B + 8
+    pool = (torch.randn(state_shape(args, slots, v_first=v_first), device="cuda") * 0.1).to(pool_dtype)
+    idx = torch.randperm(slots, generator=torch.Generator().manual_seed(5))[:B].to(torch.int32).cuda()
+    idx[7] = -1
+    args.update(initial_state=pool, ssm_state_indices=idx)
+    if v_first:
+        args["state_v_first"] = True
+    kernel, ref = run_both(monkeypatch, ENTRY[variant], args)
+    tol = 1e-3 if pool_dtype == torch.float32 else 8e-3
+    check(kernel, ref, [T] * B, padded=(7,))
+    named = idx[idx >= 0].long()
+    assert rel_rmse(kernel[2][named].float(), ref[2][named].float()) <= tol
+    assert (kernel[0][7] == 0).all()
 
 
 @gpu

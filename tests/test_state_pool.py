@@ -445,9 +445,9 @@ def test_pools_fla_cannot_take_go_to_the_reference_with_the_reason(monkeypatch):
         FUSED["gdn"](**inputs("gdn", 3, 1), initial_state=new_pool("gdn", 6), ssm_state_indices=indices)
 
 
-def test_a_pooled_gla_prefill_reaches_its_kernel_only_when_asked(monkeypatch):
-    """GLA's pooled chunk kernel has compiled but not run on a GPU: on an SM90 it serves a pooled call only with
-    CULA_UNTESTED_KERNELS=1, and otherwise the reference does (FLA's chunk_gla takes no pool), each saying why."""
+def test_a_pooled_gla_prefill_reaches_its_kernel(monkeypatch):
+    """On an SM90 GLA's pooled chunk kernel serves a pooled prefill; with the kernel forced off the reference does
+    (FLA's chunk_gla takes no pool), saying why."""
     FakeCuda(monkeypatch)
     T, D = 80, 64
     x = {
@@ -459,12 +459,10 @@ def test_a_pooled_gla_prefill_reaches_its_kernel_only_when_asked(monkeypatch):
         "initial_state": torch.zeros(5, H, D, D),
         "ssm_state_indices": torch.tensor([3, 1]),
     }
-    decision = cula.explain(CHUNK["gla"], **x)
-    rejected = dict(decision.rejected)
-    assert decision.backend == "torch", decision
-    assert "GLA's pooled kernel has not run on a GPU" in rejected["cute"] and "chunk_gla takes no" in rejected["fla"]
-    monkeypatch.setenv("CULA_UNTESTED_KERNELS", "1")
     assert cula.explain(CHUNK["gla"], **x).backend == "cute"
+    monkeypatch.setenv("CULA_BACKEND", "fla")
+    with pytest.raises(cula.BackendUnavailableError, match="chunk_gla takes no"):
+        cula.explain(CHUNK["gla"], **x)
     with pytest.raises(TypeError, match="bogus"):
         CHUNK["gla"](**x, bogus=1)  # FLA's signature and the pool's two names, nothing else
 
@@ -616,8 +614,6 @@ def test_gpu_chunk_kernels_read_and_write_the_pool(monkeypatch, variant, inplace
     """Prefill on a pool: the chunk kernel reads each sequence's state from its slot and writes it back in place (or
     returns fp32 final states), against the reference on the same inputs; slots not named stay bit for bit."""
     fn, lengths, slots = CHUNK_GPU[variant], [70, 1, 130, 64], 9
-    if variant == "gla":
-        monkeypatch.setenv("CULA_UNTESTED_KERNELS", "1")  # its pooled kernel's first GPU run
     x = gpu_chunk_call(variant, lengths, slots)
     x["ssm_state_indices"] = torch.tensor([5, 0, 8, 2], dtype=torch.int32, device="cuda")
     if not inplace:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -10,7 +9,6 @@ import torch
 from cula import validation
 from cula.custom_ops import EntryOps
 from cula.dispatch import (
-    ENV_UNTESTED,
     BackwardKernel,
     CuteKernel,
     Op,
@@ -133,9 +131,6 @@ def _sm90_supports(args: dict[str, Any]) -> tuple[bool, str]:
     declined = chunk_fwd_kernel_declines(args)
     if declined:
         return declined
-    if validation.pooled(args) and os.environ.get(ENV_UNTESTED, "0") != "1":
-        # compiled as KDA's pooled kernel is (the same state load and store), but not yet run on a GPU
-        return False, f"state pool: GLA's pooled kernel has not run on a GPU ({ENV_UNTESTED}=1 serves it)"
     from cula.gla import chunk_fwd_sm90  # imports the CuTe DSL: only on an SM90 device
 
     return chunk_fwd_sm90.supports(

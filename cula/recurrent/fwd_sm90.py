@@ -140,6 +140,15 @@ CHECKED_CONFIGS = {
         "gk": "log", "beta": "given", "qk_l2norm": True, "state_dtype": "bfloat16", "has_initial_state": True,
         "indices": "int32", "final": "inplace",
     },
+    # the wide block shapes (cula.recurrent.plan.block_shape)
+    "[gdn, bf16 pool, V-first, 64 x 8]": {
+        "g": "gdn", "beta": "given", "beta_sigmoid": True, "qk_l2norm": True, "state_v_first": True,
+        "state_dtype": "bfloat16", "has_initial_state": True, "indices": "int32", "final": "inplace",
+        "block_v": 64, "vec": 8,
+    },
+    "[gdn, fp32 state, 64 x 4]": {
+        "g": "log", "beta": "given", "qk_l2norm": True, "has_initial_state": True, "final": "ht", "block_v": 64,
+    },
 }  # fmt: skip
 
 runtime.register_kernel(

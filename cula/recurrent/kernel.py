@@ -13,9 +13,9 @@ scalar factor e_t (per-token ``g``, GDN's gate activated in the kernel when aske
 so that both reductions over K (S_d^T k and S_d^T q) read the decayed state once, and k . q comes with the token's
 staging (q and k L2-normalised there when asked).
 
-A CTA holds one (sequence, value head, block of ``BLOCK_V`` value columns) with 128 threads; each thread holds
-``rows`` x ``vec`` state elements, the ``vec`` = 4 contiguous in memory so that they move as one vector (16 bytes of an
-fp32 state, 8 of a bf16 one), with L = 32 / vec (K-first) or K / vec (V-first) lanes per row:
+A CTA holds one (sequence, value head, block of ``block_v`` value columns) with 128 threads; each thread holds
+``rows`` x ``vec`` state elements (``vec`` = 4 or 8), the ``vec`` contiguous in memory so that they move as one
+vector, with L = block_v / vec (K-first) or K / vec (V-first) lanes per row:
 
 - K-first storage (``[.., K, V]``): thread t holds value columns vec (t % L) .. + vec - 1 of key rows
   t // L + (128 / L) i. The sums over K add its rows, then the lanes of its column (shuffles), then the four warps
@@ -45,10 +45,8 @@ from cula.ops.gates import L2NORM_EPS
 
 THREADS = 128
 WARPS = THREADS // 32
-BLOCK_V = 32  # value columns (K-first) or value rows (V-first) per CTA
-# contiguous state elements per thread and row, one vector access (16 bytes of fp32 state; 8 elements of a bf16 state,
-# 16 bytes, measured slower than 4 on an H100: 0.288-0.299 against 0.267-0.269 ms at N = 256)
-VEC = 4
+BLOCK_V_CHOICES = (32, 64, 128)  # value columns (K-first) or value rows (V-first) per CTA
+VEC_CHOICES = (4, 8)  # contiguous state elements per thread and row, moved as one vector
 SUPPORTED_DIMS = (64, 128)
 SOFTPLUS_THRESHOLD = 20.0  # torch's softplus: x itself above it
 
@@ -93,6 +91,8 @@ class RecurrentConfig:
     accepted: str = "none"  # num_accepted_tokens' dtype, or none
     token_slots: bool = False
     final: str = "none"
+    block_v: int = 32
+    vec: int = 4
 
     def __post_init__(self):
         assert self.head_k in SUPPORTED_DIMS and self.head_v in SUPPORTED_DIMS, self
@@ -101,6 +101,8 @@ class RecurrentConfig:
         assert self.indices == "none" or self.has_initial_state, self
         assert not self.token_slots or (self.final == "inplace" and self.indices != "none"), self
         assert self.accepted == "none" or self.indices != "none", self
+        assert self.block_v in BLOCK_V_CHOICES and self.block_v <= self.head_v, self
+        assert self.vec in VEC_CHOICES, self
 
     @property
     def delta_rule(self) -> bool:
@@ -113,15 +115,17 @@ class RecurrentFwd:
     def __init__(self, config: RecurrentConfig):
         self.cfg = config
         self.K, self.V = config.head_k, config.head_v
+        self.block_v = config.block_v
+        self.vec = config.vec
         if config.state_v_first:
-            self.lanes_per_row = self.K // VEC  # the lanes that share one value row
+            self.lanes_per_row = self.K // self.vec  # the lanes that share one value row
         else:
-            self.lanes_per_row = BLOCK_V // VEC  # the lanes of one key row's value block
+            self.lanes_per_row = self.block_v // self.vec  # the lanes of one key row's value block
         self.row_step = THREADS // self.lanes_per_row
         # the xor distances between the lanes of a value row (V-first), of a value column (K-first)
         self.row_shuffles = tuple(1 << j for j in reversed(range(self.lanes_per_row.bit_length() - 1)))
         self.column_shuffles = tuple(d for d in (1, 2, 4, 8, 16) if d >= self.lanes_per_row)
-        rows_total = BLOCK_V if config.state_v_first else self.K
+        rows_total = self.block_v if config.state_v_first else self.K
         self.rows = rows_total // self.row_step  # state rows per thread
 
     # ---------------------------------------------------------------- host side
@@ -135,7 +139,7 @@ class RecurrentFwd:
         self.kernel(
             q, k, v, o, g, gamma, gk, gv, beta, a_log, dt_bias, h0, ht, indices, accepted, cu_seqlens, scale,
             lower_bound,
-        ).launch(grid=(self.V // BLOCK_V, HV, N), block=(THREADS, 1, 1), stream=stream)  # fmt: skip
+        ).launch(grid=(self.V // self.block_v, HV, N), block=(THREADS, 1, 1), stream=stream)  # fmt: skip
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
@@ -178,17 +182,35 @@ class RecurrentFwd:
         # per warp: sum q^2, sum k^2, sum q k
         sSums = smem.allocate_tensor(f32, cute.make_layout((WARPS, 3, 2)), byte_alignment=16)
         # K-first: per warp, the partial S_d^T k | S_d^T q of the block's columns
-        sRed = smem.allocate_tensor(f32, cute.make_layout((WARPS, 2, BLOCK_V, 2)), byte_alignment=16)
+        sRed = smem.allocate_tensor(f32, cute.make_layout((WARPS, 2, self.block_v, 2)), byte_alignment=16)
 
-        state = cute.make_rmem_tensor(cute.make_layout((self.rows, VEC), stride=(VEC, 1)), f32)
+        state = cute.make_rmem_tensor(cute.make_layout((self.rows, self.vec), stride=(self.vec, 1)), f32)
         state.fill(0.0)
         if cutlass.const_expr(cfg.has_initial_state):
             if live:
                 self.load_state(state, mH0, slot, hv, vblk, tidx)
 
+        # the head's constants of the scalar gate, read once
+        gate_rate = f32(0.0)
+        gate_bias = f32(0.0)
+        gamma = f32(0.0)
+        if cutlass.const_expr(cfg.g == "gdn"):
+            gate_rate = cute.math.exp(mALog[hv])
+            gate_bias = mDtBias[hv]
+        if cutlass.const_expr(cfg.gamma):
+            gamma = mGamma[hv]
+
         for t in cutlass.range(seqlen, unroll=1):
             par = t % 2
             tok = tok0 + t
+            # the token's own loads go out first: their round trip overlaps q and k's and the barrier after them
+            g_raw = f32(0.0)
+            if cutlass.const_expr(cfg.g != "none"):
+                g_raw = mG[b, tok, hv].to(f32)
+            beta_raw = f32(1.0)
+            if cutlass.const_expr(cfg.beta == "given"):
+                beta_raw = mBeta[b, tok, hv].to(f32)
+            values, value_gates = self.token_values(mV, mGv, b, tok, hv, vblk, tidx)
             self.stage_token(mQ, mK, mGk, mALog, mDtBias, lower_bound, sQ, sK, sKf, sSums, b, tok, h, hv, par, tidx)
             cute.arch.barrier()
             sq, sk, sqk = f32(0.0), f32(0.0), f32(0.0)
@@ -201,16 +223,35 @@ class RecurrentFwd:
                 rq = cute.math.rsqrt(sq + f32(L2NORM_EPS))
                 rk = cute.math.rsqrt(sk + f32(L2NORM_EPS))
             kq = sqk * rq * rk
-            decay = self.scalar_factor(mG, mGamma, mALog, mDtBias, b, tok, hv)
-            beta = self.token_beta(mBeta, b, tok, hv)
+            decay = self.scalar_factor(g_raw, gate_rate, gate_bias, gamma)
+            beta = self.token_beta(beta_raw)
             if cutlass.const_expr(cfg.state_v_first):
                 self.step_v_first(
-                    state, mV, mO, mGv, sQ, sK, sKf, b, tok, hv, vblk, par, tidx, rq, rk, kq, decay, beta, scale, slot
+                    state,
+                    values,
+                    value_gates,
+                    mO,
+                    sQ,
+                    sK,
+                    sKf,
+                    b,
+                    tok,
+                    hv,
+                    vblk,
+                    par,
+                    tidx,
+                    rq,
+                    rk,
+                    kq,
+                    decay,
+                    beta,
+                    scale,
+                    slot,
                 )
             else:
                 self.step_k_first(
-                    state, mV, mO, mGv, sQ, sK, sKf, sRed, b, tok, hv, vblk, par, tidx, warp, lane, rq, rk, kq,
-                    decay, beta, scale, slot,
+                    state, values, value_gates, mO, sQ, sK, sKf, sRed, b, tok, hv, vblk, par, tidx, warp, lane, rq,
+                    rk, kq, decay, beta, scale, slot,
                 )  # fmt: skip
             if cutlass.const_expr(cfg.token_slots):
                 to = cutlass.Int64(mIdx[n, t])
@@ -228,27 +269,27 @@ class RecurrentFwd:
     # ---------------------------------------------------------------- the state's elements
     @cute.jit
     def state_vector(self, mS, slot, hv, vblk, tidx, i: cutlass.Constexpr):
-        """Thread ``tidx``'s row ``i`` of the CTA's block of ``mS[slot, hv]`` (a (K, V) view): VEC contiguous
+        """Thread ``tidx``'s row ``i`` of the CTA's block of ``mS[slot, hv]`` (a (K, V) view): ``vec`` contiguous
         elements."""
         r = tidx // self.lanes_per_row + self.row_step * i
         c = tidx % self.lanes_per_row
         if cutlass.const_expr(self.cfg.state_v_first):
-            return cute.local_tile(mS[slot, hv, None, vblk * BLOCK_V + r], (VEC,), (c,))
-        return cute.local_tile(mS[slot, hv, r, None], (VEC,), (vblk * (BLOCK_V // VEC) + c,))
+            return cute.local_tile(mS[slot, hv, None, vblk * self.block_v + r], (self.vec,), (c,))
+        return cute.local_tile(mS[slot, hv, r, None], (self.vec,), (vblk * (self.block_v // self.vec) + c,))
 
     @cute.jit
     def load_state(self, state, mS, slot, hv, vblk, tidx):
         for i in cutlass.range_constexpr(self.rows):
-            vec = cute.make_rmem_tensor(cute.make_layout(VEC), mS.element_type)
+            vec = cute.make_rmem_tensor(cute.make_layout(self.vec), mS.element_type)
             cute.autovec_copy(self.state_vector(mS, slot, hv, vblk, tidx, i), vec)
-            for e in cutlass.range_constexpr(VEC):
+            for e in cutlass.range_constexpr(self.vec):
                 state[i, e] = vec[e].to(cutlass.Float32)
 
     @cute.jit
     def store_state(self, state, mS, slot, hv, vblk, tidx):
         for i in cutlass.range_constexpr(self.rows):
-            vec = cute.make_rmem_tensor(cute.make_layout(VEC), mS.element_type)
-            for e in cutlass.range_constexpr(VEC):
+            vec = cute.make_rmem_tensor(cute.make_layout(self.vec), mS.element_type)
+            for e in cutlass.range_constexpr(self.vec):
                 vec[e] = state[i, e].to(mS.element_type)
             cute.autovec_copy(vec, self.state_vector(mS, slot, hv, vblk, tidx, i))
 
@@ -289,57 +330,86 @@ class RecurrentFwd:
         return a
 
     @cute.jit
-    def scalar_factor(self, mG, mGamma, mALog, mDtBias, b, tok, hv):
-        """exp of the token's scalar log gate: ``g`` (GDN's activation applied when asked) plus ``g_gamma``."""
+    def scalar_factor(self, g_raw, gate_rate, gate_bias, gamma):
+        """exp of the token's scalar log gate: ``g`` (GDN's activation, rate exp(A_log) and bias dt_bias, applied
+        when asked) plus ``g_gamma``."""
         f32 = cutlass.Float32
         e = f32(0.0)
         if cutlass.const_expr(self.cfg.g != "none"):
-            x = mG[b, tok, hv].to(f32)
+            x = g_raw
             if cutlass.const_expr(self.cfg.g == "gdn"):
-                x = -cute.math.exp(mALog[hv]) * _softplus(x + mDtBias[hv])
+                x = -gate_rate * _softplus(x + gate_bias)
             e = e + x
         if cutlass.const_expr(self.cfg.gamma):
-            e = e + mGamma[hv]
+            e = e + gamma
         return cute.math.exp(e)
 
     @cute.jit
-    def token_beta(self, mBeta, b, tok, hv):
+    def token_beta(self, beta_raw):
+        """The token's beta from its loaded value (1 where there is none), activated when asked."""
+        beta = beta_raw
+        if cutlass.const_expr(self.cfg.beta_sigmoid):
+            beta = _sigmoid(beta)
+            if cutlass.const_expr(self.cfg.neg_eigval):
+                beta = beta * cutlass.Float32(2.0)
+        return beta
+
+    @cute.jit
+    def token_values(self, mV, mGv, b, tok, hv, vblk, tidx):
+        """The token's values this thread uses and their raw value gates (zeros without ``gv``), fp32: its value
+        rows (V-first) or its ``vec`` value columns (K-first)."""
         f32 = cutlass.Float32
         cfg = self.cfg
-        beta = f32(1.0)
-        if cutlass.const_expr(cfg.beta == "given"):
-            beta = mBeta[b, tok, hv].to(f32)
-        if cutlass.const_expr(cfg.beta_sigmoid):
-            beta = _sigmoid(beta)
-            if cutlass.const_expr(cfg.neg_eigval):
-                beta = beta * f32(2.0)
-        return beta
+        if cutlass.const_expr(cfg.state_v_first):
+            count = self.rows
+            first = vblk * self.block_v + tidx // self.lanes_per_row
+            step = self.row_step
+        else:
+            count = self.vec
+            first = vblk * self.block_v + self.vec * (tidx % self.lanes_per_row)
+            step = 1
+        values = cute.make_rmem_tensor(cute.make_layout(count), f32)
+        value_gates = cute.make_rmem_tensor(cute.make_layout(count), f32)
+        value_gates.fill(0.0)
+        if cutlass.const_expr(cfg.state_v_first):
+            for i in cutlass.range_constexpr(count):
+                values[i] = mV[b, tok, hv, first + step * i].to(f32)
+        else:  # one vector load
+            v_vec = cute.make_rmem_tensor(cute.make_layout(self.vec), mV.element_type)
+            cute.autovec_copy(cute.local_tile(mV[b, tok, hv, None], (self.vec,), (first // self.vec,)), v_vec)
+            for i in cutlass.range_constexpr(count):
+                values[i] = v_vec[i].to(f32)
+        if cutlass.const_expr(cfg.gv):
+            for i in cutlass.range_constexpr(count):
+                value_gates[i] = mGv[b, tok, hv, first + step * i].to(f32)
+        return values, value_gates
 
     # ---------------------------------------------------------------- one token's step
     @cute.jit
     def step_k_first(
-        self, state, mV, mO, mGv, sQ, sK, sKf, sRed, b, tok, hv, vblk, par, tidx, warp, lane, rq, rk, kq, decay,
-        beta, scale, slot,
+        self, state, values, value_gates, mO, sQ, sK, sKf, sRed, b, tok, hv, vblk, par, tidx, warp, lane, rq, rk, kq,
+        decay, beta, scale, slot,
     ):  # fmt: skip
-        """K-first: thread rows are key rows, its VEC elements value columns (module docstring)."""
+        """K-first: thread rows are key rows, its ``vec`` elements value columns (module docstring); ``values`` and
+        ``value_gates`` those columns' (:meth:`token_values`)."""
         f32 = cutlass.Float32
         cfg = self.cfg
         c = tidx % self.lanes_per_row
-        col0 = vblk * BLOCK_V + VEC * c
-        colf = cute.make_rmem_tensor(cute.make_layout(VEC), f32)
-        for e in cutlass.range_constexpr(VEC):
+        col0 = vblk * self.block_v + self.vec * c
+        colf = cute.make_rmem_tensor(cute.make_layout(self.vec), f32)
+        for e in cutlass.range_constexpr(self.vec):
             colf[e] = decay
             if cutlass.const_expr(cfg.gv):
-                colf[e] = decay * cute.math.exp(mGv[b, tok, hv, col0 + e].to(f32))
-        sk_part = cute.make_rmem_tensor(cute.make_layout(VEC), f32)
-        sq_part = cute.make_rmem_tensor(cute.make_layout(VEC), f32)
+                colf[e] = decay * cute.math.exp(value_gates[e])
+        sk_part = cute.make_rmem_tensor(cute.make_layout(self.vec), f32)
+        sq_part = cute.make_rmem_tensor(cute.make_layout(self.vec), f32)
         sk_part.fill(0.0)
         sq_part.fill(0.0)
         for i in cutlass.range_constexpr(self.rows):
             r = tidx // self.lanes_per_row + self.row_step * i
             kr = sK[r, par] * rk
             qr = sQ[r, par] * rq
-            for e in cutlass.range_constexpr(VEC):
+            for e in cutlass.range_constexpr(self.vec):
                 f = colf[e]
                 if cutlass.const_expr(cfg.gk != "none"):
                     f = f * sKf[r, par]
@@ -348,26 +418,24 @@ class RecurrentFwd:
                 sk_part[e] = sk_part[e] + s * kr
                 sq_part[e] = sq_part[e] + s * qr
         # over the lanes of a column, then the warps through shared memory
-        for e in cutlass.range_constexpr(VEC):
+        for e in cutlass.range_constexpr(self.vec):
             for off in self.column_shuffles:
                 sk_part[e] = sk_part[e] + cute.arch.shuffle_sync_bfly(sk_part[e], offset=off)
                 sq_part[e] = sq_part[e] + cute.arch.shuffle_sync_bfly(sq_part[e], offset=off)
         if lane < self.lanes_per_row:
-            for e in cutlass.range_constexpr(VEC):
-                sRed[warp, 0, VEC * c + e, par] = sk_part[e]
-                sRed[warp, 1, VEC * c + e, par] = sq_part[e]
+            for e in cutlass.range_constexpr(self.vec):
+                sRed[warp, 0, self.vec * c + e, par] = sk_part[e]
+                sRed[warp, 1, self.vec * c + e, par] = sq_part[e]
         cute.arch.barrier()
-        u = cute.make_rmem_tensor(cute.make_layout(VEC), f32)
-        out = cute.make_rmem_tensor(cute.make_layout(VEC), mO.element_type)
-        v_vec = cute.make_rmem_tensor(cute.make_layout(VEC), mV.element_type)
-        cute.autovec_copy(cute.local_tile(mV[b, tok, hv, None], (VEC,), (col0 // VEC,)), v_vec)
-        for e in cutlass.range_constexpr(VEC):
+        u = cute.make_rmem_tensor(cute.make_layout(self.vec), f32)
+        out = cute.make_rmem_tensor(cute.make_layout(self.vec), mO.element_type)
+        for e in cutlass.range_constexpr(self.vec):
             s_k = f32(0.0)
             s_q = f32(0.0)
             for w in cutlass.range_constexpr(WARPS):
-                s_k = s_k + sRed[w, 0, VEC * c + e, par]
-                s_q = s_q + sRed[w, 1, VEC * c + e, par]
-            ue = v_vec[e].to(f32)
+                s_k = s_k + sRed[w, 0, self.vec * c + e, par]
+                s_q = s_q + sRed[w, 1, self.vec * c + e, par]
+            ue = values[e]
             if cutlass.const_expr(cfg.delta_rule):
                 ue = beta * (ue - s_k)
             u[e] = ue
@@ -376,49 +444,42 @@ class RecurrentFwd:
                 oe = f32(0.0)
             out[e] = oe.to(mO.element_type)
         if tidx < self.lanes_per_row:
-            cute.autovec_copy(out, cute.local_tile(mO[b, tok, hv, None], (VEC,), (col0 // VEC,)))
+            cute.autovec_copy(out, cute.local_tile(mO[b, tok, hv, None], (self.vec,), (col0 // self.vec,)))
         for i in cutlass.range_constexpr(self.rows):
             r = tidx // self.lanes_per_row + self.row_step * i
             kr = sK[r, par] * rk
-            for e in cutlass.range_constexpr(VEC):
+            for e in cutlass.range_constexpr(self.vec):
                 state[i, e] = state[i, e] + kr * u[e]
 
     @cute.jit
     def step_v_first(
-        self, state, mV, mO, mGv, sQ, sK, sKf, b, tok, hv, vblk, par, tidx, rq, rk, kq, decay, beta, scale, slot
-    ):
-        """V-first: thread rows are value rows, its VEC elements key columns (module docstring)."""
+        self, state, values, value_gates, mO, sQ, sK, sKf, b, tok, hv, vblk, par, tidx, rq, rk, kq, decay, beta,
+        scale, slot,
+    ):  # fmt: skip
+        """V-first: thread rows are value rows, its ``vec`` elements key columns (module docstring); ``values`` and
+        ``value_gates`` those rows' (:meth:`token_values`)."""
         f32 = cutlass.Float32
         cfg = self.cfg
         c = tidx % self.lanes_per_row
-        kf = cute.make_rmem_tensor(cute.make_layout(VEC), f32)
-        kk = cute.make_rmem_tensor(cute.make_layout(VEC), f32)
-        qq = cute.make_rmem_tensor(cute.make_layout(VEC), f32)
-        for e in cutlass.range_constexpr(VEC):
-            ch = VEC * c + e
+        kf = cute.make_rmem_tensor(cute.make_layout(self.vec), f32)
+        kk = cute.make_rmem_tensor(cute.make_layout(self.vec), f32)
+        qq = cute.make_rmem_tensor(cute.make_layout(self.vec), f32)
+        for e in cutlass.range_constexpr(self.vec):
+            ch = self.vec * c + e
             kk[e] = sK[ch, par] * rk
             qq[e] = sQ[ch, par] * rq
             kf[e] = decay
             if cutlass.const_expr(cfg.gk != "none"):
                 kf[e] = decay * sKf[ch, par]
-        # every row's v (and gv) loaded before the first store of o: loaded between those stores, which may alias
-        # them for the compiler, they made one dependent global round trip per row
-        row0 = vblk * BLOCK_V + tidx // self.lanes_per_row
-        v_rows = cute.make_rmem_tensor(cute.make_layout(self.rows), f32)
-        gv_rows = cute.make_rmem_tensor(cute.make_layout(self.rows), f32)
-        for i in cutlass.range_constexpr(self.rows):
-            vr = row0 + self.row_step * i
-            v_rows[i] = mV[b, tok, hv, vr].to(f32)
-            if cutlass.const_expr(cfg.gv):
-                gv_rows[i] = mGv[b, tok, hv, vr].to(f32)
+        row0 = vblk * self.block_v + tidx // self.lanes_per_row
         for i in cutlass.range_constexpr(self.rows):
             vr = row0 + self.row_step * i
             f = f32(1.0)
             if cutlass.const_expr(cfg.gv):
-                f = cute.math.exp(gv_rows[i])
+                f = cute.math.exp(value_gates[i])
             s_k = f32(0.0)
             s_q = f32(0.0)
-            for e in cutlass.range_constexpr(VEC):
+            for e in cutlass.range_constexpr(self.vec):
                 s = state[i, e] * kf[e] * f
                 state[i, e] = s
                 s_k = s_k + s * kk[e]
@@ -426,7 +487,7 @@ class RecurrentFwd:
             for off in self.row_shuffles:
                 s_k = s_k + cute.arch.shuffle_sync_bfly(s_k, offset=off)
                 s_q = s_q + cute.arch.shuffle_sync_bfly(s_q, offset=off)
-            ue = v_rows[i]
+            ue = values[i]
             if cutlass.const_expr(cfg.delta_rule):
                 ue = beta * (ue - s_k)
             oe = scale * (s_q + ue * kq)
@@ -434,7 +495,7 @@ class RecurrentFwd:
                 oe = f32(0.0)
             if c == 0:
                 mO[b, tok, hv, vr] = oe.to(mO.element_type)
-            for e in cutlass.range_constexpr(VEC):
+            for e in cutlass.range_constexpr(self.vec):
                 state[i, e] = state[i, e] + kk[e] * ue
 
 

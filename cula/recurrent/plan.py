@@ -7,6 +7,7 @@ is imported on the first call a kernel serves.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -14,13 +15,20 @@ from typing import Any
 import torch
 
 from cula import validation
-from cula.dispatch import CuteKernel
+from cula.dispatch import ENV_UNTESTED, CuteKernel
 
 SUPPORTED_DIMS = (64, 128)
 MAX_SEQUENCES = 65535  # CUDA's limit on a launch grid's z size: sequence n is grid row n
 _IO_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
 _TORCH_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+# Value columns per CTA: 64 where that still gives every SM a CTA (fewer CTAs each repeat the token's staging less;
+# on an H100 at N = 256, HV = 32 decode took 0.366 against 0.377 ms with an fp32 state, 0.240 against 0.258 with
+# bf16), else 32. A 16-bit V-first state moves 8 elements per thread and row (16 bytes: 0.220 against 0.249 ms);
+# elsewhere 8 was slower than 4 (K-first bf16: 0.270 against 0.240). These wide shapes ran in that A/B only, not
+# yet under the GPU tests: they serve calls with CULA_UNTESTED_KERNELS=1, and 32 x 4 otherwise.
+WIDE_BLOCK_V, NARROW_BLOCK_V = 64, 32
+DEFAULT_SMS = 132  # where the call's tensors are not on a CUDA device (compile checks, CPU tests)
 _TORCH_NAMES.update({torch.int32: "int32", torch.int64: "int64"})
 
 
@@ -81,6 +89,23 @@ def supports(args: dict[str, Any], gates: Gates) -> tuple[bool, str]:
     return True, ""
 
 
+def _sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def block_shape(q: torch.Tensor, v: torch.Tensor, sequences: int, state_v_first: bool, state_dtype: torch.dtype):
+    """``(block_v, vec)``: the value columns a CTA holds and the state elements a thread moves at once."""
+    if os.environ.get(ENV_UNTESTED, "0") != "1":
+        return NARROW_BLOCK_V, 4
+    V, HV = v.shape[-1], v.shape[2]
+    wide = min(WIDE_BLOCK_V, V)
+    block_v = wide if sequences * HV * (V // wide) >= _sms(q.device) else NARROW_BLOCK_V
+    vec = 8 if state_v_first and state_dtype.itemsize == 2 else 4
+    return block_v, vec
+
+
 def config_for(args: dict[str, Any], gates: Gates) -> dict[str, Any]:
     """The kernel's :class:`cula.recurrent.kernel.RecurrentConfig` fields for a call."""
     q, v = args["q"], args["v"]
@@ -93,10 +118,13 @@ def config_for(args: dict[str, Any], gates: Gates) -> dict[str, Any]:
     if gates.delta_rule:
         beta = "one" if gates.beta is None else "given"
     cu = args.get("cu_seqlens")
+    v_first = bool(args.get("state_v_first", False))
+    sequences = q.shape[0] if cu is None else cu.numel() - 1
+    block_v, vec = block_shape(q, v, sequences, v_first, h0.dtype if h0 is not None else torch.float32)
     return {
         "head_k": q.shape[-1],
         "head_v": v.shape[-1],
-        "state_v_first": bool(args.get("state_v_first", False)),
+        "state_v_first": v_first,
         "io_dtype": _TORCH_NAMES[q.dtype],
         "state_dtype": _TORCH_NAMES[h0.dtype] if h0 is not None else "float32",
         "g": "none" if gates.g is None else gates.g_kind,
@@ -118,6 +146,8 @@ def config_for(args: dict[str, Any], gates: Gates) -> dict[str, Any]:
         "accepted": _TORCH_NAMES[accepted.dtype] if accepted is not None else "none",
         "token_slots": inplace and indices is not None and indices.dim() == 2,
         "final": final,
+        "block_v": block_v,
+        "vec": vec,
     }
 
 
