@@ -49,8 +49,18 @@ if [ "${SKIP_GPU_TESTS:-0}" = 1 ]; then  # a benchmark-only call, right after a 
   tests=0
 else
   # GPU_TESTS="tests/test_gla_sm90_backward.py -k kernel": a part of the suite (pytest arguments)
-  python3 -m pytest -q -m gpu -rs ${GPU_TESTS:-tests} 2>&1 | tee "$out/gpu_tests.log"
+  # the counts also go to gpu_tests.xml: a -q in GPU_TESTS makes pytest drop its summary line
+  python3 -m pytest -q -m gpu -rs --junitxml="$out/gpu_tests.xml" ${GPU_TESTS:-tests} 2>&1 | tee "$out/gpu_tests.log"
   tests=${PIPESTATUS[0]}
+  python3 - "$out/gpu_tests.xml" <<'PY' | tee -a "$out/gpu_tests.log"
+import sys
+import xml.etree.ElementTree as ET
+
+suite = ET.parse(sys.argv[1]).getroot()
+suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+n = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+print(f"GPU tests: {n['tests']} collected, {n['failures']} failed, {n['errors']} errors, {n['skipped']} skipped or xfailed")
+PY
 fi
 python3 -m benchmarks.run --out "$out" "$@" 2>&1 | tee "$out/benchmark.log"
 bench=${PIPESTATUS[0]}

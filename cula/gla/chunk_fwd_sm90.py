@@ -35,7 +35,6 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass.cute.nvgpu import warp as warp_ops
-from cutlass.cute.nvgpu import warpgroup
 
 from cula import devices, runtime
 from cula.kda import chunk_fwd_sm90 as kda
@@ -215,10 +214,7 @@ class GLAChunkFwdSm90(kda.KDAChunkFwdSm90):
                     pair[0, e] = keep * x[e] * cute.math.exp2(exponent, fastmath=True)
                 cute.local_tile(left_flat, (2,), (i // 2,)).store(pair.load().to(bf16))
         acc = thr_h.make_fragment_C(thr_h.partition_shape_C((C, Hf)))
-        warpgroup.fence()
-        mma.gemm(mma_half, acc, left, tHb_R[None, None, None, half], True)
-        warpgroup.commit_group()
-        warpgroup.wait_group(0)
+        mma.gemm_waited(mma_half, acc, left, tHb_R[None, None, None, half], True)
         st_p = cute.make_tiled_copy_C(
             cute.make_copy_atom(warp_ops.StMatrix8x8x16bOp(transpose=False, num_matrices=4), bf16), mma_half
         )

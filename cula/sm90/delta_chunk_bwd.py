@@ -33,11 +33,10 @@ from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.nvgpu import warpgroup
 
 from cula.sm90 import mma, pipeline, scalar_gates, solve, tiles
 from cula.sm90.chunk_fwd import A_STRIDE
-from cula.sm90.scalar_chunk_bwd import Loads, ScalarGateChunkBwdSm90
+from cula.sm90.scalar_chunk_bwd import Params, ScalarGateChunkBwdSm90, Tensors
 
 WARPGROUPS = 3
 STAGE_BARRIER = 1  # the CTA's stage hand-offs (named barrier, all threads)
@@ -47,31 +46,12 @@ ADD_BATCH = 8  # old values add_rows loads at once
 Q_DQ, K_DK, K_DK_END, K_DBK, V_DBV, DA_KK, PAIR_ROW, PAIR_COL = range(8)
 
 
-class Tensors(NamedTuple):
-    q: cute.Tensor
-    k: cute.Tensor
-    v: cute.Tensor
-    do: cute.Tensor
-    g: cute.Tensor
+class DeltaParams(NamedTuple):
+    """What the delta rule's kernel takes beyond the scalar-gate kernel's :class:`Params`: beta and its gradient
+    [B, T, HV] fp32, and the (C x C) tiles' layouts."""
+
     beta: cute.Tensor
-    states: cute.Tensor
-    state_grads: cute.Tensor
-    chunks: cute.Tensor
-    dq: cute.Tensor
-    dk: cute.Tensor
-    dv: cute.Tensor
     dbeta: cute.Tensor
-    dg: cute.Tensor
-
-
-class Params(NamedTuple):
-    loads: Loads
-    t: Tensors
-    scale: cutlass.Float32
-    tile_tok: object
-    tile_tok_mn: object
-    tile_state: object
-    tile_state_mn: object
     tile_cc: object
     tile_cc_mn: object
 
@@ -116,10 +96,11 @@ class DeltaChunkBwdSm90(ScalarGateChunkBwdSm90):
         self, q, k, v, do, g, beta, states, state_grads, chunks, dq, dk, dv, dbeta, dg, scale, stream
     ):  # fmt: skip
         C = self.C
-        t = Tensors(q, k, v, do, g, beta, states, state_grads, chunks, dq, dk, dv, dbeta, dg)
+        t = Tensors(q, k, v, do, g, states, state_grads, chunks, dq, dk, dv, dg)
         loads, tile_tok, tile_tok_mn, tile_state, tile_state_mn = self.chunk_loads(q, k, v, do, states, state_grads)
         tile_cc, tile_cc_mn = tiles.token_tiles(C, C)
-        p = Params(loads, t, scale, tile_tok, tile_tok_mn, tile_state, tile_state_mn, tile_cc, tile_cc_mn)
+        delta = DeltaParams(beta, dbeta, tile_cc, tile_cc_mn)
+        p = Params(loads, t, scale, tile_tok, tile_tok_mn, tile_state, tile_state_mn, delta)
         tile = cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(tile_cc)], 1024]
         fields = {
             **self.shared_fields(tile_tok, tile_state, ("sQ", "sK", "sV", "sDO", "sW", "sVN", "sDVN"), 8),
@@ -141,15 +122,15 @@ class DeltaChunkBwdSm90(ScalarGateChunkBwdSm90):
         st = cutlass.memory.SmemAllocator().allocate(self.storage)
 
         def cc(field):
-            return field.get_tensor(p.tile_cc.outer, swizzle=p.tile_cc.inner)
+            return field.get_tensor(p.own.tile_cc.outer, swizzle=p.own.tile_cc.inner)
 
         sQ, sK, sV, sDO, sS, sDS = self.loaded_tiles(st, p)
         sW, sVN, sDVN = (self.token_tile(p, field) for field in (st.sW, st.sVN, st.sDVN))
         q_tile, v_tile = sQ[None, None, 0], sV[None, None, 0]
         # dT (then dA_b) takes q's bytes once stage 3 has read q, X (then dA_b^T) v's once stage 4 has read v: a
         # (C x C) tile fits a token tile at D = 64 too
-        sX1 = cute.make_tensor(cute.recast_ptr(q_tile.iterator, p.tile_cc.inner), p.tile_cc.outer)
-        sX2 = cute.make_tensor(cute.recast_ptr(v_tile.iterator, p.tile_cc.inner), p.tile_cc.outer)
+        sX1 = cute.make_tensor(cute.recast_ptr(q_tile.iterator, p.own.tile_cc.inner), p.own.tile_cc.outer)
+        sX2 = cute.make_tensor(cute.recast_ptr(v_tile.iterator, p.own.tile_cc.inner), p.own.tile_cc.outer)
         sAt = st.sAt.get_tensor(cute.make_layout((C, A_STRIDE), stride=(A_STRIDE, 1)))
         sDW = cute.make_tensor(
             cute.recast_ptr(sAt.iterator, p.tile_tok.inner, dtype=cutlass.BFloat16), p.tile_tok.outer
@@ -168,7 +149,7 @@ class DeltaChunkBwdSm90(ScalarGateChunkBwdSm90):
         if valid > 0:
             if warp == 0:
                 self.issue_loads(p, loads, sQ, sK, sV, sDO, sS, sDS, b, t0, h, hv, row)
-                raw = scalar_gates.load_gates(t.g[b, None, hv], t.beta[b, None, hv], t0, valid, 0, lane, C)
+                raw = scalar_gates.load_gates(t.g[b, None, hv], p.own.beta[b, None, hv], t0, valid, 0, lane, C)
                 scalar_gates.publish_gates(sm.g, sm.beta, sm.fac, 0, raw, 0, valid, lane, C)
             if warp == 4:
                 solve.solve_clear(sm.t, lane, 32)
@@ -192,7 +173,7 @@ class DeltaChunkBwdSm90(ScalarGateChunkBwdSm90):
             self.state_product(sS, sDS, sm.warps, tidx, warp, lane)
             cute.arch.sync_threads()
             if warp == 0:
-                self.beta_and_gate_gradients(t, sm, valid, lane, b, t0, hv)
+                self.beta_and_gate_gradients(p, sm, valid, lane, b, t0, hv)
 
     # ---------------------------------------------------------------- shared steps
     @cute.jit
@@ -206,18 +187,6 @@ class DeltaChunkBwdSm90(ScalarGateChunkBwdSm90):
         """Warpgroup 0 between two of its own steps within a stage."""
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=WY_BARRIER, number_of_threads=128)
-
-    @cute.jit
-    def accumulate(self, b_major: cutlass.Constexpr, acc, sA, sB, wtid):
-        """acc += A B, both operands in shared memory (B a view as ``product`` takes it)."""
-        tiled = mma.tiled_mma(self.C, self.D, b_major=b_major, a_in_registers=False)
-        thr = tiled.get_slice(wtid)
-        a = thr.make_fragment_A(thr.partition_A(sA))
-        bb = thr.make_fragment_B(thr.partition_B(sB))
-        warpgroup.fence()
-        mma.gemm(tiled, acc, a, bb, False)
-        warpgroup.commit_group()
-        warpgroup.wait_group(0)
 
     @cute.jit
     def cc_product(self, sA, sB_view, wtid):
@@ -302,10 +271,10 @@ class DeltaChunkBwdSm90(ScalarGateChunkBwdSm90):
             sm.x1[r, c] = (sm.beta[c, 0] * (acc_a[e] * sm.fac[c, 0, 0] + acc_b[e])).to(cutlass.BFloat16)
         self.stage_done()  # 4
         # stage 5: X = dT T^T (to X2), dA = -(T^T X), the pair terms
-        acc_x, cCC = self.cc_product(sm.x1, tiles.mn_plane(sm.tt, p.tile_cc_mn), wtid)
+        acc_x, cCC = self.cc_product(sm.x1, tiles.mn_plane(sm.tt, p.own.tile_cc_mn), wtid)
         self.to_tile(acc_x, cCC, sm.x2, 1.0)
         self.wy_step()
-        acc_da, cCC = self.cc_product(sm.tt, tiles.mn_plane(sm.x2, p.tile_cc_mn), wtid)
+        acc_da, cCC = self.cc_product(sm.tt, tiles.mn_plane(sm.x2, p.own.tile_cc_mn), wtid)
         acc_kk, _ = self.scores(sm.k, sm.k, wtid)
         self.wy_step()  # every thread's X read before dA_b overwrites X2
         g_r, b_r, g_c = scalar_gates.gates_at(cCC, sm.g, sm.beta, sm.g, 0)
@@ -405,7 +374,7 @@ class DeltaChunkBwdSm90(ScalarGateChunkBwdSm90):
 
     # ---------------------------------------------------------------- warp 0: dbeta and dg
     @cute.jit
-    def beta_and_gate_gradients(self, t, sm, valid, lane, b, t0, hv):
+    def beta_and_gate_gradients(self, p, sm, valid, lane, b, t0, hv):
         """Two tokens per lane. dbeta = sum_m dA Gamma^a kk + 2^G k . d_bk + v . d_bv; dg = the suffix sum of
         q . dq - k . dk + (pair row - pair column) + beta 2^G k . d_bk, plus the chunk's constant
         sum_j k_j . dk_j^end + 2^G_L sum (S * dS')."""
@@ -420,7 +389,7 @@ class DeltaChunkBwdSm90(ScalarGateChunkBwdSm90):
             local[half] = rows[i, Q_DQ] - rows[i, K_DK] + rows[i, PAIR_ROW] - rows[i, PAIR_COL] + sm.beta[i, 0] * k_dbk
             end = end + rows[i, K_DK_END]
             if i < valid:
-                t.dbeta[b, t0 + i, hv] = rows[i, DA_KK] + k_dbk + rows[i, V_DBV]
+                p.own.dbeta[b, t0 + i, hv] = rows[i, DA_KK] + k_dbk + rows[i, V_DBV]
         states = f32(0.0)
         for w in cutlass.range_constexpr(4 * WARPGROUPS):
             states = states + sm.warps[w]
@@ -429,6 +398,6 @@ class DeltaChunkBwdSm90(ScalarGateChunkBwdSm90):
             end = end + cute.arch.shuffle_sync_bfly(end, 1 << i)
         constant = end + cute.math.exp2(sm.g[C - 1, 0], fastmath=True) * states
         if lane < valid:
-            t.dg[b, t0 + lane, hv] = after_lo + constant
+            p.t.dg[b, t0 + lane, hv] = after_lo + constant
         if lane + 32 < valid:
-            t.dg[b, t0 + lane + 32, hv] = after_hi + constant
+            p.t.dg[b, t0 + lane + 32, hv] = after_hi + constant

@@ -31,6 +31,15 @@ def gemm(tiled_mma, acc, a_frag, b_frag, zero_init: cutlass.Constexpr):
 
 
 @cute.jit
+def gemm_waited(tiled_mma, acc, a_frag, b_frag, zero_init: cutlass.Constexpr):
+    """:func:`gemm` as one wgmma group of its own: registers fenced before it, waited for after it."""
+    warpgroup.fence()
+    gemm(tiled_mma, acc, a_frag, b_frag, zero_init)
+    warpgroup.commit_group()
+    warpgroup.wait_group(0)
+
+
+@cute.jit
 def acc_to_operand(acc):
     """bf16 copy of a (64 x N) fp32 wgmma accumulator laid out as the register A operand of a (64 x N) x (N x .)
     wgmma: per 8-column block each thread holds (2 cols, 2 rows); an A k-block of 16 is two such blocks, so the

@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import cpasync
 
 from cula.sm90 import mma, pipeline, scalar_gates, tiles
 
@@ -69,6 +69,7 @@ class Params(NamedTuple):
     tile_tok_mn: object
     tile_state: object
     tile_state_mn: object
+    own: tuple = ()  # what only a subclass's kernel takes (the delta rule's :class:`DeltaParams`)
 
 
 def fake_args(head_dim: int, per_key_gate: bool) -> tuple:
@@ -315,10 +316,7 @@ class ScalarGateChunkBwdSm90:
         acc = thr.make_fragment_C(thr.partition_shape_C((self.C, n)))
         a = thr.make_fragment_A(thr.partition_A(sA))
         bb = thr.make_fragment_B(thr.partition_B(sB))
-        warpgroup.fence()
-        mma.gemm(tiled, acc, a, bb, True)
-        warpgroup.commit_group()
-        warpgroup.wait_group(0)
+        mma.gemm_waited(tiled, acc, a, bb, True)
         return acc, thr.partition_C(cute.make_identity_tensor((self.C, n)))
 
     @cute.jit
@@ -335,15 +333,21 @@ class ScalarGateChunkBwdSm90:
         return self.product(tiled, sA, sB, wtid, self.D)
 
     @cute.jit
+    def accumulate(self, b_major: cutlass.Constexpr, acc, sA, sB, wtid):
+        """acc += A B, both operands in shared memory (B a view as ``product`` takes it)."""
+        tiled = mma.tiled_mma(self.C, self.D, b_major=b_major, a_in_registers=False)
+        thr = tiled.get_slice(wtid)
+        a = thr.make_fragment_A(thr.partition_A(sA))
+        bb = thr.make_fragment_B(thr.partition_B(sB))
+        mma.gemm_waited(tiled, acc, a, bb, False)
+
+    @cute.jit
     def add_intra(self, acc, r_scores, sB_mn, wtid):
         """acc += (scores) B with the scores a bf16 register operand and B a token tile read (D, C)."""
         tiled = mma.tiled_mma(self.C, self.D, b_major="MN")
         thr = tiled.get_slice(wtid)
         bb = thr.make_fragment_B(thr.partition_B(sB_mn))
-        warpgroup.fence()
-        mma.gemm(tiled, acc, r_scores, bb, False)
-        warpgroup.commit_group()
-        warpgroup.wait_group(0)
+        mma.gemm_waited(tiled, acc, r_scores, bb, False)
 
     @cute.jit
     def scale_rows(self, acc, cTD, sFac, col: cutlass.Constexpr, scale):

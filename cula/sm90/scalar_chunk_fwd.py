@@ -443,10 +443,7 @@ class ScalarGateChunkFwdSm90(ChunkFwdSm90):
                     if ja < lim_a[rr]:
                         va = acc_x[i] * b_r[rr] * cute.math.exp2(g_r[rr] - g_c[kc], fastmath=True)
                     smem.sA[ja, ra] = va  # transposed: the solver walks A column by column
-            warpgroup.fence()
-            mma.gemm(c.mma_ss, acc_x, tSSa[None, None, None, 0], tSSb, True)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
+            mma.gemm_waited(c.mma_ss, acc_x, tSSa[None, None, None, 0], tSSb, True)
             rings.tp.producer_acquire(tp_p)
             # the gates read again: held across Q K^T they push loop invariants of the solve out to local memory
             g_r, _, g_c = self.slot_gates(gs, cSS, s, True)
