@@ -37,6 +37,7 @@ reads q/k head hv // (HV / H). Unused tensors are small dummies that the kernel 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -109,6 +110,34 @@ class RecurrentConfig:
         return self.beta != "none"
 
 
+class Staging(NamedTuple):
+    """The CTA's shared buffers, double-buffered by token parity (the last mode): the token's q, k (raw) and key
+    factors exp(a_t) (K, 2); per warp the sums of q^2, k^2 and q k (WARPS, 3, 2); K-first, per warp, the partial
+    S_d^T k | S_d^T q of the block's columns (WARPS, 2, block_v, 2)."""
+
+    q: cute.Tensor
+    k: cute.Tensor
+    key_factors: cute.Tensor
+    sums: cute.Tensor
+    partials: cute.Tensor
+
+
+class Token(NamedTuple):
+    """One token's values for a step: where it is (batch row, token, parity), q's and k's norm factors and k . q
+    after them, the scalar decay, beta, and this thread's values and raw value gates (:meth:`RecurrentFwd.token_values`)."""
+
+    b: object
+    tok: object
+    par: object
+    rq: object
+    rk: object
+    kq: object
+    decay: object
+    beta: object
+    values: cute.Tensor
+    value_gates: cute.Tensor
+
+
 class RecurrentFwd:
     """One CTA per (value block, value head, sequence), :data:`THREADS` threads (module docstring)."""
 
@@ -175,14 +204,13 @@ class RecurrentFwd:
         live = slot >= 0
 
         smem = cutlass.memory.SmemAllocator()
-        # the token's q, k (raw) and key factors exp(a_t), double-buffered by token parity
-        sQ = smem.allocate_tensor(f32, cute.make_layout((K, 2)), byte_alignment=16)
-        sK = smem.allocate_tensor(f32, cute.make_layout((K, 2)), byte_alignment=16)
-        sKf = smem.allocate_tensor(f32, cute.make_layout((K, 2)), byte_alignment=16)
-        # per warp: sum q^2, sum k^2, sum q k
-        sSums = smem.allocate_tensor(f32, cute.make_layout((WARPS, 3, 2)), byte_alignment=16)
-        # K-first: per warp, the partial S_d^T k | S_d^T q of the block's columns
-        sRed = smem.allocate_tensor(f32, cute.make_layout((WARPS, 2, self.block_v, 2)), byte_alignment=16)
+        staged = Staging(
+            smem.allocate_tensor(f32, cute.make_layout((K, 2)), byte_alignment=16),
+            smem.allocate_tensor(f32, cute.make_layout((K, 2)), byte_alignment=16),
+            smem.allocate_tensor(f32, cute.make_layout((K, 2)), byte_alignment=16),
+            smem.allocate_tensor(f32, cute.make_layout((WARPS, 3, 2)), byte_alignment=16),
+            smem.allocate_tensor(f32, cute.make_layout((WARPS, 2, self.block_v, 2)), byte_alignment=16),
+        )
 
         state = cute.make_rmem_tensor(cute.make_layout((self.rows, self.vec), stride=(self.vec, 1)), f32)
         state.fill(0.0)
@@ -211,48 +239,24 @@ class RecurrentFwd:
             if cutlass.const_expr(cfg.beta == "given"):
                 beta_raw = mBeta[b, tok, hv].to(f32)
             values, value_gates = self.token_values(mV, mGv, b, tok, hv, vblk, tidx)
-            self.stage_token(mQ, mK, mGk, mALog, mDtBias, lower_bound, sQ, sK, sKf, sSums, b, tok, h, hv, par, tidx)
+            self.stage_token(mQ, mK, mGk, mALog, mDtBias, lower_bound, staged, b, tok, h, hv, par, tidx)
             cute.arch.barrier()
             sq, sk, sqk = f32(0.0), f32(0.0), f32(0.0)
             for w in cutlass.range_constexpr(K // 32):
-                sq = sq + sSums[w, 0, par]
-                sk = sk + sSums[w, 1, par]
-                sqk = sqk + sSums[w, 2, par]
+                sq = sq + staged.sums[w, 0, par]
+                sk = sk + staged.sums[w, 1, par]
+                sqk = sqk + staged.sums[w, 2, par]
             rq, rk = f32(1.0), f32(1.0)
             if cutlass.const_expr(cfg.qk_l2norm):
                 rq = cute.math.rsqrt(sq + f32(L2NORM_EPS))
                 rk = cute.math.rsqrt(sk + f32(L2NORM_EPS))
             kq = sqk * rq * rk
             decay = self.scalar_factor(g_raw, gate_rate, gate_bias, gamma)
-            beta = self.token_beta(beta_raw)
+            token = Token(b, tok, par, rq, rk, kq, decay, self.token_beta(beta_raw), values, value_gates)
             if cutlass.const_expr(cfg.state_v_first):
-                self.step_v_first(
-                    state,
-                    values,
-                    value_gates,
-                    mO,
-                    sQ,
-                    sK,
-                    sKf,
-                    b,
-                    tok,
-                    hv,
-                    vblk,
-                    par,
-                    tidx,
-                    rq,
-                    rk,
-                    kq,
-                    decay,
-                    beta,
-                    scale,
-                    slot,
-                )
+                self.step_v_first(state, token, staged, mO, hv, vblk, tidx, scale, slot)
             else:
-                self.step_k_first(
-                    state, values, value_gates, mO, sQ, sK, sKf, sRed, b, tok, hv, vblk, par, tidx, warp, lane, rq,
-                    rk, kq, decay, beta, scale, slot,
-                )  # fmt: skip
+                self.step_k_first(state, token, staged, mO, hv, vblk, tidx, warp, lane, scale, slot)
             if cutlass.const_expr(cfg.token_slots):
                 to = cutlass.Int64(mIdx[n, t])
                 if live:
@@ -295,25 +299,25 @@ class RecurrentFwd:
 
     # ---------------------------------------------------------------- a token's inputs
     @cute.jit
-    def stage_token(self, mQ, mK, mGk, mALog, mDtBias, lower_bound, sQ, sK, sKf, sSums, b, tok, h, hv, par, tidx):
+    def stage_token(self, mQ, mK, mGk, mALog, mDtBias, lower_bound, staged, b, tok, h, hv, par, tidx):
         """Threads 0 .. K - 1: key channel ``tidx``'s q, k and key factor into column ``par`` of the shared
-        vectors; each warp's sums of q^2, k^2 and q k into ``sSums``."""
+        vectors; each warp's sums of q^2, k^2 and q k into ``staged.sums``."""
         f32 = cutlass.Float32
         if tidx < self.K:
             qx = mQ[b, tok, h, tidx].to(f32)
             kx = mK[b, tok, h, tidx].to(f32)
-            sQ[tidx, par] = qx
-            sK[tidx, par] = kx
+            staged.q[tidx, par] = qx
+            staged.k[tidx, par] = kx
             if cutlass.const_expr(self.cfg.gk != "none"):
                 a = self.key_gate(mGk[b, tok, hv, tidx].to(f32), mALog, mDtBias, lower_bound, hv, tidx)
-                sKf[tidx, par] = cute.math.exp(a)
+                staged.key_factors[tidx, par] = cute.math.exp(a)
             sums = (qx * qx, kx * kx, qx * kx)
             for j in cutlass.range_constexpr(3):
                 x = sums[j]
                 for off in (16, 8, 4, 2, 1):
                     x = x + cute.arch.shuffle_sync_bfly(x, offset=off)
                 if tidx % 32 == 0:
-                    sSums[tidx // 32, j, par] = x
+                    staged.sums[tidx // 32, j, par] = x
 
     @cute.jit
     def key_gate(self, x, mALog, mDtBias, lower_bound, hv, ch):
@@ -386,14 +390,13 @@ class RecurrentFwd:
 
     # ---------------------------------------------------------------- one token's step
     @cute.jit
-    def step_k_first(
-        self, state, values, value_gates, mO, sQ, sK, sKf, sRed, b, tok, hv, vblk, par, tidx, warp, lane, rq, rk, kq,
-        decay, beta, scale, slot,
-    ):  # fmt: skip
-        """K-first: thread rows are key rows, its ``vec`` elements value columns (module docstring); ``values`` and
-        ``value_gates`` those columns' (:meth:`token_values`)."""
+    def step_k_first(self, state, token: Token, staged: Staging, mO, hv, vblk, tidx, warp, lane, scale, slot):
+        """K-first: thread rows are key rows, its ``vec`` elements value columns (module docstring); the token's
+        ``values`` and ``value_gates`` are those columns'."""
         f32 = cutlass.Float32
         cfg = self.cfg
+        b, tok, par, rq, rk, kq, decay, beta, values, value_gates = token
+        sQ, sK, sKf, sRed = staged.q, staged.k, staged.key_factors, staged.partials
         c = tidx % self.lanes_per_row
         col0 = vblk * self.block_v + self.vec * c
         colf = cute.make_rmem_tensor(cute.make_layout(self.vec), f32)
@@ -452,14 +455,13 @@ class RecurrentFwd:
                 state[i, e] = state[i, e] + kr * u[e]
 
     @cute.jit
-    def step_v_first(
-        self, state, values, value_gates, mO, sQ, sK, sKf, b, tok, hv, vblk, par, tidx, rq, rk, kq, decay, beta,
-        scale, slot,
-    ):  # fmt: skip
-        """V-first: thread rows are value rows, its ``vec`` elements key columns (module docstring); ``values`` and
-        ``value_gates`` those rows' (:meth:`token_values`)."""
+    def step_v_first(self, state, token: Token, staged: Staging, mO, hv, vblk, tidx, scale, slot):
+        """V-first: thread rows are value rows, its ``vec`` elements key columns (module docstring); the token's
+        ``values`` and ``value_gates`` are those rows'."""
         f32 = cutlass.Float32
         cfg = self.cfg
+        b, tok, par, rq, rk, kq, decay, beta, values, value_gates = token
+        sQ, sK, sKf = staged.q, staged.k, staged.key_factors
         c = tidx % self.lanes_per_row
         kf = cute.make_rmem_tensor(cute.make_layout(self.vec), f32)
         kk = cute.make_rmem_tensor(cute.make_layout(self.vec), f32)
