@@ -110,6 +110,27 @@ class RecurrentConfig:
         return self.beta != "none"
 
 
+class Tensors(NamedTuple):
+    """The launch's tensors (shapes in the module docstring); those a configuration does not use are small dummies."""
+
+    q: cute.Tensor
+    k: cute.Tensor
+    v: cute.Tensor
+    o: cute.Tensor
+    g: cute.Tensor
+    gamma: cute.Tensor
+    gk: cute.Tensor
+    gv: cute.Tensor
+    beta: cute.Tensor
+    a_log: cute.Tensor
+    dt_bias: cute.Tensor
+    h0: cute.Tensor
+    ht: cute.Tensor
+    indices: cute.Tensor
+    accepted: cute.Tensor
+    cu_seqlens: cute.Tensor
+
+
 class Staging(NamedTuple):
     """The CTA's shared buffers, double-buffered by token parity (the last mode): the token's q, k (raw) and key
     factors exp(a_t) (K, 2); per warp the sums of q^2, k^2 and q k (WARPS, 3, 2); K-first, per warp, the partial
@@ -165,17 +186,12 @@ class RecurrentFwd:
     ):  # fmt: skip
         HV = v.shape[2]
         N = cu_seqlens.shape[0] - 1 if cutlass.const_expr(self.cfg.is_varlen) else q.shape[0]
-        self.kernel(
-            q, k, v, o, g, gamma, gk, gv, beta, a_log, dt_bias, h0, ht, indices, accepted, cu_seqlens, scale,
-            lower_bound,
-        ).launch(grid=(self.V // self.block_v, HV, N), block=(THREADS, 1, 1), stream=stream)  # fmt: skip
+        tensors = Tensors(q, k, v, o, g, gamma, gk, gv, beta, a_log, dt_bias, h0, ht, indices, accepted, cu_seqlens)
+        self.kernel(tensors, scale, lower_bound).launch(grid=(self.V // self.block_v, HV, N), block=(THREADS, 1, 1), stream=stream)  # fmt: skip
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
-    def kernel(
-        self, mQ, mK, mV, mO, mG, mGamma, mGk, mGv, mBeta, mALog, mDtBias, mH0, mHt, mIdx, mAcc, mCu,
-        scale: cutlass.Float32, lower_bound: cutlass.Float32,
-    ):  # fmt: skip
+    def kernel(self, t: Tensors, scale: cutlass.Float32, lower_bound: cutlass.Float32):
         cfg = self.cfg
         K = self.K
         f32 = cutlass.Float32
@@ -183,24 +199,24 @@ class RecurrentFwd:
         vblk, hv, n = cute.arch.block_idx()
         warp = tidx // 32
         lane = tidx % 32
-        HV = mV.shape[2]
-        h = hv // (HV // mQ.shape[2])
+        HV = t.v.shape[2]
+        h = hv // (HV // t.q.shape[2])
 
         # the sequence: batch row, first token, length
         b = n
         tok0 = cutlass.Int32(0)
-        seqlen = cutlass.Int32(mQ.shape[1])
+        seqlen = cutlass.Int32(t.q.shape[1])
         if cutlass.const_expr(cfg.is_varlen):
             b = cutlass.Int32(0)
-            tok0 = cutlass.Int32(mCu[n])
-            seqlen = cutlass.Int32(mCu[n + 1]) - tok0
+            tok0 = cutlass.Int32(t.cu_seqlens[n])
+            seqlen = cutlass.Int32(t.cu_seqlens[n + 1]) - tok0
         # the state's slot: the sequence, or the pool's table entry (negative: padding)
         slot = cutlass.Int64(n)
         if cutlass.const_expr(cfg.indices != "none"):
             col = cutlass.Int32(0)
             if cutlass.const_expr(cfg.accepted != "none"):
-                col = cutlass.Int32(mAcc[n]) - 1
-            slot = cutlass.Int64(mIdx[n, col])
+                col = cutlass.Int32(t.accepted[n]) - 1
+            slot = cutlass.Int64(t.indices[n, col])
         live = slot >= 0
 
         smem = cutlass.memory.SmemAllocator()
@@ -216,30 +232,30 @@ class RecurrentFwd:
         state.fill(0.0)
         if cutlass.const_expr(cfg.has_initial_state):
             if live:
-                self.load_state(state, mH0, slot, hv, vblk, tidx)
+                self.load_state(state, t.h0, slot, hv, vblk, tidx)
 
         # the head's constants of the scalar gate, read once
         gate_rate = f32(0.0)
         gate_bias = f32(0.0)
         gamma = f32(0.0)
         if cutlass.const_expr(cfg.g == "gdn"):
-            gate_rate = cute.math.exp(mALog[hv])
-            gate_bias = mDtBias[hv]
+            gate_rate = cute.math.exp(t.a_log[hv])
+            gate_bias = t.dt_bias[hv]
         if cutlass.const_expr(cfg.gamma):
-            gamma = mGamma[hv]
+            gamma = t.gamma[hv]
 
-        for t in cutlass.range(seqlen, unroll=1):
-            par = t % 2
-            tok = tok0 + t
+        for i_tok in cutlass.range(seqlen, unroll=1):
+            par = i_tok % 2
+            tok = tok0 + i_tok
             # the token's own loads go out first: their round trip overlaps q and k's and the barrier after them
             g_raw = f32(0.0)
             if cutlass.const_expr(cfg.g != "none"):
-                g_raw = mG[b, tok, hv].to(f32)
+                g_raw = t.g[b, tok, hv].to(f32)
             beta_raw = f32(1.0)
             if cutlass.const_expr(cfg.beta == "given"):
-                beta_raw = mBeta[b, tok, hv].to(f32)
-            values, value_gates = self.token_values(mV, mGv, b, tok, hv, vblk, tidx)
-            self.stage_token(mQ, mK, mGk, mALog, mDtBias, lower_bound, staged, b, tok, h, hv, par, tidx)
+                beta_raw = t.beta[b, tok, hv].to(f32)
+            values, value_gates = self.token_values(t, b, tok, hv, vblk, tidx)
+            self.stage_token(t, lower_bound, staged, b, tok, h, hv, par, tidx)
             cute.arch.barrier()
             sq, sk, sqk = f32(0.0), f32(0.0), f32(0.0)
             for w in cutlass.range_constexpr(K // 32):
@@ -254,21 +270,21 @@ class RecurrentFwd:
             decay = self.scalar_factor(g_raw, gate_rate, gate_bias, gamma)
             token = Token(b, tok, par, rq, rk, kq, decay, self.token_beta(beta_raw), values, value_gates)
             if cutlass.const_expr(cfg.state_v_first):
-                self.step_v_first(state, token, staged, mO, hv, vblk, tidx, scale, slot)
+                self.step_v_first(state, token, staged, t.o, hv, vblk, tidx, scale, slot)
             else:
-                self.step_k_first(state, token, staged, mO, hv, vblk, tidx, warp, lane, scale, slot)
+                self.step_k_first(state, token, staged, t.o, hv, vblk, tidx, warp, lane, scale, slot)
             if cutlass.const_expr(cfg.token_slots):
-                to = cutlass.Int64(mIdx[n, t])
+                to = cutlass.Int64(t.indices[n, i_tok])
                 if live:
                     if to >= 0:
-                        self.store_state(state, mH0, to, hv, vblk, tidx)
+                        self.store_state(state, t.h0, to, hv, vblk, tidx)
 
         if cutlass.const_expr(cfg.final == "ht"):
-            self.store_state(state, mHt, cutlass.Int64(n), hv, vblk, tidx)
+            self.store_state(state, t.ht, cutlass.Int64(n), hv, vblk, tidx)
         elif cutlass.const_expr(cfg.final == "inplace" and not cfg.token_slots):
             if live:
                 if seqlen > 0:
-                    self.store_state(state, mH0, slot, hv, vblk, tidx)
+                    self.store_state(state, t.h0, slot, hv, vblk, tidx)
 
     # ---------------------------------------------------------------- the state's elements
     @cute.jit
@@ -299,17 +315,17 @@ class RecurrentFwd:
 
     # ---------------------------------------------------------------- a token's inputs
     @cute.jit
-    def stage_token(self, mQ, mK, mGk, mALog, mDtBias, lower_bound, staged, b, tok, h, hv, par, tidx):
+    def stage_token(self, t: Tensors, lower_bound, staged: Staging, b, tok, h, hv, par, tidx):
         """Threads 0 .. K - 1: key channel ``tidx``'s q, k and key factor into column ``par`` of the shared
         vectors; each warp's sums of q^2, k^2 and q k into ``staged.sums``."""
         f32 = cutlass.Float32
         if tidx < self.K:
-            qx = mQ[b, tok, h, tidx].to(f32)
-            kx = mK[b, tok, h, tidx].to(f32)
+            qx = t.q[b, tok, h, tidx].to(f32)
+            kx = t.k[b, tok, h, tidx].to(f32)
             staged.q[tidx, par] = qx
             staged.k[tidx, par] = kx
             if cutlass.const_expr(self.cfg.gk != "none"):
-                a = self.key_gate(mGk[b, tok, hv, tidx].to(f32), mALog, mDtBias, lower_bound, hv, tidx)
+                a = self.key_gate(t.gk[b, tok, hv, tidx].to(f32), t, lower_bound, hv, tidx)
                 staged.key_factors[tidx, par] = cute.math.exp(a)
             sums = (qx * qx, kx * kx, qx * kx)
             for j in cutlass.range_constexpr(3):
@@ -320,13 +336,13 @@ class RecurrentFwd:
                     staged.sums[tidx // 32, j, par] = x
 
     @cute.jit
-    def key_gate(self, x, mALog, mDtBias, lower_bound, hv, ch):
+    def key_gate(self, x, t: Tensors, lower_bound, hv, ch):
         """The per-key log gate from ``gk``'s value ``x`` at key channel ``ch``."""
         kind = self.cfg.gk
         a = x
         if cutlass.const_expr(kind != "log"):
-            y = x + mDtBias[hv * self.K + ch]
-            rate = cute.math.exp(mALog[hv])
+            y = x + t.dt_bias[hv * self.K + ch]
+            rate = cute.math.exp(t.a_log[hv])
             if cutlass.const_expr(kind == "kda_softplus"):
                 a = -rate * _softplus(y)
             else:
@@ -359,7 +375,7 @@ class RecurrentFwd:
         return beta
 
     @cute.jit
-    def token_values(self, mV, mGv, b, tok, hv, vblk, tidx):
+    def token_values(self, t: Tensors, b, tok, hv, vblk, tidx):
         """The token's values this thread uses and their raw value gates (zeros without ``gv``), fp32: its value
         rows (V-first) or its ``vec`` value columns (K-first)."""
         f32 = cutlass.Float32
@@ -377,15 +393,15 @@ class RecurrentFwd:
         value_gates.fill(0.0)
         if cutlass.const_expr(cfg.state_v_first):
             for i in cutlass.range_constexpr(count):
-                values[i] = mV[b, tok, hv, first + step * i].to(f32)
+                values[i] = t.v[b, tok, hv, first + step * i].to(f32)
         else:  # one vector load
-            v_vec = cute.make_rmem_tensor(cute.make_layout(self.vec), mV.element_type)
-            cute.autovec_copy(cute.local_tile(mV[b, tok, hv, None], (self.vec,), (first // self.vec,)), v_vec)
+            v_vec = cute.make_rmem_tensor(cute.make_layout(self.vec), t.v.element_type)
+            cute.autovec_copy(cute.local_tile(t.v[b, tok, hv, None], (self.vec,), (first // self.vec,)), v_vec)
             for i in cutlass.range_constexpr(count):
                 values[i] = v_vec[i].to(f32)
         if cutlass.const_expr(cfg.gv):
             for i in cutlass.range_constexpr(count):
-                value_gates[i] = mGv[b, tok, hv, first + step * i].to(f32)
+                value_gates[i] = t.gv[b, tok, hv, first + step * i].to(f32)
         return values, value_gates
 
     # ---------------------------------------------------------------- one token's step
