@@ -1,13 +1,14 @@
 """cuLA: linear-attention kernels for NVIDIA GPUs, a drop-in for flash-linear-attention (FLA 0.6.0).
 
 ``from cula.kda import chunk_kda`` replaces ``from fla.ops.kda import chunk_kda``; ``cula.explain(fn, ...)`` says
-which backend (CuTe DSL kernel, FLA Triton, PyTorch reference) would serve a call and why.
+which backend (CuTe DSL kernel, FLA Triton, PyTorch reference) would serve a call and why; ``with
+cula.backend_counts() as counts:`` counts what served each call made in the block.
 """
 
 import os
 
 from cula import gdn, gla, kda, lightning
-from cula.dispatch import BackendUnavailableError, Decision, explain, last_decision
+from cula.dispatch import BackendUnavailableError, Decision, backend_counts, explain, last_decision
 from cula.fla_backend import register_with_fla
 from cula.ops.context_parallel import build_cp_context
 
@@ -15,6 +16,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BackendUnavailableError",
     "Decision",
+    "backend_counts",
     "build_cp_context",
     "explain",
     "gdn",

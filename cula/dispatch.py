@@ -10,7 +10,8 @@ The first backend whose ``supports`` accepts the call serves it. ``CULA_BACKEND=
 backend and raises `BackendUnavailableError` with the reason when it cannot serve the call.
 
 ``explain(fn, *args, **kwargs)`` says which backend would serve a call and why the others were passed over;
-``last_decision(fn)`` says which one served the calling thread's most recent call. ``CULA_LOG_DISPATCH=1`` logs every decision.
+``last_decision(fn)`` says which one served the calling thread's most recent call; ``with backend_counts() as
+counts:`` counts what served every call made in the block. ``CULA_LOG_DISPATCH=1`` logs every decision.
 
 A training call (a tensor argument requires grad) goes to a kernel only when the kernel has a backward
 (`BackwardKernel`) and the call's arguments fit its ``torch.library`` ops (:mod:`cula.custom_ops`), through which
@@ -23,6 +24,8 @@ compiled calls the ops cannot carry (state pools, context parallelism, FLA optio
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import contextvars
 import importlib
 import inspect
@@ -278,10 +281,36 @@ class Op:
         return self.library is not None and self.library.carries(args)
 
     def record(self, decision: Decision) -> None:
-        """``decision`` as this thread's last, logged with ``CULA_LOG_DISPATCH=1``."""
+        """``decision`` as this thread's last, counted by every open :func:`backend_counts`, logged with
+        ``CULA_LOG_DISPATCH=1``."""
         self.last = decision
+        if _COUNTS:
+            with _COUNTS_LOCK:
+                for counts in _COUNTS:
+                    counts[(decision.op, decision.backend)] += 1
         if os.environ.get(ENV_LOG, "0") not in ("", "0"):
             _log_decision(str(decision))
+
+
+_COUNTS: list[collections.Counter] = []  # the open backend_counts blocks' counters
+_COUNTS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def backend_counts():
+    """Counts what served each call of a cuLA entry point made while the block runs, in any thread (autograd's
+    included): yields a ``collections.Counter`` keyed ``(op, backend)``, e.g. ``{("gdn.chunk_gated_delta_rule",
+    "cute"): 120}``, filled as the calls are made. A training loop run inside one says whether the kernels served it.
+    """
+    counts = collections.Counter()
+    with _COUNTS_LOCK:
+        _COUNTS.append(counts)
+    try:
+        yield counts
+    finally:
+        with _COUNTS_LOCK:
+            # by identity: two counters with the same counts compare equal
+            del _COUNTS[next(i for i, c in enumerate(_COUNTS) if c is counts)]
 
 
 @torch.compiler.assume_constant_result

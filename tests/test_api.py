@@ -530,6 +530,24 @@ def test_last_decision_is_per_thread():
     assert cula.last_decision(CHUNK_GDN) is mine
 
 
+def test_backend_counts_count_every_threads_calls_while_open():
+    """Calls in this thread and another are counted by (op, backend); a block nested in another counts only its own
+    calls; nothing is counted after the block."""
+    simple_gla = cula.lightning.chunk_simple_gla
+    with cula.backend_counts() as outer:
+        CHUNK_GDN(**gdn_args())
+        worker = threading.Thread(target=lambda: CHUNK_GDN(**gdn_args()))
+        worker.start()
+        worker.join()
+        with cula.backend_counts() as inner:
+            args = gdn_args(HV=2)  # simple GLA: one value head per q / k head
+            simple_gla(args["q"], args["k"], args["v"], g=args["g"])
+    CHUNK_GDN(**gdn_args())
+    assert outer == {("gdn.chunk_gated_delta_rule", "torch"): 2, ("lightning.chunk_simple_gla", "torch"): 1}
+    assert inner == {("lightning.chunk_simple_gla", "torch"): 1}
+    assert not cula.dispatch._COUNTS
+
+
 def test_offsets_cache_under_threads(monkeypatch):
     """Another thread that evicts an entry between this thread's lookup and its use of it must wait for the lock."""
     from cula import validation

@@ -326,6 +326,18 @@ def test_compiled_call_logs_its_decision_as_it_runs(monkeypatch, caplog, fresh_c
     assert [r.getMessage().splitlines()[0] for r in caplog.records if r.name == "cula.dispatch"] == [served] * 2
 
 
+def test_compiled_calls_are_counted_as_they_run(fresh_compiler):
+    """`cula.backend_counts` counts each compiled call as it runs (the decision is taken then, not as the graph is
+    made)."""
+    fn = torch.compile(lambda **kw: cula.gla.chunk_gla(**kw)[0], backend="aot_eager", fullgraph=True)
+    args = inputs("gla", dtype=torch.float32)
+    with cula.backend_counts() as counts:
+        fn(**args)
+        fn(**args)
+        fn(**args)
+    assert counts == {("gla.chunk_gla", "torch"): 3}
+
+
 def test_kernel_time_model_reads_no_offsets_while_compiling(monkeypatch):
     """While compiling, the kernel-versus-FLA estimate takes the call's sequences as of equal length."""
     FakeCuda(monkeypatch, (9, 0))

@@ -10,7 +10,7 @@ the same batches; the model runs under bf16 autocast. ``--against fla`` switches
 (``FLA_CULA=0``): FLA runs its own ops, where its backward runs (FLA refuses GDN's gated backward on Hopper with
 triton < 3.7.1: there use ``--against torch``, cuLA's fp32 reference backend, over fewer steps). Writes
 ``training_<layer>.json`` (per run: the loss per step, the median step time, and how many of the layers' calls each
-cuLA backend served, "op: backend", from cuLA's dispatch log) and, with matplotlib, a PNG of the curves. cuLA
+cuLA backend served, "op: backend", counted by ``cula.backend_counts``) and, with matplotlib, a PNG of the curves. cuLA
 declines what its dispatch would hand to FLA (e.g. GDN's training calls where FLA's backward runs): the counts show
 whether the kernels served the run at all. FLA's layers import ``transformers`` for logging and typing only: where it
 is absent, stubs stand in.
@@ -19,7 +19,6 @@ is absent, stubs stand in.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import logging
 import os
@@ -41,7 +40,6 @@ def stub_transformers() -> None:
         return
     except ImportError:
         pass
-    import logging
 
     import fla  # noqa: F401
 
@@ -115,14 +113,13 @@ def copy_batches(steps: int, batch: int, T: int, vocab: int, seed: int):
 def train(opts, backend: str) -> dict:
     """One run: ``backend`` "cula" (registered with FLA), "fla" (registration off) or "torch" (cuLA's reference
     backend through the registration). Returns the loss per step, the step times (ms) and what served cuLA's
-    calls (:func:`count_dispatch`)."""
+    calls (``cula.backend_counts``)."""
     import torch
     import torch.nn.functional as F
 
     import cula
 
     cula.register_with_fla()
-    served = count_dispatch()
     os.environ["FLA_CULA"] = "0" if backend == "fla" else "1"
     os.environ.pop("CULA_BACKEND", None)
     if backend == "torch":
@@ -131,56 +128,25 @@ def train(opts, backend: str) -> dict:
     model = build_model(opts.layer, opts.vocab, opts.hidden, opts.layers).cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=opts.lr)
     losses, times = [], []
-    for tokens in copy_batches(opts.steps, opts.batch, opts.seq_len, opts.vocab, opts.seed):
-        tokens = tokens.cuda()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-        losses.append(loss.item())
-        if len(losses) % 50 == 0:
-            print(f"{backend} step {len(losses)} loss {losses[-1]:.4f} {times[-1]:.1f} ms", flush=True)
-    stop_counting(served)
-    print(f"{backend}: served {dict(served.counts) or 'by FLA alone (no cuLA call)'}", flush=True)
-    return {"loss": losses, "step_ms_median": statistics.median(times[5:] or times), "served": dict(served.counts)}
-
-
-class DispatchCounts(logging.Handler):
-    """Counts cuLA's dispatch decisions (``CULA_LOG_DISPATCH``) by "op: backend", instead of printing them."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = collections.Counter()
-
-    def emit(self, record):
-        first = record.getMessage().splitlines()[0]  # "<op>: served by '<backend>' (<reason>)"
-        op, _, rest = first.partition(": served by '")
-        self.counts[f"{op}: {rest.split(chr(39))[0]}"] += 1
-
-
-def count_dispatch() -> DispatchCounts:
-    """Every decision of the run counted (what served the layers' calls: the kernels, FLA or the reference)."""
-    from cula import dispatch
-
-    handler = DispatchCounts()
-    dispatch.logger.addHandler(handler)
-    dispatch.logger.propagate = False
-    os.environ[dispatch.ENV_LOG] = "1"
-    return handler
-
-
-def stop_counting(handler: DispatchCounts) -> None:
-    from cula import dispatch
-
-    os.environ.pop(dispatch.ENV_LOG, None)
-    dispatch.logger.removeHandler(handler)
-    dispatch.logger.propagate = True
+    with cula.backend_counts() as counts:
+        for tokens in copy_batches(opts.steps, opts.batch, opts.seq_len, opts.vocab, opts.seed):
+            tokens = tokens.cuda()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - start) * 1e3)
+            losses.append(loss.item())
+            if len(losses) % 50 == 0:
+                print(f"{backend} step {len(losses)} loss {losses[-1]:.4f} {times[-1]:.1f} ms", flush=True)
+    served = {f"{op}: {server}": n for (op, server), n in sorted(counts.items())}
+    print(f"{backend}: served {served or 'by FLA alone (no cuLA call)'}", flush=True)
+    return {"loss": losses, "step_ms_median": statistics.median(times[5:] or times), "served": served}
 
 
 def plot(result: dict, path: Path) -> None:
