@@ -22,14 +22,12 @@ MAX_SEQUENCES = 65535  # CUDA's limit on a launch grid's z size: sequence n is g
 _IO_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
 _TORCH_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-# Value columns per CTA: 64 where that still gives every SM a CTA (fewer CTAs each repeat the token's staging less;
-# on an H100 at N = 256, HV = 32 decode took 0.366 against 0.377 ms with an fp32 state, 0.240 against 0.258 with
-# bf16), else 32. A 16-bit V-first state moves 8 elements per thread and row (16 bytes: 0.220 against 0.249 ms);
-# elsewhere 8 was slower than 4 (K-first bf16: 0.270 against 0.240). These wide shapes ran in that A/B only, not
-# yet under the GPU tests: they serve calls with CULA_UNTESTED_KERNELS=1, and 32 x 4 otherwise.
+_TORCH_NAMES.update({torch.int32: "int32", torch.int64: "int64"})
+# Value columns per CTA: 64 where every SM still gets a CTA (fewer CTAs repeat the token's staging less), else 32; 8
+# state elements per thread and row for a 16-bit V-first state, else 4 (timed on an H100: PERF.md, decode). The wide
+# shapes serve calls only with CULA_UNTESTED_KERNELS=1 until their GPU tests have run.
 WIDE_BLOCK_V, NARROW_BLOCK_V = 64, 32
 DEFAULT_SMS = 132  # where the call's tensors are not on a CUDA device (compile checks, CPU tests)
-_TORCH_NAMES.update({torch.int32: "int32", torch.int64: "int64"})
 
 
 @dataclass(frozen=True)
