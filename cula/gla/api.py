@@ -8,15 +8,7 @@ import torch
 
 from cula import validation
 from cula.custom_ops import EntryOps
-from cula.dispatch import (
-    BackwardKernel,
-    CuteKernel,
-    Op,
-    bind,
-    call_args,
-    chunk_fwd_kernel_declines,
-    recomputing,
-)
+from cula.dispatch import BackwardKernel, CuteKernel, Op, bind, call_args, chunk_fwd_kernel_declines, recomputing
 from cula.gla import reference
 from cula.recurrent.plan import recurrent_kernel
 
