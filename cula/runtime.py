@@ -97,6 +97,18 @@ def clear_cache() -> None:
         _CACHE.clear()
 
 
+def host_to_device(x, device):
+    """The CPU tensor ``x``, made on the host, on ``device`` without waiting for the GPU: copied from pinned memory,
+    asynchronously (a copy from pageable memory waits for everything queued on the stream, and stalls a training
+    step's host path behind its forward). ``x`` itself as it is for a CPU ``device`` or None."""
+    import torch
+
+    device = torch.device(device) if device is not None else None
+    if device is None or device.type != "cuda":
+        return x
+    return x.pin_memory().to(device, non_blocking=True)
+
+
 def device_arch(device=None) -> str:
     """``"sm_90a"`` / ``"sm_100a"`` for the given (or current) CUDA device."""
     import torch

@@ -184,17 +184,16 @@ def test_the_gates_each_call_compiles_to(variant, extra, expect):
 
 
 @pytest.mark.parametrize(
-    "untested,B,v_first,pool_dtype,expect",
+    "B,v_first,pool_dtype,expect",
     [
-        ("0", 256, True, torch.bfloat16, (32, 4)),  # the GPU-tested shape unless asked
-        ("1", 256, True, torch.bfloat16, (64, 8)),  # 256 x 2 heads x 2 blocks >= 132 SMs; a 16-bit V-first pool
-        ("1", 256, False, torch.bfloat16, (64, 4)),
-        ("1", 256, True, torch.float32, (64, 4)),
-        ("1", 32, True, torch.bfloat16, (32, 8)),  # 32 x 2 x 2 = 128 CTAs of 64 columns: fewer than the SMs
+        (256, True, torch.bfloat16, (64, 8)),  # 256 x 2 heads x 2 blocks >= 132 SMs; a 16-bit V-first pool
+        (256, False, torch.bfloat16, (64, 4)),
+        (256, True, torch.float32, (64, 4)),
+        (32, True, torch.bfloat16, (32, 8)),  # 32 x 2 x 2 = 128 CTAs of 64 columns: fewer than the SMs
+        (32, False, torch.float32, (32, 4)),
     ],
 )
-def test_the_block_shape_each_call_compiles_to(monkeypatch, untested, B, v_first, pool_dtype, expect):
-    monkeypatch.setenv(dispatch.ENV_UNTESTED, untested)
+def test_the_block_shape_each_call_compiles_to(B, v_first, pool_dtype, expect):
     args = make_args("gdn", B=B, T=1, H=1)
     pool = torch.zeros(B, *state_shape(args, v_first=v_first)[1:], dtype=pool_dtype)
     cfg = config("gdn", **args, initial_state=pool, ssm_state_indices=torch.arange(B), state_v_first=v_first)
@@ -368,7 +367,6 @@ def test_gpu_wide_blocks_on_many_sequences(monkeypatch, variant, v_first, pool_d
     :func:`cula.recurrent.plan.block_shape`): two tokens per sequence on a pool, one entry padding."""
     from cula.recurrent.plan import WIDE_BLOCK_V, block_shape
 
-    monkeypatch.setenv(dispatch.ENV_UNTESTED, "1")
     B, T = 160, 2
     args = make_args(variant, B=B, T=T, H=2, device="cuda", seed=5)
     assert block_shape(args["q"], args["v"], B, v_first, pool_dtype)[0] == WIDE_BLOCK_V

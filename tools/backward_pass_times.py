@@ -2,7 +2,7 @@
 PERF.md's backward rows.
 
     python tools/backward_pass_times.py [--op simple_gla|gdn|gla] [--shapes 1x8192x64,2x16384x64] [--gate g|g_gamma]
-        [--skip-fla] [--profile FILE]
+        [--skip-passes] [--skip-fla] [--profile FILE] [--host-profile FILE]
 
 For each B x T x H shape (D = 128, bf16, H = HV) it prints, as medians of CUDA-event timings over 10 calls: the two
 state walks, the per-chunk passes in PyTorch (``rows_backward``) and by their kernels (``CULA_CHUNK_GRADIENT_KERNEL``,
@@ -131,6 +131,8 @@ def passes(op: str, args: dict, do) -> dict:
 
 def training_step(op: str, args: dict, do, backend: str):
     """One forward + backward through the public op, served by ``backend`` (``CULA_BACKEND`` set while it runs)."""
+    import torch
+
     import cula
 
     fn = {"gdn": cula.gdn.chunk_gated_delta_rule, "gla": cula.gla.chunk_gla}.get(op, cula.lightning.chunk_simple_gla)
@@ -140,6 +142,9 @@ def training_step(op: str, args: dict, do, backend: str):
         previous = os.environ.get("CULA_BACKEND")
         os.environ["CULA_BACKEND"] = backend
         try:
+            for leaf in leaves.values():  # as a training step after zero_grad(set_to_none=True): no accumulation
+                if isinstance(leaf, torch.Tensor):
+                    leaf.grad = None
             o, _ = fn(**leaves)
             o.backward(do)
         finally:
@@ -165,20 +170,54 @@ def profile_table(step, path: str, title: str) -> None:
         out.write(f"== {title}\n{prof.key_averages().table(sort_by='cuda_time_total', row_limit=40)}\n")
 
 
+def host_profile(step, path: str, title: str, steps: int = 20) -> None:
+    """Appends to ``path`` where the host's time goes in ``steps`` steps (cProfile, after a warm-up), and the wall
+    time per step with the GPU synchronised only at the end: the Python and launch path, which the GPU waits on when
+    it is longer than the kernels."""
+    import cProfile
+    import io
+    import pstats
+    import time
+
+    import torch
+
+    step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / steps * 1e3
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(50)
+    with open(path, "a") as out:
+        out.write(f"== {title}: {wall:.3f} ms per step (host, unprofiled)\n{text.getvalue()}\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--op", choices=("simple_gla", "gdn", "gla"), default="simple_gla")
     parser.add_argument("--shapes", default="1x8192x64")
     parser.add_argument("--gate", choices=("g", "g_gamma"), default="g_gamma", help="simple GLA's gate")
+    parser.add_argument("--skip-passes", action="store_true", help="only the whole step (no pass-by-pass timings)")
     parser.add_argument("--skip-fla", action="store_true", help="no FLA column (its first call autotunes for minutes)")
     parser.add_argument("--profile", metavar="FILE", help="also append a torch.profiler table of one cuLA step here")
+    parser.add_argument("--host-profile", metavar="FILE", help="also append a cProfile of 20 cuLA steps here")
     opts = parser.parse_args()
     os.environ["CULA_UNTESTED_KERNELS"] = "1"
     for shape in opts.shapes.split(","):
         B, T, H = (int(x) for x in shape.split("x"))
         args, do = inputs(opts.op, B, T, H, opts.gate)
         print(f"{opts.op} {shape}", flush=True)
-        row = {"op": opts.op, "shape": shape, **passes(opts.op, args, do)}
+        row = {"op": opts.op, "shape": shape, **({} if opts.skip_passes else passes(opts.op, args, do))}
         os.environ["CULA_CHUNK_GRADIENT_KERNEL"] = "1" if opts.op == "simple_gla" else "0"
         os.environ["CULA_DELTA_GRADIENT_KERNEL"] = "1" if opts.op == "gdn" else "0"
         os.environ["CULA_KEY_GRADIENT_KERNEL"] = "1" if opts.op == "gla" else "0"
@@ -186,6 +225,8 @@ def main() -> None:
         row["cuLA forward + backward"] = report("cuLA forward + backward", median_ms(cula_step, reps=5))
         if opts.profile:
             profile_table(cula_step, opts.profile, f"{opts.op} {shape}: cuLA forward + backward")
+        if opts.host_profile:
+            host_profile(cula_step, opts.host_profile, f"{opts.op} {shape}: cuLA forward + backward")
         if not opts.skip_fla:
             try:
                 fla = median_ms(training_step(opts.op, args, do, "fla"), reps=5)

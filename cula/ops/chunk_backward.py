@@ -34,8 +34,11 @@ Shapes: one sequence per call, heads first: q, k [H, T, K]; v, do [H, T, V]; g [
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from cula import runtime
 from cula.ops.chunk_emulation import CHUNK, bf16
 from cula.ops.gates import GATE_FLOOR
 
@@ -179,7 +182,14 @@ def chunk_token_index(
 ) -> tuple[torch.Tensor, int]:
     """``(index [rows, C], rows)`` with C = ``chunk``: the flattened token of each place of each checkpoint row, or
     the number of tokens (a zero row appended to the gathered tensors) past a sequence's end and in rows no chunk
-    takes. Made without a loop over chunks: the host cost of a call with thousands of them."""
+    takes. Made without a loop over chunks: the host cost of a call with thousands of them. Kept for the last few
+    batches' offsets (a model's layers, and every step of a fixed-length training run, ask for the same): callers
+    only read it."""
+    return _chunk_token_index(tuple(offsets), fixed_length, None if device is None else str(device), chunk)
+
+
+@functools.lru_cache(maxsize=16)
+def _chunk_token_index(offsets: tuple[int, ...], fixed_length: bool, device, chunk: int) -> tuple[torch.Tensor, int]:
     n_tokens = offsets[-1]
     bounds = torch.tensor(offsets, dtype=torch.long)
     lengths = bounds[1:] - bounds[:-1]
@@ -191,7 +201,7 @@ def chunk_token_index(
     place = torch.arange(len(sequence)) - torch.repeat_interleave(torch.cumsum(chunks, 0) - chunks, chunks)
     tokens = bounds[sequence, None] + place[:, None] * chunk + torch.arange(chunk)  # [chunks, C]
     index[firsts[sequence] + place] = torch.where(tokens < bounds[sequence + 1, None], tokens, n_tokens)
-    return index.to(device), rows
+    return runtime.host_to_device(index, device), rows
 
 
 def kernel_chunk_rows(index: torch.Tensor, n_tokens: int) -> torch.Tensor:

@@ -26,6 +26,8 @@ from typing import NamedTuple
 
 import torch
 
+from cula import runtime
+
 CHUNK = 64
 # (mode, starts, ends, initial states or None, out) -> final states [len(starts), HV, K, K or V] fp32
 RangeRunner = Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]
@@ -255,8 +257,8 @@ class _SplitPlan(NamedTuple):
     split_last: torch.Tensor
 
 
-# Kept for the last few splits seen: a model's layers split their batch the same way, so the host-to-device copy
-# (which waits for the stream, its source being pageable) is made once per split, not once per pass and call.
+# Kept for the last few splits seen: a model's layers split their batch the same way, so the plan is made and copied
+# to the device once per split, not once per pass and call.
 @functools.lru_cache(maxsize=16)
 def _split_plan(dev: str, offsets: tuple, cuts: tuple, aligned: bool) -> _SplitPlan:
     segs = segments(list(offsets), [list(c) for c in cuts])
@@ -289,7 +291,7 @@ def _split_plan(dev: str, offsets: tuple, cuts: tuple, aligned: bool) -> _SplitP
     N = len(offsets) - 1
     parts += [offs, [x for r in rows for x in r], [first[n] for n in range(N)], [last[n] for n in range(N)]]
     parts += [split_seqs, split_last]
-    flat = torch.tensor([x for p in parts for x in p], dtype=torch.int32).to(dev)
+    flat = runtime.host_to_device(torch.tensor([x for p in parts for x in p], dtype=torch.int32), dev)
     views, at = [], 0
     for p in parts:
         views.append(flat[at : at + len(p)])

@@ -7,7 +7,6 @@ is imported on the first call a kernel serves.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +14,7 @@ from typing import Any
 import torch
 
 from cula import validation
-from cula.dispatch import ENV_UNTESTED, CuteKernel
+from cula.dispatch import CuteKernel
 
 SUPPORTED_DIMS = (64, 128)
 MAX_SEQUENCES = 65535  # CUDA's limit on a launch grid's z size: sequence n is grid row n
@@ -24,8 +23,7 @@ _STATE_DTYPES = (torch.float32, torch.bfloat16)
 _TORCH_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _TORCH_NAMES.update({torch.int32: "int32", torch.int64: "int64"})
 # Value columns per CTA: 64 where every SM still gets a CTA (fewer CTAs repeat the token's staging less), else 32; 8
-# state elements per thread and row for a 16-bit V-first state, else 4 (timed on an H100: PERF.md, decode). The wide
-# shapes serve calls only with CULA_UNTESTED_KERNELS=1 until their GPU tests have run.
+# state elements per thread and row for a 16-bit V-first state, else 4 (timed on an H100: PERF.md, decode).
 WIDE_BLOCK_V, NARROW_BLOCK_V = 64, 32
 DEFAULT_SMS = 132  # where the call's tensors are not on a CUDA device (compile checks, CPU tests)
 
@@ -95,8 +93,6 @@ def _sms(device: torch.device) -> int:
 
 def block_shape(q: torch.Tensor, v: torch.Tensor, sequences: int, state_v_first: bool, state_dtype: torch.dtype):
     """``(block_v, vec)``: the value columns a CTA holds and the state elements a thread moves at once."""
-    if os.environ.get(ENV_UNTESTED, "0") != "1":
-        return NARROW_BLOCK_V, 4
     V, HV = v.shape[-1], v.shape[2]
     wide = min(WIDE_BLOCK_V, V)
     block_v = wide if sequences * HV * (V // wide) >= _sms(q.device) else NARROW_BLOCK_V
