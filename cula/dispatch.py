@@ -230,12 +230,12 @@ class Op:
 
     def _runner(self, args: dict[str, Any], implementation: str, direct: Callable) -> Callable:
         """How a chosen cuLA backend runs outside a compiled graph (a compiled call runs the ops with ``"auto"``,
-        :meth:`call`): through the custom ops where autograd needs their backward (a kernel's training call; the
-        reference is plain autograd); directly otherwise, which spares the ops' dispatch (about 20 us) and keeps the
-        reference's own autograd (no recomputation, double backward)."""
+        :meth:`call`): a kernel's training call through the ops' implementations under a plain autograd function
+        (:meth:`cula.custom_ops.EntryOps.train_eagerly`: the ops' forward and backward without their dispatch);
+        directly otherwise, which keeps the reference's own autograd (no recomputation, double backward)."""
         if implementation == REFERENCE or not requires_grad(args) or not self._held_by_ops(args):
             return direct
-        return lambda a: self.library(a, implementation, True)
+        return lambda a: self.library.train_eagerly(a, implementation)
 
     def decide(self, args: dict[str, Any]) -> tuple[Decision, Callable]:
         """The decision on a call, and how to run it."""
