@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cula import runtime
 from cula.ops import segment_split
 from cula.ops.segment_split import SplitCost
 
@@ -174,7 +175,7 @@ DEFAULT = default_times(TABLE)
 def times_for(device: torch.device | int | None = None) -> DeviceTimes:
     """The time models of ``device`` (a CUDA device, by its name): its row completed by :data:`DEFAULT`, or
     :data:`DEFAULT` for a GPU not in :data:`TABLE`."""
-    row = TABLE.get(torch.cuda.get_device_properties(device).name)
+    row = TABLE.get(runtime.device_properties(device).name)
     if row is None:
         return DEFAULT
     return DeviceTimes(row.label, {**DEFAULT.fla, **row.fla}, {**DEFAULT.kernels, **row.kernels})

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from cula import validation
+from cula import runtime, validation
 from cula.custom_ops import CHOSEN_AS_IT_RUNS, REFERENCE
 from cula.devices import FlaTime, KernelTime, times_for
 
@@ -170,7 +170,7 @@ class Op:
         q = args["q"]
         if not q.is_cuda:
             return (False, f"tensors are on {q.device.type}, CuTe DSL kernels need CUDA"), None
-        major, minor = torch.cuda.get_device_capability(q.device)
+        major, minor = runtime.device_capability(q.device)
         training = requires_grad(args)
         reasons = []
         for kernel in self.kernels:
@@ -495,7 +495,7 @@ def kernel_vs_fla(args: dict[str, Any], op: str, kernel: str) -> Verdict:
         offsets = validation.host_offsets(cu_seqlens, args.get("cu_seqlens_cpu"))
         lengths = [b - a for a, b in zip(offsets, offsets[1:], strict=False)]
     times = times_for(q.device)
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    sms = runtime.sm_count(q.device)
     ours, fla_ms = expected_ms(lengths, v.shape[2], sms, times.kernels[kernel], times.fla[op])
     if ours <= fla_ms:
         return True, ""

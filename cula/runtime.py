@@ -109,11 +109,60 @@ def host_to_device(x, device):
     return x.pin_memory().to(device, non_blocking=True)
 
 
-def device_arch(device=None) -> str:
-    """``"sm_90a"`` / ``"sm_100a"`` for the given (or current) CUDA device."""
+# What torch.cuda reports of each device, read once: dispatch asks for a GPU's name, capability and SM count several
+# times a call, each read a few microseconds of host time (a decode step's whole host path is ~50-150 us).
+_PROPERTIES: dict[tuple[str, int], Any] = {}
+
+
+def _device_index(device) -> int:
     import torch
 
-    major, minor = torch.cuda.get_device_capability(device)
+    if isinstance(device, int):
+        return device
+    device = None if device is None else torch.device(device)
+    if device is not None and device.index is not None:
+        return device.index
+    if device is not None and device.type != "cuda":
+        return 0  # a CPU tensor a test pretends is on a GPU
+    # the current device (0 until CUDA is initialised, as it is by any tensor on a GPU)
+    return torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+
+
+def _read_once(what: str, device, read: Callable[[int], Any]) -> Any:
+    key = (what, _device_index(device))
+    value = _PROPERTIES.get(key)
+    if value is None:
+        value = _PROPERTIES[key] = read(key[1])
+    return value
+
+
+def device_properties(device=None):
+    """``torch.cuda.get_device_properties(device)``, read once per device."""
+    import torch
+
+    return _read_once("properties", device, lambda index: torch.cuda.get_device_properties(index))
+
+
+def device_capability(device=None) -> tuple[int, int]:
+    """``torch.cuda.get_device_capability(device)``, read once per device."""
+    import torch
+
+    return _read_once("capability", device, lambda index: torch.cuda.get_device_capability(index))
+
+
+def sm_count(device=None) -> int:
+    """The device's number of SMs."""
+    return device_properties(device).multi_processor_count
+
+
+def forget_devices() -> None:
+    """Forget what was read of the devices (tests that pretend to have another GPU)."""
+    _PROPERTIES.clear()
+
+
+def device_arch(device=None) -> str:
+    """``"sm_90a"`` / ``"sm_100a"`` for the given (or current) CUDA device."""
+    major, minor = device_capability(device)
     return f"sm_{major}{minor}a"
 
 

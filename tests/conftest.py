@@ -1,4 +1,4 @@
-"""Shared fixtures: per-test seeds."""
+"""Shared fixtures: per-test seeds, and no device properties kept from one test to the next."""
 
 import pytest
 
@@ -16,3 +16,14 @@ def seeded(request):
     random.seed(seed)
     torch.manual_seed(seed)
     return seed
+
+
+@pytest.fixture(autouse=True)
+def fresh_device_reads():
+    """cuLA reads each device's properties once (:func:`cula.runtime.device_properties`); tests pretend to have other
+    GPUs by patching torch.cuda, so each test starts and ends with nothing read."""
+    from cula import runtime
+
+    runtime.forget_devices()
+    yield
+    runtime.forget_devices()

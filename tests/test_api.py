@@ -283,6 +283,7 @@ class FakeCuda:
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cc)
         props = type("Props", (), {"multi_processor_count": sms, "name": name})
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+        cula.runtime.forget_devices()  # what an earlier pretence left read
 
 
 def test_kernel_tables_pick_by_arch_and_support(monkeypatch):

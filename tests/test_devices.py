@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import cula
-from cula import devices, dispatch
+from cula import devices, dispatch, runtime
 from cula.devices import FlaTime, KernelTime
 from cula.ops import segment_split
 from cula.ops.segment_split import SplitCost
@@ -49,6 +49,7 @@ def gpu(monkeypatch):
     def pretend(name: str) -> None:
         props = SimpleNamespace(name=name, multi_processor_count=SMS)
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+        runtime.forget_devices()  # the name an earlier pretence left read
 
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from cula import validation
+from cula import runtime, validation
 from cula.dispatch import CuteKernel
 
 SUPPORTED_DIMS = (64, 128)
@@ -88,7 +88,7 @@ def supports(args: dict[str, Any], gates: Gates) -> tuple[bool, str]:
 def _sms(device: torch.device) -> int:
     if device.type != "cuda":
         return DEFAULT_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return runtime.sm_count(device)
 
 
 def block_shape(q: torch.Tensor, v: torch.Tensor, sequences: int, state_v_first: bool, state_dtype: torch.dtype):

@@ -176,7 +176,7 @@ def plan_call(kernel: ChunkKernel, call: ChunkCall) -> Plan:
     if call.split:
         cuts = [list(range(CHUNK * 16, n, CHUNK * 16)) for n in lengths]
     else:
-        sms = torch.cuda.get_device_properties(call.q.device).multi_processor_count
+        sms = runtime.sm_count(call.q.device)
         cuts = segment_split.plan_segments(lengths, HV, sms, CHUNK, kernel.split_cost(call))
     if cuts is not None and (not any(cuts) or sum(map(len, cuts)) + N > MAX_SEQUENCES):
         cuts = None  # nothing to cut, or more segments than a launch grid has rows: walk each sequence whole
@@ -295,7 +295,7 @@ def supports_qkv(q, k, v, beta, initial_state, cu_seqlens, dims, arch_major: int
     dispatch makes them contiguous."""
     if not (q.is_cuda and k.is_cuda and v.is_cuda):
         return False, "tensors are not on a CUDA device"
-    capability = torch.cuda.get_device_capability(q.device)
+    capability = runtime.device_capability(q.device)
     if capability not in ARCH_CAPABILITIES[arch_major]:
         wanted = " or ".join(f"{a}.{b}" for a, b in ARCH_CAPABILITIES[arch_major])
         return False, f"needs an SM{arch_major}0 GPU (compute capability {wanted}), got {capability}"
