@@ -7,6 +7,7 @@ is imported on the first call a kernel serves.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 
 from cula import runtime, validation
-from cula.dispatch import CuteKernel
+from cula.dispatch import ENV_UNTESTED, CuteKernel
 
 SUPPORTED_DIMS = (64, 128)
 MAX_SEQUENCES = 65535  # CUDA's limit on a launch grid's z size: sequence n is grid row n
@@ -25,6 +26,8 @@ _TORCH_NAMES.update({torch.int32: "int32", torch.int64: "int64"})
 # Value columns per CTA: 64 where every SM still gets a CTA (fewer CTAs repeat the token's staging less), else 32; 8
 # state elements per thread and row for a 16-bit V-first state, else 4 (timed on an H100: PERF.md, decode).
 WIDE_BLOCK_V, NARROW_BLOCK_V = 64, 32
+# A V-first decode step's value rows one at a time: ~65 registers a thread instead of up to 126 (sm_90a, 64 x 8)
+STREAM_ROWS = 1
 DEFAULT_SMS = 132  # where the call's tensors are not on a CUDA device (compile checks, CPU tests)
 
 
@@ -100,6 +103,15 @@ def block_shape(q: torch.Tensor, v: torch.Tensor, sequences: int, state_v_first:
     return block_v, vec
 
 
+def stream_rows(q: torch.Tensor, v_first: bool, varlen: bool, token_slots: bool) -> int:
+    """Value rows a thread steps at a time in a V-first decode step (one token per sequence, fixed length), the next
+    row's loads in flight (:class:`cula.recurrent.kernel.RecurrentConfig`), or 0 to hold them all. Compiled, not yet
+    run on a GPU: only with CULA_UNTESTED_KERNELS=1."""
+    if os.environ.get(ENV_UNTESTED, "0") != "1":
+        return 0
+    return STREAM_ROWS if v_first and q.shape[1] == 1 and not varlen and not token_slots else 0
+
+
 def config_for(args: dict[str, Any], gates: Gates) -> dict[str, Any]:
     """The kernel's :class:`cula.recurrent.kernel.RecurrentConfig` fields for a call."""
     q, v = args["q"], args["v"]
@@ -115,6 +127,7 @@ def config_for(args: dict[str, Any], gates: Gates) -> dict[str, Any]:
     v_first = bool(args.get("state_v_first", False))
     sequences = q.shape[0] if cu is None else cu.numel() - 1
     block_v, vec = block_shape(q, v, sequences, v_first, h0.dtype if h0 is not None else torch.float32)
+    token_slots = inplace and indices is not None and indices.dim() == 2
     return {
         "head_k": q.shape[-1],
         "head_v": v.shape[-1],
@@ -138,10 +151,11 @@ def config_for(args: dict[str, Any], gates: Gates) -> dict[str, Any]:
         "has_initial_state": h0 is not None,
         "indices": _TORCH_NAMES[indices.dtype] if indices is not None else "none",
         "accepted": _TORCH_NAMES[accepted.dtype] if accepted is not None else "none",
-        "token_slots": inplace and indices is not None and indices.dim() == 2,
+        "token_slots": token_slots,
         "final": final,
         "block_v": block_v,
         "vec": vec,
+        "stream_rows": stream_rows(q, v_first, cu is not None, token_slots),
     }
 
 
