@@ -5,24 +5,22 @@ the kernels (a step at B1 T8192 H64 spends ~2.3 ms in kernels, PERF.md).
 
 Each part is called ``--calls`` times after a warm-up with no synchronisation in between, and the host's wall time
 per call is printed (then the GPU is drained): the forward without and with autograd, the backward alone (on graphs
-made beforehand), and the backward's own steps (the chunk rows' index, both walks, the per-chunk kernel).
+made beforehand), the whole step, and two of the backward's own steps (the chunk rows' index, both walks).
 """
 
 import argparse
-import time
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks, run as a script
 
 
 def host_ms(fn, calls: int) -> float:
-    import torch
+    """``fn``'s host time per call after a warm-up call (:func:`benchmarks.run.host_issue_ms`)."""
+    from benchmarks.run import host_issue_ms
 
     fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e3
+    return host_issue_ms(fn, calls)
 
 
 def main() -> None:
