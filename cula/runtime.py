@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import tempfile
 import threading
 from collections.abc import Callable, Hashable, Sequence
@@ -95,6 +96,32 @@ def get_or_compile(key: Hashable, build_fn: Callable[[], Any]) -> Any:
 def clear_cache() -> None:
     with _CACHE_LOCK:
         _CACHE.clear()
+
+
+def device_plan_cache(maxsize: int):
+    """An LRU cache for ``fn(device, *hashable)`` that makes small tensors on the host and copies them to ``device`` by
+    :func:`host_to_device`: kept per CUDA stream (the asynchronous copy is ordered on the stream that made it, so
+    another stream could read it before it lands), and not kept while the stream captures a CUDA graph (the copy then
+    runs only when the graph replays). ``cache_clear`` empties it."""
+
+    def wrap(fn):
+        cached = functools.lru_cache(maxsize)(lambda stream, device, *args: fn(device, *args))
+
+        @functools.wraps(fn)
+        def call(device, *args):
+            import torch
+
+            stream = None
+            if device is not None and torch.device(device).type == "cuda":
+                if torch.cuda.is_current_stream_capturing():
+                    return fn(device, *args)
+                stream = torch.cuda.current_stream(device).stream_id
+            return cached(stream, device, *args)
+
+        call.cache_clear = cached.cache_clear
+        return call
+
+    return wrap
 
 
 def host_to_device(x, device):

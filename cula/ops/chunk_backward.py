@@ -34,8 +34,6 @@ Shapes: one sequence per call, heads first: q, k [H, T, K]; v, do [H, T, V]; g [
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from cula import runtime
@@ -185,11 +183,11 @@ def chunk_token_index(
     takes. Made without a loop over chunks: the host cost of a call with thousands of them. Kept for the last few
     batches' offsets (a model's layers, and every step of a fixed-length training run, ask for the same): callers
     only read it."""
-    return _chunk_token_index(tuple(offsets), fixed_length, None if device is None else str(device), chunk)
+    return _chunk_token_index(None if device is None else str(device), tuple(offsets), fixed_length, chunk)
 
 
-@functools.lru_cache(maxsize=16)
-def _chunk_token_index(offsets: tuple[int, ...], fixed_length: bool, device, chunk: int) -> tuple[torch.Tensor, int]:
+@runtime.device_plan_cache(maxsize=16)
+def _chunk_token_index(device, offsets: tuple[int, ...], fixed_length: bool, chunk: int) -> tuple[torch.Tensor, int]:
     n_tokens = offsets[-1]
     bounds = torch.tensor(offsets, dtype=torch.long)
     lengths = bounds[1:] - bounds[:-1]

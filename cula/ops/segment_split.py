@@ -259,7 +259,7 @@ class _SplitPlan(NamedTuple):
 
 # Kept for the last few splits seen: a model's layers split their batch the same way, so the plan is made and copied
 # to the device once per split, not once per pass and call.
-@functools.lru_cache(maxsize=16)
+@runtime.device_plan_cache(maxsize=16)
 def _split_plan(dev: str, offsets: tuple, cuts: tuple, aligned: bool) -> _SplitPlan:
     segs = segments(list(offsets), [list(c) for c in cuts])
     first = {n: i for i, (n, _, _) in reversed(list(enumerate(segs)))}

@@ -1,0 +1,59 @@
+"""cula.runtime's host-side helpers: device properties read once, and plans made on the host and copied to a GPU kept
+per stream, never while a stream captures a CUDA graph."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from cula import runtime
+from cula.ops import chunk_backward
+
+
+def test_a_devices_properties_are_read_once(monkeypatch):
+    reads = []
+
+    def properties(device=None):
+        reads.append(device)
+        return SimpleNamespace(multi_processor_count=132, name="NVIDIA H200")
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    assert runtime.sm_count(torch.device("cuda:1")) == 132
+    assert runtime.device_properties(1).name == "NVIDIA H200"
+    assert reads == [1]
+    runtime.forget_devices()
+    runtime.sm_count(torch.device("cuda:1"))
+    assert reads == [1, 1]
+
+
+def test_device_plans_are_kept_per_stream_and_never_while_a_graph_is_captured(monkeypatch):
+    made = []
+
+    @runtime.device_plan_cache(maxsize=4)
+    def plan(device, n):
+        made.append(n)
+        return object()
+
+    stream = SimpleNamespace(stream_id=1)
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    first = plan("cuda:0", 3)
+    assert plan("cuda:0", 3) is first and made == [3]
+    stream.stream_id = 2  # another stream: its own copy
+    assert plan("cuda:0", 3) is not first and made == [3, 3]
+    capturing[0] = True  # made afresh, and not kept
+    assert plan("cuda:0", 3) is not plan("cuda:0", 3) and made == [3, 3, 3, 3]
+    capturing[0] = False
+    stream.stream_id = 1
+    assert plan("cuda:0", 3) is first
+    assert plan("cpu", 3) is plan("cpu", 3)  # off CUDA: one per device
+
+
+def test_the_chunk_rows_index_is_kept_per_batch_layout():
+    index, rows = chunk_backward.chunk_token_index([0, 100, 200], True)
+    again, _ = chunk_backward.chunk_token_index([0, 100, 200], True)
+    other, other_rows = chunk_backward.chunk_token_index([0, 100, 201], False)
+    assert again is index and rows == 4
+    assert other is not index and other_rows == 4  # rows 0-1 and 2-3 (offsets[n] // 64 + n)
