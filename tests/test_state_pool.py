@@ -467,6 +467,36 @@ def test_a_pooled_gla_prefill_reaches_its_kernel(monkeypatch):
         CHUNK["gla"](**x, bogus=1)  # FLA's signature and the pool's two names, nothing else
 
 
+def test_a_bf16_pooled_prefill_reaches_the_kernels_only_when_asked(monkeypatch):
+    """The SM90 chunk kernels take a bf16 pool by index, compiled but not yet run on a GPU: only with
+    CULA_UNTESTED_KERNELS=1; without indices never, and a plain bf16 initial state is refused by validation."""
+    FakeCuda(monkeypatch)
+    T, D = 80, 64
+    x = {
+        "q": torch.randn(1, T, H, D).bfloat16(),
+        "k": torch.randn(1, T, H, D).bfloat16(),
+        "v": torch.randn(1, T, H, D).bfloat16(),
+        "g": F.logsigmoid(torch.randn(1, T, H, D)),
+        "cu_seqlens": torch.tensor([0, 70, 80]),
+        "initial_state": torch.zeros(5, H, D, D, dtype=torch.bfloat16),
+        "ssm_state_indices": torch.tensor([3, 1]),
+    }
+    decision = cula.explain(CHUNK["gla"], **x)
+    assert decision.backend != "cute" and "CULA_UNTESTED_KERNELS=1" in dict(decision.rejected)["cute"]
+    monkeypatch.setenv("CULA_UNTESTED_KERNELS", "1")
+    assert cula.explain(CHUNK["gla"], **x).backend == "cute"
+    without_indices = {
+        **x,
+        "ssm_state_indices": None,
+        "inplace_final_state": True,
+        "initial_state": x["initial_state"][:2],
+    }
+    assert "without ssm_state_indices" in dict(cula.explain(CHUNK["gla"], **without_indices).rejected)["cute"]
+    plain = {**x, "ssm_state_indices": None, "initial_state": x["initial_state"][:2]}
+    with pytest.raises(TypeError, match="initial_state"):  # FLA's chunk ops take fp32 initial states
+        cula.explain(CHUNK["gla"], **plain)
+
+
 def test_what_fla_receives(monkeypatch):
     """A pooled call hands FLA's fused_recurrent_kda_fwd the pool itself and contiguous inputs; a call without a
     pool hands FLA's public op no pool argument (FLA's fused_recurrent_lightning_attn takes no ``**kwargs``)."""
@@ -610,11 +640,16 @@ def gpu_chunk_call(variant: str, lengths: list[int], slots: int, D: int = 128) -
 @needs_gpu
 @pytest.mark.parametrize("variant", list(CHUNK_GPU))
 @pytest.mark.parametrize("inplace", [True, False])
-def test_gpu_chunk_kernels_read_and_write_the_pool(monkeypatch, variant, inplace):
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_gpu_chunk_kernels_read_and_write_the_pool(monkeypatch, variant, inplace, pool_dtype):
     """Prefill on a pool: the chunk kernel reads each sequence's state from its slot and writes it back in place (or
-    returns fp32 final states), against the reference on the same inputs; slots not named stay bit for bit."""
+    returns fp32 final states), against the reference on the same inputs; slots not named stay bit for bit. A bf16
+    pool is read and written in bf16 (fp32 math), served with CULA_UNTESTED_KERNELS=1 until this test has run."""
     fn, lengths, slots = CHUNK_GPU[variant], [70, 1, 130, 64], 9
     x = gpu_chunk_call(variant, lengths, slots)
+    x["initial_state"] = x["initial_state"].to(pool_dtype)
+    if pool_dtype == torch.bfloat16:
+        monkeypatch.setenv("CULA_UNTESTED_KERNELS", "1")
     x["ssm_state_indices"] = torch.tensor([5, 0, 8, 2], dtype=torch.int32, device="cuda")
     if not inplace:
         x.update(inplace_final_state=False, output_final_state=True)
@@ -628,8 +663,9 @@ def test_gpu_chunk_kernels_read_and_write_the_pool(monkeypatch, variant, inplace
     for n in range(len(lengths)):
         assert rel(o[:, starts[n] : starts[n + 1]], o_ref[:, starts[n] : starts[n + 1]]) <= 5e-3, n
     if inplace:
-        assert state is x["initial_state"]
-        assert rel(state[[5, 0, 8, 2]], state_ref[[5, 0, 8, 2]]) <= 5e-3
+        assert state is x["initial_state"] and state.dtype == pool_dtype
+        assert rel(state[[5, 0, 8, 2]].float(), state_ref[[5, 0, 8, 2]].float()) <= 5e-3
         assert torch.equal(state[[1, 3, 4, 6, 7]], before[[1, 3, 4, 6, 7]])
     else:
-        assert rel(state, state_ref) <= 5e-3 and torch.equal(x["initial_state"], before)
+        assert state.dtype == torch.float32 and rel(state, state_ref) <= 5e-3
+        assert torch.equal(x["initial_state"], before)

@@ -246,9 +246,10 @@ class GLAChunkFwdSm90(kda.KDAChunkFwdSm90):
 
 
 # -------------------------------------------------------------------- host side
-def supports(q, k, v, g, initial_state=None, cu_seqlens=None) -> tuple[bool, str]:
-    """Whether :func:`chunk_gla_fwd_sm90` can serve these inputs, and why not."""
-    ok, why = entry.supports_qkv(q, k, v, None, initial_state, cu_seqlens, SUPPORTED_DIMS)
+def supports(q, k, v, g, initial_state=None, cu_seqlens=None, pooled=False) -> tuple[bool, str]:
+    """Whether :func:`chunk_gla_fwd_sm90` can serve these inputs, and why not (``pooled``: the initial state is a
+    state pool)."""
+    ok, why = entry.supports_qkv(q, k, v, None, initial_state, cu_seqlens, SUPPORTED_DIMS, pooled=pooled)
     if not ok:
         return ok, why
     if v.shape[2] != q.shape[2]:
@@ -263,7 +264,7 @@ def compile_gla_fwd_sm90(arch="sm_90a", *, beta_fp32=True, state_v_first=False, 
     intra "none"), compiled on any machine for ``arch``. Beta's slot is never read (fp32, as the host fills it)."""
     cfg = ChunkFwdConfig(**{**config, "delta_rule": False})
     walk = cfg.walk != "output"
-    fake = entry.fake_args(cfg.head_dim, beta_fp32, state_v_first, per_key_gate=True, checkpoints=walk)
+    fake = entry.fake_args(cfg.head_dim, beta_fp32, state_v_first, per_key_gate=True, checkpoints=walk, config=cfg)
     return runtime.compile_kernel(GLAChunkFwdSm90(cfg), fake, arch, keep_artifacts)
 
 
@@ -307,6 +308,7 @@ entry.register_checked(
         "[fixed length]",
         "[pool]",
         "[pool, read only]",
+        "[bf16 pool]",
         "[D=64]",
         "[transition]",
         "[correction]",

@@ -913,11 +913,11 @@ def store_score_half(acc, cH, half: cutlass.Constexpr, scale, st_p, thr_stp, sP)
 
 
 # -------------------------------------------------------------------- host side: KDA's place in the SM90 path
-def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, **_) -> tuple[bool, str]:
+def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, pooled=False, **_) -> tuple[bool, str]:
     """Whether :func:`chunk_kda_fwd_sm90` can serve these inputs, and why not. The gate bound (g >= -5) is the
     caller's promise (FLA's ``safe_gate``) and is not checked here. g: fp32 (activated), or bf16 (raw, activated by
-    the kernel: the entry's ``gate``)."""
-    ok, why = entry.supports_qkv(q, k, v, beta, initial_state, cu_seqlens, SUPPORTED_DIMS)
+    the kernel: the entry's ``gate``); ``pooled``: the initial state is a state pool."""
+    ok, why = entry.supports_qkv(q, k, v, beta, initial_state, cu_seqlens, SUPPORTED_DIMS, pooled=pooled)
     if not ok:
         return ok, why
     if g is not None and (
@@ -944,7 +944,9 @@ def compile_kda_fwd_sm90(
     """The KDA chunk kernel for ``config`` (:class:`cula.sm90.chunk_fwd.ChunkFwdConfig` fields), compiled on any
     machine for ``arch``."""
     cfg = ChunkFwdConfig(**config)
-    fake = entry.fake_args(cfg.head_dim, beta_fp32, state_v_first, per_key_gate=True, raw_gate=gate_in_kernel)
+    fake = entry.fake_args(
+        cfg.head_dim, beta_fp32, state_v_first, per_key_gate=True, raw_gate=gate_in_kernel, config=cfg
+    )
     return runtime.compile_kernel(KDAChunkFwdSm90(cfg, gate_in_kernel), fake, arch, keep_artifacts)
 
 
@@ -1028,6 +1030,7 @@ entry.register_checked(
         "[correction]": (28, 0),
         "[fixed length]": (6, 0),
         "[pool]": (30, 0),
+        "[bf16 pool]": (30, 0),
         "[gate in kernel, D=64, qk_l2norm]": (66, 0),
         "[gate in kernel, intra load, correction]": (8, 0),
         "[gate in kernel, qk_l2norm, bf16 beta, fixed length]": (8, 0),

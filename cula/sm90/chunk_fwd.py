@@ -76,6 +76,8 @@ class ChunkFwdConfig:
     # a state pool: "read" takes sequence n's initial state from h0 row slots[n] (final states to ht row n),
     # "read_write" also writes its final state to row slots[n] of ht (the pool itself, updated in place)
     state_slots: str = "none"
+    # the pool's storage ("bfloat16": an engine's bf16 pool, read and written by slot; the math stays fp32)
+    state_dtype: str = "float32"
     walk: str = "output"
 
     def __post_init__(self):
@@ -86,6 +88,7 @@ class ChunkFwdConfig:
         assert self.intra != "load" or self.mode != "full", self
         assert self.state_slots in STATE_SLOTS, self
         assert self.state_slots == "none" or (self.has_initial_state and self.mode == "full"), self
+        assert self.state_dtype == "float32" or (self.state_dtype == "bfloat16" and self.state_slots != "none"), self
         assert self.walk in WALKS, self
         assert self.walk == "output" or (
             self.mode == "full" and self.intra == "none" and not self.qk_l2norm and self.state_slots == "none"

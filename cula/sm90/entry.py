@@ -205,9 +205,10 @@ def chunk_fwd(kernel: ChunkKernel, call: ChunkCall) -> tuple[torch.Tensor, torch
     if slots is not None:
         slots = slots if slots.dtype == torch.int32 else slots.to(torch.int32)
         state_slots = "read_write" if call.inplace else "read"
+    state_dtype = "bfloat16" if state_slots != "none" and h0.dtype == torch.bfloat16 else "float32"
     config = ChunkFwdConfig(
         K, starts is not None, h0 is not None, qk_l2norm=call.qk_l2norm, delta_rule=kernel.delta_rule,
-        state_slots=state_slots,
+        state_slots=state_slots, state_dtype=state_dtype,
     )  # fmt: skip
     tensors = LaunchTensors(call.q, call.k, call.v, call.g, call.beta, o, h0, ht, starts, ends, slots=slots)
     launch(kernel, call, config, tensors, scale)
@@ -289,9 +290,12 @@ def pool_fields(args: dict) -> dict:
 ARCH_CAPABILITIES = {9: ((9, 0),), 10: ((10, 0), (10, 3))}
 
 
-def supports_qkv(q, k, v, beta, initial_state, cu_seqlens, dims, arch_major: int = 9) -> tuple[bool, str]:
+def supports_qkv(
+    q, k, v, beta, initial_state, cu_seqlens, dims, arch_major: int = 9, pooled: bool = False
+) -> tuple[bool, str]:
     """The checks every chunk kernel makes but the gate's: device (a GPU of ``arch_major``'s capabilities), dtypes,
-    shapes, head dims in ``dims`` (K = V), GVA, beta, varlen batch, fp32 initial state. Strided inputs are served:
+    shapes, head dims in ``dims`` (K = V), GVA, beta, varlen batch, fp32 initial state (or a bf16 pool on SM90:
+    ``pooled``, :func:`cula.validation.pooled`). Strided inputs are served:
     dispatch makes them contiguous."""
     if not (q.is_cuda and k.is_cuda and v.is_cuda):
         return False, "tensors are not on a CUDA device"
@@ -317,12 +321,19 @@ def supports_qkv(q, k, v, beta, initial_state, cu_seqlens, dims, arch_major: int
     if sequences > MAX_SEQUENCES:
         return False, f"{sequences} sequences: the launch grid takes at most {MAX_SEQUENCES} (one CTA row each)"
     if initial_state is not None and initial_state.dtype != torch.float32:
-        return False, "initial_state must be float32"
+        if not (pooled and arch_major == 9 and initial_state.dtype == torch.bfloat16):
+            return False, "initial_state must be float32 (or, on SM90, a bf16 state pool)"
     return True, ""
 
 
 def fake_args(
-    D: int, beta_fp32: bool, state_v_first: bool, per_key_gate: bool, raw_gate: bool = False, checkpoints: bool = False
+    D: int,
+    beta_fp32: bool,
+    state_v_first: bool,
+    per_key_gate: bool,
+    raw_gate: bool = False,
+    checkpoints: bool = False,
+    config: ChunkFwdConfig | None = None,
 ) -> tuple:
     """Fake arguments for compiling a chunk kernel, in its launch order ``q, k, v, g, beta, o, h0, ht, starts, ends,
     w, slots, scale[, a_log, dt_bias, lower_bound, wb, wd], stream``: q, k [B, T, H, D], v and o [B, T, HV, D] bf16; g
@@ -331,13 +342,16 @@ def fake_args(
     (wb [ranges, rows, HV, D] bf16, wd [ranges, chunks, HV, D] fp32); beta fp32 or bf16; the states (N, HV, K, V)
     fp32, stored [N, HV, V, K] (K contiguous) with ``state_v_first``; int32 token ranges; the split passes' workspace
     [ranges, rows, HV, 64] bf16, or with ``checkpoints`` the state walks' [rows, HV, D, D] bf16; a state pool's int32
-    rows. Batch, length, head and range counts symbolic."""
+    rows. A bf16 pool (``config.state_dtype``) is h0, and ht too where the pool is written. Batch, length, head and
+    range counts symbolic."""
     import cutlass
 
     sym = runtime.sym_int
     B, T, H, HV, N, n_ranges = sym(), sym(), sym(), sym(), sym(), sym()
     bf16, f32 = cutlass.BFloat16, cutlass.Float32
     state_order = (3, 2, 0, 1) if state_v_first else None
+    pool = bf16 if config is not None and config.state_dtype == "bfloat16" else f32
+    final = pool if config is not None and config.state_slots == "read_write" else f32
     g = (
         runtime.fake_tensor(bf16 if raw_gate else f32, (B, T, HV, D))
         if per_key_gate
@@ -361,8 +375,8 @@ def fake_args(
         # joined at once, so the load's whole latency is waited where it is issued
         runtime.fake_tensor(f32 if beta_fp32 else bf16, (B, T, HV), align=4 if beta_fp32 else 2),
         runtime.fake_tensor(bf16, (B, T, HV, D)),
-        runtime.fake_tensor(f32, (sym(), HV, D, D), state_order),  # h0: N rows, or a pool's slots
-        runtime.fake_tensor(f32, (N, HV, D, D), state_order),
+        runtime.fake_tensor(pool, (sym(), HV, D, D), state_order),  # h0: N rows, or a pool's slots
+        runtime.fake_tensor(final, (N, HV, D, D), state_order),
         runtime.fake_tensor(cutlass.Int32, (n_ranges,), align=4),
         runtime.fake_tensor(cutlass.Int32, (n_ranges,), align=4),
         runtime.fake_tensor(bf16, (sym(), HV, D, D) if checkpoints else (sym(), sym(), HV, 64)),
@@ -381,6 +395,9 @@ CONFIGS = {
     "[fixed length]": {},
     "[pool]": {"is_varlen": True, "has_initial_state": True, "state_slots": "read_write"},
     "[pool, read only]": {"has_initial_state": True, "state_slots": "read"},
+    "[bf16 pool]": {
+        "is_varlen": True, "has_initial_state": True, "state_slots": "read_write", "state_dtype": "bfloat16",
+    },
     "[qk_l2norm]": {"is_varlen": True, "has_initial_state": True, "qk_l2norm": True},
     "[D=64]": {"head_dim": 64, "is_varlen": True, "has_initial_state": True},
     "[transition]": {"is_varlen": True, "mode": "transition"},
@@ -401,9 +418,9 @@ CONFIGS = {
 }  # fmt: skip
 # The delta-rule kernels' (GDN's, KDA's) set: every mode, intra pass and the q/k norm
 DELTA_CONFIGS = (
-    "", "[fixed length]", "[pool]", "[qk_l2norm]", "[D=64]", "[transition]", "[correction]", "[intra save]",
-    "[intra load, transition]", "[intra load, correction]", "[D=64, intra save]", "[D=64, intra load, correction]",
-    "[qk_l2norm, intra save]", "[qk_l2norm, intra load, correction]",
+    "", "[fixed length]", "[pool]", "[bf16 pool]", "[qk_l2norm]", "[D=64]", "[transition]", "[correction]",
+    "[intra save]", "[intra load, transition]", "[intra load, correction]", "[D=64, intra save]",
+    "[D=64, intra load, correction]", "[qk_l2norm, intra save]", "[qk_l2norm, intra load, correction]",
 )  # fmt: skip
 # The walks of the backward, in each walk's direction
 WALK_CONFIGS = ("[states walk]", "[state-gradient walk]", "[state-gradient walk, fixed length]")

@@ -526,5 +526,7 @@ def compile_fwd(
     the delta rule, simple GLA's without), compiled on any machine for ``arch``; ``kernel_class``: another
     architecture's kernel of the same launch arguments (SM100's)."""
     cfg = ChunkFwdConfig(**config)
-    fake = entry.fake_args(cfg.head_dim, beta_fp32, state_v_first, per_key_gate=False, checkpoints=cfg.walk != "output")
+    fake = entry.fake_args(
+        cfg.head_dim, beta_fp32, state_v_first, per_key_gate=False, checkpoints=cfg.walk != "output", config=cfg
+    )
     return runtime.compile_kernel((kernel_class or ScalarGateChunkFwdSm90)(cfg), fake, arch, keep_artifacts)

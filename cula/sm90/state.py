@@ -1,6 +1,6 @@
 """The fp32 state held as S^T in a warpgroup's wgmma accumulator: value rows ``[row0, row0 + 64)`` of S^T (V x K)
 over all K key columns. Initial states are read and final states written straight between the accumulator and
-global memory (``[N, HV, K, V]``, or its transposed view for ``state_v_first`` storage)."""
+global memory (``[N, HV, K, V]``, or its transposed view for ``state_v_first`` storage), fp32 or a bf16 pool's."""
 
 import cutlass
 import cutlass.cute as cute
@@ -26,7 +26,7 @@ def load_state(acc_s, cST, mH0, n, hv, row0):
     coordinates ``cST``), read from ``mH0[n, hv]`` indexed (K, V)."""
     for i in cutlass.range_constexpr(cute.size(acc_s)):
         rh, kh = cST[i]
-        acc_s[i] = mH0[n, hv, kh, row0 + rh]
+        acc_s[i] = mH0[n, hv, kh, row0 + rh].to(cutlass.Float32)
 
 
 @cute.jit
@@ -34,7 +34,7 @@ def store_state(acc_s, cST, mHt, n, hv, row0):
     """The inverse of :func:`load_state`: ``acc_s`` to ``mHt[n, hv]``."""
     for i in cutlass.range_constexpr(cute.size(acc_s)):
         rf, kf = cST[i]
-        mHt[n, hv, kf, row0 + rf] = acc_s[i]
+        mHt[n, hv, kf, row0 + rf] = acc_s[i].to(mHt.element_type)
 
 
 @cute.jit
