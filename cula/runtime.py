@@ -7,6 +7,7 @@ on the current torch stream (about 7 us host time per call instead of ~60 us thr
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -100,25 +101,43 @@ def clear_cache() -> None:
 
 def device_plan_cache(maxsize: int):
     """An LRU cache for ``fn(device, *hashable)`` that makes small tensors on the host and copies them to ``device`` by
-    :func:`host_to_device`: kept per CUDA stream (the asynchronous copy is ordered on the stream that made it, so
-    another stream could read it before it lands), and not kept while the stream captures a CUDA graph (the copy then
-    runs only when the graph replays). ``cache_clear`` empties it."""
+    :func:`host_to_device`. An entry serves calls on the CUDA stream that made it (the asynchronous copy is ordered on
+    that stream: another stream could read it before it lands), and any call while a stream captures a CUDA graph
+    (``torch.cuda.graph`` synchronises the device before capturing, so every entry has landed); a plan first made
+    during a capture is not kept (its copy runs only when the graph replays). ``cache_clear`` empties it."""
 
     def wrap(fn):
-        cached = functools.lru_cache(maxsize)(lambda stream, device, *args: fn(device, *args))
+        entries: collections.OrderedDict = collections.OrderedDict()  # (device, *args) -> (stream id, plan)
+        lock = threading.Lock()
 
         @functools.wraps(fn)
         def call(device, *args):
             import torch
 
-            stream = None
+            key = (device, *args)
+            stream, capturing = None, False
             if device is not None and torch.device(device).type == "cuda":
-                if torch.cuda.is_current_stream_capturing():
-                    return fn(device, *args)
-                stream = torch.cuda.current_stream(device).stream_id
-            return cached(stream, device, *args)
+                capturing = torch.cuda.is_current_stream_capturing()
+                stream = None if capturing else torch.cuda.current_stream(device).stream_id
+            with lock:
+                hit = entries.get(key)
+                if hit is not None and (capturing or hit[0] == stream):
+                    entries.move_to_end(key)
+                    return hit[1]
+            plan = fn(device, *args)
+            if not capturing:
+                with lock:
+                    entries[key] = (stream, plan)
+                    entries.move_to_end(key)
+                    while len(entries) > maxsize:
+                        entries.popitem(last=False)
+            return plan
 
-        call.cache_clear = cached.cache_clear
+        def cache_clear():
+            with lock:
+                entries.clear()
+
+        call.cache_clear = cache_clear
         return call
 
     return wrap
