@@ -445,20 +445,25 @@ def test_pools_fla_cannot_take_go_to_the_reference_with_the_reason(monkeypatch):
         FUSED["gdn"](**inputs("gdn", 3, 1), initial_state=new_pool("gdn", 6), ssm_state_indices=indices)
 
 
-def test_a_pooled_gla_prefill_reaches_its_kernel(monkeypatch):
-    """On an SM90 GLA's pooled chunk kernel serves a pooled prefill; with the kernel forced off the reference does
-    (FLA's chunk_gla takes no pool), saying why."""
-    FakeCuda(monkeypatch)
+def gla_pool_prefill(pool_dtype: torch.dtype) -> dict:
+    """A GLA prefill of two sequences (70 and 10 tokens, D = 64) on a pool of 5 slots of ``pool_dtype``."""
     T, D = 80, 64
-    x = {
+    return {
         "q": torch.randn(1, T, H, D).bfloat16(),
         "k": torch.randn(1, T, H, D).bfloat16(),
         "v": torch.randn(1, T, H, D).bfloat16(),
         "g": F.logsigmoid(torch.randn(1, T, H, D)),
         "cu_seqlens": torch.tensor([0, 70, 80]),
-        "initial_state": torch.zeros(5, H, D, D),
+        "initial_state": torch.zeros(5, H, D, D, dtype=pool_dtype),
         "ssm_state_indices": torch.tensor([3, 1]),
     }
+
+
+def test_a_pooled_gla_prefill_reaches_its_kernel(monkeypatch):
+    """On an SM90 GLA's pooled chunk kernel serves a pooled prefill; with the kernel forced off the reference does
+    (FLA's chunk_gla takes no pool), saying why."""
+    FakeCuda(monkeypatch)
+    x = gla_pool_prefill(torch.float32)
     assert cula.explain(CHUNK["gla"], **x).backend == "cute"
     monkeypatch.setenv("CULA_BACKEND", "fla")
     with pytest.raises(cula.BackendUnavailableError, match="chunk_gla takes no"):
@@ -471,16 +476,7 @@ def test_a_bf16_pooled_prefill_reaches_the_kernels_only_when_asked(monkeypatch):
     """The SM90 chunk kernels take a bf16 pool by index, compiled but not yet run on a GPU: only with
     CULA_UNTESTED_KERNELS=1; without indices never, and a plain bf16 initial state is refused by validation."""
     FakeCuda(monkeypatch)
-    T, D = 80, 64
-    x = {
-        "q": torch.randn(1, T, H, D).bfloat16(),
-        "k": torch.randn(1, T, H, D).bfloat16(),
-        "v": torch.randn(1, T, H, D).bfloat16(),
-        "g": F.logsigmoid(torch.randn(1, T, H, D)),
-        "cu_seqlens": torch.tensor([0, 70, 80]),
-        "initial_state": torch.zeros(5, H, D, D, dtype=torch.bfloat16),
-        "ssm_state_indices": torch.tensor([3, 1]),
-    }
+    x = gla_pool_prefill(torch.bfloat16)
     decision = cula.explain(CHUNK["gla"], **x)
     assert decision.backend != "cute" and "CULA_UNTESTED_KERNELS=1" in dict(decision.rejected)["cute"]
     monkeypatch.setenv("CULA_UNTESTED_KERNELS", "1")
