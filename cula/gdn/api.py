@@ -169,9 +169,8 @@ def _sm90_supports(args: dict[str, Any]) -> tuple[bool, str]:
     from cula.gdn import chunk_fwd_sm90  # imports the CuTe DSL: only on an SM90 device
 
     return chunk_fwd_sm90.supports(
-        args["q"], args["k"], args["v"], None, None, args["initial_state"], args["cu_seqlens"],
-        pooled=validation.pooled(args),
-    )  # fmt: skip
+        args["q"], args["k"], args["v"], None, None, args["initial_state"], args["cu_seqlens"]
+    )
 
 
 def _sm90_faster_than_fla(args: dict[str, Any]) -> tuple[bool, str]:

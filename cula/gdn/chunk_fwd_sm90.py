@@ -17,10 +17,9 @@ SUPPORTED_DIMS = (64, 128)
 # The kernel's time model (its time per chunk, its split passes' costs) is in cula/devices.py, per GPU.
 
 
-def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, pooled=False, **_) -> tuple[bool, str]:
-    """Whether :func:`chunk_gated_delta_rule_fwd_sm90` can serve these inputs, and why not (``pooled``: the initial
-    state is a state pool)."""
-    ok, why = entry.supports_qkv(q, k, v, beta, initial_state, cu_seqlens, SUPPORTED_DIMS, pooled=pooled)
+def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, **_) -> tuple[bool, str]:
+    """Whether :func:`chunk_gated_delta_rule_fwd_sm90` can serve these inputs, and why not."""
+    ok, why = entry.supports_qkv(q, k, v, beta, initial_state, cu_seqlens, SUPPORTED_DIMS)
     if not ok:
         return ok, why
     if g is not None and (g.dtype != torch.float32 or g.shape != v.shape[:3]):

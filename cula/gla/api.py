@@ -126,9 +126,8 @@ def _sm90_supports(args: dict[str, Any]) -> tuple[bool, str]:
     from cula.gla import chunk_fwd_sm90  # imports the CuTe DSL: only on an SM90 device
 
     return chunk_fwd_sm90.supports(
-        args["q"], args["k"], args["v"], args["g"], args["initial_state"], args["cu_seqlens"],
-        pooled=validation.pooled(args),
-    )  # fmt: skip
+        args["q"], args["k"], args["v"], args["g"], args["initial_state"], args["cu_seqlens"]
+    )
 
 
 def _sm90_run(args: dict[str, Any]):

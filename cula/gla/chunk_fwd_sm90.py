@@ -246,10 +246,9 @@ class GLAChunkFwdSm90(kda.KDAChunkFwdSm90):
 
 
 # -------------------------------------------------------------------- host side
-def supports(q, k, v, g, initial_state=None, cu_seqlens=None, pooled=False) -> tuple[bool, str]:
-    """Whether :func:`chunk_gla_fwd_sm90` can serve these inputs, and why not (``pooled``: the initial state is a
-    state pool)."""
-    ok, why = entry.supports_qkv(q, k, v, None, initial_state, cu_seqlens, SUPPORTED_DIMS, pooled=pooled)
+def supports(q, k, v, g, initial_state=None, cu_seqlens=None) -> tuple[bool, str]:
+    """Whether :func:`chunk_gla_fwd_sm90` can serve these inputs, and why not."""
+    ok, why = entry.supports_qkv(q, k, v, None, initial_state, cu_seqlens, SUPPORTED_DIMS)
     if not ok:
         return ok, why
     if v.shape[2] != q.shape[2]:

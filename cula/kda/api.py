@@ -180,9 +180,8 @@ def _sm90_supports(args: dict[str, Any]) -> tuple[bool, str]:
 
     # g and beta are checked after the pre-passes of _sm90_run, which give them the kernel's dtypes
     return chunk_fwd_sm90.supports(
-        args["q"], args["k"], args["v"], None, None, args["initial_state"], args["cu_seqlens"],
-        pooled=validation.pooled(args),
-    )  # fmt: skip
+        args["q"], args["k"], args["v"], None, None, args["initial_state"], args["cu_seqlens"]
+    )
 
 
 def _sm90_run(args: dict[str, Any]):

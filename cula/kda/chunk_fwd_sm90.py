@@ -913,11 +913,11 @@ def store_score_half(acc, cH, half: cutlass.Constexpr, scale, st_p, thr_stp, sP)
 
 
 # -------------------------------------------------------------------- host side: KDA's place in the SM90 path
-def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, pooled=False, **_) -> tuple[bool, str]:
+def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, **_) -> tuple[bool, str]:
     """Whether :func:`chunk_kda_fwd_sm90` can serve these inputs, and why not. The gate bound (g >= -5) is the
     caller's promise (FLA's ``safe_gate``) and is not checked here. g: fp32 (activated), or bf16 (raw, activated by
-    the kernel: the entry's ``gate``); ``pooled``: the initial state is a state pool."""
-    ok, why = entry.supports_qkv(q, k, v, beta, initial_state, cu_seqlens, SUPPORTED_DIMS, pooled=pooled)
+    the kernel: the entry's ``gate``)."""
+    ok, why = entry.supports_qkv(q, k, v, beta, initial_state, cu_seqlens, SUPPORTED_DIMS)
     if not ok:
         return ok, why
     if g is not None and (

@@ -248,10 +248,7 @@ def _kernel_entry(arch: str):
         if declined:
             return declined
         g, g_gamma = args.get("g"), args.get("g_gamma")
-        return module().supports(
-            args["q"], args["k"], args["v"], g, g_gamma, args["initial_state"], args["cu_seqlens"],
-            pooled=validation.pooled(args),
-        )  # fmt: skip
+        return module().supports(args["q"], args["k"], args["v"], g, g_gamma, args["initial_state"], args["cu_seqlens"])
 
     def run(args: dict[str, Any]):
         from cula.sm90.entry import pool_fields

@@ -23,13 +23,11 @@ SUPPORTED_DIMS = (64, 128)
 
 
 def supports(
-    q, k, v, g=None, g_gamma=None, initial_state=None, cu_seqlens=None, dims=SUPPORTED_DIMS, arch_major=9,
-    pooled=False, **_,
-) -> tuple[bool, str]:  # fmt: skip
+    q, k, v, g=None, g_gamma=None, initial_state=None, cu_seqlens=None, dims=SUPPORTED_DIMS, arch_major=9, **_
+) -> tuple[bool, str]:
     """Whether :func:`chunk_simple_gla_fwd_sm90` can serve these inputs, and why not (``dims`` and ``arch_major``:
-    the head dims and GPU architecture of the kernel asked, SM90's by default; ``pooled``: the initial state is a
-    state pool)."""
-    ok, why = entry.supports_qkv(q, k, v, None, initial_state, cu_seqlens, dims, arch_major, pooled=pooled)
+    the head dims and GPU architecture of the kernel asked, SM90's by default)."""
+    ok, why = entry.supports_qkv(q, k, v, None, initial_state, cu_seqlens, dims, arch_major)
     if not ok:
         return ok, why
     if q.shape[2] != v.shape[2]:

@@ -290,13 +290,11 @@ def pool_fields(args: dict) -> dict:
 ARCH_CAPABILITIES = {9: ((9, 0),), 10: ((10, 0), (10, 3))}
 
 
-def supports_qkv(
-    q, k, v, beta, initial_state, cu_seqlens, dims, arch_major: int = 9, pooled: bool = False
-) -> tuple[bool, str]:
+def supports_qkv(q, k, v, beta, initial_state, cu_seqlens, dims, arch_major: int = 9) -> tuple[bool, str]:
     """The checks every chunk kernel makes but the gate's: device (a GPU of ``arch_major``'s capabilities), dtypes,
-    shapes, head dims in ``dims`` (K = V), GVA, beta, varlen batch, fp32 initial state (or a bf16 pool on SM90:
-    ``pooled``, :func:`cula.validation.pooled`). Strided inputs are served:
-    dispatch makes them contiguous."""
+    shapes, head dims in ``dims`` (K = V), GVA, beta, varlen batch, fp32 initial state (bf16 on SM90, which validation
+    admits only as a state pool, and :func:`cula.dispatch.pool_declines` only by index and when asked). Strided
+    inputs are served: dispatch makes them contiguous."""
     if not (q.is_cuda and k.is_cuda and v.is_cuda):
         return False, "tensors are not on a CUDA device"
     capability = runtime.device_capability(q.device)
@@ -320,9 +318,9 @@ def supports_qkv(
     sequences = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     if sequences > MAX_SEQUENCES:
         return False, f"{sequences} sequences: the launch grid takes at most {MAX_SEQUENCES} (one CTA row each)"
-    if initial_state is not None and initial_state.dtype != torch.float32:
-        if not (pooled and arch_major == 9 and initial_state.dtype == torch.bfloat16):
-            return False, "initial_state must be float32 (or, on SM90, a bf16 state pool)"
+    states = (torch.float32, torch.bfloat16) if arch_major == 9 else (torch.float32,)
+    if initial_state is not None and initial_state.dtype not in states:
+        return False, "initial_state must be float32 (or, on SM90, a bf16 state pool)"
     return True, ""
 
 
