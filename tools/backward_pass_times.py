@@ -60,31 +60,44 @@ def inputs(op: str, B: int, T: int, H: int, gate: str):
     return args, do
 
 
-def passes(op: str, args: dict, do) -> dict:
-    """The backward's passes alone on ``args``."""
+def entry_point(op: str):
+    """The public op of ``op``."""
+    import cula
+
+    return {"gdn": cula.gdn.chunk_gated_delta_rule, "gla": cula.gla.chunk_gla}.get(op, cula.lightning.chunk_simple_gla)
+
+
+def walk_operands(op: str, args: dict) -> tuple:
+    """``(kernel, g, beta, rows_beta)``: the SM90 chunk kernel whose walks the backward of ``op`` runs, the gate and
+    beta as it takes them, and the beta :func:`cula.ops.chunk_backward.rows_backward` reads (None without the delta
+    rule)."""
     import torch
 
+    v = args["v"]
+    if op == "gdn":
+        from cula.gdn.chunk_fwd_sm90 import GDN_SM90 as kernel
+
+        return kernel, args["g"], args["beta"], args["beta"]
+    if op == "gla":
+        from cula.gla.chunk_fwd_sm90 import GLA_SM90 as kernel
+
+        beta = torch.empty(v.shape[:3], dtype=torch.float32, device=v.device)  # the kernel's unread beta slot
+        return kernel, args["g"], beta, None
+    from cula.lightning.chunk_fwd_sm90 import SIMPLE_GLA_SM90 as kernel
+    from cula.lightning.chunk_fwd_sm90 import token_gate
+
+    gate = token_gate(args.get("g"), args.get("g_gamma"), v)
+    return kernel, gate, gate, None  # beta's slot carries the gate
+
+
+def passes(op: str, args: dict, do) -> dict:
+    """The backward's passes alone on ``args``."""
     from cula.ops import chunk_backward
     from cula.sm90 import walks
 
     q, k, v = args["q"], args["k"], args["v"]
     scale = q.shape[3] ** -0.5
-    if op == "gdn":
-        from cula.gdn.chunk_fwd_sm90 import GDN_SM90 as kernel
-
-        g, beta = args["g"], args["beta"]
-        rows_beta = beta
-    elif op == "gla":
-        from cula.gla.chunk_fwd_sm90 import GLA_SM90 as kernel
-
-        g, rows_beta = args["g"], None
-        beta = torch.empty(v.shape[:3], dtype=torch.float32, device=v.device)  # the kernel's unread beta slot
-    else:
-        from cula.lightning.chunk_fwd_sm90 import SIMPLE_GLA_SM90 as kernel
-        from cula.lightning.chunk_fwd_sm90 import token_gate
-
-        g = beta = token_gate(args.get("g"), args.get("g_gamma"), v)  # beta's slot carries the gate
-        rows_beta = None
+    kernel, g, beta, rows_beta = walk_operands(op, args)
     w = walks.both_walks(kernel, q, k, v, do, g, beta, scale, None, None, None, None, False)
     inputs = walks.walk_inputs(kernel, q, k, v, do)
     times = {}
@@ -133,9 +146,7 @@ def training_step(op: str, args: dict, do, backend: str):
     """One forward + backward through the public op, served by ``backend`` (``CULA_BACKEND`` set while it runs)."""
     import torch
 
-    import cula
-
-    fn = {"gdn": cula.gdn.chunk_gated_delta_rule, "gla": cula.gla.chunk_gla}.get(op, cula.lightning.chunk_simple_gla)
+    fn = entry_point(op)
     leaves = {n: (x.detach().requires_grad_() if x.is_floating_point() else x) for n, x in args.items()}
 
     def step():

@@ -25,9 +25,8 @@ def host_ms(fn, calls: int) -> float:
 
 def main() -> None:
     import torch
-    from backward_pass_times import inputs
+    from backward_pass_times import entry_point, inputs, walk_operands
 
-    import cula
     from cula.ops import chunk_backward
     from cula.sm90 import walks
 
@@ -38,9 +37,7 @@ def main() -> None:
     opts = parser.parse_args()
     B, T, H = (int(x) for x in opts.shape.split("x"))
     args, do = inputs(opts.op, B, T, H, "g_gamma")
-    fn = {"gdn": cula.gdn.chunk_gated_delta_rule, "gla": cula.gla.chunk_gla}.get(
-        opts.op, cula.lightning.chunk_simple_gla
-    )
+    fn = entry_point(opts.op)
     leaves = {n: x.detach().requires_grad_() if x.is_floating_point() else x for n, x in args.items()}
     costs = {}
     with torch.no_grad():
@@ -60,20 +57,7 @@ def main() -> None:
     costs["forward + backward"] = host_ms(step, opts.calls)
     offsets = [b * T for b in range(B + 1)]
     costs["chunk rows' index"] = host_ms(lambda: chunk_backward.chunk_token_index(offsets, True, "cuda"), opts.calls)
-    if opts.op == "simple_gla":
-        from cula.lightning.chunk_fwd_sm90 import SIMPLE_GLA_SM90 as kernel
-        from cula.lightning.chunk_fwd_sm90 import token_gate
-
-        g = beta = token_gate(None, args["g_gamma"], args["v"])
-    elif opts.op == "gdn":
-        from cula.gdn.chunk_fwd_sm90 import GDN_SM90 as kernel
-
-        g, beta = args["g"], args["beta"]
-    else:
-        from cula.gla.chunk_fwd_sm90 import GLA_SM90 as kernel
-
-        g = args["g"]
-        beta = torch.empty(args["v"].shape[:3], dtype=torch.float32, device="cuda")
+    kernel, g, beta, _ = walk_operands(opts.op, args)
     q, k, v = args["q"], args["k"], args["v"]
     scale = q.shape[3] ** -0.5
     costs["both walks"] = host_ms(
