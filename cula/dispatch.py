@@ -51,6 +51,12 @@ ENV_LOG = "CULA_LOG_DISPATCH"
 # Kernels compiled for an architecture but never run on its hardware (SM100 here) serve calls only when this is 1.
 ENV_UNTESTED = "CULA_UNTESTED_KERNELS"
 
+
+def untested_asked() -> bool:
+    """Whether the caller asked for what is compiled but has not yet run on a GPU (``CULA_UNTESTED_KERNELS=1``)."""
+    return os.environ.get(ENV_UNTESTED, "0") == "1"
+
+
 Verdict = tuple[bool, str]
 SupportsFn = Callable[[dict[str, Any]], Verdict]
 
@@ -184,7 +190,7 @@ class Op:
             if declined:
                 reasons.append(f"{kernel.name}: {declined}")
                 continue
-            if not kernel.hardware_tested and os.environ.get(ENV_UNTESTED, "0") != "1":
+            if not kernel.hardware_tested and not untested_asked():
                 reasons.append(
                     f"{kernel.name}: compiled for sm_{major}{minor}, never run on one ({ENV_UNTESTED}=1 serves it)"
                 )
@@ -395,7 +401,7 @@ def _backward_declines(
     the call instead (asked only of a backward FLA's beats)."""
     if kernel.backward is None:
         return "inputs require grad and the kernel has no backward (forward only)"
-    if not kernel.backward.hardware_tested and os.environ.get(ENV_UNTESTED, "0") != "1":
+    if not kernel.backward.hardware_tested and not untested_asked():
         return f"inputs require grad, and its backward has not run on a GPU ({ENV_UNTESTED}=1 serves it)"
     if validation.pooled(args):
         return "inputs require grad with a state pool: the pool is written in place, outside autograd"
@@ -468,7 +474,7 @@ def pool_declines(args: dict[str, Any]) -> Verdict | None:
     if pool.dtype == torch.bfloat16:
         if indices is None:
             return False, "bf16 state pool without ssm_state_indices: the chunk kernels take bf16 pools by index"
-        if os.environ.get(ENV_UNTESTED, "0") != "1":
+        if not untested_asked():
             return False, (
                 "bf16 state pool: the chunk kernels' bf16 pools are compiled but not yet run on a GPU "
                 f"({ENV_UNTESTED}=1 serves them)"

@@ -7,7 +7,6 @@ is imported on the first call a kernel serves.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +14,7 @@ from typing import Any
 import torch
 
 from cula import runtime, validation
-from cula.dispatch import ENV_UNTESTED, CuteKernel
+from cula.dispatch import CuteKernel, untested_asked
 
 SUPPORTED_DIMS = (64, 128)
 MAX_SEQUENCES = 65535  # CUDA's limit on a launch grid's z size: sequence n is grid row n
@@ -107,7 +106,7 @@ def stream_rows(q: torch.Tensor, v_first: bool, varlen: bool, token_slots: bool)
     """Value rows a thread steps at a time in a V-first decode step (one token per sequence, fixed length), the next
     row's loads in flight (:class:`cula.recurrent.kernel.RecurrentConfig`), or 0 to hold them all. Compiled, not yet
     run on a GPU: only with CULA_UNTESTED_KERNELS=1."""
-    if os.environ.get(ENV_UNTESTED, "0") != "1":
+    if not untested_asked():
         return 0
     return STREAM_ROWS if v_first and q.shape[1] == 1 and not varlen and not token_slots else 0
 
