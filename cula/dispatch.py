@@ -462,9 +462,9 @@ def chunk_fwd_kernel_declines(args: dict[str, Any]) -> Verdict | None:
 
 
 def pool_declines(args: dict[str, Any]) -> Verdict | None:
-    """What a chunk kernel declines of a state pool: padding (negative slots: the kernel would still write their
-    outputs), index values it cannot see (while a CUDA graph is captured), a pool that is not contiguous (its rows
-    are read and written in place), not fp32 or bf16, or bf16 without indices or unasked (the SM90 kernels' bf16
+    """What a chunk kernel declines of a state pool: index values it cannot see (while a CUDA graph is captured:
+    the host path looks for padding in them, :func:`cula.sm90.entry.chunk_fwd`), a pool that is not contiguous (its
+    rows are read and written in place), not fp32 or bf16, or bf16 without indices or unasked (the SM90 kernels' bf16
     pools are compiled, not yet run on a GPU: ``CULA_UNTESTED_KERNELS=1``)."""
     if not validation.pooled(args):
         return None
@@ -479,12 +479,8 @@ def pool_declines(args: dict[str, Any]) -> Verdict | None:
                 "bf16 state pool: the chunk kernels' bf16 pools are compiled but not yet run on a GPU "
                 f"({ENV_UNTESTED}=1 serves them)"
             )
-    if indices is not None:
-        table = validation.host_indices(indices)
-        if table is None:
-            return False, "state pool: its index values cannot be read while a CUDA graph is captured"
-        if bool((table < 0).any()):
-            return False, "state pool with padding (negative slots): the reference serves it (zero outputs)"
+    if indices is not None and validation.host_indices(indices) is None:
+        return False, "state pool: its index values cannot be read while a CUDA graph is captured"
     return None
 
 

@@ -439,7 +439,7 @@ def test_pools_fla_cannot_take_go_to_the_reference_with_the_reason(monkeypatch):
     assert "fused_recurrent_gated_delta_rule takes no ssm_state_indices" in dict(decision.rejected)["fla"]
     decision = cula.explain(CHUNK["kda"], **kda_call(ssm_state_indices=torch.tensor([4, -1, 2])))
     rejected = dict(decision.rejected)
-    assert decision.backend == "torch" and "padding" in rejected["cute"] and "chunk_kda takes no" in rejected["fla"]
+    assert decision.backend == "torch" and rejected["cute"] and "chunk_kda takes no" in rejected["fla"]
     monkeypatch.setenv("CULA_BACKEND", "fla")
     with pytest.raises(cula.BackendUnavailableError, match="takes no ssm_state_indices"):
         FUSED["gdn"](**inputs("gdn", 3, 1), initial_state=new_pool("gdn", 6), ssm_state_indices=indices)
@@ -664,4 +664,35 @@ def test_gpu_chunk_kernels_read_and_write_the_pool(monkeypatch, variant, inplace
         assert torch.equal(state[[1, 3, 4, 6, 7]], before[[1, 3, 4, 6, 7]])
     else:
         assert state.dtype == torch.float32 and rel(state, state_ref) <= 5e-3
+        assert torch.equal(x["initial_state"], before)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("variant", list(CHUNK_GPU))
+@pytest.mark.parametrize("inplace", [True, False])
+def test_gpu_chunk_kernels_skip_padding(monkeypatch, variant, inplace):
+    """Prefill on a pool with padding entries: the chunk kernel's read-only pool launch, then the host path zeroes the
+    padding's outputs (and final states) and writes the live sequences' states to their slots
+    (:func:`cula.sm90.entry.chunk_fwd`); against the reference on the same inputs, slots not named bit for bit."""
+    fn, lengths, slots = CHUNK_GPU[variant], [70, 1, 130, 64], 9
+    x = gpu_chunk_call(variant, lengths, slots)
+    x["ssm_state_indices"] = torch.tensor([5, -1, 8, -1], dtype=torch.int32, device="cuda")
+    if not inplace:
+        x.update(inplace_final_state=False, output_final_state=True)
+    before = x["initial_state"].clone()
+    o, state = fn(**x)
+    assert cula.last_decision(fn).backend == "cute", cula.last_decision(fn)
+    monkeypatch.setenv("CULA_BACKEND", "torch")
+    o_ref, state_ref = fn(**{**x, "initial_state": before.clone()})
+    starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    for n in (0, 2):
+        assert rel(o[:, starts[n] : starts[n + 1]], o_ref[:, starts[n] : starts[n + 1]]) <= 5e-3, n
+    assert not o[:, 70:71].any() and not o[:, 201:].any()
+    if inplace:
+        assert rel(state[[5, 8]], state_ref[[5, 8]]) <= 5e-3
+        untouched = [s for s in range(slots) if s not in (5, 8)]
+        assert torch.equal(state[untouched], before[untouched])
+    else:
+        assert rel(state[[0, 2]], state_ref[[0, 2]]) <= 5e-3 and not state[[1, 3]].any()
         assert torch.equal(x["initial_state"], before)

@@ -29,8 +29,8 @@ class ChunkCall(NamedTuple):
     force sequence splitting on (True: a cut per 16 chunks) or off (False); None lets the planner decide.
     ``qk_l2norm``: q and k L2-normalised in the kernel. ``gate``: KDA's ``(A_log, dt_bias, lower_bound)`` when g is
     raw and the kernel activates it. A state pool (:mod:`cula.ops.state_pool`; ``initial_state`` is the pool):
-    ``state_slots`` [N] int32 / int64, every slot non-negative (padding is not served), the rows sequences read their
-    states from (None: row n); ``inplace``: the final states written back to those rows, and the pool returned."""
+    ``state_slots`` [N] int32 / int64, the rows sequences read their states from (None: row n; negative: padding,
+    :func:`_padded_pool`); ``inplace``: the final states written back to those rows, and the pool returned."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -185,6 +185,46 @@ def plan_call(kernel: ChunkKernel, call: ChunkCall) -> Plan:
 
 def chunk_fwd(kernel: ChunkKernel, call: ChunkCall) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The call (:class:`ChunkCall`) planned and launched. Returns ``(o, final_state or None)``."""
+    if call.state_slots is not None:
+        table = validation.host_indices(call.state_slots)  # read once per tensor, for validation already
+        if table is not None and bool((table < 0).any()):
+            return _padded_pool(kernel, call, table)
+    return _planned(kernel, call)
+
+
+def _padded_pool(kernel: ChunkKernel, call: ChunkCall, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A pooled call with padding (negative slots, host ``table``: such a sequence reads and writes nothing, its
+    outputs are zeros and its fp32 final state too, :mod:`cula.ops.state_pool`) on the kernels' read-only pool mode:
+    one launch in which a padding sequence reads slot 0, its outputs and final state zeroed after; with ``inplace``
+    the live sequences' final states are then written to their slots. Returns as :func:`chunk_fwd`."""
+    B, T = call.q.shape[:2]
+    dev = call.q.device
+    live = table >= 0
+    N = table.numel()
+    if bool(live.any()):
+        read = runtime.host_to_device(torch.where(live, table, 0).to(torch.int32), dev)
+        sub = call._replace(state_slots=read, inplace=False, output_final_state=True, final_state_out=None)
+        o, ht = _planned(kernel, sub)
+    else:  # every sequence is padding: nothing to run
+        pool = call.initial_state
+        o = call.out if call.out is not None else torch.empty_like(call.v)
+        ht = pool.new_empty(N, *pool.shape[1:], dtype=torch.float32)
+    offsets = call_offsets(B, T, call.cu_seqlens, call.cu_seqlens_cpu)
+    lengths = torch.tensor([e - s for s, e in zip(offsets[:-1], offsets[1:], strict=True)])
+    padded_tokens = runtime.host_to_device(torch.repeat_interleave(~live, lengths), dev)
+    o.view(B * T, -1).masked_fill_(padded_tokens[:, None], 0)
+    if call.inplace:
+        rows = torch.nonzero(live).flatten()
+        pool = call.initial_state
+        live_states = ht.index_select(0, runtime.host_to_device(rows, dev)).to(pool.dtype)
+        pool.index_copy_(0, runtime.host_to_device(table[rows], dev), live_states)
+        return o, pool
+    ht.masked_fill_(runtime.host_to_device(~live, dev).view(N, 1, 1, 1), 0)
+    return o, (ht if call.output_final_state else None)
+
+
+def _planned(kernel: ChunkKernel, call: ChunkCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`chunk_fwd` for a call without padding slots."""
     B, T, H, K = call.q.shape
     HV, V = call.v.shape[2], call.v.shape[3]
     scale = K**-0.5 if call.scale is None else call.scale
