@@ -312,30 +312,39 @@ def test_the_simple_gla_kernel_launches_without_the_delta_rule(monkeypatch, spli
     assert {c.mode for c in configs} == ({"full", "transition", "correction"} if split else {"full"})
 
 
-@pytest.mark.parametrize("inplace", [True, False])
-@pytest.mark.parametrize("state_v_first", [False, True])
-def test_a_pooled_call_reads_and_writes_its_slots_in_one_launch(launches, inplace, state_v_first):
-    """A state pool through the host path: one unsplit launch whose states are the pool's rows by slot (written back
-    in place, or fp32 final states by sequence), as the reference backend serves the same pooled call."""
+def pooled_call_and_reference(gdn_inputs, pool, slots, cu, inplace, state_v_first=False):
+    """A pooled GDN call through :func:`cula.sm90.entry.chunk_fwd` on a copy of ``pool``, checked against the
+    reference backend's on another copy: ``(o, state, the pool the kernel path was given)``."""
     import cula
 
-    q, k, v, g, beta = inputs(1, 300, 1, 2, per_key=False)
-    cu, slots = torch.tensor([0, 70, 71, 300]), torch.tensor([5, 0, 2])
-    pool = torch.randn(6, 2, 32, 32) * 0.1
+    q, k, v, g, beta = gdn_inputs
     pool_kernel, pool_ref = pool.clone(), pool.clone()
     call = entry.ChunkCall(
         q, k, v, g, beta, None, pool_kernel, not inplace, cu, state_v_first, state_slots=slots, inplace=inplace
     )
     o, state = entry.chunk_fwd(kernel_with(), call)
-    ((config, t),) = launches
-    assert (config.mode, config.state_slots) == ("full", "read_write" if inplace else "read")
-    assert t.slots.dtype == torch.int32 and t.h0 is pool_kernel and (t.ht is pool_kernel) == inplace
     o_ref, state_ref = cula.gdn.chunk_gated_delta_rule(
         q, k, v, g, beta, initial_state=pool_ref, output_final_state=not inplace, cu_seqlens=cu,
         state_v_first=state_v_first, ssm_state_indices=slots, inplace_final_state=inplace,
     )  # fmt: skip
     assert (o.float() - o_ref.float()).abs().max() <= 1e-2
     assert torch.allclose(state, state_ref, atol=1e-5)
+    return o, state, pool_kernel
+
+
+@pytest.mark.parametrize("inplace", [True, False])
+@pytest.mark.parametrize("state_v_first", [False, True])
+def test_a_pooled_call_reads_and_writes_its_slots_in_one_launch(launches, inplace, state_v_first):
+    """A state pool through the host path: one unsplit launch whose states are the pool's rows by slot (written back
+    in place, or fp32 final states by sequence), as the reference backend serves the same pooled call."""
+    cu, slots = torch.tensor([0, 70, 71, 300]), torch.tensor([5, 0, 2])
+    pool = torch.randn(6, 2, 32, 32) * 0.1
+    _, state, pool_kernel = pooled_call_and_reference(
+        inputs(1, 300, 1, 2, per_key=False), pool, slots, cu, inplace, state_v_first
+    )
+    ((config, t),) = launches
+    assert (config.mode, config.state_slots) == ("full", "read_write" if inplace else "read")
+    assert t.slots.dtype == torch.int32 and t.h0 is pool_kernel and (t.ht is pool_kernel) == inplace
     if inplace:
         assert state is pool_kernel and torch.equal(pool_kernel[[1, 3, 4]], pool[[1, 3, 4]])
     else:
@@ -348,28 +357,16 @@ def test_a_pooled_call_with_padding_runs_the_live_sequences_in_one_launch(launch
     """Padding slots (negative) through the host path: one read-only launch (padding reads slot 0), then the padding's
     outputs zeroed and, in place, the live sequences' final states written to their slots; as the reference backend
     serves the same call: zero outputs and (read only) zero final states for padding, slots not named untouched."""
-    import cula
-
     B, T = (1, 300) if varlen else (3, 70)
-    q, k, v, g, beta = inputs(B, T, 1, 2, per_key=False)
     cu = torch.tensor([0, 70, 71, 300]) if varlen else None
-    slots = torch.tensor([5, -1, 2])
     pool = torch.randn(6, 2, 32, 32) * 0.1
-    pool_kernel, pool_ref = pool.clone(), pool.clone()
-    call = entry.ChunkCall(
-        q, k, v, g, beta, None, pool_kernel, not inplace, cu, False, state_slots=slots, inplace=inplace
+    o, state, pool_kernel = pooled_call_and_reference(
+        inputs(B, T, 1, 2, per_key=False), pool, torch.tensor([5, -1, 2]), cu, inplace
     )
-    o, state = entry.chunk_fwd(kernel_with(), call)
     ((config, t),) = launches
     assert config.state_slots == "read" and t.slots.tolist() == [5, 0, 2] and t.h0 is pool_kernel
-    o_ref, state_ref = cula.gdn.chunk_gated_delta_rule(
-        q, k, v, g, beta, initial_state=pool_ref, output_final_state=not inplace, cu_seqlens=cu,
-        ssm_state_indices=slots, inplace_final_state=inplace,
-    )  # fmt: skip
     padded = slice(70, 71) if varlen else slice(70, 140)
     assert not o.view(B * T, -1)[padded].any()
-    assert (o.float() - o_ref.float()).abs().max() <= 1e-2
-    assert torch.allclose(state, state_ref, atol=1e-5)
     if inplace:
         assert state is pool_kernel and torch.equal(pool_kernel[[0, 1, 3, 4]], pool[[0, 1, 3, 4]])
     else:

@@ -632,6 +632,17 @@ def gpu_chunk_call(variant: str, lengths: list[int], slots: int, D: int = 128) -
     return x
 
 
+def kernel_and_reference(fn, x: dict, monkeypatch) -> tuple:
+    """A pooled chunk call ``fn(**x)`` served by a cuLA kernel, then by the reference on a copy of the pool as it was:
+    ``(the pool before, o, state, o_ref, state_ref)``."""
+    before = x["initial_state"].clone()
+    o, state = fn(**x)
+    assert cula.last_decision(fn).backend == "cute", cula.last_decision(fn)
+    monkeypatch.setenv("CULA_BACKEND", "torch")
+    o_ref, state_ref = fn(**{**x, "initial_state": before.clone()})
+    return before, o, state, o_ref, state_ref
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("variant", list(CHUNK_GPU))
@@ -649,11 +660,7 @@ def test_gpu_chunk_kernels_read_and_write_the_pool(monkeypatch, variant, inplace
     x["ssm_state_indices"] = torch.tensor([5, 0, 8, 2], dtype=torch.int32, device="cuda")
     if not inplace:
         x.update(inplace_final_state=False, output_final_state=True)
-    before = x["initial_state"].clone()
-    o, state = fn(**x)
-    assert cula.last_decision(fn).backend == "cute", cula.last_decision(fn)
-    monkeypatch.setenv("CULA_BACKEND", "torch")
-    o_ref, state_ref = fn(**{**x, "initial_state": before.clone()})
+    before, o, state, o_ref, state_ref = kernel_and_reference(fn, x, monkeypatch)
     assert rel(o, o_ref) <= 5e-3
     starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
     for n in range(len(lengths)):
@@ -680,11 +687,7 @@ def test_gpu_chunk_kernels_skip_padding(monkeypatch, variant, inplace):
     x["ssm_state_indices"] = torch.tensor([5, -1, 8, -1], dtype=torch.int32, device="cuda")
     if not inplace:
         x.update(inplace_final_state=False, output_final_state=True)
-    before = x["initial_state"].clone()
-    o, state = fn(**x)
-    assert cula.last_decision(fn).backend == "cute", cula.last_decision(fn)
-    monkeypatch.setenv("CULA_BACKEND", "torch")
-    o_ref, state_ref = fn(**{**x, "initial_state": before.clone()})
+    before, o, state, o_ref, state_ref = kernel_and_reference(fn, x, monkeypatch)
     starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
     for n in (0, 2):
         assert rel(o[:, starts[n] : starts[n + 1]], o_ref[:, starts[n] : starts[n + 1]]) <= 5e-3, n
