@@ -464,21 +464,15 @@ def chunk_fwd_kernel_declines(args: dict[str, Any]) -> Verdict | None:
 def pool_declines(args: dict[str, Any]) -> Verdict | None:
     """What a chunk kernel declines of a state pool: index values it cannot see (while a CUDA graph is captured:
     the host path looks for padding in them, :func:`cula.sm90.entry.chunk_fwd`), a pool that is not contiguous (its
-    rows are read and written in place), not fp32 or bf16, or bf16 without indices or unasked (the SM90 kernels' bf16
-    pools are compiled, not yet run on a GPU: ``CULA_UNTESTED_KERNELS=1``)."""
+    rows are read and written in place), not fp32 or bf16, or bf16 without indices (the kernels take bf16 pools by
+    slot)."""
     if not validation.pooled(args):
         return None
     indices, pool = args.get("ssm_state_indices"), args["initial_state"]
     if pool.dtype not in (torch.float32, torch.bfloat16) or not pool.is_contiguous():
         return False, "state pool: the chunk kernels read and write contiguous fp32 or bf16 pools"
-    if pool.dtype == torch.bfloat16:
-        if indices is None:
-            return False, "bf16 state pool without ssm_state_indices: the chunk kernels take bf16 pools by index"
-        if not untested_asked():
-            return False, (
-                "bf16 state pool: the chunk kernels' bf16 pools are compiled but not yet run on a GPU "
-                f"({ENV_UNTESTED}=1 serves them)"
-            )
+    if pool.dtype == torch.bfloat16 and indices is None:
+        return False, "bf16 state pool without ssm_state_indices: the chunk kernels take bf16 pools by index"
     if indices is not None and validation.host_indices(indices) is None:
         return False, "state pool: its index values cannot be read while a CUDA graph is captured"
     return None

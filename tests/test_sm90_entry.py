@@ -407,7 +407,7 @@ def test_the_chunk_kernels_take_pools_with_and_without_padding(monkeypatch, indi
         bf16_pool = cula.explain(
             fn, q, k, vv, gate, **extra, initial_state=pool.bfloat16(), ssm_state_indices=torch.tensor([4, 0, 2])
         )
-        assert bf16_pool.backend == "torch"
+        assert bf16_pool.backend == "cute", bf16_pool
 
 
 @pytest.mark.parametrize("split", [False, True])

@@ -472,14 +472,11 @@ def test_a_pooled_gla_prefill_reaches_its_kernel(monkeypatch):
         CHUNK["gla"](**x, bogus=1)  # FLA's signature and the pool's two names, nothing else
 
 
-def test_a_bf16_pooled_prefill_reaches_the_kernels_only_when_asked(monkeypatch):
-    """The SM90 chunk kernels take a bf16 pool by index, compiled but not yet run on a GPU: only with
-    CULA_UNTESTED_KERNELS=1; without indices never, and a plain bf16 initial state is refused by validation."""
+def test_a_bf16_pooled_prefill_reaches_the_kernels_by_index_only(monkeypatch):
+    """The SM90 chunk kernels take a bf16 pool by index; without indices never, and a plain bf16 initial state is
+    refused by validation."""
     FakeCuda(monkeypatch)
     x = gla_pool_prefill(torch.bfloat16)
-    decision = cula.explain(CHUNK["gla"], **x)
-    assert decision.backend != "cute" and "CULA_UNTESTED_KERNELS=1" in dict(decision.rejected)["cute"]
-    monkeypatch.setenv("CULA_UNTESTED_KERNELS", "1")
     assert cula.explain(CHUNK["gla"], **x).backend == "cute"
     without_indices = {
         **x,
@@ -651,12 +648,10 @@ def kernel_and_reference(fn, x: dict, monkeypatch) -> tuple:
 def test_gpu_chunk_kernels_read_and_write_the_pool(monkeypatch, variant, inplace, pool_dtype):
     """Prefill on a pool: the chunk kernel reads each sequence's state from its slot and writes it back in place (or
     returns fp32 final states), against the reference on the same inputs; slots not named stay bit for bit. A bf16
-    pool is read and written in bf16 (fp32 math), served with CULA_UNTESTED_KERNELS=1 until this test has run."""
+    pool is read and written in bf16 (fp32 math)."""
     fn, lengths, slots = CHUNK_GPU[variant], [70, 1, 130, 64], 9
     x = gpu_chunk_call(variant, lengths, slots)
     x["initial_state"] = x["initial_state"].to(pool_dtype)
-    if pool_dtype == torch.bfloat16:
-        monkeypatch.setenv("CULA_UNTESTED_KERNELS", "1")
     x["ssm_state_indices"] = torch.tensor([5, 0, 8, 2], dtype=torch.int32, device="cuda")
     if not inplace:
         x.update(inplace_final_state=False, output_final_state=True)
