@@ -200,30 +200,6 @@ def test_the_block_shape_each_call_compiles_to(B, v_first, pool_dtype, expect):
     assert (cfg["block_v"], cfg["vec"]) == expect
 
 
-@pytest.mark.parametrize(
-    "untested,T,v_first,varlen,token_slots,expect",
-    [
-        ("1", 1, True, False, False, 1),  # a V-first decode step
-        ("0", 1, True, False, False, 0),  # not yet run on a GPU: only when asked
-        ("1", 2, True, False, False, 0),  # several tokens hold the state across them
-        ("1", 1, False, False, False, 0),  # K-first: the sums over K need every row
-        ("1", 1, True, True, False, 0),  # varlen: a sequence may hold several tokens
-        ("1", 1, True, False, True, 0),  # each token's state kept in its slot
-    ],
-)
-def test_a_decode_step_streams_its_value_rows_only_where_it_can(
-    monkeypatch, untested, T, v_first, varlen, token_slots, expect
-):
-    monkeypatch.setenv(dispatch.ENV_UNTESTED, untested)
-    args = make_args("gdn", B=4, T=T, H=1, lengths=[T] if varlen else None)  # varlen: one sequence of one token
-    N = n_seqs(args)
-    pool = torch.zeros(8, *state_shape(args, v_first=v_first)[1:])
-    indices = torch.arange(N * T).reshape(N, T) if token_slots else torch.arange(N)
-    extra = {"inplace_final_state": True} if token_slots else {}
-    cfg = config("gdn", **args, initial_state=pool, ssm_state_indices=indices, state_v_first=v_first, **extra)
-    assert cfg["stream_rows"] == expect
-
-
 def test_the_block_shapes_the_kernel_refuses():
     from cula.recurrent.kernel import RecurrentConfig
 
@@ -231,8 +207,6 @@ def test_the_block_shapes_the_kernel_refuses():
         {"block_v": 48},
         {"vec": 2},
         {"head_v": 64, "block_v": 128},
-        {"stream_rows": 1},  # K-first
-        {"stream_rows": 1, "state_v_first": True, "is_varlen": True},
     ):
         with pytest.raises(AssertionError):
             RecurrentConfig(**fields)
@@ -428,26 +402,6 @@ def test_gpu_wide_blocks_on_many_sequences(monkeypatch, variant, v_first, pool_d
     _, idx = with_padded_pool(args, pool_dtype, v_first, seed=5, padded=7)
     kernel, ref = run_both(monkeypatch, ENTRY[variant], args)
     check_padded_pool(kernel, ref, idx, T, pool_dtype, padded=7)
-
-
-@gpu
-@needs_gpu
-@pytest.mark.parametrize("variant", ["gdn", "kda", "gla"])
-@pytest.mark.parametrize("B", [3, 160])  # narrow and wide CTA blocks
-@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
-def test_gpu_streamed_decode_step(monkeypatch, variant, B, pool_dtype):
-    """A V-first decode step with its value rows streamed one at a time (:func:`cula.recurrent.plan.stream_rows`):
-    one token per sequence on a pool, one entry padding, slots not named untouched."""
-    from cula.recurrent.plan import STREAM_ROWS
-
-    monkeypatch.setenv(dispatch.ENV_UNTESTED, "1")
-    args = make_args(variant, B=B, T=1, H=2, device="cuda", seed=7)
-    pool, idx = with_padded_pool(args, pool_dtype, True, seed=7, padded=1)
-    assert config(variant, **args)["stream_rows"] == STREAM_ROWS
-    kernel, ref = run_both(monkeypatch, ENTRY[variant], args)
-    named = check_padded_pool(kernel, ref, idx, 1, pool_dtype, padded=1)
-    untouched = [s for s in range(pool.shape[0]) if s not in named.tolist()]
-    assert torch.equal(kernel[2][untouched], pool[untouched])
 
 
 @gpu

@@ -3,7 +3,7 @@ in its own process (compiled kernels are cached per process), the cuLA graph-rep
 
     python tools/decode_ab.py --out DIR --setting NAME:FIELD=VALUE,... [--setting ...] [benchmarks.decode arguments]
 
-e.g. ``--setting today: --setting "rows 64x8:stream_rows=1,block_v=64,vec=8" --n 256 --calls "flashinfer bf16"``.
+e.g. ``--setting today: --setting "narrow:block_v=32,vec=4" --n 256 --calls "flashinfer bf16"``.
 A setting's fields (of :class:`cula.recurrent.kernel.RecurrentConfig`) replace those ``cula.recurrent.plan.config_for``
 chooses, on every call whose configuration accepts them (the others keep the plan's, and the table says so);
 an empty setting is the plan's own choice. Writes each setting's ``decode.json`` under DIR/<n> and ``ab.md`` in DIR.

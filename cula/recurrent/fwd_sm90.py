@@ -149,16 +149,6 @@ CHECKED_CONFIGS = {
     "[gdn, fp32 state, 64 x 4]": {
         "g": "log", "beta": "given", "qk_l2norm": True, "has_initial_state": True, "final": "ht", "block_v": 64,
     },
-    # a decode step's value rows streamed in groups (cula.recurrent.plan.stream_rows)
-    "[gdn, bf16 pool, V-first, 64 x 8, rows one by one]": {
-        "g": "gdn", "beta": "given", "beta_sigmoid": True, "qk_l2norm": True, "state_v_first": True,
-        "state_dtype": "bfloat16", "has_initial_state": True, "indices": "int32", "final": "inplace",
-        "block_v": 64, "vec": 8, "stream_rows": 1,
-    },
-    "[kda, fp32 state, V-first, 128 x 4, rows one by one]": {
-        "gk": "log", "beta": "given", "qk_l2norm": True, "state_v_first": True, "has_initial_state": True,
-        "final": "ht", "block_v": 128, "stream_rows": 1,
-    },
 }  # fmt: skip
 
 runtime.register_kernel(

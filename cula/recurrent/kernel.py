@@ -94,10 +94,6 @@ class RecurrentConfig:
     final: str = "none"
     block_v: int = 32
     vec: int = 4
-    # V-first decode of one token per sequence (fixed length, T = 1): a thread's value rows walked in groups of this
-    # many, each loaded, stepped and stored while the next group's loads are in flight, instead of the whole block
-    # held in registers (fewer registers a thread, more CTAs an SM); 0: held
-    stream_rows: int = 0
 
     def __post_init__(self):
         assert self.head_k in SUPPORTED_DIMS and self.head_v in SUPPORTED_DIMS, self
@@ -108,7 +104,6 @@ class RecurrentConfig:
         assert self.accepted == "none" or self.indices != "none", self
         assert self.block_v in BLOCK_V_CHOICES and self.block_v <= self.head_v, self
         assert self.vec in VEC_CHOICES, self
-        assert not self.stream_rows or (self.state_v_first and not self.is_varlen and not self.token_slots), self
 
     @property
     def delta_rule(self) -> bool:
@@ -190,7 +185,6 @@ class RecurrentFwd:
         self.column_shuffles = tuple(d for d in (1, 2, 4, 8, 16) if d >= self.lanes_per_row)
         rows_total = self.block_v if config.state_v_first else self.K
         self.rows = rows_total // self.row_step  # state rows per thread
-        assert self.rows % max(config.stream_rows, 1) == 0, (config, self.rows)
 
     # ---------------------------------------------------------------- host side
     @cute.jit
@@ -242,37 +236,32 @@ class RecurrentFwd:
             smem.allocate_tensor(f32, cute.make_layout((WARPS, 2, self.block_v, 2)), byte_alignment=16),
         )
 
-        if cutlass.const_expr(cfg.stream_rows > 0):
-            head = self.head_gates(t, hv)
-            token = self.prepare_token(t, lower_bound, staged, head, b, tok0, h, hv, vblk, tidx, cutlass.Int32(0))
-            self.stream_v_first(t, token, staged, n, slot, live, hv, vblk, tidx, scale)
-        else:
-            state = cute.make_rmem_tensor(cute.make_layout((self.rows, self.vec), stride=(self.vec, 1)), f32)
-            state.fill(0.0)
-            if cutlass.const_expr(cfg.has_initial_state):
-                if live:
-                    self.load_rows(state, t.h0, slot, hv, vblk, tidx, 0)
-            head = self.head_gates(t, hv)
+        state = cute.make_rmem_tensor(cute.make_layout((self.rows, self.vec), stride=(self.vec, 1)), f32)
+        state.fill(0.0)
+        if cutlass.const_expr(cfg.has_initial_state):
+            if live:
+                self.load_rows(state, t.h0, slot, hv, vblk, tidx)
+        head = self.head_gates(t, hv)
 
-            for i_tok in cutlass.range(seqlen, unroll=1):
-                token = self.prepare_token(t, lower_bound, staged, head, b, tok0 + i_tok, h, hv, vblk, tidx, i_tok % 2)
-                if cutlass.const_expr(cfg.state_v_first):
-                    factors = self.v_first_factors(token, staged, tidx)
-                    self.step_v_first(state, 0, factors, token, t.o, hv, vblk, tidx, scale, slot)
-                else:
-                    self.step_k_first(state, token, staged, t.o, hv, vblk, tidx, warp, lane, scale, slot)
-                if cutlass.const_expr(cfg.token_slots):
-                    to = cutlass.Int64(t.indices[n, i_tok])
-                    if live:
-                        if to >= 0:
-                            self.store_rows(state, t.h0, to, hv, vblk, tidx, 0)
-
-            if cutlass.const_expr(cfg.final == "ht"):
-                self.store_rows(state, t.ht, cutlass.Int64(n), hv, vblk, tidx, 0)
-            elif cutlass.const_expr(cfg.final == "inplace" and not cfg.token_slots):
+        for i_tok in cutlass.range(seqlen, unroll=1):
+            token = self.prepare_token(t, lower_bound, staged, head, b, tok0 + i_tok, h, hv, vblk, tidx, i_tok % 2)
+            if cutlass.const_expr(cfg.state_v_first):
+                factors = self.v_first_factors(token, staged, tidx)
+                self.step_v_first(state, factors, token, t.o, hv, vblk, tidx, scale, slot)
+            else:
+                self.step_k_first(state, token, staged, t.o, hv, vblk, tidx, warp, lane, scale, slot)
+            if cutlass.const_expr(cfg.token_slots):
+                to = cutlass.Int64(t.indices[n, i_tok])
                 if live:
-                    if seqlen > 0:
-                        self.store_rows(state, t.h0, slot, hv, vblk, tidx, 0)
+                    if to >= 0:
+                        self.store_rows(state, t.h0, to, hv, vblk, tidx)
+
+        if cutlass.const_expr(cfg.final == "ht"):
+            self.store_rows(state, t.ht, cutlass.Int64(n), hv, vblk, tidx)
+        elif cutlass.const_expr(cfg.final == "inplace" and not cfg.token_slots):
+            if live:
+                if seqlen > 0:
+                    self.store_rows(state, t.h0, slot, hv, vblk, tidx)
 
     @cute.jit
     def head_gates(self, t: Tensors, hv) -> HeadGates:
@@ -317,39 +306,6 @@ class RecurrentFwd:
         decay = self.scalar_factor(g_raw, head.rate, head.bias, head.gamma)
         return Token(b, tok, par, rq, rk, kq, decay, self.token_beta(beta_raw), values, value_gates)
 
-    @cute.jit
-    def stream_v_first(self, t: Tensors, token: Token, staged: Staging, n, slot, live, hv, vblk, tidx, scale):
-        """The one token's step on the thread's value rows in groups of ``stream_rows``: each group loaded (zeros
-        without an initial state or for a padding slot), stepped and stored to its destination, the next group's
-        loads issued before the group's step."""
-        cfg = self.cfg
-        group = cfg.stream_rows
-        factors = self.v_first_factors(token, staged, tidx)
-        rows = self.load_group(t.h0, slot, live, hv, vblk, tidx, 0)
-        for gi in cutlass.range_constexpr(self.rows // group):
-            later = None
-            if cutlass.const_expr(gi + 1 < self.rows // group):
-                later = self.load_group(t.h0, slot, live, hv, vblk, tidx, (gi + 1) * group)
-            self.step_v_first(rows, gi * group, factors, token, t.o, hv, vblk, tidx, scale, slot)
-            if cutlass.const_expr(cfg.final == "ht"):
-                self.store_rows(rows, t.ht, cutlass.Int64(n), hv, vblk, tidx, gi * group)
-            elif cutlass.const_expr(cfg.final == "inplace"):
-                if live:
-                    self.store_rows(rows, t.h0, slot, hv, vblk, tidx, gi * group)
-            rows = later
-
-    @cute.jit
-    def load_group(self, mS, slot, live, hv, vblk, tidx, i0: cutlass.Constexpr):
-        """Rows ``i0`` .. of the thread's state (``stream_rows`` of them) from ``mS[slot]``, or zeros."""
-        rows = cute.make_rmem_tensor(
-            cute.make_layout((self.cfg.stream_rows, self.vec), stride=(self.vec, 1)), cutlass.Float32
-        )
-        rows.fill(0.0)
-        if cutlass.const_expr(self.cfg.has_initial_state):
-            if live:
-                self.load_rows(rows, mS, slot, hv, vblk, tidx, i0)
-        return rows
-
     # ---------------------------------------------------------------- the state's elements
     @cute.jit
     def state_vector(self, mS, slot, hv, vblk, tidx, i: cutlass.Constexpr):
@@ -362,22 +318,22 @@ class RecurrentFwd:
         return cute.local_tile(mS[slot, hv, r, None], (self.vec,), (vblk * (self.block_v // self.vec) + c,))
 
     @cute.jit
-    def load_rows(self, state, mS, slot, hv, vblk, tidx, i0: cutlass.Constexpr):
-        """The thread's rows ``i0`` .. ``i0 + len(state) - 1`` of ``mS[slot, hv]``'s block into ``state`` (fp32)."""
-        for i in cutlass.range_constexpr(cute.size(state, mode=[0])):
+    def load_rows(self, state, mS, slot, hv, vblk, tidx):
+        """The thread's rows of ``mS[slot, hv]``'s block into ``state`` (fp32)."""
+        for i in cutlass.range_constexpr(self.rows):
             vec = cute.make_rmem_tensor(cute.make_layout(self.vec), mS.element_type)
-            cute.autovec_copy(self.state_vector(mS, slot, hv, vblk, tidx, i0 + i), vec)
+            cute.autovec_copy(self.state_vector(mS, slot, hv, vblk, tidx, i), vec)
             for e in cutlass.range_constexpr(self.vec):
                 state[i, e] = vec[e].to(cutlass.Float32)
 
     @cute.jit
-    def store_rows(self, state, mS, slot, hv, vblk, tidx, i0: cutlass.Constexpr):
-        """``state`` into the thread's rows ``i0`` .. of ``mS[slot, hv]``'s block."""
-        for i in cutlass.range_constexpr(cute.size(state, mode=[0])):
+    def store_rows(self, state, mS, slot, hv, vblk, tidx):
+        """``state`` into the thread's rows of ``mS[slot, hv]``'s block."""
+        for i in cutlass.range_constexpr(self.rows):
             vec = cute.make_rmem_tensor(cute.make_layout(self.vec), mS.element_type)
             for e in cutlass.range_constexpr(self.vec):
                 vec[e] = state[i, e].to(mS.element_type)
-            cute.autovec_copy(vec, self.state_vector(mS, slot, hv, vblk, tidx, i0 + i))
+            cute.autovec_copy(vec, self.state_vector(mS, slot, hv, vblk, tidx, i))
 
     # ---------------------------------------------------------------- a token's inputs
     @cute.jit
@@ -555,18 +511,16 @@ class RecurrentFwd:
         return kk, qq, kf
 
     @cute.jit
-    def step_v_first(self, state, i0: cutlass.Constexpr, factors, token: Token, mO, hv, vblk, tidx, scale, slot):
-        """V-first: thread rows are value rows, its ``vec`` elements key columns (module docstring). ``state`` holds
-        the thread's rows ``i0`` .. (all of them, or a streamed group); ``factors`` from :meth:`v_first_factors`;
-        the token's ``values`` and ``value_gates`` are the thread's rows'."""
+    def step_v_first(self, state, factors, token: Token, mO, hv, vblk, tidx, scale, slot):
+        """V-first: thread rows are value rows, its ``vec`` elements key columns (module docstring); ``factors`` from
+        :meth:`v_first_factors`; the token's ``values`` and ``value_gates`` are the thread's rows'."""
         f32 = cutlass.Float32
         cfg = self.cfg
         b, tok, par, rq, rk, kq, decay, beta, values, value_gates = token
         kk, qq, kf = factors
         c = tidx % self.lanes_per_row
         row0 = vblk * self.block_v + tidx // self.lanes_per_row
-        for j in cutlass.range_constexpr(cute.size(state, mode=[0])):
-            i = i0 + j
+        for i in cutlass.range_constexpr(self.rows):
             vr = row0 + self.row_step * i
             f = f32(1.0)
             if cutlass.const_expr(cfg.gv):
@@ -574,8 +528,8 @@ class RecurrentFwd:
             s_k = f32(0.0)
             s_q = f32(0.0)
             for e in cutlass.range_constexpr(self.vec):
-                s = state[j, e] * kf[e] * f
-                state[j, e] = s
+                s = state[i, e] * kf[e] * f
+                state[i, e] = s
                 s_k = s_k + s * kk[e]
                 s_q = s_q + s * qq[e]
             for off in self.row_shuffles:
@@ -590,7 +544,7 @@ class RecurrentFwd:
             if c == 0:
                 mO[b, tok, hv, vr] = oe.to(mO.element_type)
             for e in cutlass.range_constexpr(self.vec):
-                state[j, e] = state[j, e] + kk[e] * ue
+                state[i, e] = state[i, e] + kk[e] * ue
 
 
 @cute.jit

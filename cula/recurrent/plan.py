@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from cula import runtime, validation
-from cula.dispatch import CuteKernel, untested_asked
+from cula.dispatch import CuteKernel
 
 SUPPORTED_DIMS = (64, 128)
 MAX_SEQUENCES = 65535  # CUDA's limit on a launch grid's z size: sequence n is grid row n
@@ -25,8 +25,6 @@ _TORCH_NAMES.update({torch.int32: "int32", torch.int64: "int64"})
 # Value columns per CTA: 64 where every SM still gets a CTA (fewer CTAs repeat the token's staging less), else 32; 8
 # state elements per thread and row for a 16-bit V-first state, else 4 (timed on an H100: PERF.md, decode).
 WIDE_BLOCK_V, NARROW_BLOCK_V = 64, 32
-# A V-first decode step's value rows one at a time: ~65 registers a thread instead of up to 126 (sm_90a, 64 x 8)
-STREAM_ROWS = 1
 DEFAULT_SMS = 132  # where the call's tensors are not on a CUDA device (compile checks, CPU tests)
 
 
@@ -102,15 +100,6 @@ def block_shape(q: torch.Tensor, v: torch.Tensor, sequences: int, state_v_first:
     return block_v, vec
 
 
-def stream_rows(q: torch.Tensor, v_first: bool, varlen: bool, token_slots: bool) -> int:
-    """Value rows a thread steps at a time in a V-first decode step (one token per sequence, fixed length), the next
-    row's loads in flight (:class:`cula.recurrent.kernel.RecurrentConfig`), or 0 to hold them all. Compiled, not yet
-    run on a GPU: only with CULA_UNTESTED_KERNELS=1."""
-    if not untested_asked():
-        return 0
-    return STREAM_ROWS if v_first and q.shape[1] == 1 and not varlen and not token_slots else 0
-
-
 def config_for(args: dict[str, Any], gates: Gates) -> dict[str, Any]:
     """The kernel's :class:`cula.recurrent.kernel.RecurrentConfig` fields for a call."""
     q, v = args["q"], args["v"]
@@ -154,7 +143,6 @@ def config_for(args: dict[str, Any], gates: Gates) -> dict[str, Any]:
         "final": final,
         "block_v": block_v,
         "vec": vec,
-        "stream_rows": stream_rows(q, v_first, cu is not None, token_slots),
     }
 
 
