@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
 from fla.ops.kda.naive import naive_recurrent_kda
+from test_api import FakeCuda
 
 import cula
 from cula import dispatch
@@ -397,16 +398,8 @@ def test_unchecked_values_under_graph_capture(monkeypatch):
 # -- dispatch -------------------------------------------------------------------------------------------------
 
 
-class FakeCuda:
-    """Pretends the call's tensors sit on an SM90 GPU (dispatch reads only these)."""
-
-    def __init__(self, monkeypatch):
-        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-
-
 def test_kda_decode_with_a_pool_goes_to_fla_where_its_kernel_fits(monkeypatch):
-    FakeCuda(monkeypatch)
+    FakeCuda(monkeypatch, (9, 0))
     fn = FUSED["kda"]
     decision = cula.explain(fn, **kda_call(ssm_state_indices=torch.tensor([4, 0, 2])))
     assert decision.backend == "fla" and "fused_recurrent_kda_fwd" in decision.reason
@@ -430,7 +423,7 @@ def test_kda_decode_with_a_pool_goes_to_fla_where_its_kernel_fits(monkeypatch):
 
 
 def test_pools_fla_cannot_take_go_to_the_reference_with_the_reason(monkeypatch):
-    FakeCuda(monkeypatch)
+    FakeCuda(monkeypatch, (9, 0))
     indices = torch.tensor([4, 0, 2])
     decision = cula.explain(
         FUSED["gdn"], **inputs("gdn", 3, 1), initial_state=new_pool("gdn", 6), ssm_state_indices=indices
@@ -462,7 +455,7 @@ def gla_pool_prefill(pool_dtype: torch.dtype) -> dict:
 def test_a_pooled_gla_prefill_reaches_its_kernel(monkeypatch):
     """On an SM90 GLA's pooled chunk kernel serves a pooled prefill; with the kernel forced off the reference does
     (FLA's chunk_gla takes no pool), saying why."""
-    FakeCuda(monkeypatch)
+    FakeCuda(monkeypatch, (9, 0))
     x = gla_pool_prefill(torch.float32)
     assert cula.explain(CHUNK["gla"], **x).backend == "cute"
     monkeypatch.setenv("CULA_BACKEND", "fla")
@@ -475,7 +468,7 @@ def test_a_pooled_gla_prefill_reaches_its_kernel(monkeypatch):
 def test_a_bf16_pooled_prefill_reaches_the_kernels_by_index_only(monkeypatch):
     """The SM90 chunk kernels take a bf16 pool by index; without indices never, and a plain bf16 initial state is
     refused by validation."""
-    FakeCuda(monkeypatch)
+    FakeCuda(monkeypatch, (9, 0))
     x = gla_pool_prefill(torch.bfloat16)
     assert cula.explain(CHUNK["gla"], **x).backend == "cute"
     without_indices = {
@@ -493,7 +486,7 @@ def test_a_bf16_pooled_prefill_reaches_the_kernels_by_index_only(monkeypatch):
 def test_what_fla_receives(monkeypatch):
     """A pooled call hands FLA's fused_recurrent_kda_fwd the pool itself and contiguous inputs; a call without a
     pool hands FLA's public op no pool argument (FLA's fused_recurrent_lightning_attn takes no ``**kwargs``)."""
-    FakeCuda(monkeypatch)
+    FakeCuda(monkeypatch, (9, 0))
     received = {}
 
     def fake(target):

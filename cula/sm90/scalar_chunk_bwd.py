@@ -309,14 +309,19 @@ class ScalarGateChunkBwdSm90:
         return out
 
     @cute.jit
-    def product(self, tiled, sA, sB, wtid, n: cutlass.Constexpr):
-        """A B^T by ``tiled`` (both operands in shared memory, B given (N, K)): an fp32 (C x n) accumulator and its
-        coordinates."""
+    def smem_gemm(self, tiled, acc, sA, sB, wtid, zero_init: cutlass.Constexpr):
+        """acc (+)= A B^T by ``tiled``, both operands in shared memory (B given (N, K)), waited."""
         thr = tiled.get_slice(wtid)
-        acc = thr.make_fragment_C(thr.partition_shape_C((self.C, n)))
         a = thr.make_fragment_A(thr.partition_A(sA))
         bb = thr.make_fragment_B(thr.partition_B(sB))
-        mma.gemm_waited(tiled, acc, a, bb, True)
+        mma.gemm_waited(tiled, acc, a, bb, zero_init)
+
+    @cute.jit
+    def product(self, tiled, sA, sB, wtid, n: cutlass.Constexpr):
+        """A B^T by ``tiled`` (:meth:`smem_gemm`): an fp32 (C x n) accumulator and its coordinates."""
+        thr = tiled.get_slice(wtid)
+        acc = thr.make_fragment_C(thr.partition_shape_C((self.C, n)))
+        self.smem_gemm(tiled, acc, sA, sB, wtid, True)
         return acc, thr.partition_C(cute.make_identity_tensor((self.C, n)))
 
     @cute.jit
@@ -336,10 +341,7 @@ class ScalarGateChunkBwdSm90:
     def accumulate(self, b_major: cutlass.Constexpr, acc, sA, sB, wtid):
         """acc += A B, both operands in shared memory (B a view as ``product`` takes it)."""
         tiled = mma.tiled_mma(self.C, self.D, b_major=b_major, a_in_registers=False)
-        thr = tiled.get_slice(wtid)
-        a = thr.make_fragment_A(thr.partition_A(sA))
-        bb = thr.make_fragment_B(thr.partition_B(sB))
-        mma.gemm_waited(tiled, acc, a, bb, False)
+        self.smem_gemm(tiled, acc, sA, sB, wtid, False)
 
     @cute.jit
     def add_intra(self, acc, r_scores, sB_mn, wtid):
