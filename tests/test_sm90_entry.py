@@ -352,8 +352,8 @@ def test_a_pooled_call_reads_and_writes_its_slots_in_one_launch(launches, inplac
 
 
 @pytest.mark.parametrize("inplace", [True, False])
-@pytest.mark.parametrize("varlen", [True, False])
-def test_a_pooled_call_with_padding_runs_the_live_sequences_in_one_launch(launches, inplace, varlen):
+@pytest.mark.parametrize("varlen,state_v_first", [(True, False), (False, False), (True, True)])
+def test_a_pooled_call_with_padding_runs_the_live_sequences_in_one_launch(launches, inplace, varlen, state_v_first):
     """Padding slots (negative) through the host path: one read-only launch (padding reads slot 0), then the padding's
     outputs zeroed and, in place, the live sequences' final states written to their slots; as the reference backend
     serves the same call: zero outputs and (read only) zero final states for padding, slots not named untouched."""
@@ -361,7 +361,7 @@ def test_a_pooled_call_with_padding_runs_the_live_sequences_in_one_launch(launch
     cu = torch.tensor([0, 70, 71, 300]) if varlen else None
     pool = torch.randn(6, 2, 32, 32) * 0.1
     o, state, pool_kernel = pooled_call_and_reference(
-        inputs(B, T, 1, 2, per_key=False), pool, torch.tensor([5, -1, 2]), cu, inplace
+        inputs(B, T, 1, 2, per_key=False), pool, torch.tensor([5, -1, 2]), cu, inplace, state_v_first
     )
     ((config, t),) = launches
     assert config.state_slots == "read" and t.slots.tolist() == [5, 0, 2] and t.h0 is pool_kernel
