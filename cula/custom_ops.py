@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import operator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -187,24 +188,34 @@ class EntryOps:
 
     # -- autograd -------------------------------------------------------------------------------------------------
     def _setup_context(self, ctx, inputs, keyword_only_inputs, output):
-        args = self._bind(inputs)
         _, _, residuals = output
         ctx.mark_non_differentiable(*residuals)
-        ctx.save_for_backward(*(args[n] for n in self.tensors), *residuals)
-        ctx.options = {n: value for n, value in args.items() if n not in self.tensors}
-        ctx.implementation = keyword_only_inputs["implementation"]
+        self._save(ctx, inputs, residuals, keyword_only_inputs["implementation"])
 
     def _autograd_backward(self, ctx, grad_o, grad_final_state, grad_residuals):
+        grads = self._saved_gradients(ctx, self.backward, grad_o, grad_final_state)
+        # the dispatcher drops trailing arguments equal to their defaults: one gradient per argument passed
+        return tuple(grads)[: len(ctx.needs_input_grad)]
+
+    def _save(self, ctx, values, residuals, implementation: str) -> None:
+        """What a backward needs of a forward on ``values`` (the forward op's parameters in order): the tensor
+        arguments and ``residuals`` saved, the other arguments and the implementation kept on ``ctx``."""
+        args = self._bind(values)
+        ctx.save_for_backward(*(args[n] for n in self.tensors), *residuals)
+        ctx.options = {n: value for n, value in args.items() if n not in self.tensors}
+        ctx.implementation = implementation
+
+    def _saved_gradients(self, ctx, backward: Callable, grad_o, grad_final_state) -> list:
+        """``backward`` (the backward op, or its implementation) on what :meth:`_save` kept: one gradient (or None)
+        per parameter of the forward op, in order."""
         saved = ctx.saved_tensors
-        tensors = dict(zip(self.tensors, saved[: len(self.tensors)], strict=True))
-        args = {**ctx.options, **tensors}
+        args = {**ctx.options, **dict(zip(self.tensors, saved[: len(self.tensors)], strict=True))}
         values = [args[name] for name in self.names]
-        grads = self.backward(
+        grads = backward(
             list(saved[len(self.tensors) :]), grad_o, grad_final_state, *values, implementation=ctx.implementation
         )
         by_name = dict(zip(self.tensors, grads, strict=True))
-        # the dispatcher drops trailing arguments equal to their defaults: one gradient per argument passed
-        return tuple(by_name.get(name) for name in self.names)[: len(ctx.needs_input_grad)]
+        return [by_name.get(name) for name in self.names]
 
 
 class _EagerTraining(torch.autograd.Function):
@@ -214,22 +225,13 @@ class _EagerTraining(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ops: EntryOps, implementation: str, *values):
         o, final_state, residuals = ops._forward(*values, implementation=implementation, save_residuals=True)
-        args = ops._bind(values)
-        ctx.save_for_backward(*(args[n] for n in ops.tensors), *residuals)
-        ctx.options = {n: value for n, value in args.items() if n not in ops.tensors}
-        ctx.ops, ctx.implementation = ops, implementation
+        ops._save(ctx, values, residuals, implementation)
+        ctx.ops = ops
         return o, final_state
 
     @staticmethod
     def backward(ctx, grad_o, grad_final_state):
-        ops, saved = ctx.ops, ctx.saved_tensors
-        args = {**ctx.options, **dict(zip(ops.tensors, saved[: len(ops.tensors)], strict=True))}
-        values = [args[name] for name in ops.names]
-        grads = ops._backward(
-            list(saved[len(ops.tensors) :]), grad_o, grad_final_state, *values, implementation=ctx.implementation
-        )
-        by_name = dict(zip(ops.tensors, grads, strict=True))
-        return None, None, *(by_name.get(name) for name in ops.names)
+        return None, None, *ctx.ops._saved_gradients(ctx, ctx.ops._backward, grad_o, grad_final_state)
 
 
 def _check_offsets(args: dict[str, Any]) -> None:
