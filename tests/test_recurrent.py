@@ -203,11 +203,7 @@ def test_the_block_shape_each_call_compiles_to(B, v_first, pool_dtype, expect):
 def test_the_block_shapes_the_kernel_refuses():
     from cula.recurrent.kernel import RecurrentConfig
 
-    for fields in (
-        {"block_v": 48},
-        {"vec": 2},
-        {"head_v": 64, "block_v": 128},
-    ):
+    for fields in ({"block_v": 48}, {"vec": 2}, {"head_v": 64, "block_v": 128}):
         with pytest.raises(AssertionError):
             RecurrentConfig(**fields)
 
@@ -361,31 +357,6 @@ def test_gpu_decode_on_a_pool_with_padding(monkeypatch, variant, pool_dtype, ind
     assert rel_rmse(pool_k[[7, 0, 4]].float(), pool_r[[7, 0, 4]].float()) <= tol
 
 
-def with_padded_pool(args, pool_dtype, v_first: bool, seed: int, padded: int):
-    """``args`` (on the GPU) given a random pool of B + 8 slots of ``pool_dtype`` read by B shuffled slots, entry
-    ``padded`` a padding one (-1); returns ``(pool, indices)``."""
-    B = n_seqs(args)
-    slots = B + 8
-    pool = (torch.randn(state_shape(args, slots, v_first=v_first), device="cuda") * 0.1).to(pool_dtype)
-    idx = torch.randperm(slots, generator=torch.Generator().manual_seed(seed))[:B].to(torch.int32).cuda()
-    idx[padded] = -1
-    args.update(initial_state=pool, ssm_state_indices=idx)
-    if v_first:
-        args["state_v_first"] = True
-    return pool, idx
-
-
-def check_padded_pool(kernel, ref, idx, T: int, pool_dtype, padded: int) -> torch.Tensor:
-    """A :func:`with_padded_pool` call of T tokens per sequence against the reference: outputs per sequence, the
-    named slots' states, the padding entry's zero outputs. Returns the named slots."""
-    tol = 1e-3 if pool_dtype == torch.float32 else 8e-3
-    check(kernel, ref, [T] * idx.numel(), padded=(padded,))
-    named = idx[idx >= 0].long()
-    assert rel_rmse(kernel[2][named].float(), ref[2][named].float()) <= tol
-    assert (kernel[0][padded] == 0).all()
-    return named
-
-
 @gpu
 @needs_gpu
 @pytest.mark.parametrize("variant", ["gdn", "kda", "gla"])
@@ -399,9 +370,19 @@ def test_gpu_wide_blocks_on_many_sequences(monkeypatch, variant, v_first, pool_d
     B, T = 160, 2
     args = make_args(variant, B=B, T=T, H=2, device="cuda", seed=5)
     assert block_shape(args["q"], args["v"], B, v_first, pool_dtype)[0] == WIDE_BLOCK_V
-    _, idx = with_padded_pool(args, pool_dtype, v_first, seed=5, padded=7)
+    slots = B + 8
+    pool = (torch.randn(state_shape(args, slots, v_first=v_first), device="cuda") * 0.1).to(pool_dtype)
+    idx = torch.randperm(slots, generator=torch.Generator().manual_seed(5))[:B].to(torch.int32).cuda()
+    idx[7] = -1
+    args.update(initial_state=pool, ssm_state_indices=idx)
+    if v_first:
+        args["state_v_first"] = True
     kernel, ref = run_both(monkeypatch, ENTRY[variant], args)
-    check_padded_pool(kernel, ref, idx, T, pool_dtype, padded=7)
+    tol = 1e-3 if pool_dtype == torch.float32 else 8e-3
+    check(kernel, ref, [T] * B, padded=(7,))
+    named = idx[idx >= 0].long()
+    assert rel_rmse(kernel[2][named].float(), ref[2][named].float()) <= tol
+    assert (kernel[0][7] == 0).all()
 
 
 @gpu

@@ -115,7 +115,6 @@ def config_for(args: dict[str, Any], gates: Gates) -> dict[str, Any]:
     v_first = bool(args.get("state_v_first", False))
     sequences = q.shape[0] if cu is None else cu.numel() - 1
     block_v, vec = block_shape(q, v, sequences, v_first, h0.dtype if h0 is not None else torch.float32)
-    token_slots = inplace and indices is not None and indices.dim() == 2
     return {
         "head_k": q.shape[-1],
         "head_v": v.shape[-1],
@@ -139,7 +138,7 @@ def config_for(args: dict[str, Any], gates: Gates) -> dict[str, Any]:
         "has_initial_state": h0 is not None,
         "indices": _TORCH_NAMES[indices.dtype] if indices is not None else "none",
         "accepted": _TORCH_NAMES[accepted.dtype] if accepted is not None else "none",
-        "token_slots": token_slots,
+        "token_slots": inplace and indices is not None and indices.dim() == 2,
         "final": final,
         "block_v": block_v,
         "vec": vec,
