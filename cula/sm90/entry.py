@@ -198,7 +198,7 @@ def _padded_pool(kernel: ChunkKernel, call: ChunkCall, table: torch.Tensor) -> t
     one launch in which a padding sequence reads slot 0, its outputs and final state zeroed after; with ``inplace``
     the live sequences' final states are then written to their slots. Returns as :func:`chunk_fwd`."""
     B, T = call.q.shape[:2]
-    dev = call.q.device
+    dev, pool = call.q.device, call.initial_state
     live = table >= 0
     N = table.numel()
     if bool(live.any()):
@@ -206,7 +206,6 @@ def _padded_pool(kernel: ChunkKernel, call: ChunkCall, table: torch.Tensor) -> t
         sub = call._replace(state_slots=read, inplace=False, output_final_state=True, final_state_out=None)
         o, ht = _planned(kernel, sub)
     else:  # every sequence is padding: nothing to run
-        pool = call.initial_state
         o = call.out if call.out is not None else torch.empty_like(call.v)
         ht = pool.new_empty(N, *pool.shape[1:], dtype=torch.float32)
     offsets = call_offsets(B, T, call.cu_seqlens, call.cu_seqlens_cpu)
@@ -215,7 +214,6 @@ def _padded_pool(kernel: ChunkKernel, call: ChunkCall, table: torch.Tensor) -> t
     o.view(B * T, -1).masked_fill_(padded_tokens[:, None], 0)
     if call.inplace:
         rows = torch.nonzero(live).flatten()
-        pool = call.initial_state
         live_states = ht.index_select(0, runtime.host_to_device(rows, dev)).to(pool.dtype)
         pool.index_copy_(0, runtime.host_to_device(table[rows], dev), live_states)
         return o, pool
@@ -333,8 +331,8 @@ ARCH_CAPABILITIES = {9: ((9, 0),), 10: ((10, 0), (10, 3))}
 def supports_qkv(q, k, v, beta, initial_state, cu_seqlens, dims, arch_major: int = 9) -> tuple[bool, str]:
     """The checks every chunk kernel makes but the gate's: device (a GPU of ``arch_major``'s capabilities), dtypes,
     shapes, head dims in ``dims`` (K = V), GVA, beta, varlen batch, fp32 initial state (bf16 on SM90, which validation
-    admits only as a state pool, and :func:`cula.dispatch.pool_declines` only by index and when asked). Strided
-    inputs are served: dispatch makes them contiguous."""
+    admits only as a state pool, and :func:`cula.dispatch.pool_declines` only by index). Strided inputs are served:
+    dispatch makes them contiguous."""
     if not (q.is_cuda and k.is_cuda and v.is_cuda):
         return False, "tensors are not on a CUDA device"
     capability = runtime.device_capability(q.device)
