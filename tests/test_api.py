@@ -363,6 +363,18 @@ def test_simple_gla_sm90_kernel_is_chosen_for_what_it_supports(monkeypatch):
         assert "bfloat16" in dict(cula.explain(fn, **fp32, **extra).rejected)["cute"]
 
 
+def test_lightning_decay_is_made_once_per_layer():
+    """The kernels' Lightning g_gamma is kept per (device, heads, layer, layers), each FLA's values for its layer."""
+    from cula.lightning.api import _lightning_g_gamma
+    from cula.lightning.reference import lightning_g_gamma
+
+    cpu = torch.device("cpu")
+    first = _lightning_g_gamma(cpu, 4, 1, 4)
+    assert _lightning_g_gamma(cpu, 4, 1, 4) is first
+    for heads, layer, layers in ((4, 0, 4), (4, 1, 4), (4, 3, 4), (8, 1, 4), (4, 1, 3)):
+        assert torch.equal(_lightning_g_gamma(cpu, heads, layer, layers), lightning_g_gamma(heads, layer, layers))
+
+
 def test_training_skips_fla_where_its_gated_backward_raises(monkeypatch):
     import fla.utils
 
