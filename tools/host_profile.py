@@ -2,7 +2,7 @@
 (validation, dispatch, the time model, the split planner, allocations, the launches' arguments) with CUDA faked and
 the GPU work stubbed out, so that only the host's work is timed.
 
-    python tools/host_profile.py [--case NAME ...] [--calls 300] [--rounds 5] [--profile] [--top 25]
+    python tools/host_profile.py [--case NAME ...] [--calls 100] [--rounds 20] [--profile] [--top 25]
 
 The call's tensors live on PyTorch's ``meta`` device (shapes and dtypes, no data): every torch op the host path
 makes on them costs its dispatch, as a GPU launch's host side does, and neither computes nor touches memory, so any
@@ -68,8 +68,9 @@ def _to_device(x: torch.Tensor, device) -> torch.Tensor:
 
 
 def _empty_output(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """FLA's Triton pre-passes, stubbed: an fp32 output of the input's shape."""
-    return torch.empty_like(x, dtype=torch.float32)
+    """FLA's Triton pre-passes, stubbed: an fp32 output of the input's shape (``empty_like``'s layout rules would cost
+    tens of microseconds in Python on ``meta``)."""
+    return torch.empty(x.shape, dtype=torch.float32, device=x.device)
 
 
 @contextlib.contextmanager
@@ -235,8 +236,8 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", action="append", choices=list(CASES), help="a case to run (repeatable; all if none)")
-    parser.add_argument("--calls", type=int, default=300, help="timed calls per case and round")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds over the cases; the fastest one's median counts")
+    parser.add_argument("--calls", type=int, default=100, help="timed calls per case and round")
+    parser.add_argument("--rounds", type=int, default=20, help="rounds over the cases; the fastest one's median counts")
     parser.add_argument("--ops", action="store_true", help="also list the torch ops of one call of each case")
     parser.add_argument("--profile", action="store_true", help="also cProfile each case's calls")
     parser.add_argument("--top", type=int, default=25, help="functions listed per profile")
