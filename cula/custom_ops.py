@@ -242,7 +242,7 @@ def _check_offsets(args: dict[str, Any]) -> None:
     B, T = args["q"].shape[:2]
     offsets = validation.cu_seqlens_(cu_seqlens, B, T, args.get("cu_seqlens_cpu"))
     if "cu_seqlens_cpu" in args and args["cu_seqlens_cpu"] is None:
-        args["cu_seqlens_cpu"] = torch.tensor(offsets, dtype=cu_seqlens.dtype)
+        args["cu_seqlens_cpu"] = validation.host_copy(tuple(offsets), cu_seqlens.dtype)
 
 
 def _eager_dispatch_keys() -> tuple[torch._C.DispatchKeySet, torch._C.DispatchKeySet]:

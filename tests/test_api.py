@@ -151,10 +151,21 @@ def test_host_copy_of_cu_seqlens_is_checked_too():
 
 
 def test_validation_hands_on_the_host_offsets_it_read():
-    args = cula.dispatch.call_args(gdn_args(cu_seqlens=torch.tensor([0, 5, 20], dtype=torch.int32)))
-    args.update(cu_seqlens_cpu=None, initial_state=None, state_v_first=False, scale=None)
-    CHUNK_GDN.cula_op.validate(args)
-    assert args["cu_seqlens_cpu"].tolist() == [0, 5, 20] and args["cu_seqlens_cpu"].dtype == torch.int32
+    """The host copy validation hands on is made once per offsets and dtype (every layer gets the same one), never
+    as an inference tensor (a later training call may save it for its backward)."""
+
+    def host_copy(offsets, dtype=torch.int32):
+        args = cula.dispatch.call_args(gdn_args(cu_seqlens=torch.tensor(offsets, dtype=dtype)))
+        args.update(cu_seqlens_cpu=None, initial_state=None, state_v_first=False, scale=None)
+        CHUNK_GDN.cula_op.validate(args)
+        return args["cu_seqlens_cpu"]
+
+    with torch.inference_mode():
+        first = host_copy([0, 5, 20])
+    assert first.tolist() == [0, 5, 20] and first.dtype == torch.int32 and not first.is_inference()
+    assert host_copy([0, 5, 20]) is first
+    assert host_copy([0, 6, 20]).tolist() == [0, 6, 20]
+    assert host_copy([0, 5, 20], torch.int64).dtype == torch.int64
 
 
 def test_offsets_are_read_once_per_tensor_and_version():
