@@ -57,6 +57,7 @@ class EntryOps:
         self.op = op
         parsed = torch._C.parse_schema(f"cula::{name}({params}) -> ()").arguments
         self.names = [a.name for a in parsed]
+        self._named = frozenset(self.names)  # for carries(), asked at every call
         self.defaults = {a.name: a.default_value for a in parsed if a.has_default_value()}
         optional_tensor = torch._C.OptionalType(torch._C.TensorType.get())
         self.tensors = [a.name for a in parsed if a.type.isSubtypeOf(optional_tensor)]  # Tensor and Tensor?
@@ -100,7 +101,7 @@ class EntryOps:
         """Whether the ops' parameters hold the call: every argument outside them absent (None, or False), or one
         that changes neither the result nor the choice of backend (:data:`DROPPABLE`)."""
         return all(
-            name in self.names or value is None or value is False or DROPPABLE.get(name, _never)(value)
+            name in self._named or value is None or value is False or DROPPABLE.get(name, _never)(value)
             for name, value in args.items()
         )
 
