@@ -57,6 +57,7 @@ class EntryOps:
         self.op = op
         parsed = torch._C.parse_schema(f"cula::{name}({params}) -> ()").arguments
         self.names = [a.name for a in parsed]
+        self._named = frozenset(self.names)  # for carries(), asked at every call
         self.defaults = {a.name: a.default_value for a in parsed if a.has_default_value()}
         optional_tensor = torch._C.OptionalType(torch._C.TensorType.get())
         self.tensors = [a.name for a in parsed if a.type.isSubtypeOf(optional_tensor)]  # Tensor and Tensor?
@@ -100,7 +101,7 @@ class EntryOps:
         """Whether the ops' parameters hold the call: every argument outside them absent (None, or False), or one
         that changes neither the result nor the choice of backend (:data:`DROPPABLE`)."""
         return all(
-            name in self.names or value is None or value is False or DROPPABLE.get(name, _never)(value)
+            name in self._named or value is None or value is False or DROPPABLE.get(name, _never)(value)
             for name, value in args.items()
         )
 
@@ -242,7 +243,7 @@ def _check_offsets(args: dict[str, Any]) -> None:
     B, T = args["q"].shape[:2]
     offsets = validation.cu_seqlens_(cu_seqlens, B, T, args.get("cu_seqlens_cpu"))
     if "cu_seqlens_cpu" in args and args["cu_seqlens_cpu"] is None:
-        args["cu_seqlens_cpu"] = torch.tensor(offsets, dtype=cu_seqlens.dtype)
+        args["cu_seqlens_cpu"] = validation.host_copy(tuple(offsets), cu_seqlens.dtype)
 
 
 def _eager_dispatch_keys() -> tuple[torch._C.DispatchKeySet, torch._C.DispatchKeySet]:

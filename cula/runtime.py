@@ -156,8 +156,10 @@ def host_to_device(x, device):
 
 
 # What torch.cuda reports of each device, read once: dispatch asks for a GPU's name, capability and SM count several
-# times a call, each read a few microseconds of host time (a decode step's whole host path is ~50-150 us).
-_PROPERTIES: dict[tuple[str, int], Any] = {}
+# times a call, each read a few microseconds of host time (a decode step's whole host path is ~50-150 us). Keyed by
+# (what, device index), and by (what, device) for a device that always names the same GPU (a tensor's), whose index
+# then need not be worked out again.
+_PROPERTIES: dict[tuple[str, Any], Any] = {}
 
 
 def _device_index(device) -> int:
@@ -175,11 +177,24 @@ def _device_index(device) -> int:
 
 
 def _read_once(what: str, device, read: Callable[[int], Any]) -> Any:
+    value = _PROPERTIES.get((what, device))
+    if value is not None:
+        return value
     key = (what, _device_index(device))
     value = _PROPERTIES.get(key)
     if value is None:
         value = _PROPERTIES[key] = read(key[1])
+    if _names_one_gpu(device):
+        _PROPERTIES[(what, device)] = value
     return value
+
+
+def _names_one_gpu(device) -> bool:
+    """Whether ``device`` names the same GPU whatever the current device: a ``torch.device`` with an index, or one
+    that is no CUDA device (a tensor a test pretends is on a GPU). A string or a bare ``cuda`` names the current one."""
+    import torch
+
+    return isinstance(device, torch.device) and (device.index is not None or device.type != "cuda")
 
 
 def device_properties(device=None):

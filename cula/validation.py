@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import numbers
 import threading
@@ -127,6 +128,14 @@ def _to_host_int64(x) -> torch.Tensor:
 def _read_offsets(cu_seqlens, fresh: bool = False) -> list[int]:
     """``cu_seqlens.tolist()``, from the cache when this tensor at this version was read before (unless ``fresh``)."""
     return list(_read_host(cu_seqlens, _to_list, fresh))
+
+
+@functools.lru_cache(maxsize=_HOST_COPIES_KEPT)
+def host_copy(offsets: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Varlen offsets as a host tensor of ``dtype`` (FLA's ``cu_seqlens_cpu``), made once per offsets for the few seen
+    last, as their reads are kept: every layer of a model hands on the same ones. Shared: never written."""
+    with torch.inference_mode(False):  # one made for an inference call may later be saved for a backward
+        return torch.tensor(offsets, dtype=dtype)
 
 
 def _capturing(x) -> bool:
@@ -468,7 +477,7 @@ def common(args: dict, allow_gva: bool, token_slots: bool = False) -> tuple[int,
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     if offsets is not None and "cu_seqlens_cpu" in args and args["cu_seqlens_cpu"] is None:
         # hand the host copy on, so that later steps (the GDN time model, FLA) do not copy the offsets again
-        args["cu_seqlens_cpu"] = torch.tensor(offsets, dtype=cu_seqlens.dtype)
+        args["cu_seqlens_cpu"] = host_copy(tuple(offsets), cu_seqlens.dtype)
     fp64 = args["q"].dtype == torch.float64
     lengths = [T] * B if offsets is None else [b - a for a, b in zip(offsets, offsets[1:], strict=False)]
     if not state_pool(args, N, HV, K, V, lengths, fp64, token_slots):

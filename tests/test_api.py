@@ -151,10 +151,21 @@ def test_host_copy_of_cu_seqlens_is_checked_too():
 
 
 def test_validation_hands_on_the_host_offsets_it_read():
-    args = cula.dispatch.call_args(gdn_args(cu_seqlens=torch.tensor([0, 5, 20], dtype=torch.int32)))
-    args.update(cu_seqlens_cpu=None, initial_state=None, state_v_first=False, scale=None)
-    CHUNK_GDN.cula_op.validate(args)
-    assert args["cu_seqlens_cpu"].tolist() == [0, 5, 20] and args["cu_seqlens_cpu"].dtype == torch.int32
+    """The host copy validation hands on is made once per offsets and dtype (every layer gets the same one), never
+    as an inference tensor (a later training call may save it for its backward)."""
+
+    def host_copy(offsets, dtype=torch.int32):
+        args = cula.dispatch.call_args(gdn_args(cu_seqlens=torch.tensor(offsets, dtype=dtype)))
+        args.update(cu_seqlens_cpu=None, initial_state=None, state_v_first=False, scale=None)
+        CHUNK_GDN.cula_op.validate(args)
+        return args["cu_seqlens_cpu"]
+
+    with torch.inference_mode():
+        first = host_copy([0, 5, 20])
+    assert first.tolist() == [0, 5, 20] and first.dtype == torch.int32 and not first.is_inference()
+    assert host_copy([0, 5, 20]) is first
+    assert host_copy([0, 6, 20]).tolist() == [0, 6, 20]
+    assert host_copy([0, 5, 20], torch.int64).dtype == torch.int64
 
 
 def test_offsets_are_read_once_per_tensor_and_version():
@@ -361,6 +372,18 @@ def test_simple_gla_sm90_kernel_is_chosen_for_what_it_supports(monkeypatch):
         assert "require grad" in dict(cula.explain(fn, **trained, **extra).rejected)["cute"]
         fp32 = {n: t.float() for n, t in qkv.items()}
         assert "bfloat16" in dict(cula.explain(fn, **fp32, **extra).rejected)["cute"]
+
+
+def test_lightning_decay_is_made_once_per_layer():
+    """The kernels' Lightning g_gamma is kept per (device, heads, layer, layers), each FLA's values for its layer."""
+    from cula.lightning.api import _lightning_g_gamma
+    from cula.lightning.reference import lightning_g_gamma
+
+    cpu = torch.device("cpu")
+    first = _lightning_g_gamma(cpu, 4, 1, 4)
+    assert _lightning_g_gamma(cpu, 4, 1, 4) is first
+    for heads, layer, layers in ((4, 0, 4), (4, 1, 4), (4, 3, 4), (8, 1, 4), (4, 1, 3)):
+        assert torch.equal(_lightning_g_gamma(cpu, heads, layer, layers), lightning_g_gamma(heads, layer, layers))
 
 
 def test_training_skips_fla_where_its_gated_backward_raises(monkeypatch):

@@ -92,11 +92,13 @@ def test_rows_are_found_by_exact_device_name(gpu):
     assert times.kernels["gdn"] == KernelTime(3.57, devices.H200_GDN_SPLIT)
     assert times.fla["kda"] == FlaTime(ns_per_token_head=4.05, min_ms=0.38, chunk_us=3.18)
     assert times.kernels["kda"] == KernelTime(7.9, devices.H200_KDA_SPLIT)
+    assert devices.times_for(0) is times  # completed once per row
     # a row completed by the default where its GPU was not measured: a pretend H100 row without KDA's kernel
     row = dataclasses.replace(devices.H100_SXM, kernels={"gdn": devices.H100_SXM.kernels["gdn"]})
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(devices.TABLE, H100, row)
         assert devices.times_for(0).kernels["kda"] == devices.DEFAULT.kernels["kda"]
+    assert devices.times_for(0).kernels["kda"] == devices.H100_SXM.kernels["kda"]  # the row put back is read again
 
 
 @pytest.mark.parametrize("name", ["NVIDIA H20", "NVIDIA H100 PCIe", "NVIDIA H200 NVL", "NVIDIA GH200 480GB"])

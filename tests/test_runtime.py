@@ -27,6 +27,27 @@ def test_a_devices_properties_are_read_once(monkeypatch):
     assert reads == [1, 1]
 
 
+def test_a_device_that_names_no_index_follows_the_current_device(monkeypatch):
+    """A tensor's device (with its index) is read once and then found as it is; a bare ``cuda`` is the current device,
+    whichever that is at the call."""
+    reads, current = [], [0]
+
+    def capability(index):
+        reads.append(index)
+        return (9, index)
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    assert runtime.device_capability(torch.device("cuda:1")) == (9, 1)
+    assert runtime.device_capability(torch.device("cuda:1")) == (9, 1) and reads == [1]
+    assert runtime.device_capability(torch.device("cuda")) == (9, 0)
+    current[0] = 1
+    assert runtime.device_capability(torch.device("cuda")) == (9, 1)
+    assert runtime.device_capability("cuda") == (9, 1) and runtime.device_capability(None) == (9, 1)
+    assert reads == [1, 0]
+
+
 def test_device_plans_are_kept_per_stream_and_read_by_any_capture(monkeypatch):
     made = []
 

@@ -184,6 +184,25 @@ def test_a_split_with_nothing_to_cut_or_too_many_segments_runs_whole(launches, m
     assert "correction" in [c.mode for c, _ in launches]  # split
 
 
+def test_plans_are_kept_per_layout_and_split_costs(launches):
+    """A call's plan (its cuts, segments and longest segment's chunks) is made once per layout: the same offsets find
+    it again, other offsets or other split costs get their own."""
+
+    def plan(kernel, lengths, split=None):
+        q, k, v, g, beta = inputs(1, sum(lengths), 1, 8, False)
+        cu = torch.tensor([0, *lengths]).cumsum(0) if len(lengths) > 1 else None
+        return entry.plan_call(kernel, entry.ChunkCall(q, k, v, g, beta, cu_seqlens=cu, split=split))
+
+    forced = plan(kernel_with(), [1, 2499, 1596], split=True)
+    assert forced == ((0, 1, 2500, 4096), ((), (1024, 2048), (1024,)), 6, 16)
+    assert plan(kernel_with(), [1, 2499, 1596], split=True) is forced
+    assert plan(kernel_with(), [1, 1999, 2096], split=True) == ((0, 1, 2000, 4096), ((), (1024,), (1024, 2048)), 6, 16)
+    assert plan(kernel_with(), [1, 999, 96], split=True) == ((0, 1, 1000, 1096), None, 0, 0)  # nothing to cut
+    planned = plan(kernel_with(UNCACHED), [65536])
+    assert planned.cuts and plan(kernel_with(UNCACHED), [65536]) is planned
+    assert plan(kernel_with(SplitCost(fixed=1e4)), [65536]).cuts is None  # costlier split passes: planned again
+
+
 def test_varlen_offsets_only_on_the_device_still_split(launches):
     """Without ``cu_seqlens_cpu`` the entry reads the offsets from ``cu_seqlens`` (once per tensor) and splits."""
     q, k, v, g, beta = inputs(1, 2300, 1, 2, False)

@@ -5,10 +5,13 @@ the kernels (a step at B1 T8192 H64 spends ~2.3 ms in kernels, PERF.md).
 
 Each part is called ``--calls`` times after a warm-up with no synchronisation in between, and the host's wall time
 per call is printed (then the GPU is drained): the forward without and with autograd, the backward alone (on graphs
-made beforehand), the whole step, and two of the backward's own steps (the chunk rows' index, both walks).
+made beforehand), the whole step, and two of the backward's own steps (the chunk rows' index, both walks). The calls
+are served by cuLA's kernels (``CULA_BACKEND=cute``, set here): dispatch would otherwise give FLA the training calls
+whose backward it runs faster.
 """
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -27,8 +30,11 @@ def main() -> None:
     import torch
     from backward_pass_times import entry_point, inputs, walk_operands
 
+    from cula.dispatch import ENV_BACKEND
     from cula.ops import chunk_backward
     from cula.sm90 import walks
+
+    os.environ[ENV_BACKEND] = "cute"  # read by dispatch at each call
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--op", choices=("simple_gla", "gdn", "gla"), default="simple_gla")

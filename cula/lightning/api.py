@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from cula import validation
+from cula import runtime, validation
 from cula.custom_ops import EntryOps
 from cula.dispatch import (
     BackwardKernel,
@@ -232,8 +232,16 @@ def _chunk_gates(args: dict[str, Any]) -> tuple[torch.Tensor | None, torch.Tenso
     """(g, g_gamma) of a simple GLA or Lightning call; Lightning's g_gamma as FLA builds it from the layer."""
     if "layer_idx" in args:
         q = args["q"]
-        return None, reference.lightning_g_gamma(q.shape[2], args["layer_idx"], args["num_layers"], q.device)
+        return None, _lightning_g_gamma(q.device, q.shape[2], args["layer_idx"], args["num_layers"])
     return args["g"], args["g_gamma"]
+
+
+# Kept per layer (up to a deep model's layer count): made anew, it would cost each call two launches.
+@runtime.device_plan_cache(maxsize=256)
+def _lightning_g_gamma(device, num_heads: int, layer_idx: int, num_layers: int) -> torch.Tensor:
+    """:func:`cula.lightning.reference.lightning_g_gamma` on ``device``, made on the host (the same fp32 products as
+    on a GPU). Shared: callers leave it unchanged."""
+    return runtime.host_to_device(reference.lightning_g_gamma(num_heads, layer_idx, num_layers), device)
 
 
 def _kernel_entry(arch: str):

@@ -220,7 +220,7 @@ def split_forward(
     ``aligned`` every pass gets every segment, in the same order (the ones a pass skips as empty ranges), so a runner
     can hand a pass what the first one left for the same segment index. Host work per call is a fixed handful of
     ops whatever the number of segments (the plan's device tables are made once per split)."""
-    plan = _split_plan(str(out.device), tuple(offsets), tuple(tuple(c) for c in cuts), aligned)
+    plan = _split_plan(str(out.device), tuple(offsets), tuple(map(tuple, cuts)), aligned)
     h0 = None
     if initial_state is not None:
         h0 = initial_state.new_zeros(plan.segments, *initial_state.shape[1:])

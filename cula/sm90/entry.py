@@ -6,6 +6,7 @@ launch through :func:`launch` (compile once per set of compile-time constants, t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -141,10 +142,13 @@ def launch(kernel: ChunkKernel, call: ChunkCall, config: ChunkFwdConfig, t: Laun
 
 class Plan(NamedTuple):
     """How a call runs: its sequences' token offsets in the flattened token axis, and the cut points of each (None:
-    every sequence walked whole by one launch)."""
+    every sequence walked whole by one launch); when cut, how many segments that makes and the chunks of the longest
+    (the split passes' workspace rows)."""
 
-    offsets: list[int]
-    cuts: list[list[int]] | None
+    offsets: tuple[int, ...]
+    cuts: tuple[tuple[int, ...], ...] | None
+    segments: int = 0
+    longest: int = 0
 
 
 def call_offsets(B: int, T: int, cu_seqlens, cu_seqlens_cpu) -> list[int]:
@@ -167,20 +171,34 @@ def plan_call(kernel: ChunkKernel, call: ChunkCall) -> Plan:
     """The call's offsets (from ``cu_seqlens_cpu``, else read from ``cu_seqlens`` once per tensor) and its split
     (forced, or where :func:`cula.ops.segment_split.plan_segments` expects it to be faster)."""
     B, T = call.q.shape[:2]
-    HV = call.v.shape[2]
-    N = B if call.cu_seqlens is None else call.cu_seqlens.numel() - 1
-    offsets = call_offsets(B, T, call.cu_seqlens, call.cu_seqlens_cpu)
+    offsets = tuple(call_offsets(B, T, call.cu_seqlens, call.cu_seqlens_cpu))
     if call.split is False or call.state_slots is not None or call.inplace:
         return Plan(offsets, None)  # a pool's states are read and written by the one launch
+    planner = None
+    if not call.split:
+        planner = (call.v.shape[2], runtime.sm_count(call.q.device), kernel.split_cost(call))
+    plan = _cut_plan(offsets, planner)
+    if plan.segments > MAX_SEQUENCES:
+        return Plan(offsets, None)  # more segments than a launch grid has rows: walk each sequence whole
+    return plan
+
+
+@functools.lru_cache(maxsize=256)
+def _cut_plan(offsets: tuple[int, ...], planner: tuple[int, int, segment_split.SplitCost] | None) -> Plan:
+    """The :class:`Plan` of sequences at ``offsets`` cut where ``planner`` (value heads, SMs, split costs) has
+    :func:`cula.ops.segment_split.plan_segments` cut them, or with ``planner`` None every 16 chunks (a forced split).
+    Made once per layout: a model's layers plan the same calls."""
     lengths = [e - s for s, e in zip(offsets[:-1], offsets[1:], strict=True)]
-    if call.split:
-        cuts = [list(range(CHUNK * 16, n, CHUNK * 16)) for n in lengths]
+    if planner is None:
+        cuts = [range(CHUNK * 16, n, CHUNK * 16) for n in lengths]
     else:
-        sms = runtime.sm_count(call.q.device)
-        cuts = segment_split.plan_segments(lengths, HV, sms, CHUNK, kernel.split_cost(call))
-    if cuts is not None and (not any(cuts) or sum(map(len, cuts)) + N > MAX_SEQUENCES):
-        cuts = None  # nothing to cut, or more segments than a launch grid has rows: walk each sequence whole
-    return Plan(offsets, cuts)
+        heads, sms, cost = planner
+        cuts = segment_split.plan_segments(lengths, heads, sms, CHUNK, cost)
+    cuts = None if cuts is None else tuple(map(tuple, cuts))
+    if cuts is None or not any(cuts):
+        return Plan(offsets, None)  # nothing to cut
+    pieces = [e - s for _, s, e in segment_split.segments(offsets, cuts)]
+    return Plan(offsets, cuts, len(pieces), -(-max(pieces) // CHUNK))
 
 
 def chunk_fwd(kernel: ChunkKernel, call: ChunkCall) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -261,7 +279,9 @@ def _split(kernel: ChunkKernel, call: ChunkCall, plan: Plan, o: torch.Tensor, sc
     variant's further workspaces, for the later passes)."""
     B, T, H, K = call.q.shape
     HV = call.v.shape[2]
-    flat = [x.reshape(1, B * T, *x.shape[2:]) for x in (call.q, call.k, call.v, call.g, call.beta, o)]
+    flat = (call.q, call.k, call.v, call.g, call.beta, o)
+    if B > 1:  # the passes take every token in batch row 0 (a one-row batch already has them there)
+        flat = [x.reshape(1, B * T, *x.shape[2:]) for x in flat]
     # the passes run V-first storage as K-first: the kernel takes the states transposed
     flat_call = call._replace(state_v_first=False)
     h0 = call.initial_state
@@ -269,9 +289,6 @@ def _split(kernel: ChunkKernel, call: ChunkCall, plan: Plan, o: torch.Tensor, sc
         h0 = h0.transpose(-1, -2)
     cached = kernel.split_cost(call).cached
     saved = {}
-    if cached:
-        # chunks of the longest segment: the workspace's rows per (segment, head) hold each chunk's Tinv and P
-        chunks = max(-(-(e - s) // CHUNK) for _, s, e in segment_split.segments(plan.offsets, plan.cuts))
 
     def run(mode, starts, ends, h0_, out_):
         Vd = K if mode == "transition" else call.v.shape[3]
@@ -280,10 +297,11 @@ def _split(kernel: ChunkKernel, call: ChunkCall, plan: Plan, o: torch.Tensor, sc
         if cached:
             intra = "save" if mode == "full" else "load"
             if mode == "full":
-                shape = (starts.numel(), 2 * CHUNK * chunks, HV, CHUNK)
+                # rows per (segment, head) for each chunk's Tinv and P, as many chunks as the longest segment's
+                shape = (starts.numel(), 2 * CHUNK * plan.longest, HV, CHUNK)
                 saved["w"] = torch.empty(shape, dtype=torch.bfloat16, device=call.q.device)
                 if kernel.workspaces is not None:
-                    saved["more"] = kernel.workspaces(starts.numel(), chunks, HV, K, call.q.device)
+                    saved["more"] = kernel.workspaces(starts.numel(), plan.longest, HV, K, call.q.device)
         config = ChunkFwdConfig(K, True, h0_ is not None, mode, intra, call.qk_l2norm, kernel.delta_rule)
         tensors = LaunchTensors(*flat[:6], h0_, ht_, starts, ends, saved.get("w"), saved.get("more"))
         launch(kernel, flat_call, config, tensors, scale)
