@@ -473,8 +473,8 @@ class ChunkFwdSm90:
                 self.intra_step(p, smem, gsmem, rings, states, seq, chunk, stid, swarp)
             ins = self.chain_inputs(p, smem, gsmem, rings, states, seq, chunk)
             if cutlass.const_expr(self.state_makes_p):
-                # the stage's P half was last read by this chunk's update two chunks ago, which every state thread
-                # had waited for before the previous chunk's barrier below
+                # the stage's P half was last read by the update two chunks back, which every state thread had
+                # waited for before it reached the previous chunk's barrier below
                 self.make_p_share(p, smem, ins, seq, pos, stid, smem.sTP[None, None, 1, tp_state.index])
             if cutlass.const_expr(cfg.v_from is not None):
                 rings.v.consumer_wait(v_state)
