@@ -237,6 +237,9 @@ class ChunkFwdSm90:
     # P half of the chunk's Tinv | P stage) while the intra role makes only Tinv: P then leaves the intra role's
     # chain, which bounds the chunk, for the state warpgroups' wait for Tinv
     state_makes_p = False
+    # a correction pass without the delta rule carries V_new = 0 (v = 0): its state only decays and its output is
+    # S^T Q~^T's alone, so it has no intra work and no update (set by a gate that opts in)
+    zero_values = False
 
     def __init__(self, config: ChunkFwdConfig):
         assert config.head_dim in (64, 128), config.head_dim
@@ -468,7 +471,10 @@ class ChunkFwdSm90:
                 if cutlass.const_expr(tp_ring):
                     cute.arch.barrier(barrier_id=Barrier.STATE, number_of_threads=state_threads)
             if cutlass.const_expr(
-                not has_intra_role and cfg.intra != "load" and (cfg.walk == "output" or self.intra_step_in_walks)
+                not has_intra_role
+                and cfg.intra != "load"
+                and not self.zero_values
+                and (cfg.walk == "output" or self.intra_step_in_walks)
             ):
                 self.intra_step(p, smem, gsmem, rings, states, seq, chunk, stid, swarp)
             ins = self.chain_inputs(p, smem, gsmem, rings, states, seq, chunk)
@@ -496,6 +502,9 @@ class ChunkFwdSm90:
                     rings.tp.consumer_wait(tp_state)
                 sTP = smem.sTP[None, None, None, tp_state.index]
                 acc_vn = chain.values(rY, rY_lo, sTP[None, None, 0], acc_o, ins.gates, cCC, cfg.make_o)
+            elif cutlass.const_expr(self.zero_values):
+                if cutlass.const_expr(cfg.make_o):
+                    ins.gates.o(acc_o, cCC)
             else:
                 if cutlass.const_expr(tp_ring):
                     rings.tp.consumer_wait(tp_state)
@@ -505,7 +514,7 @@ class ChunkFwdSm90:
             if cutlass.const_expr(self.state_makes_p):
                 # every state warpgroup's share of P stored and fenced
                 cute.arch.barrier(barrier_id=Barrier.STATE, number_of_threads=state_threads)
-            if cutlass.const_expr(not (cfg.reverse and cfg.delta_rule)):
+            if cutlass.const_expr(not (cfg.reverse and cfg.delta_rule) and not self.zero_values):
                 chain.update(acc_s, acc_o, acc_vn, sTP[None, None, 1], ins.sK_mn, ins.gates, cCC, cfg.make_o)
             if cutlass.const_expr(tp_ring):
                 rings.tp.consumer_release(tp_state)
@@ -527,7 +536,7 @@ class ChunkFwdSm90:
                 if writes:
                     stager.stage(acc_o, chunk)
                 stager.flush(chunk, seq.n_chunks)
-            elif cutlass.const_expr(not has_intra_role and cfg.walk == "output"):
+            elif cutlass.const_expr(not has_intra_role and cfg.walk == "output" and not self.zero_values):
                 # the next intra step rewrites what this chunk's products read
                 cute.arch.barrier(barrier_id=Barrier.STATE, number_of_threads=state_threads)
         if cutlass.const_expr(cfg.make_o):

@@ -153,15 +153,17 @@ class ScalarGateChunkFwdSm90(ChunkFwdSm90):
     tp_stages = 2
     o_stages = 2
 
-    def __init__(self, config, state_makes_p: bool = False):
+    def __init__(self, config, state_makes_p: bool = False, bare_correction: bool = False):
         # where the intra role would make P for no one else (not for a first split pass's workspace)
         self.state_makes_p = state_makes_p and config.delta_rule and config.intra == "none" and config.make_o
+        # a correction pass without the delta rule: no intra role, only the q tile of each q | k stage loaded
+        self.zero_values = bare_correction and not config.delta_rule and config.mode == "correction"
         super().__init__(config)
         # per-token factors of a gate slot: 2^G and 2^(G_last - G); with qk_l2norm 2^G / ||q||, 2^(G_last - G) / ||k||
         # and 2^G / ||k||, then the norm columns
         self.fac_cols = 3 if config.qk_l2norm else 2
         self.norm_cols = 4 if config.qk_l2norm else 0
-        self.intra_idle = config.intra == "load" or self.k_only
+        self.intra_idle = config.intra == "load" or self.k_only or self.zero_values
 
     @property
     def k_only(self) -> bool:
@@ -171,7 +173,7 @@ class ScalarGateChunkFwdSm90(ChunkFwdSm90):
 
     def role_layout(self) -> RoleLayout:
         R = WarpGroupRole
-        intra = () if self.k_only else (R.INTRA,)
+        intra = () if self.k_only or self.zero_values else (R.INTRA,)
         roles = (R.PRODUCER, *intra) + (R.STATE,) * (self.D // 64)
         # the state warpgroups peak at ~189 registers at D = 128
         return RoleLayout.make(roles, {R.PRODUCER: 24, R.INTRA: 104})
@@ -213,7 +215,7 @@ class ScalarGateChunkFwdSm90(ChunkFwdSm90):
         state_threads = self.layout.threads_of(WarpGroupRole.STATE)
         state_warps = state_threads // 32
         intra_threads = 0 if self.intra_idle else 128
-        tiles_per_stage = 1 if self.k_only else 2
+        tiles_per_stage = 1 if self.k_only or self.zero_values else 2
         qk = pipeline.tma_ring(
             st.ring_qk, self.qk_stages, tiles_per_stage * C * D * 2, intra_threads // 32 + state_warps
         )
@@ -268,7 +270,8 @@ class ScalarGateChunkFwdSm90(ChunkFwdSm90):
             bar = rings.qk.producer_get_barrier(qk_p)
             if cutlass.const_expr(not self.k_only):
                 cute.copy(c.q.atom, tQg[None, pos], tQs[None, qk_p.index], tma_bar_ptr=bar)
-            cute.copy(c.k.atom, tKg[None, pos], tKs[None, qk_p.index], tma_bar_ptr=bar)
+            if cutlass.const_expr(not self.zero_values):
+                cute.copy(c.k.atom, tKg[None, pos], tKs[None, qk_p.index], tma_bar_ptr=bar)
             qk_p.advance()
             if cutlass.const_expr(cfg.v_from is not None):
                 rings.v.producer_acquire(v_p)
@@ -561,15 +564,16 @@ class ScalarGateChunkFwdSm90(ChunkFwdSm90):
 # -------------------------------------------------------------------- host side
 def compile_fwd(
     arch="sm_90a", *, beta_fp32=True, state_v_first=False, keep_artifacts=False, kernel_class=None,
-    state_makes_p=False, **config,
+    state_makes_p=False, bare_correction=False, **config,
 ):  # fmt: skip
     """The scalar-gate chunk kernel for ``config`` (:class:`cula.sm90.chunk_fwd.ChunkFwdConfig` fields: GDN's with
     the delta rule, simple GLA's without), compiled on any machine for ``arch``; ``kernel_class``: another
-    architecture's kernel of the same launch arguments (SM100's); ``state_makes_p``: the SM90 kernel's
-    :attr:`ScalarGateChunkFwdSm90.state_makes_p` where the config allows it."""
+    architecture's kernel of the same launch arguments (SM100's); ``state_makes_p`` and ``bare_correction``: the SM90
+    kernel's :attr:`ScalarGateChunkFwdSm90.state_makes_p` and :attr:`ScalarGateChunkFwdSm90.zero_values` where the
+    config allows them."""
     cfg = ChunkFwdConfig(**config)
     fake = entry.fake_args(
         cfg.head_dim, beta_fp32, state_v_first, per_key_gate=False, checkpoints=cfg.walk != "output", config=cfg
     )
-    kernel = kernel_class(cfg) if kernel_class else ScalarGateChunkFwdSm90(cfg, state_makes_p)
+    kernel = kernel_class(cfg) if kernel_class else ScalarGateChunkFwdSm90(cfg, state_makes_p, bare_correction)
     return runtime.compile_kernel(kernel, fake, arch, keep_artifacts)
