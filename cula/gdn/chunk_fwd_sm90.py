@@ -7,8 +7,6 @@ Shapes as :mod:`cula.sm90.chunk_fwd`; g [B, T, HV] fp32 (activated natural-log g
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from cula import devices
@@ -44,20 +42,10 @@ def split_cost(call: entry.ChunkCall) -> segment_split.SplitCost:
 compile_gdn_fwd_sm90 = scalar_chunk_fwd.compile_fwd
 
 
-# opt-in until timed on a GPU: the state warpgroups make P (ScalarGateChunkFwdSm90.state_makes_p)
-ENV_STATE_MAKES_P = "CULA_GDN_STATE_MAKES_P"
-
-
-def options(call: entry.ChunkCall) -> dict:
-    """GDN's compile-time options beyond the config: who makes P."""
-    return {"state_makes_p": os.environ.get(ENV_STATE_MAKES_P, "0") == "1"}
-
-
 GDN_SM90 = entry.ChunkKernel(
     "gdn",
     compile_gdn_fwd_sm90,
     split_cost=split_cost,
-    options=options,
 )
 
 
@@ -79,14 +67,6 @@ entry.register_checked(
             "intra": "load",
             "qk_l2norm": True,
         },
-        "[state makes P]": {"state_makes_p": True},
-        "[state makes P, varlen, initial state, qk_l2norm]": {
-            "state_makes_p": True,
-            "is_varlen": True,
-            "has_initial_state": True,
-            "qk_l2norm": True,
-        },
-        "[state makes P, D=64, varlen]": {"state_makes_p": True, "head_dim": 64, "is_varlen": True},
     },  # fmt: skip
     # measured: the later split pass's state warpgroups (192 registers) reload a few loop invariants each chunk
     sass_allowed={"[intra load, correction]": (11, 0)},

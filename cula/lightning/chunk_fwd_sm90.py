@@ -13,8 +13,6 @@ decay is such a ``g_gamma``), summed on the host (:func:`token_gate`). Shapes as
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from cula import devices
@@ -53,8 +51,8 @@ def token_gate(g: torch.Tensor | None, g_gamma: torch.Tensor | None, v: torch.Te
 
 
 def split_cost(call: entry.ChunkCall) -> segment_split.SplitCost:
-    """The split passes' costs: GDN's measured ones (no split pass of this kernel has been timed), uncached: the later
-    passes make P again, and carry no V (they need neither Tinv nor P's product)."""
+    """The split passes' costs: GDN's measured ones (no split pass of this kernel has been timed; its correction pass,
+    without P and the update, costs less), uncached: the later passes carry no V (they need neither Tinv nor P)."""
     return devices.times_for(call.q.device).kernels["gdn"].split._replace(cached=False)
 
 
@@ -64,21 +62,10 @@ def compile_simple_gla_fwd_sm90(arch="sm_90a", **options):
     return scalar_chunk_fwd.compile_fwd(arch, **{**options, "delta_rule": False})
 
 
-# opt-in until timed on a GPU: the split's correction pass without the intra role and the update (its V_new is zero:
-# ScalarGateChunkFwdSm90.zero_values)
-ENV_BARE_CORRECTION = "CULA_SIMPLE_GLA_BARE_CORRECTION"
-
-
-def options(call: entry.ChunkCall) -> dict:
-    """Simple GLA's compile-time options beyond the config: the correction pass's form."""
-    return {"bare_correction": os.environ.get(ENV_BARE_CORRECTION, "0") == "1"}
-
-
 SIMPLE_GLA_SM90 = entry.ChunkKernel(
     "simple_gla",
     compile_simple_gla_fwd_sm90,
     split_cost=split_cost,
-    options=options,
     delta_rule=False,
 )
 
@@ -128,9 +115,6 @@ entry.register_checked(
         "[correction]",
         *entry.WALK_CONFIGS,
         "[D=64, state-gradient walk]",
-    )
-    | {
-        "[bare correction]": {**entry.CONFIGS["[correction]"], "bare_correction": True},
-        "[bare correction, D=64]": {**entry.CONFIGS["[D=64, correction]"], "bare_correction": True},
-    },  # fmt: skip
+        "[D=64, correction]",
+    ),  # fmt: skip
 )

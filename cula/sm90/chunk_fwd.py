@@ -233,12 +233,8 @@ class ChunkFwdSm90:
     # the intra step runs in the backward's state walks too (making nothing there): where it releases rings that the
     # walks' chunks still move through (GLA's R and q | k | g)
     intra_step_in_walks = False
-    # the state warpgroups make the chunk's P themselves (:meth:`make_p_share`, each its share of P's columns, into the
-    # P half of the chunk's Tinv | P stage) while the intra role makes only Tinv: P then leaves the intra role's
-    # chain, which bounds the chunk, for the state warpgroups' wait for Tinv
-    state_makes_p = False
     # a correction pass without the delta rule carries V_new = 0 (v = 0): its state only decays and its output is
-    # S^T Q~^T's alone, so it has no intra work and no update (set by a gate that opts in)
+    # S^T Q~^T's alone, so it has no intra work and no update (a gate that can run it so sets this)
     zero_values = False
 
     def __init__(self, config: ChunkFwdConfig):
@@ -292,11 +288,6 @@ class ChunkFwdSm90:
 
     def before_chunk_end(self, p: Params, smem: Smem, gsmem, seq: Sequence, chunk, warp):
         """The state warpgroups' last step of a chunk before its closing barrier (nothing by default)."""
-
-    def make_p_share(self, p: Params, smem: Smem, ins: ChainInputs, seq: Sequence, pos, stid, sP):
-        """With :attr:`state_makes_p`: this state warpgroup's share of the chunk's P into ``sP`` (C x C), fenced for
-        the update's wgmma; the caller's barrier joins the shares before the update reads them."""
-        raise NotImplementedError
 
     @cute.jit
     def chunk_position(self, chunk, seq: Sequence):
@@ -478,10 +469,6 @@ class ChunkFwdSm90:
             ):
                 self.intra_step(p, smem, gsmem, rings, states, seq, chunk, stid, swarp)
             ins = self.chain_inputs(p, smem, gsmem, rings, states, seq, chunk)
-            if cutlass.const_expr(self.state_makes_p):
-                # the stage's P half was last read by the update two chunks back, which every state thread had
-                # waited for before it reached the previous chunk's barrier below
-                self.make_p_share(p, smem, ins, seq, pos, stid, smem.sTP[None, None, 1, tp_state.index])
             if cutlass.const_expr(cfg.v_from is not None):
                 rings.v.consumer_wait(v_state)
             if cutlass.const_expr(self.zeroes_v_tail and cfg.v_from == "v" and cfg.is_varlen):
@@ -511,9 +498,6 @@ class ChunkFwdSm90:
                 sTP = smem.sTP[None, None, None, tp_state.index]
                 sV_mn = smem.sV_mn[None, None, v_state.index]
                 acc_vn = chain.given_values(sV_mn, acc_o, ins.gates, cCC, cfg.v_from == "v", cfg.make_o)
-            if cutlass.const_expr(self.state_makes_p):
-                # every state warpgroup's share of P stored and fenced
-                cute.arch.barrier(barrier_id=Barrier.STATE, number_of_threads=state_threads)
             if cutlass.const_expr(not (cfg.reverse and cfg.delta_rule) and not self.zero_values):
                 chain.update(acc_s, acc_o, acc_vn, sTP[None, None, 1], ins.sK_mn, ins.gates, cCC, cfg.make_o)
             if cutlass.const_expr(tp_ring):

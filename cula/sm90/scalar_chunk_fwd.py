@@ -153,11 +153,9 @@ class ScalarGateChunkFwdSm90(ChunkFwdSm90):
     tp_stages = 2
     o_stages = 2
 
-    def __init__(self, config, state_makes_p: bool = False, bare_correction: bool = False):
-        # where the intra role would make P for no one else (not for a first split pass's workspace)
-        self.state_makes_p = state_makes_p and config.delta_rule and config.intra == "none" and config.make_o
+    def __init__(self, config):
         # a correction pass without the delta rule: no intra role, only the q tile of each q | k stage loaded
-        self.zero_values = bare_correction and not config.delta_rule and config.mode == "correction"
+        self.zero_values = not config.delta_rule and config.mode == "correction"
         super().__init__(config)
         # per-token factors of a gate slot: 2^G and 2^(G_last - G); with qk_l2norm 2^G / ||q||, 2^(G_last - G) / ||k||
         # and 2^G / ||k||, then the norm columns
@@ -448,13 +446,23 @@ class ScalarGateChunkFwdSm90(ChunkFwdSm90):
                     if ja < lim_a[rr]:
                         va = acc_x[i] * b_r[rr] * cute.math.exp2(g_r[rr] - g_c[kc], fastmath=True)
                     smem.sA[ja, ra] = va  # transposed: the solver walks A column by column
-            if cutlass.const_expr(self.state_makes_p):
-                rings.tp.producer_acquire(tp_p)
-            else:
-                mma.gemm_waited(c.mma_ss, acc_x, tSSa[None, None, None, 0], tSSb, True)
-                rings.tp.producer_acquire(tp_p)
-                # the gates read again: held across Q K^T they push loop invariants of the solve out to local memory
-                self.store_p(acc_x, gs, cSS, s, L, c.scale, st_p, thr_stp, sP)
+            mma.gemm_waited(c.mma_ss, acc_x, tSSa[None, None, None, 0], tSSb, True)
+            rings.tp.producer_acquire(tp_p)
+            # the gates read again: held across Q K^T they push loop invariants of the solve out to local memory
+            g_r, _, g_c = self.slot_gates(gs, cSS, s, True)
+            lim_p = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Int32)
+            for rr in cutlass.range_constexpr(2):
+                r, _ = cSS[2 * rr]
+                lim_p[rr] = cutlass.min(r, L - 1)
+            p_frag = cute.make_rmem_tensor(acc_x.layout, cutlass.BFloat16)
+            for i in cutlass.range_constexpr(cute.size(acc_x)):
+                _, jp = cSS[i]
+                rr, kc = mma.acc_row_slot(i), mma.acc_col_slot(i)
+                vp = f32(0.0)
+                if jp <= lim_p[rr]:
+                    vp = acc_x[i] * c.scale * cute.math.exp2(g_r[rr] - g_c[kc], fastmath=True)
+                p_frag[i] = vp.to(cutlass.BFloat16)
+            cute.copy(st_p, thr_stp.retile(p_frag), thr_stp.partition_D(sP))
             # q | k tiles and the gate slot read
             rings.qk.consumer_release(qk_c)
             rings.gate.consumer_release(gate_c)
@@ -478,54 +486,6 @@ class ScalarGateChunkFwdSm90(ChunkFwdSm90):
         if cutlass.const_expr(save):
             if awarp == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-    @cute.jit
-    def store_p(self, acc, gs, cP, s, L, scale, st_p, thr_stp, sP):
-        """P = lower(scale Q K^T 2^(G_i - G_j)) from Q K^T's accumulator ``acc`` (coordinates ``cP``: a (C x C) tile
-        or a share of its columns) to ``sP`` (the matching view) by stmatrix. Rows past the sequence end (``L``
-        valid) get all the columns before the end: harmless, their outputs are not stored and V_new is zero
-        there."""
-        f32 = cutlass.Float32
-        g_r, _, g_c = self.slot_gates(gs, cP, s, True)
-        lim_p = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Int32)
-        for rr in cutlass.range_constexpr(2):
-            r, _ = cP[2 * rr]
-            lim_p[rr] = cutlass.min(r, L - 1)
-        p_frag = cute.make_rmem_tensor(acc.layout, cutlass.BFloat16)
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            _, jp = cP[i]
-            rr, kc = mma.acc_row_slot(i), mma.acc_col_slot(i)
-            vp = f32(0.0)
-            if jp <= lim_p[rr]:
-                vp = acc[i] * scale * cute.math.exp2(g_r[rr] - g_c[kc], fastmath=True)
-            p_frag[i] = vp.to(cutlass.BFloat16)
-        cute.copy(st_p, thr_stp.retile(p_frag), thr_stp.partition_D(sP))
-
-    @cute.jit
-    def make_p_share(self, p, smem, ins, seq, pos, stid, sP):
-        """State warpgroup w's share of the chunk's P: Q K^T for key columns [w N, (w + 1) N) (N = C over the state
-        warpgroups; a (C x N) wgmma with both operands in the q | k stage), masked and stored by :meth:`store_p`."""
-        C = self.C
-        N = C // self.state_wgs
-        share = stid // 128
-        wtid = stid % 128
-        s = ins.qk_stage
-        mma_p = mma.tiled_mma(C, N, a_in_registers=False)
-        thr = mma_p.get_slice(wtid)
-        sK_share = cute.local_tile(smem.sQK[None, None, 1, s], (N, self.D), (share, 0))
-        a_q = thr.make_fragment_A(thr.partition_A(smem.sQK[None, None, 0, s]))
-        b_k = thr.make_fragment_B(thr.partition_B(sK_share))
-        acc = thr.make_fragment_C(thr.partition_shape_C((C, N)))
-        mma.gemm_waited(mma_p, acc, a_q, b_k, True)
-        cP = thr.partition_C(cute.local_tile(cute.make_identity_tensor((C, C)), (C, N), (0, share)))
-        st_p = cute.make_tiled_copy_C(
-            cute.make_copy_atom(warp_ops.StMatrix8x8x16bOp(transpose=False, num_matrices=4), cutlass.BFloat16), mma_p
-        )
-        L = cutlass.min(seq.seqlen - pos * C, C)
-        sP_share = cute.local_tile(sP, (C, N), (0, share))
-        self.store_p(acc, ins.gates.gs, cP, s, L, p.common.scale, st_p, st_p.get_slice(wtid), sP_share)
-        # read by the update's wgmma (async proxy)
-        cute.arch.fence_proxy("async.shared", space="cta")
 
     @cute.jit
     def slot_gates(self, gs, cSS, s, for_p: cutlass.Constexpr):
@@ -563,17 +523,13 @@ class ScalarGateChunkFwdSm90(ChunkFwdSm90):
 
 # -------------------------------------------------------------------- host side
 def compile_fwd(
-    arch="sm_90a", *, beta_fp32=True, state_v_first=False, keep_artifacts=False, kernel_class=None,
-    state_makes_p=False, bare_correction=False, **config,
+    arch="sm_90a", *, beta_fp32=True, state_v_first=False, keep_artifacts=False, kernel_class=None, **config
 ):  # fmt: skip
     """The scalar-gate chunk kernel for ``config`` (:class:`cula.sm90.chunk_fwd.ChunkFwdConfig` fields: GDN's with
     the delta rule, simple GLA's without), compiled on any machine for ``arch``; ``kernel_class``: another
-    architecture's kernel of the same launch arguments (SM100's); ``state_makes_p`` and ``bare_correction``: the SM90
-    kernel's :attr:`ScalarGateChunkFwdSm90.state_makes_p` and :attr:`ScalarGateChunkFwdSm90.zero_values` where the
-    config allows them."""
+    architecture's kernel of the same launch arguments (SM100's)."""
     cfg = ChunkFwdConfig(**config)
     fake = entry.fake_args(
         cfg.head_dim, beta_fp32, state_v_first, per_key_gate=False, checkpoints=cfg.walk != "output", config=cfg
     )
-    kernel = kernel_class(cfg) if kernel_class else ScalarGateChunkFwdSm90(cfg, state_makes_p, bare_correction)
-    return runtime.compile_kernel(kernel, fake, arch, keep_artifacts)
+    return runtime.compile_kernel((kernel_class or ScalarGateChunkFwdSm90)(cfg), fake, arch, keep_artifacts)

@@ -15,19 +15,17 @@ _LOG2E = math.log2(math.e)
 
 @cute.jit
 def gates_at(cCC, row_g, row_b, col_g, slot):
-    """Per-token values at this thread's 2 accumulator rows and N / 4 columns of a (C x N) tile (mma.acc_row_slot /
-    acc_col_slot; 16 columns for N = C = 64): ``row_g`` and ``row_b`` at its rows, ``col_g`` at its columns (each
-    (C, slots), read in ``slot``)."""
+    """Per-token values at this thread's 2 accumulator rows and 16 columns of a (C x C) tile (mma.acc_row_slot /
+    acc_col_slot): ``row_g`` and ``row_b`` at its rows, ``col_g`` at its columns (each (C, slots), read in ``slot``)."""
     f32 = cutlass.Float32
-    cols = cute.size(cCC) // 2
     g_r = cute.make_rmem_tensor(cute.make_layout(2), f32)
     b_r = cute.make_rmem_tensor(cute.make_layout(2), f32)
-    g_c = cute.make_rmem_tensor(cute.make_layout(cols), f32)
+    g_c = cute.make_rmem_tensor(cute.make_layout(16), f32)
     for rr in cutlass.range_constexpr(2):
         r, _ = cCC[2 * rr]  # the first element on row slot rr
         g_r[rr] = row_g[r, slot]
         b_r[rr] = row_b[r, slot]
-    for kc in cutlass.range_constexpr(cols):
+    for kc in cutlass.range_constexpr(16):
         _, j = cCC[mma.acc_col_element(kc)]
         g_c[kc] = col_g[j, slot]
     return g_r, b_r, g_c
