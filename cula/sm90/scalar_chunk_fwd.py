@@ -21,7 +21,8 @@ whole: the B tiles are the raw q and k tiles. Roles (512 threads at D = 128, 384
   (the tiles stay as loaded).
 - INTRA (104): K K^T and Q K^T (wgmma SS), the masks (A^T fp32 to ``sA``, P bf16 by stmatrix), Tinv on one
   warpgroup (:func:`cula.sm90.solve.solve_diag16_per_warp`, ``solve_merge_to_bf16``); without the delta rule only
-  Q K^T and P; idle in the later split passes that load them.
+  Q K^T and P; idle in the later split passes that load them, absent from the correction pass without it (V_new = 0
+  there: no P and no update).
 - STATE (the rest): one warpgroup per 64 value rows of S^T.
 
 Shapes as :mod:`cula.sm90.chunk_fwd`; g [B, T, HV] fp32 (activated natural-log gate). Without the delta rule the
