@@ -173,6 +173,21 @@ def lightning(B: int, T: int, H: int, D: int = 128) -> tuple[Callable, dict]:
     return cula.lightning.chunk_lightning_attn, args
 
 
+def gdn_decode(N: int, H: int = 32, D: int = 128) -> tuple[Callable, dict]:
+    """fused_recurrent_gated_delta_rule as a serving engine's decode step calls it: one token per sequence, an fp32
+    state pool of N slots read and written in place by slot, the q/k norm in the kernel. Its tensors are on the CPU
+    (validation reads the slots' values, which a meta tensor has not; the pool's bytes are never touched)."""
+    import cula
+
+    bf16 = torch.bfloat16
+    args = {n: torch.zeros(N, 1, H, D, dtype=bf16) for n in ("q", "k", "v")}
+    args.update(
+        g=torch.zeros(N, 1, H), beta=torch.zeros(N, 1, H, dtype=bf16), initial_state=torch.empty(N, H, D, D),
+        ssm_state_indices=torch.arange(N, dtype=torch.int32), use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
+    return cula.gdn.fused_recurrent_gated_delta_rule, args
+
+
 def _skewed(n: int) -> list[int]:
     from benchmarks.shapes import VARLEN_MIXES
 
@@ -188,6 +203,8 @@ CASES: dict[str, Callable[[], tuple[Callable, dict]]] = {
     "lightning B1 T8192 H64": lambda: lightning(1, 8192, 64),
     "kda B1 T8192 H64": lambda: kda(1, 8192, 64),
     "gla B1 T8192 H64": lambda: gla(1, 8192, 64),
+    "gdn decode N=1 H32": lambda: gdn_decode(1),
+    "gdn decode N=256 H32": lambda: gdn_decode(256),
 }
 
 
