@@ -143,16 +143,25 @@ def device_plan_cache(maxsize: int):
     return wrap
 
 
+# The pinned sources of copies captured into a CUDA graph: every replay copies from them again, so they must outlive
+# the call that made them (a freed pinned block goes back to torch's host cache, to be reused for other data)
+_CAPTURED_SOURCES: list = []
+
+
 def host_to_device(x, device):
     """The CPU tensor ``x``, made on the host, on ``device`` without waiting for the GPU: copied from pinned memory,
     asynchronously (a copy from pageable memory waits for everything queued on the stream, and stalls a training
-    step's host path behind its forward). ``x`` itself as it is for a CPU ``device`` or None."""
+    step's host path behind its forward). ``x`` itself as it is for a CPU ``device`` or None. A copy made while a CUDA
+    graph is being captured keeps its pinned source for the process (:data:`_CAPTURED_SOURCES`)."""
     import torch
 
     device = torch.device(device) if device is not None else None
     if device is None or device.type != "cuda":
         return x
-    return x.pin_memory().to(device, non_blocking=True)
+    pinned = x.pin_memory()
+    if torch.cuda.is_current_stream_capturing():
+        _CAPTURED_SOURCES.append(pinned)
+    return pinned.to(device, non_blocking=True)
 
 
 # What torch.cuda reports of each device, read once: dispatch asks for a GPU's name, capability and SM count several

@@ -76,6 +76,28 @@ def test_device_plans_are_kept_per_stream_and_read_by_any_capture(monkeypatch):
     assert plan("cpu", 3) is plan("cpu", 3)  # off CUDA: one per device
 
 
+def test_a_copy_captured_in_a_cuda_graph_keeps_its_pinned_source(monkeypatch):
+    """A graph's replays copy from the pinned buffer again: the one made during a capture is held, an eager one is
+    not (torch's host cache takes it back once the copy is done)."""
+    pinned = []
+
+    class Host(torch.Tensor):
+        def pin_memory(self):
+            pinned.append(self.clone())
+            return pinned[-1]
+
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: self)  # no GPU here: the copy is the source
+    monkeypatch.setattr(runtime, "_CAPTURED_SOURCES", [])
+    runtime.host_to_device(torch.arange(3).as_subclass(Host), "cuda:0")
+    assert runtime._CAPTURED_SOURCES == []
+    capturing[0] = True
+    runtime.host_to_device(torch.arange(3).as_subclass(Host), "cuda:0")
+    assert len(runtime._CAPTURED_SOURCES) == 1 and runtime._CAPTURED_SOURCES[0] is pinned[-1]
+    assert runtime.host_to_device(torch.arange(3), "cpu").tolist() == [0, 1, 2]  # a CPU device: the tensor itself
+
+
 def test_the_chunk_rows_index_is_kept_per_batch_layout():
     index, rows = chunk_backward.chunk_token_index([0, 100, 200], True)
     again, _ = chunk_backward.chunk_token_index([0, 100, 200], True)
