@@ -188,6 +188,21 @@ def gdn_decode(N: int, H: int = 32, D: int = 128) -> tuple[Callable, dict]:
     return cula.gdn.fused_recurrent_gated_delta_rule, args
 
 
+def kda_decode(N: int, H: int = 32, D: int = 128) -> tuple[Callable, dict]:
+    """fused_recurrent_kda as the decode benchmark's plain row calls it: one token per sequence, a per-key log gate,
+    fp32 initial states in and final states out, the q/k norm in the kernel (tensors on the CPU, as
+    :func:`gdn_decode`'s)."""
+    import cula
+
+    bf16 = torch.bfloat16
+    args = {n: torch.zeros(N, 1, H, D, dtype=bf16) for n in ("q", "k", "v")}
+    args.update(
+        g=torch.zeros(N, 1, H, D), beta=torch.zeros(N, 1, H, dtype=bf16), initial_state=torch.empty(N, H, D, D),
+        output_final_state=True, use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
+    return cula.kda.fused_recurrent_kda, args
+
+
 def _skewed(n: int) -> list[int]:
     from benchmarks.shapes import VARLEN_MIXES
 
@@ -205,6 +220,7 @@ CASES: dict[str, Callable[[], tuple[Callable, dict]]] = {
     "gla B1 T8192 H64": lambda: gla(1, 8192, 64),
     "gdn decode N=1 H32": lambda: gdn_decode(1),
     "gdn decode N=256 H32": lambda: gdn_decode(256),
+    "kda decode N=32 H32": lambda: kda_decode(32),
 }
 
 
