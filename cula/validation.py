@@ -6,6 +6,7 @@ import collections
 import functools
 import math
 import numbers
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -292,7 +293,14 @@ def state_pool(args: dict, N: int, HV: int, K: int, V: int, lengths: list[int], 
 _POOLS_CHECKED: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
 
 
+# Set to 1 by an engine that vouches for its pool indices: their values are then not read to the host (an eager
+# decode step whose slot buffer was rewritten in place otherwise pays one device sync); shapes are still checked
+ENV_TRUST_POOL_INDICES = "CULA_TRUST_POOL_INDICES"
+
+
 def _pool_index_values(indices, accepted, slots: int, lengths: list[int], inplace: bool) -> None:
+    if os.environ.get(ENV_TRUST_POOL_INDICES, "0") == "1":
+        return
     table = host_indices(indices)
     steps = None if accepted is None else host_indices(accepted)
     if table is None or (accepted is not None and steps is None):

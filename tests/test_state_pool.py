@@ -11,7 +11,7 @@ from fla.ops.kda.naive import naive_recurrent_kda
 from test_api import FakeCuda
 
 import cula
-from cula import dispatch
+from cula import dispatch, validation
 
 FUSED = {
     "kda": cula.kda.fused_recurrent_kda,
@@ -350,6 +350,24 @@ def test_pool_arguments_are_refused_by_name(extra, error, match):
         fn, args = FUSED["gla"], {**inputs("gla", 3, 1), "initial_state": new_pool("gla", 6), **extra}
     with pytest.raises(error, match=match):
         fn(**args)
+
+
+def test_trusted_pool_indices_are_not_read(monkeypatch):
+    """With CULA_TRUST_POOL_INDICES=1 the indices' values are not read to the host (on a GPU, a device sync), so
+    they are not checked; their shape still is."""
+
+    def read(x, how, fresh=False):
+        raise AssertionError("the indices were read")
+
+    monkeypatch.setattr(validation, "_read_host", read)
+    fn = FUSED["kda"]
+    with pytest.raises(AssertionError, match="were read"):
+        fn(**kda_call(ssm_state_indices=ROWS))
+    monkeypatch.setenv(validation.ENV_TRUST_POOL_INDICES, "1")
+    o, pool = fn(**kda_call(ssm_state_indices=ROWS))
+    assert o.shape[0] == 3 and torch.isfinite(o).all()
+    with pytest.raises(ValueError, match="N=3 rows"):
+        fn(**kda_call(ssm_state_indices=ROWS[:2]))
 
 
 def test_refused_per_token_layouts():
