@@ -242,8 +242,7 @@ def _check_offsets(args: dict[str, Any]) -> None:
         return
     B, T = args["q"].shape[:2]
     offsets = validation.cu_seqlens_(cu_seqlens, B, T, args.get("cu_seqlens_cpu"))
-    if "cu_seqlens_cpu" in args and args["cu_seqlens_cpu"] is None:
-        args["cu_seqlens_cpu"] = validation.host_copy(tuple(offsets), cu_seqlens.dtype)
+    validation.hand_on_host_offsets(args, offsets, cu_seqlens)
 
 
 def _eager_dispatch_keys() -> tuple[torch._C.DispatchKeySet, torch._C.DispatchKeySet]:

@@ -139,6 +139,14 @@ def host_copy(offsets: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(offsets, dtype=dtype)
 
 
+def hand_on_host_offsets(args: dict, offsets: list[int] | None, cu_seqlens) -> None:
+    """Where the call takes ``cu_seqlens_cpu`` and was given none, the host copy (:func:`host_copy`) of the offsets
+    just read from ``cu_seqlens`` handed on in ``args``, so that later steps (the GDN time model, FLA) do not copy
+    them again. Nothing where the offsets were not read (``offsets`` None)."""
+    if offsets is not None and "cu_seqlens_cpu" in args and args["cu_seqlens_cpu"] is None:
+        args["cu_seqlens_cpu"] = host_copy(tuple(offsets), cu_seqlens.dtype)
+
+
 def _capturing(x) -> bool:
     """Whether ``x`` is a CUDA tensor while a CUDA graph is being captured: no device read is possible then."""
     return x.is_cuda and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
@@ -483,9 +491,7 @@ def common(args: dict, allow_gva: bool, token_slots: bool = False) -> tuple[int,
     cu_seqlens = args.get("cu_seqlens")
     offsets = cu_seqlens_(cu_seqlens, B, T, args.get("cu_seqlens_cpu"), read=not torch.compiler.is_compiling())
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    if offsets is not None and "cu_seqlens_cpu" in args and args["cu_seqlens_cpu"] is None:
-        # hand the host copy on, so that later steps (the GDN time model, FLA) do not copy the offsets again
-        args["cu_seqlens_cpu"] = host_copy(tuple(offsets), cu_seqlens.dtype)
+    hand_on_host_offsets(args, offsets, cu_seqlens)
     fp64 = args["q"].dtype == torch.float64
     lengths = [T] * B if offsets is None else [b - a for a, b in zip(offsets, offsets[1:], strict=False)]
     if not state_pool(args, N, HV, K, V, lengths, fp64, token_slots):
