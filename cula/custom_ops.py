@@ -272,3 +272,37 @@ def reference_grads(reference, args: dict[str, Any], names: list[str], grad_o, g
             cotangents.append(grad_final_state)
         grads = torch.autograd.grad(outputs, inputs, cotangents, allow_unused=True)
     return {n: torch.zeros_like(x) if g is None else g for n, x, g in zip(names, inputs, grads, strict=True)}
+
+
+def delta_rule_kernel_grads(args: dict[str, Any], grad_o, grad_final_state, gate, kernel_backward) -> dict:
+    """Gradients of every floating tensor argument of a delta-rule call (GDN, KDA) whose kernel backward takes the
+    in-kernel options' results: q / k L2 norm and beta's sigmoid (:func:`cula.ops.gates.qk_beta_transforms`) and the
+    activated gate ``gate(x)`` (``x`` the arguments with leaves requiring grad) are made by their PyTorch formulas under
+    autograd, ``kernel_backward(q, k, v, g, beta, do, scale, h0, dht, cu_seqlens, cu_seqlens_cpu, state_v_first) ->
+    (dq, dk, dv, dg, dbeta, dh0)`` runs on them, and autograd carries dq, dk, dg and dbeta back through the formulas.
+    The dispatch keys as :func:`reference_grads`; the kernel's part runs without autograd."""
+    from cula.ops import gates
+
+    floating = ("q", "k", "g", "beta", "A_log", "dt_bias")
+    names = [n for n in floating if isinstance(args.get(n), torch.Tensor) and args[n].is_floating_point()]
+    with torch._C._ForceDispatchKeyGuard(*EAGER_DISPATCH_KEYS), torch.enable_grad():
+        leaves = {n: args[n].detach().requires_grad_() for n in names}
+        x = {**args, **leaves}
+        q, k, beta = gates.qk_beta_transforms(x)
+        g = gate(x)
+        beta = gates.to_compute(beta)
+    with torch.no_grad():
+        dq, dk, dv, dg, dbeta, dh0 = kernel_backward(
+            q.detach().to(args["q"].dtype), k.detach().to(args["k"].dtype), args["v"], g.detach(), beta.detach(),
+            grad_o, args["scale"], args["initial_state"], grad_final_state, args["cu_seqlens"],
+            args.get("cu_seqlens_cpu"), args.get("state_v_first", False),
+        )  # fmt: skip
+    with torch._C._ForceDispatchKeyGuard(*EAGER_DISPATCH_KEYS):
+        outputs = [q, k, g, beta]
+        cotangents = [d.to(x.dtype) for d, x in zip((dq, dk, dg, dbeta), outputs, strict=True)]
+        through = torch.autograd.grad(outputs, list(leaves.values()), cotangents, allow_unused=True)
+    grads = {n: torch.zeros_like(leaves[n]) if d is None else d for n, d in zip(names, through, strict=True)}
+    grads["v"] = dv.to(args["v"].dtype)
+    if args["initial_state"] is not None:
+        grads["initial_state"] = dh0
+    return grads

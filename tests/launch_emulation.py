@@ -7,6 +7,12 @@ max(g, floor) in log2 units (nothing added past the sequence end), per token or 
   the key tile scaled by 2^(G_last - G), or by scale 2^G walking backwards, zero past the end, as the value tile in a
   varlen call; S^T's bf16 checkpoint stored before each chunk's update S^T <- S^T 2^G_last + V^T K~ (the decay per
   key column);
+- the walks of a kernel with the delta rule (SM90's GDN and KDA kernels, :class:`cula.sm90.state_chain.StateChain`):
+  Tinv = (I + A)^-1 from A = strict_tril(beta_i sum_k k_ik k_jk 2^(G_ik - G_jk)) (bf16 keys, pair factors whole);
+  "states" V_new = Tinv beta (V - (K 2^G) S) (V_new exact: the kernel's hi + lo operands) and the update as above;
+  "state_grads" from the last chunk, dV_new^T = dS'^T (K 2^(G_last - G))^T + dO^T P with P = bf16(scale tril(Q K^T
+  gated)), Y'^T = dV_new^T Tinv and dS^T <- dS'^T 2^G_last + dO^T (scale Q 2^G) - (beta Y'^T) (K 2^G), every product's
+  operands rounded to bf16, tokens past the end zero;
 - the SM100 simple GLA kernel's forward (cula.sm100.scalar_chunk_fwd): P~ = s (Q K^T)_ij 2^(G_i - G_j) where j <= i
   and j is in the sequence, else 0; Q~ = bf16(s 2^G q); O = Q~ S + P~ V, rounded to bf16 where the token is in the
   sequence.
@@ -71,6 +77,10 @@ def launch(kernel, call, config, t, scale):
                 V_op = torch.where(inside[:, None], t.v[b, tokens, hv].float(), 0.0)
                 if config.walk != "output":
                     t.w[first + pos, hv] = ST.to(t.w.dtype)
+                    if kernel.delta_rule:
+                        beta = torch.where(inside, t.beta[b, tokens, hv].float(), 0.0)
+                        ST = _delta_walk_step(config, ST, q, k, V_op, beta, G, inside, scale)
+                        continue
                 else:
                     assert t.g.dim() == 3, "the forward emulated here is the scalar gate's"
                     G1 = G[:, 0]
@@ -82,3 +92,26 @@ def launch(kernel, call, config, t, scale):
                     t.o[b, tokens[inside], hv] = o[inside].to(t.o.dtype)
                 ST = ST * torch.exp2(G[-1])[None, :] + V_op.T @ K_op
             ht[ht_row, hv] = ST.T
+
+
+def _delta_walk_step(config, ST, q, k, V_op, beta, G, inside, scale):
+    """One chunk of a delta-rule walk (module docstring) on S^T (V x K): the next chunk's S^T, or dS^T walking
+    backwards (``V_op`` then holds dO)."""
+    q, k = (torch.where(inside[:, None], x, 0.0) for x in (q, k))
+    C = q.shape[0]
+    G_L = G[-1]
+    keep = torch.ones(C, C, dtype=torch.bool).tril()
+    gamma = torch.exp2(torch.where(keep[..., None], G[:, None, :] - G[None, :, :], -torch.inf))  # [i, j, K]
+    A = beta[:, None] * torch.einsum("ik,jk,ijk->ij", bf16(k), bf16(k), gamma).tril(-1)
+    eye = torch.eye(C)
+    Tinv = torch.linalg.solve_triangular(eye + A, eye, upper=False)
+    K_end = bf16(torch.where(inside[:, None], k * torch.exp2(G_L - G), 0.0))
+    K_start = bf16(k * torch.exp2(G))
+    if not config.reverse:
+        Y = beta[:, None] * (V_op - K_start @ bf16(ST).T)
+        return ST * torch.exp2(G_L)[None, :] + (Tinv @ Y).T @ K_end
+    P = bf16(scale * torch.einsum("ik,jk,ijk->ij", bf16(q), bf16(k), gamma))
+    dV_new = bf16(ST) @ K_end.T + bf16(V_op).T @ P
+    Y = bf16(dV_new) @ bf16(Tinv)
+    Q_start = bf16(scale * q * torch.exp2(G))
+    return ST * torch.exp2(G_L)[None, :] + bf16(V_op).T @ Q_start - bf16(beta[None, :] * Y) @ K_start

@@ -210,8 +210,9 @@ def test_rows_backward_gives_the_reference_gradients(variant, chunk, batch):
                 assert err <= (1e-5 if delta else 5e-3), (name, n, err)
 
 
-def plan_gdn_backward(q, k, v, g, beta, do, scale, initial_state, dht, cu_seqlens, cu_seqlens_cpu, state_v_first):
-    """cula.gdn.chunk_bwd_sm90.chunk_gdn_bwd_sm90's contract computed by the fp64 plan, sequence by sequence."""
+def plan_delta_backward(q, k, v, g, beta, do, scale, initial_state, dht, cu_seqlens, cu_seqlens_cpu, state_v_first):
+    """The contract of cula.gdn.chunk_bwd_sm90.chunk_gdn_bwd_sm90 (g [B, T, HV]) and cula.kda.chunk_bwd_sm90.
+    chunk_kda_bwd_sm90 (g [B, T, HV, K]) computed by the fp64 plan, sequence by sequence."""
     B, T, H, _ = q.shape
     HV = v.shape[2]
     offsets = [b * T for b in range(B + 1)] if cu_seqlens is None else cu_seqlens.tolist()
@@ -244,7 +245,7 @@ def test_gdn_sm90_backward_chains_through_the_in_kernel_options(monkeypatch, opt
     are the reference's autograd gradients."""
     from cula.gdn import api, chunk_bwd_sm90
 
-    monkeypatch.setattr(chunk_bwd_sm90, "chunk_gdn_bwd_sm90", plan_gdn_backward)
+    monkeypatch.setattr(chunk_bwd_sm90, "chunk_gdn_bwd_sm90", plan_delta_backward)
     torch.manual_seed(3)
     B, T, Hq, HV = 2, 70, 1, 2
     args = {
@@ -280,6 +281,94 @@ def test_gdn_sm90_backward_chains_through_the_in_kernel_options(monkeypatch, opt
         assert got[n].shape == leaves[n].shape, n
         err = ((got[n].double() - leaves[n].grad).norm() / leaves[n].grad.norm()).item()
         assert err <= 1e-6, (n, err)
+
+
+@pytest.mark.parametrize("options", ["plain", "l2norm", "gate_and_sigmoid"])
+def test_kda_sm90_backward_chains_through_the_in_kernel_options(monkeypatch, options):
+    """KDA's SM90 backward (cula.kda.api._sm90_backward) with the kernel part replaced by the fp64 plan: the
+    gradients of q, k, g, beta, A_log and dt_bias through the q / k L2 norm, the bounded in-kernel gate and beta's
+    sigmoid are the reference's autograd gradients."""
+    from cula.kda import api, chunk_bwd_sm90
+
+    monkeypatch.setattr(chunk_bwd_sm90, "chunk_kda_bwd_sm90", plan_delta_backward)
+    torch.manual_seed(3)
+    B, T, Hq, HV = 2, 70, 1, 2
+    gated = options == "gate_and_sigmoid"
+    args = {
+        "q": torch.randn(B, T, Hq, K, dtype=torch.float64),
+        "k": torch.randn(B, T, Hq, K, dtype=torch.float64),
+        "v": torch.randn(B, T, HV, V, dtype=torch.float64),
+        "g": F.logsigmoid(torch.randn(B, T, HV, K, dtype=torch.float64) + 2.0).clamp_min(-5.0),
+        "beta": torch.rand(B, T, HV, dtype=torch.float64),
+        "scale": SCALE, "initial_state": torch.randn(B, HV, K, V, dtype=torch.float64) * 0.1,
+        "output_final_state": True, "use_qk_l2norm_in_kernel": options == "l2norm",
+        "use_beta_sigmoid_in_kernel": gated, "allow_neg_eigval": False, "safe_gate": True,
+        "lower_bound": -5.0 if gated else None, "state_v_first": False, "cu_seqlens": None, "cu_seqlens_cpu": None,
+        "use_gate_in_kernel": gated, "A_log": None, "dt_bias": None,
+    }  # fmt: skip
+    args["k"] = args["k"] * 3.0 if options == "l2norm" else F.normalize(args["k"], dim=-1)
+    if gated:
+        args["g"] = torch.randn(B, T, HV, K, dtype=torch.float64)
+        args["A_log"], args["dt_bias"] = torch.rand(HV, dtype=torch.float64), torch.rand(HV * K, dtype=torch.float64)
+        args["beta"] = torch.randn(B, T, HV, dtype=torch.float64)
+    grad_o = torch.randn(B, T, HV, V, dtype=torch.float64)
+    grad_ht = torch.randn(B, HV, K, V, dtype=torch.float64) * 0.1
+    got = api._sm90_backward(args, [], grad_o, grad_ht)
+
+    names = [n for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state") if args[n] is not None]
+    leaves = {n: args[n].clone().requires_grad_() for n in names}
+    call = {n: a for n, a in args.items() if n not in ("cu_seqlens_cpu",)}
+    o, ht = cula.kda.chunk_kda(**{**call, **leaves})
+    torch.autograd.backward([o, ht], [grad_o, grad_ht])
+    for n in names:
+        assert got[n].shape == leaves[n].shape, n
+        err = ((got[n].double() - leaves[n].grad).norm() / leaves[n].grad.norm()).item()
+        assert err <= 1e-6, (n, err)
+
+
+@pytest.mark.parametrize("variant", ["gdn", "kda"])
+@pytest.mark.parametrize("lengths", [[0, 1, 130, 64, 200], None], ids=["varlen", "fixed"])
+def test_the_delta_rule_backward_host_paths_give_the_reference_gradients(monkeypatch, variant, lengths):
+    """GDN's and KDA's SM90 backward (cula.gdn / cula.kda .chunk_bwd_sm90: the kernel's two walks through the
+    delta rule's chain, then the per-chunk gradients by rows_backward), the walks' launch emulated on the CPU
+    (tests/launch_emulation.py, with the kernels' bf16 operands): every gradient against the fp64 reference's
+    autograd, per sequence, with GVA, h0 and a gradient into the final state."""
+    from cula.sm90 import walks
+
+    if variant == "gdn":
+        from cula.gdn.chunk_bwd_sm90 import chunk_gdn_bwd_sm90 as backward
+
+        entry_point = cula.gdn.chunk_gated_delta_rule
+        monkeypatch.setenv("CULA_DELTA_GRADIENT_KERNEL", "0")
+    else:
+        from cula.kda.chunk_bwd_sm90 import chunk_kda_bwd_sm90 as backward
+
+        entry_point = cula.kda.chunk_kda
+    monkeypatch.setattr(walks.entry, "launch", emulated_launch)
+    torch.manual_seed(6)
+    B, T = (1, sum(lengths)) if lengths else (2, 150)
+    N, H, HV, D = (len(lengths) if lengths else B), 1, 2, 32
+    q = torch.randn(B, T, H, D).bfloat16()
+    k = F.normalize(torch.randn(B, T, H, D), dim=-1).bfloat16()
+    v, do = (torch.randn(B, T, HV, D).bfloat16() for _ in range(2))
+    gate_shape = (B, T, HV, D) if variant == "kda" else (B, T, HV)
+    g = F.logsigmoid(torch.randn(*gate_shape) + 2.0).clamp_min(-5.0)
+    beta = torch.rand(B, T, HV)
+    h0, dht = torch.randn(N, HV, D, D) * 0.1, torch.randn(N, HV, D, D) * 0.1
+    cu = None if lengths is None else torch.tensor(offsets_of(lengths), dtype=torch.int32)
+    scale = D**-0.5
+    dq, dk, dv, dg, dbeta, dh0 = backward(q, k, v, g, beta, do, scale, h0, dht, cu, cu, False)
+
+    leaves = [x.double().requires_grad_() for x in (q, k, v, g, beta, h0)]
+    o, ht = entry_point(*leaves[:5], scale=scale, initial_state=leaves[5], output_final_state=True, cu_seqlens=cu)
+    torch.autograd.backward([o, ht], [do.double(), dht.double()])
+    bounds = [(b, 0, T) for b in range(B)] if lengths is None else list(itertools.pairwise(offsets_of(lengths)))
+    if lengths is not None:
+        bounds = [(0, s, e) for s, e in bounds]
+    assert_gradients_per_sequence((dq, dk, dv, dg, dh0), [*leaves[:4], leaves[5]], bounds, N)
+    for n, (b, s, e) in enumerate(bounds):
+        if e > s:
+            assert rel_rmse(dbeta[b, s:e], leaves[4].grad[b, s:e]) <= 0.02, ("dbeta", n)
 
 
 @pytest.mark.parametrize("fixed_length", [True, False])

@@ -113,8 +113,8 @@ def test_gdn_chunk_matches_fla(raw, monkeypatch):
 @needs_sm90
 @pytest.mark.parametrize("variant", ["gdn", "kda"])
 def test_training_calls_are_served_with_a_reason(variant, monkeypatch):
-    """GDN's training calls go to its gradient kernel unless FLA's backward can take them; KDA has no backward kernel
-    and falls back, saying why. Either way the gradients arrive."""
+    """GDN's training calls go to its gradient kernel unless FLA's backward can take them; KDA's backward kernel has
+    not run on a GPU (opt-in) and the call falls back, saying why. Either way the gradients arrive."""
     args = gdn_inputs(1, 130, 32, 32)  # H=32: FLA's autotuning is shared with the benchmark's shapes
     fn = GDN
     if variant == "kda":

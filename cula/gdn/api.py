@@ -189,41 +189,18 @@ def _sm90_run(args: dict[str, Any]):
 
 
 def _sm90_backward(args: dict[str, Any], residuals: list, grad_o, grad_final_state) -> dict[str, torch.Tensor]:
-    """Gradients of every floating tensor argument present: the in-kernel options (q / k L2 norm, the gate from
-    A_log and dt_bias, beta's sigmoid) applied by their PyTorch formulas under autograd, the kernel's backward on
-    what they give (:mod:`cula.gdn.chunk_bwd_sm90`), and autograd back through them."""
-    from cula.custom_ops import EAGER_DISPATCH_KEYS
+    """Gradients of every floating tensor argument present: the kernel's backward (:mod:`cula.gdn.chunk_bwd_sm90`)
+    behind the in-kernel options' PyTorch formulas (:func:`cula.custom_ops.delta_rule_kernel_grads`)."""
+    from cula.custom_ops import delta_rule_kernel_grads
     from cula.gdn.chunk_bwd_sm90 import chunk_gdn_bwd_sm90
     from cula.ops import gates
 
-    floating = ("q", "k", "g", "beta", "A_log", "dt_bias")
-    names = [n for n in floating if isinstance(args.get(n), torch.Tensor) and args[n].is_floating_point()]
-    # an op's implementation runs below autograd: the transforms' graph is made (and walked back) with plain eager
-    # code's keys, and the kernel's part runs without one (its saved inputs still require grad there)
-    with torch._C._ForceDispatchKeyGuard(*EAGER_DISPATCH_KEYS), torch.enable_grad():
-        leaves = {n: args[n].detach().requires_grad_() for n in names}
-        x = {**args, **leaves}
-        q, k, beta = gates.qk_beta_transforms(x)
+    def gate(x):
         if args.get("use_gate_in_kernel"):
-            g = gates.gdn_gate(x["g"], x["A_log"], x.get("dt_bias"))
-        else:
-            g = gates.to_compute(x["g"])
-        beta = gates.to_compute(beta)
-    with torch.no_grad():
-        dq, dk, dv, dg, dbeta, dh0 = chunk_gdn_bwd_sm90(
-            q.detach().to(args["q"].dtype), k.detach().to(args["k"].dtype), args["v"], g.detach(), beta.detach(),
-            grad_o, args["scale"], args["initial_state"], grad_final_state, args["cu_seqlens"],
-            args.get("cu_seqlens_cpu"), args.get("state_v_first", False),
-        )  # fmt: skip
-    with torch._C._ForceDispatchKeyGuard(*EAGER_DISPATCH_KEYS):
-        outputs = [q, k, g, beta]
-        cotangents = [d.to(x.dtype) for d, x in zip((dq, dk, dg, dbeta), outputs, strict=True)]
-        through = torch.autograd.grad(outputs, list(leaves.values()), cotangents, allow_unused=True)
-    grads = {n: torch.zeros_like(leaves[n]) if d is None else d for n, d in zip(names, through, strict=True)}
-    grads["v"] = dv.to(args["v"].dtype)
-    if args["initial_state"] is not None:
-        grads["initial_state"] = dh0
-    return grads
+            return gates.gdn_gate(x["g"], x["A_log"], x.get("dt_bias"))
+        return gates.to_compute(x["g"])
+
+    return delta_rule_kernel_grads(args, grad_o, grad_final_state, gate, chunk_gdn_bwd_sm90)
 
 
 # the kernel's state walks, then the per-chunk gradient kernel; its GPU tests passed on an H100

@@ -85,10 +85,8 @@ class GLAChunkFwdSm90(kda.KDAChunkFwdSm90):
 
     split_values = False
     gate_floor = GATE_FLOOR
-    # the state walks of the backward: the prep role builds R as ever and the intra step, making no P, releases it
-    # and the q | k | g stage (as in the later split passes)
-    walks = True
-    intra_step_in_walks = True
+    # in the backward's state walks the prep role builds R as ever and the intra step (run there, as KDA's), making
+    # no P, releases it and the q | k | g stage (as in the later split passes)
 
     def __init__(self, config: ChunkFwdConfig):
         assert not config.delta_rule and config.intra == "none", config
@@ -107,7 +105,7 @@ class GLAChunkFwdSm90(kda.KDAChunkFwdSm90):
 
     # ---------------------------------------------------------------- prep role: no beta, the halves' decays
     @cute.jit
-    def load_beta(self, mBeta, seq, chunk, tidx):
+    def load_beta(self, mBeta, seq, pos, tidx):
         return mBeta.element_type(0.0)
 
     @cute.jit

@@ -9,7 +9,16 @@ import torch
 
 from cula import validation
 from cula.custom_ops import EntryOps
-from cula.dispatch import CuteKernel, Op, bind, call_args, chunk_fwd_kernel_declines, kernel_vs_fla
+from cula.dispatch import (
+    BackwardKernel,
+    CuteKernel,
+    Op,
+    bind,
+    call_args,
+    chunk_fwd_kernel_declines,
+    kernel_vs_fla,
+    recomputing,
+)
 from cula.kda import reference
 from cula.ops import context_parallel, state_pool
 from cula.ops.gates import kernel_kda_gate
@@ -203,7 +212,29 @@ def _sm90_faster_than_fla(args: dict[str, Any]) -> tuple[bool, str]:
     return kernel_vs_fla(args, "kda", "kda")
 
 
-CHUNK.register_kernel(CuteKernel("kda.chunk_fwd_sm90", 9, _sm90_supports, _sm90_run, _sm90_faster_than_fla))
+def _sm90_backward(args: dict[str, Any], residuals: list, grad_o, grad_final_state) -> dict[str, torch.Tensor]:
+    """Gradients of every floating tensor argument present: the kernel's backward (:mod:`cula.kda.chunk_bwd_sm90`)
+    behind the in-kernel options' PyTorch formulas (:func:`cula.custom_ops.delta_rule_kernel_grads`)."""
+    from cula.custom_ops import delta_rule_kernel_grads
+    from cula.kda.chunk_bwd_sm90 import chunk_kda_bwd_sm90
+    from cula.ops import gates
+
+    def gate(x):
+        if args.get("use_gate_in_kernel"):
+            return gates.kda_gate(x["g"], x.get("A_log"), x.get("dt_bias"), args.get("lower_bound"))
+        return gates.to_compute(x["g"])
+
+    return delta_rule_kernel_grads(args, grad_o, grad_final_state, gate, chunk_kda_bwd_sm90)
+
+
+# the kernel's state walks, then the per-chunk gradients in PyTorch: not yet run on a GPU (opt-in), and slower than
+# FLA's Triton backward until a per-chunk kernel takes passes 3 and 4, so it keeps FLA's calls
+SM90_BACKWARD = BackwardKernel(
+    recomputing(_sm90_run), lambda args: [], _sm90_backward, hardware_tested=False, beats_fla=False
+)
+CHUNK.register_kernel(
+    CuteKernel("kda.chunk_fwd_sm90", 9, _sm90_supports, _sm90_run, _sm90_faster_than_fla, backward=SM90_BACKWARD)
+)
 
 
 def _recurrent_gates(args: dict[str, Any]):

@@ -28,6 +28,11 @@ no intra warpgroup, so each chunk they first build the left operands and make A 
 against R, solve Tinv together (:meth:`KDAChunkFwdSm90.intra_step`), then run the chain. At D = 64 warpgroup 1
 repeats warpgroup 0's state rows without writing them (it still makes P).
 
+The backward's state walks (``ChunkFwdConfig.walk``, :mod:`cula.kda.chunk_bwd_sm90`): "states" is the chain without
+O and P; "state_grads" (on q, k, dO, from the last chunk) runs the transposed chain of
+:meth:`cula.sm90.state_chain.StateChain.reverse_delta`, its factors in the B tiles (K 2^(G_last - G) read K-major for
+dS'^T K~^T; scale Q 2^G and K 2^G read MN-major for the update), beta on Y'^T's columns.
+
 ``gate_in_kernel``: g arrives raw (bf16) and the prep role applies FLA's bounded KDA gate to it,
 lower_bound * sigmoid(exp(A_log) (g + dt_bias)), in the scan; the raw tile lands in R's buffer (R is made after the
 scan has read it), the fp32 gate tile then only holds G.
@@ -77,7 +82,9 @@ class GateParams(NamedTuple):
     tile_g_in: object  # where the gate tile lands: itself, or (raw, bf16) R's buffer
     tile_r: object  # R in two 32-token halves (C/2, D, 2)
     tile_xg: object  # K 2^G | Q 2^G (C, D, 2)
+    tile_xg_mn: object  # the same read MN-major (D, C, 2): the state-gradient walk's B tiles
     tile_kd: object  # K 2^(G_last - G) (D, C, 1), MN-major
+    tile_kd_k: object  # the same read K-major (C, D, 1): the state-gradient walk's S^T K~^T
 
 
 class GateSmem(NamedTuple):
@@ -149,6 +156,22 @@ class KeyChainGates(ChainGates):
         rVn, rVn_lo = mma.acc_to_operand_split(acc_vn)
         return rVn, rVn_lo, rVn
 
+    # the state-gradient walk: the factors 2^(G_last - G), scale 2^G and 2^G ride in its B tiles
+    @cute.jit
+    def to_end(self, acc, cCC):
+        pass
+
+    @cute.jit
+    def query_operand(self, do_frag, cCC):
+        return mma.frag_to_operand(do_frag)
+
+    @cute.jit
+    def key_operand(self, acc_y, cCC):
+        for i in cutlass.range_constexpr(cute.size(acc_y)):
+            _, j = cCC[i]
+            acc_y[i] = -self.sBeta[j, self.slot] * acc_y[i]
+        return mma.acc_to_operand(acc_y)
+
 
 class KDAChunkFwdSm90(ChunkFwdSm90):
     """KDA on the family skeleton (module docstring)."""
@@ -163,13 +186,10 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
     # a floor on the natural-log gate (None: the gate as given, >= -5 by FLA's safe_gate)
     gate_floor = None
 
-    # the backward's state walks (ChunkFwdConfig.walk): GLA's (no delta rule). KDA's would need the transposed chain,
-    # and its prep role's beta (stage_beta, load_beta) and split workspace rows taken at chunk positions: they count
-    # chunks in walk order today, which only the forward's order makes right
-    walks = False
+    # the backward's state walks (ChunkFwdConfig.walk) make A and Tinv, and the state-gradient walk P, as the forward
+    intra_step_in_walks = True
 
     def __init__(self, config, gate_in_kernel: bool = False):
-        assert config.walk == "output" or self.walks, "KDA's kernel makes no state walks"
         self.gate_in_kernel = gate_in_kernel
         super().__init__(config)
         self.half = self.C // 2  # intra-chunk column halves, reference tokens half // 2 and half + half // 2
@@ -181,6 +201,13 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
         # the gate scan: prep thread t takes key channel t % D over part t // D of the chunk's tokens
         self.scan_parts = self.prep_threads // self.D
         self.feeds = config.intra == "load"  # the later split passes: the prep role feeds saved tiles
+        # the state-gradient walk with the delta rule (on q, k, dO): q's rows past the sequence end zeroed, P made,
+        # and the B tiles K 2^(G_last - G) (for dS'^T K~^T), K 2^G and scale Q 2^G (for the walk's update)
+        self.reverse_delta = config.reverse and config.delta_rule
+        # P: for the output, or dO^T P in the state-gradient walk (the states walk reads none)
+        self.makes_p = config.walk != "states"
+        # Q 2^G: for the output's S^T Q~^T, or the state-gradient walk's update (no pass without output reads it else)
+        self.makes_q_tile = config.make_o or self.reverse_delta
 
     def role_layout(self) -> RoleLayout:
         R = WarpGroupRole
@@ -207,8 +234,8 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
         # addresses are immediates (see g_stride)
         tile_g = cute.make_layout((C, D, 1), stride=(self.g_stride, 1, C * self.g_stride))
         tile_r, _ = tiles.token_tiles(Hf, D, 2)
-        tile_xg, _ = tiles.token_tiles(C, D, 2)
-        _, tile_kd = tiles.token_tiles(C, D, 1)
+        tile_xg, tile_xg_mn = tiles.token_tiles(C, D, 2)
+        tile_kd_k, tile_kd = tiles.token_tiles(C, D, 1)
         tile_g_in = tile_g
         if cutlass.const_expr(self.gate_in_kernel):
             tile_g_in = cute.make_layout((C, D, 1), stride=(D, 1, C * D))
@@ -232,10 +259,10 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
             tma_bd = Tma(*cpasync.make_tiled_tma_atom(op, wb_mn, cute.slice_(tile_kd, (None, None, 0)), (D, C)))
         params = GateParams(
             tma_g, a_log, dt_bias, lower_bound, tma_b, tma_bd, wd, mma.tiled_mma(C, Hf),
-            tile_g, tile_g_in, tile_r, tile_xg, tile_kd,
+            tile_g, tile_g_in, tile_r, tile_xg, tile_xg_mn, tile_kd, tile_kd_k,
         )  # fmt: skip
-        # a state walk reads no q (GLA's: its key place holds k, or q itself)
-        self.loads_q = cfg.walk == "output"
+        # a state walk reads no q (GLA's: its key place holds k, or q itself), but the delta rule's state-gradient walk
+        self.loads_q = cfg.walk == "output" or self.reverse_delta
         self.qkg_bytes = (1 + int(self.loads_q)) * C * D * 2 + C * D * (2 if self.gate_in_kernel else 4)
         self.b_bytes = (2 + int(cfg.make_o)) * C * D * 2
         rings = {"qkg": 1, "v": self.v_stages, "r": 1, "b": 1, "b_load": 1, "tp": 1}
@@ -354,7 +381,7 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
         # prep role waits for the tiles
         beta_next = c.beta.element_type(0.0)
         if seq.n_chunks > 0:
-            beta_next = self.load_beta(c.beta, seq, cutlass.Int32(0), t)
+            beta_next = self.load_beta(c.beta, seq, self.chunk_position(cutlass.Int32(0), seq), t)
         # with gate_in_kernel, this thread's key channel's gate is lower_bound * sigmoid(a (g + dt_bias)), as
         # 2^G units: lb log2(e) / (1 + 2^(-a log2(e) (g + dt_bias)))
         gate = (f32(0.0), f32(0.0), f32(0.0))
@@ -363,7 +390,8 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
             gate = (-a * _LOG2E, gp.dt_bias[seq.hv * D + t % D], gp.lower_bound * _LOG2E)
         b_tiles = self.b_tiles(p, gs, seq) if cutlass.const_expr(save) else None
         for chunk in cutlass.range(seq.n_chunks, unroll=1):
-            L = cutlass.min(seq.seqlen - self.chunk_position(chunk, seq) * C, C)
+            pos = self.chunk_position(chunk, seq)
+            L = cutlass.min(seq.seqlen - pos * C, C)
             slot = chunk % 2
             rings.qkg.consumer_wait(qkg_c)
             # ring r's stage is free once every state thread has made the previous chunk's A and P: each one's
@@ -371,7 +399,7 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
             # qkg ring's release, one lane per warp and then a TMA, did not show that order to racecheck)
             rings.r.producer_acquire(r_p)
             if cutlass.const_expr(cfg.is_varlen):
-                self.zero_k_tail(sK3[None, None, 0], L, t)
+                self.zero_token_tails(sK3[None, None, 0], sQ3[None, None, 0], L, t)
             beta_next = self.stage_beta(gs.sBeta, beta_next, c.beta, seq, chunk, slot, t)
             self.scan_gates(gs, slot, L, t, gate)
             if cutlass.const_expr(cfg.qk_l2norm):
@@ -543,30 +571,36 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
 
     @cute.jit
     def stage_beta(self, sBeta, beta, mBeta, seq, chunk, slot, tidx):
-        """Threads 0 .. C - 1: ``beta`` (``chunk``'s, loaded a chunk ahead) into column ``slot`` of ``sBeta`` as fp32,
-        zero past the sequence end; returns the next chunk's, its load issued now."""
+        """Threads 0 .. C - 1: ``beta`` (the ``chunk``-th chunk's in walk order, loaded a chunk ahead) into column
+        ``slot`` of ``sBeta`` as fp32, zero past the sequence end; returns the next chunk's, its load issued now."""
         if tidx < self.C:
-            sBeta[tidx, slot] = beta.to(cutlass.Float32) if chunk * self.C + tidx < seq.seqlen else cutlass.Float32(0.0)
-        return self.load_beta(mBeta, seq, chunk + 1, tidx)
+            inside = self.chunk_position(chunk, seq) * self.C + tidx < seq.seqlen
+            sBeta[tidx, slot] = beta.to(cutlass.Float32) if inside else cutlass.Float32(0.0)
+        return self.load_beta(mBeta, seq, self.chunk_position(chunk + 1, seq), tidx)
 
     @cute.jit
-    def load_beta(self, mBeta, seq, chunk, tidx):
-        """beta of token ``tidx % C`` of ``chunk`` as stored: converted (and zeroed past the sequence end) where it is
-        used, so that the load stays in flight until then. The token index is clamped into the sequence instead of
-        branching (needs seqlen >= 1)."""
-        t = cutlass.min(chunk * self.C + tidx % self.C, seq.seqlen - 1)
+    def load_beta(self, mBeta, seq, pos, tidx):
+        """beta of token ``tidx % C`` of chunk position ``pos`` as stored: converted (and zeroed past the sequence
+        end) where it is used, so that the load stays in flight until then. The token index is clamped into the
+        sequence instead of branching (needs seqlen >= 1; the reverse walk's position after its last chunk is -1)."""
+        t = cutlass.min(pos * self.C + tidx % self.C, seq.seqlen - 1)
+        if cutlass.const_expr(self.cfg.reverse):
+            t = cutlass.max(t, 0)
         return mBeta[seq.b, seq.tok0 + t, seq.hv]
 
     @cute.jit
-    def zero_k_tail(self, sK, L, t):
+    def zero_token_tails(self, sK, sQ, L, t):
         """When the chunk ends its sequence early, the k tile's rows ``L`` .. C - 1 (in a varlen call the next
         sequence's tokens, NaN included) zeroed by the prep threads before anything reads them: every product that
-        masks those tokens by a zero factor (beta in A and Y, the B tiles) then stays finite. Ordered for the prep
-        role by a barrier, for the state warpgroups by ring ``r``, for the stage's next TMA write by the fence before
-        ring ``b``'s commit (``L`` is the same on every prep thread). A fixed-length call needs none: its tiles end at
-        the tensor's bound, where TMA fills zeros."""
+        masks those tokens by a zero factor (beta in A and Y, the B tiles) then stays finite. The state-gradient walk
+        with the delta rule zeroes q's too: it sums over P's rows and Q 2^G's (dO^T P, dO^T Q~), whose dO rows are
+        zero there. Ordered for the prep role by a barrier, for the state warpgroups by ring ``r``, for the stage's
+        next TMA write by the fence before ring ``b``'s commit (``L`` is the same on every prep thread). A
+        fixed-length call needs none: its tiles end at the tensor's bound, where TMA fills zeros."""
         if L < self.C:
             tiles.zero_rows_from(sK, L, t, self.prep_threads)
+            if cutlass.const_expr(self.reverse_delta):
+                tiles.zero_rows_from(sQ, L, t, self.prep_threads)
             cute.arch.barrier(barrier_id=Barrier.PRODUCER, number_of_threads=self.prep_threads)
 
     @cute.jit
@@ -690,8 +724,9 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
     @cute.jit
     def build_b_tiles(self, gs, sK3, sQ3, L, t, scale):
         """The B tiles of the chunk's state products (``t`` in [0, 128)): K 2^G and Q 2^G (K-major; Q 2^G only in a
-        pass that makes o) and K 2^(G_last - G) (MN-major, 0 past the sequence end; in the state-gradient walk, whose
-        key place holds q, scale Q 2^G instead: the update's operand there). Thread t owns key channels 2p,
+        pass that makes o, and scaled in the state-gradient walk with the delta rule) and K 2^(G_last - G) (MN-major,
+        0 past the sequence end; in the state-gradient walk without the delta rule, whose key place holds q, scale
+        Q 2^G instead: the update's operand there). Thread t owns key channels 2p,
         2p + 1 (p = t % (D / 2), read and written as pairs) for one group of 8-token blocks (t // (D / 2)), 4 tokens
         at a time; within a block the token's low 3 bits are compile-time, so the 128B-swizzled addresses cost an
         XOR each."""
@@ -716,7 +751,7 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
                 # the loads before the stores, as in build_r_tile
                 j0 = jb * 8 + 4 * sub
                 g2, k2, nk = self.load_tokens(sG, sK3[None, None, 0], sNorm, 0, j0, p)
-                if cutlass.const_expr(self.cfg.make_o):  # a pass without output needs no Q 2^G
+                if cutlass.const_expr(self.makes_q_tile):
                     _, q2, nq = self.load_tokens(None, sQ3[None, None, 0], sNorm, 1, j0, p)
                 for jj in cutlass.range_constexpr(4):
                     j = j0 + jj
@@ -728,17 +763,19 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
                         kg2[0, e] = kx[e] * eg[e]
                         kd = f32(0.0)
                         if j < L:
-                            if cutlass.const_expr(self.cfg.reverse):
+                            if cutlass.const_expr(self.cfg.reverse and not self.cfg.delta_rule):
                                 kd = kx[e] * eg[e] * scale
                             else:
                                 kd = kx[e] * cute.math.exp2(gl[0, e] - g2[jj][0, e], fastmath=True)
                         kd2[e, 0] = kd
                     cute.local_tile(sKG, (1, 2), (j, p)).store(kg2.load().to(bf16))
                     cute.local_tile(sKD, (2, 1), (p, j)).store(kd2.load().to(bf16))
-                    if cutlass.const_expr(self.cfg.make_o):
+                    if cutlass.const_expr(self.makes_q_tile):
                         qx = q2[jj].load().to(f32)
                         if cutlass.const_expr(self.cfg.qk_l2norm):
                             qx = qx * nq[jj]
+                        if cutlass.const_expr(self.reverse_delta):
+                            qx = qx * scale
                         for e in cutlass.range_constexpr(2):
                             qg2[0, e] = qx[e] * eg[e]
                         cute.local_tile(sQG, (1, 2), (j, p)).store(qg2.load().to(bf16))
@@ -824,7 +861,7 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
         if wg == 0:
             for i in cutlass.range_constexpr(cute.size(acc0)):
                 ra, ja = cH[i]
-                bi = gs.sBeta[ra, slot]  # 0 past the sequence end (k is zero there: zero_k_tail)
+                bi = gs.sBeta[ra, slot]  # 0 past the sequence end (k is zero there: zero_token_tails)
                 va = f32(0.0)
                 if ja < ra:
                     va = acc0[i] * bi
@@ -834,7 +871,7 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
                 if ja + Hf < ra:
                     vb = acc1[i] * bi
                 smem.sA[ja + Hf, ra] = vb
-        else:
+        elif cutlass.const_expr(self.makes_p):
             # P leaves the accumulators by stmatrix, a half at a time (row addresses per 8 x 8 matrix, not one
             # swizzled address per element)
             st_p = cute.make_tiled_copy_C(
@@ -867,6 +904,11 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
         if cutlass.const_expr(self.feeds):
             rings.b_load.consumer_wait(states.chunk)
         gates = KeyChainGates(gs.sBeta, gs.sDec, chunk % 2, p.common.scale)
+        if cutlass.const_expr(self.reverse_delta):
+            # dS'^T (K 2^(G_last - G))^T, then the update against scale Q 2^G and K 2^G read MN-major
+            sKD_k = tiles.mn_view(gs.sKD3, p.gate.tile_kd_k)[None, None, 0]
+            sXG_mn = tiles.mn_view(gs.sXG, p.gate.tile_xg_mn)
+            return ChainInputs(sKD_k, gs.sXG[None, None, 1], sXG_mn[None, None, 0], gates, sXG_mn[None, None, 1])
         return ChainInputs(gs.sXG[None, None, 0], gs.sXG[None, None, 1], gs.sKD, gates)
 
     @cute.jit
@@ -945,8 +987,9 @@ def compile_kda_fwd_sm90(
     machine for ``arch``."""
     cfg = ChunkFwdConfig(**config)
     fake = entry.fake_args(
-        cfg.head_dim, beta_fp32, state_v_first, per_key_gate=True, raw_gate=gate_in_kernel, config=cfg
-    )
+        cfg.head_dim, beta_fp32, state_v_first, per_key_gate=True, raw_gate=gate_in_kernel,
+        checkpoints=cfg.walk != "output", config=cfg,
+    )  # fmt: skip
     return runtime.compile_kernel(KDAChunkFwdSm90(cfg, gate_in_kernel), fake, arch, keep_artifacts)
 
 
@@ -1004,7 +1047,9 @@ entry.register_checked(
     "kda_chunk_fwd_sm90",
     compile_kda_fwd_sm90,
     {
-        **entry.checked(*entry.DELTA_CONFIGS),
+        **entry.checked(
+            *entry.DELTA_CONFIGS, *entry.WALK_CONFIGS, "[D=64, states walk]", "[D=64, state-gradient walk]"
+        ),
         "[gate in kernel]": {"is_varlen": True, "has_initial_state": True, "gate_in_kernel": True},
         "[gate in kernel, D=64, qk_l2norm]": {"head_dim": 64, "gate_in_kernel": True, "qk_l2norm": True},
         "[gate in kernel, intra load, correction]": {
@@ -1041,5 +1086,9 @@ entry.register_checked(
         "[qk_l2norm, intra save]": (16, 0),
         "[qk_l2norm]": (30, 0),
         "[transition]": (28, 0),
+        # the backward's walks: measured, which values spill not yet read
+        "[states walk]": (33, 0),
+        "[state-gradient walk]": (32, 0),
+        "[state-gradient walk, fixed length]": (90, 0),
     },
 )

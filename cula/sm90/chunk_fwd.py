@@ -215,7 +215,8 @@ class ChainInputs(NamedTuple):
     sQ: cute.Tensor
     sK_mn: cute.Tensor
     gates: object
-    qk_stage: object = None  # the q | k stage (the state-gradient walk with the delta rule reads q MN-major too)
+    # the state-gradient walk with the delta rule: the B tile of its (scale dO^T) Q product, MN-major
+    sQ_mn: cute.Tensor = None
 
 
 class ChunkFwdSm90:
@@ -478,10 +479,9 @@ class ChunkFwdSm90:
                 if cutlass.const_expr(tp_ring):
                     rings.tp.consumer_wait(tp_state)
                 sTP_mn = smem.sTP_mn[None, None, None, tp_state.index]
-                s = ins.qk_stage
                 chain.reverse_delta(
                     acc_s, acc_k, smem.sV_mn[None, None, v_state.index], sTP_mn[None, None, 1], sTP_mn[None, None, 0],
-                    smem.sQ_mn[None, None, s], ins.sK_mn, ins.gates, cCC,
+                    ins.sQ_mn, ins.sK_mn, ins.gates, cCC,
                 )  # fmt: skip
             elif cutlass.const_expr(cfg.delta_rule):
                 rY, rY_lo = chain.delta(acc_k, smem.sV_mn[None, None, v_state.index], ins.gates, cCC, cfg.v_from == "v")

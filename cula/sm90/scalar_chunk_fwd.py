@@ -511,7 +511,10 @@ class ScalarGateChunkFwdSm90(ChunkFwdSm90):
         gates = ScalarChainGates(gs, s, p.common.scale, 2 if self.cfg.qk_l2norm else 0)
         if cutlass.const_expr(self.cfg.reverse):
             gates = ScalarChainGates(gs, s, p.common.scale, 0, 0, p.common.scale)
-        return ChainInputs(smem.sQK[None, None, 1, s], smem.sQK[None, None, 0, s], smem.sK_mn[None, None, s], gates, s)
+        return ChainInputs(
+            smem.sQK[None, None, 1, s], smem.sQK[None, None, 0, s], smem.sK_mn[None, None, s], gates,
+            smem.sQ_mn[None, None, s],
+        )  # fmt: skip
 
     @cute.jit
     def chain_release(self, rings, states):

@@ -46,7 +46,8 @@ class ChainGates:
     def update(self, acc_vn, cCC):
         raise NotImplementedError
 
-    # the state-gradient walk with the delta rule (StateChain.reverse_delta)
+    # the state-gradient walk with the delta rule (StateChain.reverse_delta); a factor that rides in a B tile (a
+    # per-key gate's) is not applied again here
     def to_end(self, acc, cCC):
         """acc[v, j] times the factor carrying token j to the chunk's end."""
         raise NotImplementedError
@@ -193,7 +194,8 @@ class StateChain:
             dV_new^T = (dS'^T K^T) 2^(G_L - G) + dO^T P          Y'^T = dV_new^T Tinv
             dS^T     = 2^G_L dS'^T + (scale 2^G dO^T) Q - (beta 2^G Y'^T) K
 
-        P and Tinv read transposed (``sP_mn``, ``sTinv_mn``), q and k MN-major."""
+        P and Tinv read transposed (``sP_mn``, ``sTinv_mn``); the last products' B tiles ``sQ_mn`` and ``sK_mn``
+        MN-major (q and k; a per-key gate's scale Q 2^G and K 2^G)."""
         tiled_t = mma.tiled_mma(self.C, self.C, b_major="MN")
         thr = tiled_t.get_slice(self.wtid)
         thr_st = self.mma_state.get_slice(self.wtid)

@@ -1,0 +1,92 @@
+"""KDA's backward on SM90 (cula.kda.chunk_bwd_sm90): the KDA kernel's state walks (cula.sm90.walks with the delta
+rule and the per-key gate in its B tiles), each checkpoint of the forward walk ("states") and of the reverse walk
+through the transposed chain ("state_grads") against the delta rule's chunked plan in fp64, per sequence, on a varlen
+batch with empty, one-token and odd sequences, GVA and start states; then every gradient of the public entry point
+against the fp64 reference's autograd, in-kernel options included (CULA_UNTESTED_KERNELS=1 until these pass)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from delta_rule_recurrence import check_delta_walk, check_gradients, needs_sm90, offsets_of, rel_rmse
+
+import cula
+
+cutlass = pytest.importorskip("cutlass")
+pytestmark = [pytest.mark.gpu, needs_sm90]
+
+
+@pytest.mark.parametrize("walk", ["states", "state_grads"])
+@pytest.mark.parametrize("D,H,HV", [(128, 2, 4), (64, 2, 2)])
+def test_kda_walks_store_the_plans_checkpoints(walk, D, H, HV):
+    from cula.kda.chunk_fwd_sm90 import KDA_SM90
+
+    check_delta_walk(KDA_SM90, walk, D, H, HV, per_key_gate=True)
+
+
+def test_kda_state_gradient_walk_fixed_length():
+    """The fixed-length reverse walk (its own compiled configuration): B = 2 rows of 200 tokens."""
+    from cula.kda.chunk_fwd_sm90 import KDA_SM90
+    from cula.ops import chunk_backward
+    from cula.sm90.walks import state_walk
+
+    torch.manual_seed(1)
+    B, T, H, D = 2, 200, 2, 128
+    q = torch.randn(B, T, H, D, device="cuda").bfloat16()
+    k = F.normalize(torch.randn(B, T, H, D, device="cuda"), dim=-1).bfloat16()
+    v, do = (torch.randn(B, T, H, D, device="cuda").bfloat16() for _ in range(2))
+    g = F.logsigmoid(torch.randn(B, T, H, D, device="cuda") + 3.0).clamp_min(-5.0)
+    beta = torch.rand(B, T, H, device="cuda")
+    dht = torch.randn(B, H, D, D, device="cuda") * 0.1
+    _, rows = chunk_backward.chunk_token_index([0, T, 2 * T], True)
+    scale = D**-0.5
+    got, dh0 = state_walk(KDA_SM90, "state_grads", q, k, do, g, beta, scale, dht, None, rows, False)
+    torch.cuda.synchronize()
+    firsts = chunk_backward.checkpoint_rows([0, T, 2 * T], True)
+    for b in range(B):
+        heads = lambda t, b=b: t[b].transpose(0, 1).double()  # noqa: E731
+        plan = chunk_backward.delta_backward(
+            heads(q), heads(k), heads(v), heads(beta), heads(g), heads(do), scale, None, dht[b].double()
+        )
+        for c, ref in enumerate(plan["ends"]):
+            assert rel_rmse(got[firsts[b] + c].transpose(-1, -2), ref) <= 0.005, (b, c)
+        assert rel_rmse(dh0[b], plan["dh0"]) <= 0.005, b
+
+
+def kda_inputs(B, T, H, HV, D=128, options=False, N=None):
+    torch.manual_seed(T + HV)
+    inputs = {
+        "q": torch.randn(B, T, H, D, device="cuda").bfloat16(),
+        "k": F.normalize(torch.randn(B, T, H, D, device="cuda"), dim=-1).bfloat16(),
+        "v": torch.randn(B, T, HV, D, device="cuda").bfloat16(),
+        "g": F.logsigmoid(torch.randn(B, T, HV, D, device="cuda") + 3.0).clamp_min(-5.0),
+        "beta": torch.rand(B, T, HV, device="cuda"),
+        "initial_state": torch.randn(N or B, HV, D, D, device="cuda") * 0.1,
+    }
+    if options:  # raw gate (bf16: activated in the forward kernel) and beta, un-normalised keys
+        inputs["k"] = (torch.randn(B, T, H, D, device="cuda") * 2).bfloat16()
+        inputs["g"] = torch.randn(B, T, HV, D, device="cuda").bfloat16()
+        inputs["beta"] = torch.randn(B, T, HV, device="cuda")
+        inputs["A_log"] = torch.rand(HV, device="cuda")
+        inputs["dt_bias"] = torch.rand(HV * D, device="cuda")
+    return inputs
+
+
+SAFE = {"safe_gate": True, "lower_bound": -5.0}
+
+
+@pytest.mark.parametrize("T", [1, 65, 300])
+def test_kda_gradients_fixed_length(monkeypatch, T):
+    check_gradients(cula.kda.chunk_kda, kda_inputs(2, T, 2, 2), SAFE, monkeypatch)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_kda_gradients_varlen_gva(monkeypatch, D):
+    lengths = [0, 1, 130, 64, 777]
+    inputs = kda_inputs(1, sum(lengths), 2, 4, D=D, N=len(lengths))
+    cu = torch.tensor(offsets_of(lengths), device="cuda")
+    check_gradients(cula.kda.chunk_kda, inputs, {**SAFE, "cu_seqlens": cu}, monkeypatch, lengths)
+
+
+def test_kda_gradients_through_in_kernel_options(monkeypatch):
+    extra = {**SAFE, "use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True, "use_beta_sigmoid_in_kernel": True}
+    check_gradients(cula.kda.chunk_kda, kda_inputs(2, 200, 2, 4, options=True), extra, monkeypatch)
