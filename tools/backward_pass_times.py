@@ -1,12 +1,12 @@
 """Time the SM90 backwards pass by pass, beside FLA's forward + backward, in one process on a GPU: the data behind
 PERF.md's backward rows.
 
-    python tools/backward_pass_times.py [--op simple_gla|gdn|gla] [--shapes 1x8192x64,2x16384x64] [--gate g|g_gamma]
+    python tools/backward_pass_times.py [--op simple_gla|gdn|gla|kda] [--shapes 1x8192x64,2x16384x64] [--gate g|g_gamma]
         [--skip-passes] [--skip-fla] [--profile FILE] [--host-profile FILE]
 
 For each B x T x H shape (D = 128, bf16, H = HV) it prints, as medians of CUDA-event timings over 10 calls: the two
 state walks, the per-chunk passes in PyTorch (``rows_backward``) and by their kernels (``CULA_CHUNK_GRADIENT_KERNEL``,
-``CULA_DELTA_GRADIENT_KERNEL``, ``CULA_KEY_GRADIENT_KERNEL``), then the whole forward + backward through the
+``CULA_DELTA_GRADIENT_KERNEL``, ``CULA_KEY_GRADIENT_KERNEL``; KDA has none yet), then the whole forward + backward through the
 public op served by cuLA (``CULA_BACKEND=cute CULA_UNTESTED_KERNELS=1``, with those kernels) and by FLA (where FLA
 runs it; its first call autotunes).
 """
@@ -51,6 +51,9 @@ def inputs(op: str, B: int, T: int, H: int, gate: str):
     if op == "gdn":
         args["g"] = F.logsigmoid(torch.randn(B, T, H, device="cuda") + 3.0)
         args["beta"] = torch.rand(B, T, H, device="cuda")
+    elif op == "kda":  # activated, within safe_gate's bound
+        args["g"] = F.logsigmoid(torch.randn(B, T, H, D, device="cuda") + 3.0).clamp_min(-5.0)
+        args["beta"] = torch.rand(B, T, H, device="cuda")
     elif op == "gla":
         args["g"] = F.logsigmoid(torch.randn(B, T, H, D, device="cuda") + 3.0)
     elif gate == "g":
@@ -61,10 +64,17 @@ def inputs(op: str, B: int, T: int, H: int, gate: str):
 
 
 def entry_point(op: str):
-    """The public op of ``op``."""
+    """The public op of ``op`` (KDA's with ``safe_gate``, which its kernel needs)."""
+    import functools
+
     import cula
 
-    return {"gdn": cula.gdn.chunk_gated_delta_rule, "gla": cula.gla.chunk_gla}.get(op, cula.lightning.chunk_simple_gla)
+    ops = {
+        "gdn": cula.gdn.chunk_gated_delta_rule,
+        "gla": cula.gla.chunk_gla,
+        "kda": functools.partial(cula.kda.chunk_kda, safe_gate=True, lower_bound=-5.0),
+    }
+    return ops.get(op, cula.lightning.chunk_simple_gla)
 
 
 def walk_operands(op: str, args: dict) -> tuple:
@@ -76,6 +86,10 @@ def walk_operands(op: str, args: dict) -> tuple:
     v = args["v"]
     if op == "gdn":
         from cula.gdn.chunk_fwd_sm90 import GDN_SM90 as kernel
+
+        return kernel, args["g"], args["beta"], args["beta"]
+    if op == "kda":
+        from cula.kda.chunk_fwd_sm90 import KDA_SM90 as kernel
 
         return kernel, args["g"], args["beta"], args["beta"]
     if op == "gla":
@@ -132,7 +146,7 @@ def passes(op: str, args: dict, do) -> dict:
                 lambda: delta_chunk_gradients_sm90(q, k, v, do, g, beta, w.starts, w.ends, w.index, scale, False)
             ),
         )
-    else:
+    elif op == "gla":
         from cula.gla.chunk_bwd_sm90 import key_chunk_gradients_sm90
 
         times["per-chunk, kernel"] = report(
@@ -215,7 +229,7 @@ def host_profile(step, path: str, title: str, steps: int = 20) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--op", choices=("simple_gla", "gdn", "gla"), default="simple_gla")
+    parser.add_argument("--op", choices=("simple_gla", "gdn", "gla", "kda"), default="simple_gla")
     parser.add_argument("--shapes", default="1x8192x64")
     parser.add_argument("--gate", choices=("g", "g_gamma"), default="g_gamma", help="simple GLA's gate")
     parser.add_argument("--skip-passes", action="store_true", help="only the whole step (no pass-by-pass timings)")
