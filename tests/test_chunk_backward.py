@@ -516,6 +516,36 @@ def test_key_gated_products_by_blocks_equal_the_pair_factors(block):
         assert ((have - ref).norm() / ref.norm()).item() <= 1e-12, name
 
 
+@pytest.mark.parametrize("gates", ["layer", "steep"])
+def test_key_delta_rows_equal_the_delta_rules_chunk_plan(gates):
+    """The per-key delta rule's batched rows (chunk_backward.key_delta_rows, every pair factor's sum by
+    key_gated_products) equal delta_chunk_forward / delta_chunk_backward with the [C, C, K] factors whole, in fp64, on
+    whole and cut chunks, with KDA's gates (>= -5) or steeper ones (-30 on all keys of a token, -200 on some)."""
+    torch.manual_seed(9)
+    N, C, D = 6, 64, 16
+    valid = [64, 64, 1, 37, 64, 50]
+    q, k = torch.randn(N, C, D, dtype=torch.float64), F.normalize(torch.randn(N, C, D, dtype=torch.float64), dim=-1)
+    v, do = torch.randn(N, C, D, dtype=torch.float64), torch.randn(N, C, D, dtype=torch.float64)
+    beta = torch.rand(N, C, dtype=torch.float64)
+    g = F.logsigmoid(torch.randn(N, C, D, dtype=torch.float64) + 2.0).clamp_min(-5.0)
+    if gates == "steep":
+        g[:, 20] = -30.0
+        g[::2, 40, :5] = -200.0
+    inside = (torch.arange(C)[None, :] < torch.tensor(valid)[:, None]).double()
+    q, k, v, do = (x * inside[..., None] for x in (q, k, v, do))
+    beta, g = beta * inside, g * inside[..., None]
+    S, dS = torch.randn(N, D, D, dtype=torch.float64) * 0.3, torch.randn(N, D, D, dtype=torch.float64) * 0.3
+    got = chunk_backward.key_delta_rows(q, k, v, beta, g, S, dS, do, 0.25)
+    f = chunk_backward.delta_chunk_forward(q, k, v, beta, g, S, 0.25)
+    want = chunk_backward.delta_chunk_backward(q, k, v, beta, f, S, dS, do, 0.25)
+    want_dg = want["dG"].flip(1).cumsum(1).flip(1)
+    for name, have, ref in zip(
+        ("dq", "dk", "dv", "dbeta", "dg"), got, (*(want[n] for n in ("dq", "dk", "dv", "dbeta")), want_dg), strict=True
+    ):
+        assert torch.isfinite(have).all(), name
+        assert ((have - ref).norm() / ref.norm()).item() <= 1e-10, name
+
+
 def delta_chunk_inputs(N, C, K, V, gates, valid, dtype=torch.float64):
     """Chunk-heads as scalar_delta_rows takes them, the tokens past each one's ``valid`` zero (a sequence's end)."""
     q, k = torch.randn(N, C, K, dtype=dtype), F.normalize(torch.randn(N, C, K, dtype=dtype), dim=-1)

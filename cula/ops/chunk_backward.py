@@ -406,6 +406,48 @@ def scalar_delta_rows(q, k, v, beta, g, S, dS_end, do, scale, operand=_exact) ->
     return dq, dk, dv, dbeta, dG.flip(1).cumsum(1).flip(1)
 
 
+def key_delta_rows(q, k, v, beta, g, S, dS_end, do, scale) -> tuple[torch.Tensor, ...]:
+    """The delta rule's per-chunk gradients for a per-key gate (KDA), batched: :func:`delta_chunk_forward` and
+    :func:`delta_chunk_backward` with every sum over a pair factor e^(G_ik - G_jk) taken by
+    :func:`key_gated_products` (matrix products against a reference token per 16-token block, the diagonal blocks
+    whole), never the [N, C, C, K] factors at once; a pair term's gradient to G is the row-side product times its row
+    minus the column-side product times its column. q, k [N, C, K], v, do [N, C, V], beta [N, C], g [N, C, K]
+    (floored; zero past a sequence's end), S and dS_end [N, K, V]. Returns ``(dq, dk, dv, dbeta, dg)`` as
+    :func:`scalar_delta_rows`, dg [N, C, K]."""
+    C = q.shape[1]
+    G = torch.cumsum(g, dim=1)
+    G_L = G[:, -1:]
+    E, to_end = torch.exp(G), torch.exp(G_L - G)
+    b = beta[..., None]
+    strict = _causal(C, True, q.device)
+    no_pairs = q.new_zeros(q.shape[0], C, C)
+    kk = torch.where(strict, key_gated_products(k, k, no_pairs, G, 1.0)[0], 0.0)  # sum_k k_ik k_jk Gamma_ijk, j < i
+    eye = torch.eye(C, dtype=q.dtype, device=q.device)
+    Tinv = torch.linalg.solve_triangular(eye + b * kk, eye.expand_as(kk), upper=False)
+    W = Tinv @ (b * k * E)
+    v_new = Tinv @ (b * v) - W @ S
+    dP = torch.where(_causal(C, False, q.device), do @ v_new.transpose(1, 2), 0.0)
+    P, dq_pair, dk_pair = key_gated_products(q, k, dP, G, scale)
+    dv_new = P.transpose(1, 2) @ do + (k * to_end) @ dS_end
+    dq_gated = scale * do @ S.transpose(1, 2)
+    dq = dq_gated * E + dq_pair
+    dG = dq_gated * q * E + q * dq_pair - k * dk_pair
+    through_end = v_new @ dS_end.transpose(1, 2)
+    dk = dk_pair + to_end * through_end
+    dG = dG - k * to_end * through_end
+    dG_last = (k * to_end * through_end).sum(1) + torch.exp(G_L[:, 0]) * (S * dS_end).sum(-1)
+    dW = -dv_new @ S.transpose(1, 2)
+    dT = dW @ (b * k * E).transpose(1, 2) + dv_new @ (b * v).transpose(1, 2)
+    d_bk, d_bv = Tinv.transpose(1, 2) @ dW, Tinv.transpose(1, 2) @ dv_new
+    dA = torch.where(strict, -(Tinv.transpose(1, 2) @ (dT @ Tinv.transpose(1, 2))), 0.0)
+    dbeta = (dA * kk).sum(-1) + (d_bk * k * E).sum(-1) + (d_bv * v).sum(-1)
+    _, dk_rows, dk_cols = key_gated_products(k, k, b * dA, G, 1.0)
+    dk = dk + dk_rows + dk_cols + b * d_bk * E
+    dG = dG + k * dk_rows - k * dk_cols + b * d_bk * k * E
+    dG[:, -1] = dG[:, -1] + dG_last
+    return dq, dk, b * d_bv, dbeta, dG.flip(1).cumsum(1).flip(1)
+
+
 # chunk-heads of C = 64 per batch of rows_backward: its (C x C) fp32 matrices take 16 KiB each (a batch: ~20 of them,
 # 2.6 GiB), a per-key gate's diagonal-block pair factors (16 x 16 x K, key_gated_products) 128 KiB each at K = 128;
 # a chunk of C = 128 counts as four, its matrices being four times larger, so that a batch takes as many bytes
@@ -473,16 +515,12 @@ def rows_backward(q, k, v, do, g, beta, starts, ends, index, scale, batch=None) 
 
 def _row_gradients(x: dict, per_key: bool, scale) -> tuple:
     """One batch of :func:`rows_backward` (``x`` its chunk-heads, heads first): ``(dq, dk, dv, dbeta or None, dg)``
-    by the delta rule's passes (:func:`scalar_delta_rows`; per key :func:`delta_chunk_forward` and
-    :func:`delta_chunk_backward`) or the gated ones (:func:`scalar_gated_rows`; per key :func:`chunk_gradients`)."""
+    by the delta rule's passes (:func:`scalar_delta_rows`; per key :func:`key_delta_rows`) or the gated ones
+    (:func:`scalar_gated_rows`; per key :func:`chunk_gradients`)."""
     delta = x["beta"] is not None
-    if delta and not per_key:
-        return scalar_delta_rows(x["q"], x["k"], x["v"], x["beta"], x["g"], x["S"], x["dS"], x["do"], scale)
     if delta:
-        chunk = (x["q"], x["k"], x["v"], x["beta"])
-        f = delta_chunk_forward(*chunk, x["g"], x["S"], scale)
-        d = delta_chunk_backward(*chunk, f, x["S"], x["dS"], x["do"], scale)
-        return d["dq"], d["dk"], d["dv"], d["dbeta"], d["dG"].flip(1).cumsum(1).flip(1)
+        rows = key_delta_rows if per_key else scalar_delta_rows
+        return rows(x["q"], x["k"], x["v"], x["beta"], x["g"], x["S"], x["dS"], x["do"], scale)
     if per_key:
         dq, dk, dv, dg = chunk_gradients(x["q"], x["k"], x["v"], x["do"], x["g"], x["S"], x["dS"], scale)
     else:
