@@ -105,6 +105,7 @@ TRAINING = {
     "simple_gla_train_kernel": ("simple_gla", {"CULA_CHUNK_GRADIENT_KERNEL": "1"}),
     "gla_train": ("gla", {"CULA_KEY_GRADIENT_KERNEL": "0"}),
     "gla_train_kernel": ("gla", {"CULA_KEY_GRADIENT_KERNEL": "1"}),
+    "kda_train": ("kda", {}),
 }
 
 

@@ -94,8 +94,6 @@ class RecurrentConfig:
     final: str = "none"
     block_v: int = 32
     vec: int = 4
-    # CTAs per SM the launch asks ptxas to fit (its register cap follows); 0: none asked
-    min_blocks_per_sm: int = 0
 
     def __post_init__(self):
         assert self.head_k in SUPPORTED_DIMS and self.head_v in SUPPORTED_DIMS, self
@@ -197,10 +195,7 @@ class RecurrentFwd:
         HV = v.shape[2]
         N = cu_seqlens.shape[0] - 1 if cutlass.const_expr(self.cfg.is_varlen) else q.shape[0]
         tensors = Tensors(q, k, v, o, g, gamma, gk, gv, beta, a_log, dt_bias, h0, ht, indices, accepted, cu_seqlens)
-        occupancy = {"min_blocks_per_mp": self.cfg.min_blocks_per_sm} if self.cfg.min_blocks_per_sm else {}
-        self.kernel(tensors, scale, lower_bound).launch(
-            grid=(self.V // self.block_v, HV, N), block=(THREADS, 1, 1), stream=stream, **occupancy
-        )
+        self.kernel(tensors, scale, lower_bound).launch(grid=(self.V // self.block_v, HV, N), block=(THREADS, 1, 1), stream=stream)  # fmt: skip
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
