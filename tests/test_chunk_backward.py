@@ -239,77 +239,38 @@ def plan_delta_backward(q, k, v, g, beta, do, scale, initial_state, dht, cu_seql
 
 
 @pytest.mark.parametrize("options", ["plain", "l2norm", "gate_and_sigmoid"])
-def test_gdn_sm90_backward_chains_through_the_in_kernel_options(monkeypatch, options):
-    """GDN's SM90 backward (cula.gdn.api._sm90_backward) with the kernel part replaced by the fp64 plan: the
-    gradients of q, k, g, beta, A_log and dt_bias through the q / k L2 norm, the in-kernel gate and beta's sigmoid
-    are the reference's autograd gradients."""
-    from cula.gdn import api, chunk_bwd_sm90
+@pytest.mark.parametrize("variant", ["gdn", "kda"])
+def test_delta_rule_sm90_backward_chains_through_the_in_kernel_options(monkeypatch, variant, options):
+    """GDN's and KDA's SM90 backward (cula.gdn / cula.kda .api._sm90_backward) with the kernel part replaced by the
+    fp64 plan: the gradients of q, k, g, beta, A_log and dt_bias through the q / k L2 norm, the in-kernel gate (KDA's
+    bounded one) and beta's sigmoid are the reference's autograd gradients."""
+    import importlib
 
-    monkeypatch.setattr(chunk_bwd_sm90, "chunk_gdn_bwd_sm90", plan_delta_backward)
-    torch.manual_seed(3)
-    B, T, Hq, HV = 2, 70, 1, 2
-    args = {
-        "q": torch.randn(B, T, Hq, K, dtype=torch.float64),
-        "k": torch.randn(B, T, Hq, K, dtype=torch.float64),
-        "v": torch.randn(B, T, HV, V, dtype=torch.float64),
-        "g": F.logsigmoid(torch.randn(B, T, HV, dtype=torch.float64) + 2.0),
-        "beta": torch.rand(B, T, HV, dtype=torch.float64),
-        "scale": SCALE, "initial_state": torch.randn(B, HV, K, V, dtype=torch.float64) * 0.1,
-        "output_final_state": True, "use_qk_l2norm_in_kernel": options == "l2norm",
-        "use_beta_sigmoid_in_kernel": options == "gate_and_sigmoid", "allow_neg_eigval": False,
-        "state_v_first": False, "cu_seqlens": None, "cu_seqlens_cpu": None,
-        "use_gate_in_kernel": options == "gate_and_sigmoid", "A_log": None, "dt_bias": None,
-    }  # fmt: skip
-    if options == "l2norm":
-        args["k"] = args["k"] * 3.0
-    else:
-        args["k"] = F.normalize(args["k"], dim=-1)
-    if options == "gate_and_sigmoid":
-        args["g"] = torch.randn(B, T, HV, dtype=torch.float64)
-        args["A_log"], args["dt_bias"] = torch.rand(HV, dtype=torch.float64), torch.rand(HV, dtype=torch.float64)
-        args["beta"] = torch.randn(B, T, HV, dtype=torch.float64)
-    grad_o = torch.randn(B, T, HV, V, dtype=torch.float64)
-    grad_ht = torch.randn(B, HV, K, V, dtype=torch.float64) * 0.1
-    got = api._sm90_backward(args, [], grad_o, grad_ht)
-
-    names = [n for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state") if args[n] is not None]
-    leaves = {n: args[n].clone().requires_grad_() for n in names}
-    call = {n: a for n, a in args.items() if n not in ("cu_seqlens_cpu",)}
-    o, ht = cula.gdn.chunk_gated_delta_rule(**{**call, **leaves})
-    torch.autograd.backward([o, ht], [grad_o, grad_ht])
-    for n in names:
-        assert got[n].shape == leaves[n].shape, n
-        err = ((got[n].double() - leaves[n].grad).norm() / leaves[n].grad.norm()).item()
-        assert err <= 1e-6, (n, err)
-
-
-@pytest.mark.parametrize("options", ["plain", "l2norm", "gate_and_sigmoid"])
-def test_kda_sm90_backward_chains_through_the_in_kernel_options(monkeypatch, options):
-    """KDA's SM90 backward (cula.kda.api._sm90_backward) with the kernel part replaced by the fp64 plan: the
-    gradients of q, k, g, beta, A_log and dt_bias through the q / k L2 norm, the bounded in-kernel gate and beta's
-    sigmoid are the reference's autograd gradients."""
-    from cula.kda import api, chunk_bwd_sm90
-
-    monkeypatch.setattr(chunk_bwd_sm90, "chunk_kda_bwd_sm90", plan_delta_backward)
+    api = importlib.import_module(f"cula.{variant}.api")
+    chunk_bwd_sm90 = importlib.import_module(f"cula.{variant}.chunk_bwd_sm90")
+    monkeypatch.setattr(chunk_bwd_sm90, f"chunk_{variant}_bwd_sm90", plan_delta_backward)
     torch.manual_seed(3)
     B, T, Hq, HV = 2, 70, 1, 2
     gated = options == "gate_and_sigmoid"
+    keys = (K,) if variant == "kda" else ()  # KDA's gate per key channel
     args = {
         "q": torch.randn(B, T, Hq, K, dtype=torch.float64),
         "k": torch.randn(B, T, Hq, K, dtype=torch.float64),
         "v": torch.randn(B, T, HV, V, dtype=torch.float64),
-        "g": F.logsigmoid(torch.randn(B, T, HV, K, dtype=torch.float64) + 2.0).clamp_min(-5.0),
+        "g": F.logsigmoid(torch.randn(B, T, HV, *keys, dtype=torch.float64) + 2.0).clamp_min(-5.0),
         "beta": torch.rand(B, T, HV, dtype=torch.float64),
         "scale": SCALE, "initial_state": torch.randn(B, HV, K, V, dtype=torch.float64) * 0.1,
         "output_final_state": True, "use_qk_l2norm_in_kernel": options == "l2norm",
-        "use_beta_sigmoid_in_kernel": gated, "allow_neg_eigval": False, "safe_gate": True,
-        "lower_bound": -5.0 if gated else None, "state_v_first": False, "cu_seqlens": None, "cu_seqlens_cpu": None,
-        "use_gate_in_kernel": gated, "A_log": None, "dt_bias": None,
+        "use_beta_sigmoid_in_kernel": gated, "allow_neg_eigval": False, "state_v_first": False, "cu_seqlens": None,
+        "cu_seqlens_cpu": None, "use_gate_in_kernel": gated, "A_log": None, "dt_bias": None,
     }  # fmt: skip
+    if variant == "kda":
+        args.update(safe_gate=True, lower_bound=-5.0 if gated else None)
     args["k"] = args["k"] * 3.0 if options == "l2norm" else F.normalize(args["k"], dim=-1)
     if gated:
-        args["g"] = torch.randn(B, T, HV, K, dtype=torch.float64)
-        args["A_log"], args["dt_bias"] = torch.rand(HV, dtype=torch.float64), torch.rand(HV * K, dtype=torch.float64)
+        args["g"] = torch.randn(B, T, HV, *keys, dtype=torch.float64)
+        args["A_log"] = torch.rand(HV, dtype=torch.float64)
+        args["dt_bias"] = torch.rand(HV * (K if keys else 1), dtype=torch.float64)
         args["beta"] = torch.randn(B, T, HV, dtype=torch.float64)
     grad_o = torch.randn(B, T, HV, V, dtype=torch.float64)
     grad_ht = torch.randn(B, HV, K, V, dtype=torch.float64) * 0.1
@@ -318,7 +279,8 @@ def test_kda_sm90_backward_chains_through_the_in_kernel_options(monkeypatch, opt
     names = [n for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state") if args[n] is not None]
     leaves = {n: args[n].clone().requires_grad_() for n in names}
     call = {n: a for n, a in args.items() if n not in ("cu_seqlens_cpu",)}
-    o, ht = cula.kda.chunk_kda(**{**call, **leaves})
+    entry_point = cula.kda.chunk_kda if variant == "kda" else cula.gdn.chunk_gated_delta_rule
+    o, ht = entry_point(**{**call, **leaves})
     torch.autograd.backward([o, ht], [grad_o, grad_ht])
     for n in names:
         assert got[n].shape == leaves[n].shape, n
