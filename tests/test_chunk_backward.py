@@ -547,6 +547,46 @@ def test_the_delta_gradient_kernels_roundings_hold_the_bf16_tolerances(gates):
             assert rel_rmse(a[n], b[n]) <= tol, (name, n, rel_rmse(a[n], b[n]))
 
 
+def key_delta_chunk_inputs(N, C, K, gates, valid, dtype=torch.float64):
+    """delta_chunk_inputs with a per-key gate within KDA's bound (>= -5): a layer's, or -5 on a quarter of the keys of
+    every token (the two-reference operands' widest exponent, 16 x 5 log2(e))."""
+    q, k, v, beta, _, S, dS, do = delta_chunk_inputs(N, C, K, K, "layer", valid, dtype)
+    g = F.logsigmoid(torch.randn(N, C, K, dtype=dtype) + 2.0).clamp_min(-5.0)
+    if gates == "steepest":
+        g[:, :, : K // 4] = -5.0
+    inside = (torch.arange(C)[None, :] < torch.tensor(valid)[:, None]).to(dtype)
+    return q, k, v, beta, g * inside[..., None], S, dS, do
+
+
+@pytest.mark.parametrize("gates", ["layer", "steepest"])
+def test_the_kda_gradient_plans_stages_are_the_algebra(gates):
+    """The plan for KDA's per-chunk gradient kernel (cula.ops.chunk_emulation.key_delta_chunk_gradients: the delta
+    kernel's stages with every pair-factor sum by two reference tokens per chunk), with exact operands, equals the
+    per-key delta rule's per-chunk gradients (key_delta_rows) to rounding, on whole and cut chunks."""
+    torch.manual_seed(7)
+    x = key_delta_chunk_inputs(4, 64, 16, gates, [64, 1, 37, 0])
+    want = chunk_backward.key_delta_rows(*x, 0.3)
+    got = chunk_emulation.key_delta_chunk_gradients(*x, 0.3, operand=lambda t: t)
+    for name, a, b in zip(("dq", "dk", "dv", "dbeta", "dg"), got, want, strict=True):
+        assert torch.isfinite(a).all(), name
+        assert rel_rmse(a, b) <= 1e-10, (name, rel_rmse(a, b))
+
+
+@pytest.mark.parametrize("gates", ["layer", "steepest"])
+def test_the_kda_gradient_plans_roundings_hold_the_bf16_tolerances(gates):
+    """With bf16 wgmma operands (the two-reference factors L and R, T, W, V', dV', dW, dT, X, dP, dA_b) and fp32
+    accumulation, each chunk-head's gradients stay within the bf16 tolerances of the exact ones at D = 128, KDA's
+    steepest gates included: the plan needs no steep path under safe_gate."""
+    torch.manual_seed(8)
+    x = key_delta_chunk_inputs(8, 64, 128, gates, [64] * 6 + [40, 3])
+    want = chunk_backward.key_delta_rows(*x, 128**-0.5)
+    got = chunk_emulation.key_delta_chunk_gradients(*(t.float() for t in x), 128**-0.5)
+    tolerances = (0.008, 0.008, 0.008, 0.02, 0.02)
+    for name, a, b, tol in zip(("dq", "dk", "dv", "dbeta", "dg"), got, want, tolerances, strict=True):
+        for n in range(b.shape[0]):
+            assert rel_rmse(a[n], b[n]) <= tol, (name, n, rel_rmse(a[n], b[n]))
+
+
 def emulate_chunk_rows(chunks, inputs, outputs, S, dS, value_heads_per_head, gradients):
     """A per-chunk gradient kernel's launch on a CPU: per chunk row (its first flattened token and valid tokens) and
     value head hv, ``gradients(*chunk inputs [1, C, ...], S^T row, dS'^T row)`` (the kernel's stages, emulated) on
