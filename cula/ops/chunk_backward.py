@@ -63,6 +63,10 @@ def _pair_factors(G: torch.Tensor, strict: bool) -> torch.Tensor:
     return torch.where(mask, torch.exp(torch.where(mask, diff, 0.0)), 0.0)
 
 
+def _exact(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 def state_walk(k, v, g, h0=None, chunk: int = CHUNK) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Pass 1: ``(the state at each chunk's start, the final state)`` (``g`` [H, T, K] floored; chunks of
     ``chunk`` tokens: 128 for the SM100 kernel's walks)."""
@@ -120,6 +124,38 @@ def key_gated_products(q, k, dP, G, scale, block: int = 16) -> tuple[torch.Tenso
         dq[:, rows] += scale * torch.exp(G[:, rows] - ref) * (dP_rc @ k_f)
         dk[:, :i0] += scale * f * (dP_rc.transpose(1, 2) @ q_e)
     return P, dq, dk
+
+
+# the lowest natural-log gate two_reference_products takes: FLA's KDA safe_gate bound, under which no operand passes
+# e^(16 x 5) < 2^116 (fp32's largest is 2^128)
+BOUNDED_GATE = -5.0
+
+
+def two_reference_products(x, k, dM, G, scale, operand=_exact) -> tuple[torch.Tensor, ...]:
+    """:func:`key_gated_products`'s ``(P, dx, dk)`` (x in q's place) for a gate bounded below by
+    :data:`BOUNDED_GATE`, by plain matrix products: the columns j split into two halves with reference tokens r at
+    their middles (16 and 48 in a chunk of 64), L_i = x_i e^(G_i - G_r) (rows before the half zero) and R_j = k_j
+    e^(G_r - G_j) (the half's columns), both within e^80 of x and k as |i - r|, |j - r| <= 16 for the pairs that count.
+    Per half: P = L R^T on the mask j <= i (a select: a masked product may overflow), dx = e^(G - G_r) (dM R) on the
+    rows in or after the half, dk = e^(G_r - G) (dM^T L) on the half's columns. ``operand``: what L, R and dM go
+    through before their products (:func:`~cula.ops.chunk_emulation.bf16` for a kernel's wgmma operands)."""
+    r = operand
+    L = x.shape[1]
+    half = L // 2
+    idx = torch.arange(L, device=x.device)
+    P, dx, dk = x.new_zeros(x.shape[0], L, L), torch.zeros_like(x), torch.zeros_like(k)
+    dM = r(dM)
+    for h in range(2):
+        ref = h * half + half // 2
+        rows, cols = (idx >= h * half)[:, None], ((idx >= h * half) & (idx < (h + 1) * half))[:, None]
+        to_ref, from_ref = torch.exp(G - G[:, ref : ref + 1]), torch.exp(G[:, ref : ref + 1] - G)
+        left = r(torch.where(rows, x * to_ref, 0.0))
+        right = r(torch.where(cols, k * from_ref, 0.0))
+        P = P + left @ right.transpose(1, 2)
+        dx = dx + torch.where(rows, to_ref * (dM @ right), 0.0)
+        dk = dk + torch.where(cols, from_ref * (dM.transpose(1, 2) @ left), 0.0)
+    P = torch.where(_causal(L, False, x.device), scale * P, 0.0)
+    return P, scale * dx, scale * dk
 
 
 def chunk_gradients(q, k, v, do, g, S, dS_end, scale) -> tuple[torch.Tensor, ...]:
@@ -232,10 +268,6 @@ def scalar_gated_rows(q, k, v, do, g, S, dS_end, scale) -> tuple[torch.Tensor, .
     constant = (k * dk_inter).sum((1, 2)) + torch.exp(G_L[:, 0]) * (S * dS).sum((1, 2))
     dg = local.flip(1).cumsum(1).flip(1) + constant[:, None]
     return dq, dk, dv, dg
-
-
-def _exact(x: torch.Tensor) -> torch.Tensor:
-    return x
 
 
 def delta_chunk_forward(q, k, v, beta, g, S, scale, operand=_exact) -> dict[str, torch.Tensor]:
@@ -406,14 +438,17 @@ def scalar_delta_rows(q, k, v, beta, g, S, dS_end, do, scale, operand=_exact) ->
     return dq, dk, dv, dbeta, dG.flip(1).cumsum(1).flip(1)
 
 
-def key_delta_rows(q, k, v, beta, g, S, dS_end, do, scale) -> tuple[torch.Tensor, ...]:
+def key_delta_rows(
+    q, k, v, beta, g, S, dS_end, do, scale, products=key_gated_products
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """The delta rule's per-chunk gradients for a per-key gate (KDA), batched: :func:`delta_chunk_forward` and
-    :func:`delta_chunk_backward` with every sum over a pair factor e^(G_ik - G_jk) taken by
-    :func:`key_gated_products` (matrix products against a reference token per 16-token block, the diagonal blocks
-    whole), never the [N, C, C, K] factors at once; a pair term's gradient to G is the row-side product times its row
-    minus the column-side product times its column. q, k [N, C, K], v, do [N, C, V], beta [N, C], g [N, C, K]
-    (floored; zero past a sequence's end), S and dS_end [N, K, V]. Returns ``(dq, dk, dv, dbeta, dg)`` as
-    :func:`scalar_delta_rows`, dg [N, C, K]."""
+    :func:`delta_chunk_backward` with every sum over a pair factor e^(G_ik - G_jk) taken by ``products``
+    (:func:`key_gated_products`: matrix products against a reference token per 16-token block, the diagonal blocks
+    whole, any gate; :func:`two_reference_products`: plain matrix products, gates >= :data:`BOUNDED_GATE`), never the
+    [N, C, C, K] factors at once; a pair term's gradient to G is the row-side product times its row minus the
+    column-side product times its column. q, k [N, C, K], v, do [N, C, V], beta [N, C], g [N, C, K] (floored; zero
+    past a sequence's end), S and dS_end [N, K, V]. Returns ``(dq, dk, dv, dbeta, dg)`` as :func:`scalar_delta_rows`,
+    dg [N, C, K]."""
     C = q.shape[1]
     G = torch.cumsum(g, dim=1)
     G_L = G[:, -1:]
@@ -421,13 +456,13 @@ def key_delta_rows(q, k, v, beta, g, S, dS_end, do, scale) -> tuple[torch.Tensor
     b = beta[..., None]
     strict = _causal(C, True, q.device)
     no_pairs = q.new_zeros(q.shape[0], C, C)
-    kk = torch.where(strict, key_gated_products(k, k, no_pairs, G, 1.0)[0], 0.0)  # sum_k k_ik k_jk Gamma_ijk, j < i
+    kk = torch.where(strict, products(k, k, no_pairs, G, 1.0)[0], 0.0)  # sum_k k_ik k_jk Gamma_ijk, j < i
     eye = torch.eye(C, dtype=q.dtype, device=q.device)
     Tinv = torch.linalg.solve_triangular(eye + b * kk, eye.expand_as(kk), upper=False)
     W = Tinv @ (b * k * E)
     v_new = Tinv @ (b * v) - W @ S
     dP = torch.where(_causal(C, False, q.device), do @ v_new.transpose(1, 2), 0.0)
-    P, dq_pair, dk_pair = key_gated_products(q, k, dP, G, scale)
+    P, dq_pair, dk_pair = products(q, k, dP, G, scale)
     dv_new = P.transpose(1, 2) @ do + (k * to_end) @ dS_end
     dq_gated = scale * do @ S.transpose(1, 2)
     dq = dq_gated * E + dq_pair
@@ -441,7 +476,7 @@ def key_delta_rows(q, k, v, beta, g, S, dS_end, do, scale) -> tuple[torch.Tensor
     d_bk, d_bv = Tinv.transpose(1, 2) @ dW, Tinv.transpose(1, 2) @ dv_new
     dA = torch.where(strict, -(Tinv.transpose(1, 2) @ (dT @ Tinv.transpose(1, 2))), 0.0)
     dbeta = (dA * kk).sum(-1) + (d_bk * k * E).sum(-1) + (d_bv * v).sum(-1)
-    _, dk_rows, dk_cols = key_gated_products(k, k, b * dA, G, 1.0)
+    _, dk_rows, dk_cols = products(k, k, b * dA, G, 1.0)
     dk = dk + dk_rows + dk_cols + b * d_bk * E
     dG = dG + k * dk_rows - k * dk_cols + b * d_bk * k * E
     dG[:, -1] = dG[:, -1] + dG_last
@@ -454,14 +489,18 @@ def key_delta_rows(q, k, v, beta, g, S, dS_end, do, scale) -> tuple[torch.Tensor
 CHUNK_HEAD_BATCH = {"scalar": 8192, "per_key": 2048}
 
 
-def rows_backward(q, k, v, do, g, beta, starts, ends, index, scale, batch=None) -> tuple[torch.Tensor, ...]:
+def rows_backward(
+    q, k, v, do, g, beta, starts, ends, index, scale, batch=None, bounded_gate=False
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """Passes 3 and 4 of every variant over the chunk rows ``index`` ([rows, C] flattened tokens,
     :func:`chunk_token_index`) with the state walks' checkpoints ``starts`` / ``ends`` [rows, HV, V, K] (any dtype):
     q, k [B, T, H, K]; v, do [B, T, HV, V]; g [B, T, HV] (scalar) or [B, T, HV, K] (per key), natural log; beta
     [B, T, HV] with the delta rule, else None. Returns ``(dq, dk [B, T, H, K] summed over each GVA group,
     dv [B, T, HV, V], dg (g's shape), dbeta [B, T, HV] or None)`` in fp32; gates below the floor get no gradient.
     Rows are gathered, computed and scattered back ``batch`` chunk-heads of 64 tokens (or as many bytes of longer
-    ones) at a time (:data:`CHUNK_HEAD_BATCH`), so that memory stays bounded at any length and chunk size."""
+    ones) at a time (:data:`CHUNK_HEAD_BATCH`), so that memory stays bounded at any length and chunk size.
+    ``bounded_gate``: the caller's promise that a per-key gate with the delta rule is >= :data:`BOUNDED_GATE` (KDA's
+    safe_gate), for :func:`two_reference_products` (5x faster on a CPU than the blocks every gate can take)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     rep, n_tokens, C = HV // H, B * T, index.shape[1]
@@ -504,7 +543,7 @@ def rows_backward(q, k, v, do, g, beta, starts, ends, index, scale, batch=None) 
             "S": starts[r0 : r0 + R].float().transpose(-1, -2).reshape(R * HV, K, V),
             "dS": ends[r0 : r0 + R].float().transpose(-1, -2).reshape(R * HV, K, V),
         }  # fmt: skip
-        grads = _row_gradients(x, per_key, scale)
+        grads = _row_gradients(x, per_key, scale, bounded_gate)
         for name, grad in zip(("dq", "dk", "dv", "dbeta", "dg"), grads, strict=True):
             if grad is not None:
                 scatter(name, grad, HV)
@@ -513,14 +552,16 @@ def rows_backward(q, k, v, do, g, beta, starts, ends, index, scale, batch=None) 
     return out["dq"].view(B, T, H, K), out["dk"].view(B, T, H, K), out["dv"].view(B, T, HV, V), dg, dbeta
 
 
-def _row_gradients(x: dict, per_key: bool, scale) -> tuple:
+def _row_gradients(x: dict, per_key: bool, scale, bounded_gate: bool) -> tuple:
     """One batch of :func:`rows_backward` (``x`` its chunk-heads, heads first): ``(dq, dk, dv, dbeta or None, dg)``
     by the delta rule's passes (:func:`scalar_delta_rows`; per key :func:`key_delta_rows`) or the gated ones
     (:func:`scalar_gated_rows`; per key :func:`chunk_gradients`)."""
     delta = x["beta"] is not None
+    chunk = (x["q"], x["k"], x["v"], x["beta"], x["g"], x["S"], x["dS"], x["do"], scale)
+    if delta and per_key:
+        return key_delta_rows(*chunk, products=two_reference_products if bounded_gate else key_gated_products)
     if delta:
-        rows = key_delta_rows if per_key else scalar_delta_rows
-        return rows(x["q"], x["k"], x["v"], x["beta"], x["g"], x["S"], x["dS"], x["do"], scale)
+        return scalar_delta_rows(*chunk)
     if per_key:
         dq, dk, dv, dg = chunk_gradients(x["q"], x["k"], x["v"], x["do"], x["g"], x["S"], x["dS"], scale)
     else:

@@ -316,68 +316,46 @@ def key_delta_chunk_gradients(q, k, v, beta, g, S, dS_end, do, scale, operand=bf
     :func:`cula.ops.chunk_backward.key_delta_rows` takes them (g [N, C, K] >= -5, FLA's ``safe_gate``; zero past a
     sequence's end). Returns ``(dq, dk, dv, dbeta, dg [N, C, K])``.
 
-    Every sum over a pair factor 2^(G_ik - G_jk) splits the columns j into two 32-token halves with reference tokens
-    r = 16, 48: L_i = x_i 2^(G_i - G_r) (rows before the half zero) and R_j = k_j 2^(G_r - G_j), both within 2^116 of
-    the raw values while g >= -5, as bf16 operands (``operand``; exact for the algebra alone). A score is L R^T per
-    half (masked by a select: a masked entry may overflow); a gradient of the scores is one product per half with the
-    half's factor on the fp32 accumulator between (selected where the half's rows or columns lie):
+    Every sum over a pair factor e^(G_ik - G_jk) goes by :func:`cula.ops.chunk_backward.two_reference_products`: two
+    reference tokens r = 16, 48, L_i = x_i e^(G_i - G_r) and R_j = k_j e^(G_r - G_j) as bf16 operands (``operand``;
+    exact for the algebra alone); a score is L R^T per half, a gradient of the scores one product per half with the
+    half's factor on the fp32 accumulator between:
 
-        dX_ik  = sum_h 2^(G_ik - G_rk) (dM[:, h] R_h)_ik           (i in or after half h)
-        dK_jk  = 2^(G_rk - G_jk) (dM^T L_h)_jk                      (j in half h)
+        dX_ik  = sum_h e^(G_ik - G_rk) (dM[:, h] R_h)_ik           (i in or after half h)
+        dK_jk  = e^(G_rk - G_jk) (dM^T L_h)_jk                      (j in half h)
 
-    for dM = dP (with X = Q, L = Q's) and dM = beta dA (X = K, L = K's). dg per key is the suffix sum of q dq - k dk's
-    pair and end parts, the pair terms of A, beta 2^G k d_bk, and the chunk's constant."""
+    for dM = dP (X = Q) and dM = beta dA (X = K). dg per key is the suffix sum of q dq - k dk's pair and end parts,
+    the pair terms of A, beta e^G k d_bk, and the chunk's constant."""
+    from cula.ops import chunk_backward  # (which imports this module)
+
     r = operand
     N, C, K = q.shape
-    half = C // 2
-    G = torch.cumsum(g, dim=1) * LOG2E
+    G = torch.cumsum(g, dim=1)
     G_L = G[:, -1:]
-    E, F = torch.exp2(G), torch.exp2(G_L - G)
+    E, F = torch.exp(G), torch.exp(G_L - G)
     idx = torch.arange(C, device=q.device)
     lower, strict = idx[:, None] >= idx[None, :], idx[:, None] > idx[None, :]
     b = beta[..., None]
     S, dS_end, q, k, v, do = (r(x) for x in (S, dS_end, q, k, v, do))
     t = lambda x: x.transpose(1, 2)  # noqa: E731
-    halves = []  # (the half's columns, its rows from its start on, 2^(G - G_r), 2^(G_r - G))
-    for h in range(2):
-        ref = h * half + half // 2
-        cols = (idx >= h * half) & (idx < (h + 1) * half)
-        halves.append((cols, idx >= h * half, torch.exp2(G - G[:, ref : ref + 1]), torch.exp2(G[:, ref : ref + 1] - G)))
 
-    def left(x, h):
-        _, rows, to_ref, _ = halves[h]
-        return r(torch.where(rows[:, None], x * to_ref, 0.0))
+    def products(x, dm, scale_):
+        return chunk_backward.two_reference_products(x, k, dm, G, scale_, operand=r)
 
-    def right(h):
-        cols, _, _, from_ref = halves[h]
-        return r(torch.where(cols[:, None], k * from_ref, 0.0))
-
-    def scores(x, mask):
-        return torch.where(mask, sum(left(x, h) @ t(right(h)) for h in range(2)), 0.0)
-
-    def score_gradients(x, dm):
-        """``(dX, dK)`` of the masked scores x K^T gated, for their gradient ``dm`` (zero off the mask)."""
-        dx, dk_ = torch.zeros_like(x), torch.zeros_like(x)
-        for h in range(2):
-            cols, rows, to_ref, from_ref = halves[h]
-            dx = dx + torch.where(rows[:, None], to_ref * (r(dm) @ right(h)), 0.0)
-            dk_ = dk_ + torch.where(cols[:, None], from_ref * (t(r(dm)) @ left(x, h)), 0.0)
-        return dx, dk_
-
+    no_pairs = q.new_zeros(N, C, C)
     # stage 1: A and T; dV' = F (K dS') + P^T dO
-    kk = scores(k, strict)
+    kk = torch.where(strict, products(k, no_pairs, 1.0)[0], 0.0)
     eye = torch.eye(C, dtype=q.dtype, device=q.device)
     T = r(torch.linalg.solve_triangular(eye + b * kk, eye.expand(N, C, C), upper=False))
-    pt = r(t(scale * scores(q, lower)))
+    pt = r(t(products(q, no_pairs, scale)[0]))
     dvn = r(r(F * k) @ dS_end + pt @ do)
-    # stage 2: W = T diag(beta) (K 2^G), U = T diag(beta) V, V' = U - W S; dW = -dV' S^T
+    # stage 2: W = T diag(beta) (K e^G), U = T diag(beta) V, V' = U - W S; dW = -dV' S^T
     t_beta = r(T * t(b))
     w_neg = r(-(t_beta @ r(E * k)))
     vn = r(t_beta @ v + w_neg @ S)
     dw = r(-(dvn @ t(S)))
-    # stage 3: dP = scale dO V'^T; dq, and dk's P and end parts
-    dp = torch.where(lower, scale * (do @ t(vn)), 0.0)
-    dq_pair, dk_pair = score_gradients(q, dp)
+    # stage 3: dP = dO V'^T (scaled in the products); dq, and dk's P and end parts
+    _, dq_pair, dk_pair = products(q, torch.where(lower, do @ t(vn), 0.0), scale)
     dq = scale * E * (do @ t(S)) + dq_pair
     dk_end = F * (vn @ t(dS_end))
     # stage 4: dT, d_bk = T^T dW, d_bv = T^T dV'
@@ -386,10 +364,10 @@ def key_delta_chunk_gradients(q, k, v, beta, g, S, dS_end, do, scale, operand=bf
     # stage 5: X = dT T^T, dA = -(T^T X) on the strict lower triangle
     dA = torch.where(strict, -(t(T) @ r(dT @ t(T))), 0.0)
     # stage 6: the pair terms of A; dbeta and dg
-    dk_rows, dk_cols = score_gradients(k, b * dA)
+    _, dk_rows, dk_cols = products(k, b * dA, 1.0)
     dk = dk_pair + dk_end + dk_rows + dk_cols + b * E * d_bk
     dbeta = (dA * kk).sum(-1) + (E * k * d_bk).sum(-1) + (v * d_bv).sum(-1)
     local = q * dq - k * (dk_pair + dk_end) + k * (dk_rows - dk_cols) + b * E * k * d_bk
-    constant = (k * dk_end).sum(1, keepdim=True) + torch.exp2(G_L) * (S * dS_end).sum(-1)[:, None, :]
+    constant = (k * dk_end).sum(1, keepdim=True) + torch.exp(G_L) * (S * dS_end).sum(-1)[:, None, :]
     dg = local.flip(1).cumsum(1).flip(1) + constant
     return dq, dk, b * d_bv, dbeta, dg
