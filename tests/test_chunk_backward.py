@@ -289,12 +289,15 @@ def test_delta_rule_sm90_backward_chains_through_the_in_kernel_options(monkeypat
 
 
 @pytest.mark.parametrize("variant", ["gdn", "kda"])
-@pytest.mark.parametrize("lengths", [[0, 1, 130, 64, 200], None], ids=["varlen", "fixed"])
-def test_the_delta_rule_backward_host_paths_give_the_reference_gradients(monkeypatch, variant, lengths):
+@pytest.mark.parametrize(
+    "lengths, v_first", [([0, 1, 130, 64, 200], False), (None, False), ([77, 0, 140], True)],
+    ids=["varlen", "fixed", "varlen_v_first"],
+)  # fmt: skip
+def test_the_delta_rule_backward_host_paths_give_the_reference_gradients(monkeypatch, variant, lengths, v_first):
     """GDN's and KDA's SM90 backward (cula.gdn / cula.kda .chunk_bwd_sm90: the kernel's two walks through the
     delta rule's chain, then the per-chunk gradients by rows_backward), the walks' launch emulated on the CPU
     (tests/launch_emulation.py, with the kernels' bf16 operands): every gradient against the fp64 reference's
-    autograd, per sequence, with GVA, h0 and a gradient into the final state."""
+    autograd, per sequence, with GVA, h0 and a gradient into the final state, in either state layout."""
     from cula.sm90 import walks
 
     if variant == "gdn":
@@ -319,10 +322,13 @@ def test_the_delta_rule_backward_host_paths_give_the_reference_gradients(monkeyp
     h0, dht = torch.randn(N, HV, D, D) * 0.1, torch.randn(N, HV, D, D) * 0.1
     cu = None if lengths is None else torch.tensor(offsets_of(lengths), dtype=torch.int32)
     scale = D**-0.5
-    dq, dk, dv, dg, dbeta, dh0 = backward(q, k, v, g, beta, do, scale, h0, dht, cu, cu, False)
+    dq, dk, dv, dg, dbeta, dh0 = backward(q, k, v, g, beta, do, scale, h0, dht, cu, cu, v_first)
 
     leaves = [x.double().requires_grad_() for x in (q, k, v, g, beta, h0)]
-    o, ht = entry_point(*leaves[:5], scale=scale, initial_state=leaves[5], output_final_state=True, cu_seqlens=cu)
+    o, ht = entry_point(
+        *leaves[:5], scale=scale, initial_state=leaves[5], output_final_state=True, cu_seqlens=cu,
+        state_v_first=v_first,
+    )  # fmt: skip
     torch.autograd.backward([o, ht], [do.double(), dht.double()])
     bounds = [(b, 0, T) for b in range(B)] if lengths is None else list(itertools.pairwise(offsets_of(lengths)))
     if lengths is not None:
