@@ -2,7 +2,7 @@
 rule and the per-key gate in its B tiles), each checkpoint of the forward walk ("states") and of the reverse walk
 through the transposed chain ("state_grads") against the delta rule's chunked plan in fp64, per sequence, on a varlen
 batch with empty, one-token and odd sequences, GVA and start states; then every gradient of the public entry point
-against the fp64 reference's autograd, in-kernel options included (CULA_UNTESTED_KERNELS=1 until these pass)."""
+against the fp64 reference's autograd, in-kernel options included."""
 
 import pytest
 import torch

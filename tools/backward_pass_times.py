@@ -1,13 +1,13 @@
 """Time the SM90 backwards pass by pass, beside FLA's forward + backward, in one process on a GPU: the data behind
 PERF.md's backward rows.
 
-    python tools/backward_pass_times.py [--op simple_gla|gdn|gla|kda] [--shapes 1x8192x64,2x16384x64] [--gate g|g_gamma]
-        [--skip-passes] [--skip-fla] [--profile FILE] [--host-profile FILE]
+    python tools/backward_pass_times.py [--op simple_gla|gdn|gla|kda] [--shapes 1x8192x64,2x16384x64]
+        [--gate g|g_gamma] [--skip-passes] [--skip-fla] [--profile FILE] [--host-profile FILE]
 
 For each B x T x H shape (D = 128, bf16, H = HV) it prints, as medians of CUDA-event timings over 10 calls: the two
-state walks, the per-chunk passes in PyTorch (``rows_backward``) and by their kernels (``CULA_CHUNK_GRADIENT_KERNEL``,
-``CULA_DELTA_GRADIENT_KERNEL``, ``CULA_KEY_GRADIENT_KERNEL``; KDA has none yet), then the whole forward + backward through the
-public op served by cuLA (``CULA_BACKEND=cute CULA_UNTESTED_KERNELS=1``, with those kernels) and by FLA (where FLA
+state walks, the per-chunk passes in PyTorch (``rows_backward``, KDA's with its bounded gate) and by their kernels
+(``CULA_CHUNK_GRADIENT_KERNEL``, ``CULA_DELTA_GRADIENT_KERNEL``, ``CULA_KEY_GRADIENT_KERNEL``; KDA has none yet), then
+the whole forward + backward through the public op served by cuLA (``CULA_BACKEND=cute CULA_UNTESTED_KERNELS=1``, with those kernels) and by FLA (where FLA
 runs it; its first call autotunes).
 """
 
@@ -127,7 +127,10 @@ def passes(op: str, args: dict, do) -> dict:
     times["per-chunk, PyTorch"] = report(
         "per-chunk, PyTorch",
         median_ms(
-            lambda: chunk_backward.rows_backward(q, k, v, do, g, rows_beta, w.starts, w.ends, w.index, scale), reps=3
+            lambda: chunk_backward.rows_backward(
+                q, k, v, do, g, rows_beta, w.starts, w.ends, w.index, scale, bounded_gate=op == "kda"
+            ),
+            reps=3,
         ),
     )
     if op == "simple_gla":

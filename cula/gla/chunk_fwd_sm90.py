@@ -81,12 +81,12 @@ class ValueChainGates(kda.KeyChainGates):
 
 
 class GLAChunkFwdSm90(kda.KDAChunkFwdSm90):
-    """GLA on KDA's kernel (module docstring); ``config.delta_rule`` is False, the split passes uncached."""
+    """GLA on KDA's kernel (module docstring); ``config.delta_rule`` is False, the split passes uncached. In the
+    backward's state walks the prep role builds R as ever and the intra step, making no P, releases it and the
+    q | k | g stage (as in the later split passes)."""
 
     split_values = False
     gate_floor = GATE_FLOOR
-    # in the backward's state walks the prep role builds R as ever and the intra step (run there, as KDA's), making
-    # no P, releases it and the q | k | g stage (as in the later split passes)
 
     def __init__(self, config: ChunkFwdConfig):
         assert not config.delta_rule and config.intra == "none", config

@@ -228,8 +228,8 @@ def _sm90_backward(args: dict[str, Any], residuals: list, grad_o, grad_final_sta
 
 
 # the kernel's state walks, then the per-chunk gradients in PyTorch; its GPU tests passed on an H100
-# (tests/test_kda_sm90_backward.py). ~20x slower than FLA's Triton backward until a per-chunk kernel takes passes 3
-# and 4 (PERF.md), so it keeps FLA's calls
+# (tests/test_kda_sm90_backward.py). Many times slower than FLA's Triton backward until a per-chunk kernel takes
+# passes 3 and 4 (PERF.md), so it keeps FLA's calls
 SM90_BACKWARD = BackwardKernel(recomputing(_sm90_run), lambda args: [], _sm90_backward, beats_fla=False)
 CHUNK.register_kernel(
     CuteKernel("kda.chunk_fwd_sm90", 9, _sm90_supports, _sm90_run, _sm90_faster_than_fla, backward=SM90_BACKWARD)

@@ -31,7 +31,7 @@ repeats warpgroup 0's state rows without writing them (it still makes P).
 The backward's state walks (``ChunkFwdConfig.walk``, :mod:`cula.kda.chunk_bwd_sm90`): "states" is the chain without
 O and P; "state_grads" (on q, k, dO, from the last chunk) runs the transposed chain of
 :meth:`cula.sm90.state_chain.StateChain.reverse_delta`, its factors in the B tiles (K 2^(G_last - G) read K-major for
-dS'^T K~^T; scale Q 2^G and K 2^G read MN-major for the update), beta on Y'^T's columns.
+dS'^T (K 2^(G_last - G))^T; scale Q 2^G and K 2^G read MN-major for the update), beta on Y'^T's columns.
 
 ``gate_in_kernel``: g arrives raw (bf16) and the prep role applies FLA's bounded KDA gate to it,
 lower_bound * sigmoid(exp(A_log) (g + dt_bias)), in the scan; the raw tile lands in R's buffer (R is made after the
@@ -84,7 +84,7 @@ class GateParams(NamedTuple):
     tile_xg: object  # K 2^G | Q 2^G (C, D, 2)
     tile_xg_mn: object  # the same read MN-major (D, C, 2): the state-gradient walk's B tiles
     tile_kd: object  # K 2^(G_last - G) (D, C, 1), MN-major
-    tile_kd_k: object  # the same read K-major (C, D, 1): the state-gradient walk's S^T K~^T
+    tile_kd_k: object  # the same read K-major (C, D, 1): the state-gradient walk's dS'^T (K 2^(G_last - G))^T
 
 
 class GateSmem(NamedTuple):
@@ -187,6 +187,7 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
     gate_floor = None
 
     # the backward's state walks (ChunkFwdConfig.walk) make A and Tinv, and the state-gradient walk P, as the forward
+    # does (the skeleton's closing barrier keeps the next chunk's P behind the reverse walk's reads)
     intra_step_in_walks = True
 
     def __init__(self, config, gate_in_kernel: bool = False):
@@ -202,7 +203,7 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
         self.scan_parts = self.prep_threads // self.D
         self.feeds = config.intra == "load"  # the later split passes: the prep role feeds saved tiles
         # the state-gradient walk with the delta rule (on q, k, dO): q's rows past the sequence end zeroed, P made,
-        # and the B tiles K 2^(G_last - G) (for dS'^T K~^T), K 2^G and scale Q 2^G (for the walk's update)
+        # and the B tiles K 2^(G_last - G) (for dS'^T K^T against it), K 2^G and scale Q 2^G (for the walk's update)
         self.reverse_delta = config.reverse and config.delta_rule
         # P: for the output, or dO^T P in the state-gradient walk (the states walk reads none)
         self.makes_p = config.walk != "states"

@@ -99,7 +99,8 @@ def state_gradient_walk(q, do, g, scale, dht=None, chunk: int = CHUNK) -> tuple[
 def key_gated_products(q, k, dP, G, scale, block: int = 16) -> tuple[torch.Tensor, ...]:
     """The per-key gate's intra-chunk products, Gamma_ijk = e^(G_ik - G_jk) for j <= i: ``(P, dq, dk)`` with
     P_ij = scale sum_k q_ik k_jk Gamma_ijk, dq_ik = scale sum_j dP_ij Gamma_ijk k_jk, dk_jk = scale sum_i dP_ij
-    Gamma_ijk q_ik (q, k [N, L, K] fp32, dP [N, L, L] lower, G [N, L, K]). By ``block``-token row blocks: a block I
+    Gamma_ijk q_ik (q, k [N, L, K] fp32, dP [N, L, L] lower, or None for P alone, G [N, L, K]). By ``block``-token
+    row blocks: a block I
     against the earlier tokens takes its first token r as reference, Gamma = e^(G_i - G_r) e^(G_r - G_j) with both
     factors at most 1 (G does not increase along the chunk), so those parts are matrix products; the diagonal blocks
     take their pair factors whole. Exact for any gate: a factor only underflows where the true product does."""
@@ -109,42 +110,51 @@ def key_gated_products(q, k, dP, G, scale, block: int = 16) -> tuple[torch.Tenso
     for i0 in range(0, L, block):
         rows = slice(i0, min(i0 + block, L))
         gamma = _pair_factors(G[:, rows], strict=False)  # [N, b, b, K]
-        q_r, k_r, dP_rr = q[:, rows], k[:, rows], dP[:, rows, rows]
+        q_r, k_r = q[:, rows], k[:, rows]
         P[:, rows, rows] = scale * torch.einsum("nik,njk,nijk->nij", q_r, k_r, gamma)
-        dq[:, rows] += scale * torch.einsum("nij,nijk,njk->nik", dP_rr, gamma, k_r)
-        dk[:, rows] += scale * torch.einsum("nij,nijk,nik->njk", dP_rr, gamma, q_r)
+        if dP is not None:
+            dP_rr = dP[:, rows, rows]
+            dq[:, rows] += scale * torch.einsum("nij,nijk,njk->nik", dP_rr, gamma, k_r)
+            dk[:, rows] += scale * torch.einsum("nij,nijk,nik->njk", dP_rr, gamma, q_r)
         if i0 == 0:
             continue
         ref = G[:, i0 : i0 + 1]
         q_e = q_r * torch.exp(G[:, rows] - ref)  # the rows' factors to the reference
         f = torch.exp(ref - G[:, :i0])  # the reference's to each earlier token
         k_f = k[:, :i0] * f
-        dP_rc = dP[:, rows, :i0]
         P[:, rows, :i0] = scale * q_e @ k_f.transpose(1, 2)
-        dq[:, rows] += scale * torch.exp(G[:, rows] - ref) * (dP_rc @ k_f)
-        dk[:, :i0] += scale * f * (dP_rc.transpose(1, 2) @ q_e)
+        if dP is not None:
+            dP_rc = dP[:, rows, :i0]
+            dq[:, rows] += scale * torch.exp(G[:, rows] - ref) * (dP_rc @ k_f)
+            dk[:, :i0] += scale * f * (dP_rc.transpose(1, 2) @ q_e)
     return P, dq, dk
 
 
-# the lowest natural-log gate two_reference_products takes: FLA's KDA safe_gate bound, under which no operand passes
-# e^(16 x 5) < 2^116 (fp32's largest is 2^128)
+# the lowest natural-log gate two_reference_products takes: FLA's KDA safe_gate bound, under which no operand's factor
+# passes e^(16 x 5) < 2^116
 BOUNDED_GATE = -5.0
 
 
-def two_reference_products(x, k, dM, G, scale, operand=_exact) -> tuple[torch.Tensor, ...]:
+def two_reference_products(x, k, dM, G, scale, operand=_exact, dtype=torch.float64) -> tuple[torch.Tensor, ...]:
     """:func:`key_gated_products`'s ``(P, dx, dk)`` (x in q's place) for a gate bounded below by
-    :data:`BOUNDED_GATE`, by plain matrix products: the columns j split into two halves with reference tokens r at
-    their middles (16 and 48 in a chunk of 64), L_i = x_i e^(G_i - G_r) (rows before the half zero) and R_j = k_j
-    e^(G_r - G_j) (the half's columns), both within e^80 of x and k as |i - r|, |j - r| <= 16 for the pairs that count.
+    :data:`BOUNDED_GATE` (``dM`` None: P alone), by plain matrix products: the columns j split into two halves with
+    reference tokens r at their middles (16 and 48 in a chunk of 64), L_i = x_i e^(G_i - G_r) (rows before the half
+    zero) and R_j = k_j e^(G_r - G_j) (the half's columns), their factors at most e^80 for the tokens within 16 of r,
+    below 1 after.
     Per half: P = L R^T on the mask j <= i (a select: a masked product may overflow), dx = e^(G - G_r) (dM R) on the
-    rows in or after the half, dk = e^(G_r - G) (dM^T L) on the half's columns. ``operand``: what L, R and dM go
-    through before their products (:func:`~cula.ops.chunk_emulation.bf16` for a kernel's wgmma operands)."""
+    rows in or after the half, dk = e^(G_r - G) (dM^T L) on the half's columns. A gradient product's sum reaches
+    e^80 |dM| |x| before its factor brings it back, past fp32's range (e^88.7) once |dM| |x| is in the hundreds: the
+    products run in ``dtype`` (fp64 by default; the per-chunk kernel's plan takes fp32, its accumulators') and return
+    in x's. ``operand``: what L, R and dM go through before their products (:func:`~cula.ops.chunk_emulation.bf16`
+    for a kernel's wgmma operands)."""
     r = operand
+    out_dtype = x.dtype
+    x, k, G = (t.to(dtype) for t in (x, k, G))
     L = x.shape[1]
     half = L // 2
     idx = torch.arange(L, device=x.device)
     P, dx, dk = x.new_zeros(x.shape[0], L, L), torch.zeros_like(x), torch.zeros_like(k)
-    dM = r(dM)
+    dM = None if dM is None else r(dM.to(dtype))
     for h in range(2):
         ref = h * half + half // 2
         rows, cols = (idx >= h * half)[:, None], ((idx >= h * half) & (idx < (h + 1) * half))[:, None]
@@ -152,10 +162,11 @@ def two_reference_products(x, k, dM, G, scale, operand=_exact) -> tuple[torch.Te
         left = r(torch.where(rows, x * to_ref, 0.0))
         right = r(torch.where(cols, k * from_ref, 0.0))
         P = P + left @ right.transpose(1, 2)
-        dx = dx + torch.where(rows, to_ref * (dM @ right), 0.0)
-        dk = dk + torch.where(cols, from_ref * (dM.transpose(1, 2) @ left), 0.0)
+        if dM is not None:
+            dx = dx + torch.where(rows, to_ref * (dM @ right), 0.0)
+            dk = dk + torch.where(cols, from_ref * (dM.transpose(1, 2) @ left), 0.0)
     P = torch.where(_causal(L, False, x.device), scale * P, 0.0)
-    return P, scale * dx, scale * dk
+    return P.to(out_dtype), (scale * dx).to(out_dtype), (scale * dk).to(out_dtype)
 
 
 def chunk_gradients(q, k, v, do, g, S, dS_end, scale) -> tuple[torch.Tensor, ...]:
@@ -455,8 +466,7 @@ def key_delta_rows(
     E, to_end = torch.exp(G), torch.exp(G_L - G)
     b = beta[..., None]
     strict = _causal(C, True, q.device)
-    no_pairs = q.new_zeros(q.shape[0], C, C)
-    kk = torch.where(strict, products(k, k, no_pairs, G, 1.0)[0], 0.0)  # sum_k k_ik k_jk Gamma_ijk, j < i
+    kk = torch.where(strict, products(k, k, None, G, 1.0)[0], 0.0)  # sum_k k_ik k_jk Gamma_ijk, j < i
     eye = torch.eye(C, dtype=q.dtype, device=q.device)
     Tinv = torch.linalg.solve_triangular(eye + b * kk, eye.expand_as(kk), upper=False)
     W = Tinv @ (b * k * E)
@@ -500,7 +510,7 @@ def rows_backward(
     Rows are gathered, computed and scattered back ``batch`` chunk-heads of 64 tokens (or as many bytes of longer
     ones) at a time (:data:`CHUNK_HEAD_BATCH`), so that memory stays bounded at any length and chunk size.
     ``bounded_gate``: the caller's promise that a per-key gate with the delta rule is >= :data:`BOUNDED_GATE` (KDA's
-    safe_gate), for :func:`two_reference_products` (5x faster on a CPU than the blocks every gate can take)."""
+    safe_gate), for :func:`two_reference_products` (2x faster on a CPU than the blocks every gate can take)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     rep, n_tokens, C = HV // H, B * T, index.shape[1]

@@ -340,14 +340,13 @@ def key_delta_chunk_gradients(q, k, v, beta, g, S, dS_end, do, scale, operand=bf
     t = lambda x: x.transpose(1, 2)  # noqa: E731
 
     def products(x, dm, scale_):
-        return chunk_backward.two_reference_products(x, k, dm, G, scale_, operand=r)
+        return chunk_backward.two_reference_products(x, k, dm, G, scale_, operand=r, dtype=q.dtype)
 
-    no_pairs = q.new_zeros(N, C, C)
     # stage 1: A and T; dV' = F (K dS') + P^T dO
-    kk = torch.where(strict, products(k, no_pairs, 1.0)[0], 0.0)
+    kk = torch.where(strict, products(k, None, 1.0)[0], 0.0)
     eye = torch.eye(C, dtype=q.dtype, device=q.device)
     T = r(torch.linalg.solve_triangular(eye + b * kk, eye.expand(N, C, C), upper=False))
-    pt = r(t(products(q, no_pairs, scale)[0]))
+    pt = r(t(products(q, None, scale)[0]))
     dvn = r(r(F * k) @ dS_end + pt @ do)
     # stage 2: W = T diag(beta) (K e^G), U = T diag(beta) V, V' = U - W S; dW = -dV' S^T
     t_beta = r(T * t(b))

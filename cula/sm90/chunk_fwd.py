@@ -231,8 +231,8 @@ class ChunkFwdSm90:
     # the v tile's rows past the sequence end zeroed in shared memory once it lands (zero_tail_rows): where the chain
     # multiplies them by zero factors, which would keep a NaN of the next sequence's tokens
     zeroes_v_tail = False
-    # the intra step runs in the backward's state walks too (making nothing there): where it releases rings that the
-    # walks' chunks still move through (GLA's R and q | k | g)
+    # the intra step runs in the backward's state walks too: where the walks need what it makes (KDA's Tinv, and P
+    # walking backwards) or it releases rings the walks' chunks still move through (GLA's R and q | k | g)
     intra_step_in_walks = False
     # a correction pass without the delta rule carries V_new = 0 (v = 0): its state only decays and its output is
     # S^T Q~^T's alone, so it has no intra work and no update (a gate that can run it so sets this)
@@ -520,8 +520,13 @@ class ChunkFwdSm90:
                 if writes:
                     stager.stage(acc_o, chunk)
                 stager.flush(chunk, seq.n_chunks)
-            elif cutlass.const_expr(not has_intra_role and cfg.walk == "output" and not self.zero_values):
-                # the next intra step rewrites what this chunk's products read
+            elif cutlass.const_expr(
+                not has_intra_role
+                and not self.zero_values
+                and (cfg.walk == "output" or (cfg.reverse and cfg.delta_rule))
+            ):
+                # the next intra step rewrites what this chunk's products read (P, before its first barrier: the
+                # forward's O and the state-gradient walk's dO^T P read it)
                 cute.arch.barrier(barrier_id=Barrier.STATE, number_of_threads=state_threads)
         if cutlass.const_expr(cfg.make_o):
             stager.finish(c.o_plain, seq.b, seq.hv, seq.tok0, seq.seqlen, seq.n_chunks, stid)
