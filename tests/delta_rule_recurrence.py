@@ -274,12 +274,13 @@ def check_state_walk(kernel, walk, D, per_key_gate, lengths=(0, 1, 130, 64, 777)
         assert rel_rmse(final[n], want_final) <= 0.005, n
 
 
-def check_delta_walk(kernel, walk, D, H, HV, per_key_gate, lengths=(0, 1, 130, 64, 777)):
+def check_delta_walk(kernel, walk, D, H, HV, per_key_gate, lengths=(0, 1, 130, 64, 777), fixed_length=False):
     """One state walk of ``kernel`` with the delta rule (:func:`cula.sm90.walks.state_walk`: "states", or
     "state_grads" through the transposed chain): each checkpoint and the walk's final state within bf16 rounding of
-    the delta rule's chunked plan (:func:`cula.ops.chunk_backward.delta_backward`) in fp64, per sequence, on a varlen
-    batch with start states (empty, one-token and odd sequences by default), GVA, a scalar or ``per_key_gate`` gate
-    (>= -5, KDA's bound)."""
+    the delta rule's chunked plan (:func:`cula.ops.chunk_backward.delta_backward`) in fp64, per sequence, with start
+    states, GVA, a scalar or ``per_key_gate`` gate (KDA's bounded form, -5 sigmoid(x), 8 key channels at -5 on every
+    token): a varlen batch of ``lengths`` (empty, one-token and odd sequences by default), or with ``fixed_length``
+    one row of each length (all the same)."""
     import torch.nn.functional as F
 
     from cula.ops import chunk_backward
@@ -287,28 +288,34 @@ def check_delta_walk(kernel, walk, D, H, HV, per_key_gate, lengths=(0, 1, 130, 6
 
     torch.manual_seed(0)
     offsets = offsets_of(list(lengths))
-    T, N = offsets[-1], len(lengths)
-    q = torch.randn(1, T, H, D, device="cuda").bfloat16()
-    k = F.normalize(torch.randn(1, T, H, D, device="cuda"), dim=-1).bfloat16()
-    v = torch.randn(1, T, HV, D, device="cuda").bfloat16()
-    do = torch.randn(1, T, HV, D, device="cuda").bfloat16()
-    g = F.logsigmoid(torch.randn(1, T, HV, *((D,) if per_key_gate else ()), device="cuda") + 3.0).clamp_min(-5.0)
-    beta = torch.rand(1, T, HV, device="cuda")
+    N = len(lengths)
+    B, T = (N, lengths[0]) if fixed_length else (1, offsets[-1])
+    q = torch.randn(B, T, H, D, device="cuda").bfloat16()
+    k = F.normalize(torch.randn(B, T, H, D, device="cuda"), dim=-1).bfloat16()
+    v = torch.randn(B, T, HV, D, device="cuda").bfloat16()
+    do = torch.randn(B, T, HV, D, device="cuda").bfloat16()
+    if per_key_gate:
+        g = -5.0 * torch.sigmoid(torch.randn(B, T, HV, D, device="cuda"))
+        g[..., :8] = -5.0
+    else:
+        g = F.logsigmoid(torch.randn(B, T, HV, device="cuda") + 3.0)
+    beta = torch.rand(B, T, HV, device="cuda")
     h0 = torch.randn(N, HV, D, D, device="cuda") * 0.1
     dht = torch.randn(N, HV, D, D, device="cuda") * 0.1
-    cu = torch.tensor(offsets, dtype=torch.int32, device="cuda")
-    _, rows = chunk_backward.chunk_token_index(offsets, False)
+    cu = None if fixed_length else torch.tensor(offsets, dtype=torch.int32, device="cuda")
+    _, rows = chunk_backward.chunk_token_index(offsets, fixed_length)
     scale = D**-0.5
     start, values = (h0, v) if walk == "states" else (dht, do)
     got, final = state_walk(kernel, walk, q, k, values, g, beta, scale, start, cu, rows, False)
     torch.cuda.synchronize()
-    firsts = chunk_backward.checkpoint_rows(offsets, False)
+    firsts = chunk_backward.checkpoint_rows(offsets, fixed_length)
     rep = HV // H
     for n, (s, e) in enumerate(zip(offsets[:-1], offsets[1:], strict=True)):
         if e == s:  # no chunk: the walk's final state is where it started
             assert rel_rmse(final[n], start[n].double()) <= 1e-6, n
             continue
-        heads = lambda t, s=s, e=e: t[0, s:e].transpose(0, 1).double()  # noqa: E731
+        b, s, e = (n, 0, T) if fixed_length else (0, s, e)
+        heads = lambda t, b=b, s=s, e=e: t[b, s:e].transpose(0, 1).double()  # noqa: E731
         qn, kn = (heads(x).repeat_interleave(rep, dim=0) for x in (q, k))
         plan = chunk_backward.delta_backward(
             qn, kn, heads(v), heads(beta), heads(g), heads(do), scale, h0[n].double(), dht[n].double()

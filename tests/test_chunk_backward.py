@@ -316,8 +316,11 @@ def test_the_delta_rule_backward_host_paths_give_the_reference_gradients(monkeyp
     q = torch.randn(B, T, H, D).bfloat16()
     k = F.normalize(torch.randn(B, T, H, D), dim=-1).bfloat16()
     v, do = (torch.randn(B, T, HV, D).bfloat16() for _ in range(2))
-    gate_shape = (B, T, HV, D) if variant == "kda" else (B, T, HV)
-    g = F.logsigmoid(torch.randn(*gate_shape) + 2.0).clamp_min(-5.0)
+    if variant == "kda":  # the bounded form, 8 key channels at the bound
+        g = -5.0 * torch.sigmoid(torch.randn(B, T, HV, D))
+        g[..., :8] = -5.0
+    else:
+        g = F.logsigmoid(torch.randn(B, T, HV) + 2.0)
     beta = torch.rand(B, T, HV)
     h0, dht = torch.randn(N, HV, D, D) * 0.1, torch.randn(N, HV, D, D) * 0.1
     cu = None if lengths is None else torch.tensor(offsets_of(lengths), dtype=torch.int32)
