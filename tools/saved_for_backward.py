@@ -46,8 +46,8 @@ def make_inputs(op: str, B: int, T: int, H: int, device: str) -> dict[str, torch
 
     q, k, v = (randn(B, T, H, D).bfloat16() for _ in range(3))
     args = {"q": q, "k": torch.nn.functional.normalize(k.float(), dim=-1).bfloat16(), "v": v}
-    if op in ("gla", "kda"):
-        args["g"] = torch.nn.functional.logsigmoid(randn(B, T, H, D) + 3.0)
+    if op in ("gla", "kda"):  # KDA's within safe_gate's bound, which its kernel needs
+        args["g"] = torch.nn.functional.logsigmoid(randn(B, T, H, D) + 3.0).clamp_min(-5.0)
     else:
         args["g"] = torch.nn.functional.logsigmoid(randn(B, T, H) + 3.0)
     if op in ("gdn", "kda"):
@@ -58,21 +58,28 @@ def make_inputs(op: str, B: int, T: int, H: int, device: str) -> dict[str, torch
 
 
 def entry(op: str):
+    """The public op of ``op`` (KDA's with ``safe_gate``, which its kernel needs) and the function dispatch records
+    its decisions under."""
+    import functools
+
     import cula
 
-    return {
+    fn = {
         "simple_gla": cula.lightning.chunk_simple_gla,
         "gla": cula.gla.chunk_gla,
         "gdn": cula.gdn.chunk_gated_delta_rule,
         "kda": cula.kda.chunk_kda,
     }[op]
+    if op == "kda":
+        return functools.partial(fn, safe_gate=True, lower_bound=-5.0), fn
+    return fn, fn
 
 
 def measure(op: str, B: int, T: int, H: int, backend: str, device: str) -> dict:
     """One op on one backend: ``{"bytes_per_token_head": ..., "served_by": ...}`` or ``{"error": ...}``."""
     import cula
 
-    fn = entry(op)
+    fn, recorded = entry(op)
     args = make_inputs(op, B, T, H, device)
     os.environ["CULA_BACKEND"] = backend
     try:
@@ -81,7 +88,7 @@ def measure(op: str, B: int, T: int, H: int, backend: str, device: str) -> dict:
         return {"error": f"{type(error).__name__}: {error}".splitlines()[0][:200]}
     finally:
         os.environ.pop("CULA_BACKEND", None)
-    decision = cula.last_decision(fn)
+    decision = cula.last_decision(recorded)
     return {"bytes_per_token_head": total / (B * T * H), "served_by": str(decision.reason if decision else "")}
 
 
