@@ -184,6 +184,15 @@ def offsets_of(lengths):
     return offsets
 
 
+def sequence_bounds(B, T, lengths=None):
+    """Each sequence's ``(batch row, first token, end)``: the B rows of T tokens, or a varlen call's ``lengths`` in
+    row 0."""
+    if lengths is None:
+        return [(b, 0, T) for b in range(B)]
+    offsets = offsets_of(lengths)
+    return [(0, s, e) for s, e in zip(offsets[:-1], offsets[1:], strict=True)]
+
+
 def gradients(entry, inputs, extra, grad_o, grad_ht, backend, monkeypatch):
     """The gradients of ``entry(**inputs, **extra)`` for the cotangents (grad_o, grad_ht) with ``backend`` forced
     ("cute": the kernel's backward; "torch": the reference in fp64) and the decision taken."""
@@ -213,10 +222,7 @@ def check_gradients(entry, inputs, extra, monkeypatch, lengths=None):
     got, decision = gradients(entry, inputs, extra, grad_o, grad_ht, "cute", monkeypatch)
     assert decision.backend == "cute", str(decision)
     ref, _ = gradients(entry, inputs, extra, grad_o, grad_ht, "torch", monkeypatch)
-    bounds = [(b, 0, T) for b in range(B)] if lengths is None else []
-    if lengths is not None:
-        offsets = offsets_of(lengths)
-        bounds = [(0, s, e) for s, e in zip(offsets[:-1], offsets[1:], strict=True)]
+    bounds = sequence_bounds(B, T, lengths)
     for name, want in ref.items():
         have = got[name]
         assert have is not None and torch.isfinite(have).all(), name

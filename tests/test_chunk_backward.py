@@ -3,12 +3,10 @@ against the gradients of cuLA's fp64 reference backend (autograd through its rec
 per head within the bf16 tolerances, for scalar and per-key gates, with initial states and a gradient into the final
 state."""
 
-import itertools
-
 import pytest
 import torch
 import torch.nn.functional as F
-from delta_rule_recurrence import offsets_of
+from delta_rule_recurrence import offsets_of, sequence_bounds
 from launch_emulation import launch as emulated_launch
 
 import cula
@@ -333,9 +331,7 @@ def test_the_delta_rule_backward_host_paths_give_the_reference_gradients(monkeyp
         state_v_first=v_first,
     )  # fmt: skip
     torch.autograd.backward([o, ht], [do.double(), dht.double()])
-    bounds = [(b, 0, T) for b in range(B)] if lengths is None else list(itertools.pairwise(offsets_of(lengths)))
-    if lengths is not None:
-        bounds = [(0, s, e) for s, e in bounds]
+    bounds = sequence_bounds(B, T, lengths)
     assert_gradients_per_sequence((dq, dk, dv, dg, dh0), [*leaves[:4], leaves[5]], bounds, N)
     for n, (b, s, e) in enumerate(bounds):
         if e > s:
@@ -400,11 +396,7 @@ def test_the_sm100_backward_host_path_gives_the_reference_gradients(monkeypatch,
     options = {"scale": scale, "initial_state": leaves[4], "output_final_state": True}
     o, ht = cula.lightning.chunk_simple_gla(*leaves[:3], g=leaves[3], cu_seqlens=cu, **options)
     torch.autograd.backward([o, ht], [do.double(), dht.double()])
-    bounds = (
-        [(b, 0, T) for b in range(B)]
-        if lengths is None
-        else [(0, s, e) for s, e in itertools.pairwise(offsets_of(lengths))]
-    )
+    bounds = sequence_bounds(B, T, lengths)
     assert_gradients_per_sequence(got, leaves, bounds, N)
 
 
@@ -442,9 +434,7 @@ def test_the_gla_backward_host_path_gives_the_reference_gradients(monkeypatch, l
     o, ht = cula.gla.chunk_gla(*leaves[:4], output_final_state=states, **options)
     outputs, cotangents = ([o, ht], [do.double(), dht.double()]) if states else ([o], [do.double()])
     torch.autograd.backward(outputs, cotangents)
-    bounds = [(b, 0, T) for b in range(B)] if lengths is None else list(itertools.pairwise(offsets_of(lengths)))
-    if lengths is not None:
-        bounds = [(0, s, e) for s, e in bounds]
+    bounds = sequence_bounds(B, T, lengths)
     assert_gradients_per_sequence(got, leaves, bounds, N)
 
 
