@@ -100,10 +100,10 @@ def key_gated_products(q, k, dP, G, scale, block: int = 16) -> tuple[torch.Tenso
     """The per-key gate's intra-chunk products, Gamma_ijk = e^(G_ik - G_jk) for j <= i: ``(P, dq, dk)`` with
     P_ij = scale sum_k q_ik k_jk Gamma_ijk, dq_ik = scale sum_j dP_ij Gamma_ijk k_jk, dk_jk = scale sum_i dP_ij
     Gamma_ijk q_ik (q, k [N, L, K] fp32, dP [N, L, L] lower, or None for P alone, G [N, L, K]). By ``block``-token
-    row blocks: a block I
-    against the earlier tokens takes its first token r as reference, Gamma = e^(G_i - G_r) e^(G_r - G_j) with both
-    factors at most 1 (G does not increase along the chunk), so those parts are matrix products; the diagonal blocks
-    take their pair factors whole. Exact for any gate: a factor only underflows where the true product does."""
+    row blocks: a block I against the earlier tokens takes its first token r as reference, Gamma = e^(G_i - G_r)
+    e^(G_r - G_j) with both factors at most 1 (G does not increase along the chunk), so those parts are matrix
+    products; the diagonal blocks take their pair factors whole. Exact for any gate: a factor only underflows where
+    the true product does."""
     L = q.shape[1]
     P = q.new_zeros(q.shape[0], L, L)
     dq, dk = torch.zeros_like(q), torch.zeros_like(k)
@@ -140,12 +140,11 @@ def two_reference_products(x, k, dM, G, scale, operand=_exact, dtype=torch.float
     :data:`BOUNDED_GATE` (``dM`` None: P alone), by plain matrix products: the columns j split into two halves with
     reference tokens r at their middles (16 and 48 in a chunk of 64), L_i = x_i e^(G_i - G_r) (rows before the half
     zero) and R_j = k_j e^(G_r - G_j) (the half's columns), their factors at most e^80 for the tokens within 16 of r,
-    below 1 after.
-    Per half: P = L R^T on the mask j <= i (a select: a masked product may overflow), dx = e^(G - G_r) (dM R) on the
-    rows in or after the half, dk = e^(G_r - G) (dM^T L) on the half's columns. A gradient product's sum reaches
-    e^80 |dM| |x| before its factor brings it back, past fp32's range (e^88.7) once |dM| |x| is in the hundreds: the
-    products run in ``dtype`` (fp64 by default; the per-chunk kernel's plan takes fp32, its accumulators') and return
-    in x's. ``operand``: what L, R and dM go through before their products (:func:`~cula.ops.chunk_emulation.bf16`
+    below 1 after. Per half: P = L R^T on the mask j <= i (a select: a masked product may overflow), dx =
+    e^(G - G_r) (dM R) on the rows in or after the half, dk = e^(G_r - G) (dM^T L) on the half's columns. A gradient
+    product's sum reaches e^80 |dM| |x| before its factor brings it back, past fp32's range (e^88.7) once |dM| |x| is
+    in the hundreds: the products run in ``dtype`` (fp64 by default; the per-chunk kernel's plan takes fp32, its
+    accumulators') and return in x's. ``operand``: what L, R and dM go through before their products (:func:`~cula.ops.chunk_emulation.bf16`
     for a kernel's wgmma operands)."""
     r = operand
     out_dtype = x.dtype
