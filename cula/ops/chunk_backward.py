@@ -144,8 +144,8 @@ def two_reference_products(x, k, dM, G, scale, operand=_exact, dtype=torch.float
     e^(G - G_r) (dM R) on the rows in or after the half, dk = e^(G_r - G) (dM^T L) on the half's columns. A gradient
     product's sum reaches e^80 |dM| |x| before its factor brings it back, past fp32's range (e^88.7) once |dM| |x| is
     in the hundreds: the products run in ``dtype`` (fp64 by default; the per-chunk kernel's plan takes fp32, its
-    accumulators') and return in x's. ``operand``: what L, R and dM go through before their products (:func:`~cula.ops.chunk_emulation.bf16`
-    for a kernel's wgmma operands)."""
+    accumulators') and return in x's. ``operand``: what L, R and dM go through before their products
+    (:func:`~cula.ops.chunk_emulation.bf16` for a kernel's wgmma operands)."""
     r = operand
     out_dtype = x.dtype
     x, k, G = (t.to(dtype) for t in (x, k, G))
