@@ -57,29 +57,13 @@ def make_inputs(op: str, B: int, T: int, H: int, device: str) -> dict[str, torch
     return args
 
 
-def entry(op: str):
-    """The public op of ``op`` (KDA's with ``safe_gate``, which its kernel needs) and the function dispatch records
-    its decisions under."""
-    import functools
-
-    import cula
-
-    fn = {
-        "simple_gla": cula.lightning.chunk_simple_gla,
-        "gla": cula.gla.chunk_gla,
-        "gdn": cula.gdn.chunk_gated_delta_rule,
-        "kda": cula.kda.chunk_kda,
-    }[op]
-    if op == "kda":
-        return functools.partial(fn, safe_gate=True, lower_bound=-5.0), fn
-    return fn, fn
-
-
 def measure(op: str, B: int, T: int, H: int, backend: str, device: str) -> dict:
     """One op on one backend: ``{"bytes_per_token_head": ..., "served_by": ...}`` or ``{"error": ...}``."""
+    from backward_pass_times import entry_point  # (this script's folder is first on sys.path)
+
     import cula
 
-    fn, recorded = entry(op)
+    fn = entry_point(op)
     args = make_inputs(op, B, T, H, device)
     os.environ["CULA_BACKEND"] = backend
     try:
@@ -88,7 +72,7 @@ def measure(op: str, B: int, T: int, H: int, backend: str, device: str) -> dict:
         return {"error": f"{type(error).__name__}: {error}".splitlines()[0][:200]}
     finally:
         os.environ.pop("CULA_BACKEND", None)
-    decision = cula.last_decision(recorded)
+    decision = cula.last_decision(getattr(fn, "func", fn))  # (KDA's entry point with its options bound)
     return {"bytes_per_token_head": total / (B * T * H), "served_by": str(decision.reason if decision else "")}
 
 
