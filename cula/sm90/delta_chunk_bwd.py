@@ -11,10 +11,10 @@ and dS'^T the checkpoints, stored (V, K); V' the chunk's V_new), in six stages, 
        wg 2: dW = -dV' S^T
     3. wg 1: dK = F (V' dS'^T) + (dP . Gamma)^T Q
        wg 2: dQ = scale E (dO S^T) + (dP . Gamma) K, dP = scale dO V'^T
-    4. wg 0: dT = (dW K^T) diag(beta E) + (dV' V^T) diag(beta)   wg 1: d_bk = T^T dW, dK += beta E d_bk
+    4. wg 0: dT = (dW K^T) diag(beta E) + (dV' V^T) diag(beta)   wg 1: d_bk = T^T dW, kept as beta E d_bk
        wg 2: d_bv = T^T dV', dV = beta d_bv
     5. wg 0: X = dT T^T, dA = -(T^T X) (strict lower), dA_b = beta dA . Gamma^a, both ways round, to shared memory
-    6. wg 1: dK += dA_b K + dA_b^T K; then warp 0: dbeta and dg (a suffix scan of the row sums)
+    6. wg 1: dK += beta E d_bk + dA_b K + dA_b^T K; then warp 0: dbeta and dg (a suffix scan of the row sums)
 
 Every product is a wgmma with both operands in shared memory but the masked scores' (bf16 registers); the beta and
 gate factors scale T's columns and the (C x C) products' columns, so they need no tiles of their own. dT lives in
@@ -41,7 +41,6 @@ from cula.sm90.scalar_chunk_bwd import Params, ScalarGateChunkBwdSm90, Tensors
 WARPGROUPS = 3
 STAGE_BARRIER = 1  # the CTA's stage hand-offs (named barrier, all threads)
 WY_BARRIER = 2  # warpgroup 0's own steps
-ADD_BATCH = 8  # old values add_rows loads at once
 # sRows columns: per token, the row sums the last stage adds up
 Q_DQ, K_DK, K_DK_END, K_DBK, V_DBV, DA_KK, PAIR_ROW, PAIR_COL = range(8)
 
@@ -204,23 +203,23 @@ class DeltaChunkBwdSm90(ScalarGateChunkBwdSm90):
             sX[r, c] = (acc[e] * factor).to(cutlass.BFloat16)
 
     @cute.jit
-    def add_rows(self, acc, cTD, row_factor, mX, valid, b, t0, h):
-        """``mX[b, t0 + i, h] +=`` the (C x D) accumulator's rows before ``valid`` (times ``row_factor[i, 0]``, an
-        smem column, unless None). The old values are loaded a batch ahead of their stores: loaded between stores to
-        the same tensor, they made one dependent global round trip per pair of elements. The loads' rows are clamped
-        into the chunk, so that a batch's loads issue at once."""
-        old = cute.make_rmem_tensor(cute.make_layout(ADD_BATCH), cutlass.Float32)
-        for e0 in cutlass.range_constexpr(0, cute.size(acc), ADD_BATCH):
-            for i in cutlass.range_constexpr(ADD_BATCH):
-                r, d = cTD[e0 + i]
-                old[i] = mX[b, t0 + cutlass.min(r, valid - 1), h, d]
-            for i in cutlass.range_constexpr(ADD_BATCH):
-                r, d = cTD[e0 + i]
-                if r < valid:
-                    x = acc[e0 + i]
-                    if cutlass.const_expr(row_factor is not None):
-                        x = x * row_factor[r, 0]
-                    mX[b, t0 + r, h, d] = old[i] + x
+    def add_rows(self, acc, cTD, mX, valid, b, t0, h):
+        """``mX[b, t0 + i, h] +=`` the (C x D) accumulator's rows before ``valid``. Each of the thread's two rows
+        loads all its old values before its stores (loaded between stores to the same tensor, they made one dependent
+        global round trip each), from a row clamped into the chunk, so that they issue at once."""
+        n_cols = cute.size(acc) // 2
+        old = cute.make_rmem_tensor(cute.make_layout(n_cols), cutlass.Float32)
+        for rr in cutlass.range_constexpr(2):  # the thread's two rows: one row address and one predicate each
+            r, _ = cTD[mma.acc_col_element(0, rr)]
+            row = mX[b, t0 + cutlass.min(r, valid - 1), h, None]
+            for kc in cutlass.range_constexpr(n_cols):
+                _, d = cTD[mma.acc_col_element(kc, rr)]
+                old[kc] = row[d]
+            if r < valid:
+                for kc in cutlass.range_constexpr(n_cols):
+                    e = mma.acc_col_element(kc, rr)
+                    _, d = cTD[e]
+                    row[d] = old[kc] + acc[e]
 
     # ---------------------------------------------------------------- warpgroup 0: the WY form and its gradients
     @cute.jit
@@ -242,15 +241,14 @@ class DeltaChunkBwdSm90(ScalarGateChunkBwdSm90):
         self.wy_step()
         solve.solve_merge_to_bf16(sm.at, sm.t, wtid, WY_BARRIER)
         self.stage_done()  # 1
-        # stage 2: T^T kept; T's columns scaled by beta; W = T diag(beta) (2^G K), U = T diag(beta) V, V' = U - W S
-        for idx in cutlass.range(wtid, C * C, 128, unroll=1):
+        # stage 2: T^T kept and T's columns scaled by beta in one pass; W = T diag(beta) (2^G K), U = T diag(beta) V,
+        # V' = U - W S
+        for idx in cutlass.range(wtid, C * C, 128, unroll=4):
             r, c = idx // C, idx % C
-            sm.tt[c, r] = sm.t[r, c]
-        self.wy_step()
-        for idx in cutlass.range(wtid, C * C, 128, unroll=1):
-            r, c = idx // C, idx % C
-            sm.t[r, c] = (sm.t[r, c].to(f32) * sm.beta[c, 0]).to(cutlass.BFloat16)
-        for idx in cutlass.range(wtid, C * self.D, 128, unroll=1):
+            x = sm.t[r, c]
+            sm.tt[c, r] = x
+            sm.t[r, c] = (x.to(f32) * sm.beta[c, 0]).to(cutlass.BFloat16)
+        for idx in cutlass.range(wtid, C * self.D, 128, unroll=4):
             r, d = idx // self.D, idx % self.D
             sm.w[r, d] = (sm.k[r, d].to(f32) * sm.fac[r, 0, 0]).to(cutlass.BFloat16)
         self.wy_step()
@@ -331,17 +329,19 @@ class DeltaChunkBwdSm90(ScalarGateChunkBwdSm90):
         # across the stages
         self.store_rows(acc_dk, cTD, p.t.dk, valid, b, t0, hv)
         self.stage_done()  # 3
-        # stage 4: d_bk = T^T dW; dK += beta 2^G d_bk
+        # stage 4: d_bk = T^T dW, kept as beta 2^G d_bk in the accumulator stage 6 adds to (one read-modify-write
+        # of dk instead of two)
         acc_dbk, cTD = self.inter("MN", sm.tt, tiles.mn_plane(sm.dw, p.tile_tok_mn), wtid)
         self.row_dot(acc_dbk, cTD, sm.k, sm.rows, K_DBK, wtid)
-        self.scale_rows(acc_dbk, cTD, sm.fac, 0, f32(1.0))
-        self.add_rows(acc_dbk, cTD, sm.beta, p.t.dk, valid, b, t0, hv)
+        for e in cutlass.range_constexpr(cute.size(acc_dbk)):
+            r, _ = cTD[e]
+            acc_dbk[e] = acc_dbk[e] * sm.fac[r, 0, 0] * sm.beta[r, 0]
         self.stage_done()  # 4
         self.stage_done()  # 5
-        # stage 6: dK += dA_b K + dA_b^T K
-        acc_da, cTD = self.inter("MN", sm.x1, tiles.mn_plane(sm.k, p.tile_tok_mn), wtid)
-        self.accumulate("MN", acc_da, sm.x2, tiles.mn_plane(sm.k, p.tile_tok_mn), wtid)
-        self.add_rows(acc_da, cTD, None, p.t.dk, valid, b, t0, hv)
+        # stage 6: dK += beta 2^G d_bk + dA_b K + dA_b^T K (the first term held in registers since stage 4)
+        self.accumulate("MN", acc_dbk, sm.x1, tiles.mn_plane(sm.k, p.tile_tok_mn), wtid)
+        self.accumulate("MN", acc_dbk, sm.x2, tiles.mn_plane(sm.k, p.tile_tok_mn), wtid)
+        self.add_rows(acc_dbk, cTD, p.t.dk, valid, b, t0, hv)
         self.stage_done()  # 6
 
     # ---------------------------------------------------------------- warpgroup 2: dq, then dv

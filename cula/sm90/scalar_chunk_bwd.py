@@ -383,10 +383,14 @@ class ScalarGateChunkBwdSm90:
     @cute.jit
     def store_rows(self, acc, cTD, mX, valid, b, t0, h):
         """The (C x D) accumulator's rows before ``valid`` to ``mX[b, t0 + i, h]`` in mX's dtype."""
-        for e in cutlass.range_constexpr(cute.size(acc)):
-            r, d = cTD[e]
+        for rr in cutlass.range_constexpr(2):  # the thread's two rows: one predicate and one row address each
+            r, _ = cTD[mma.acc_col_element(0, rr)]
             if r < valid:
-                mX[b, t0 + r, h, d] = acc[e].to(mX.element_type)
+                row = mX[b, t0 + r, h, None]
+                for kc in cutlass.range_constexpr(cute.size(acc) // 2):
+                    e = mma.acc_col_element(kc, rr)
+                    _, d = cTD[e]
+                    row[d] = acc[e].to(mX.element_type)
 
     @cute.jit
     def make_dq(self, p, tiles_, sS, sG, sFac, sRows, valid, wtid, b, t0, h):
