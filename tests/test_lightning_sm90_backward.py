@@ -23,10 +23,12 @@ def test_state_walks_store_the_plans_checkpoints(walk, D):
     check_state_walk(SIMPLE_GLA_SM90, walk, D, per_key_gate=False)
 
 
-@pytest.fixture(params=["pytorch", "kernel"])
+@pytest.fixture(params=["pytorch", "kernel", "kernel tile copies"])
 def gradient_passes(request, monkeypatch):
-    """Passes 3 and 4 by their kernel (the default), or by PyTorch products (CULA_CHUNK_GRADIENT_KERNEL=0)."""
-    monkeypatch.setenv("CULA_CHUNK_GRADIENT_KERNEL", "1" if request.param == "kernel" else "0")
+    """Passes 3 and 4 by their kernel (the default), or by PyTorch products (CULA_CHUNK_GRADIENT_KERNEL=0);
+    "kernel tile copies": the kernel compiled with CULA_GRADIENT_TILE_COPIES=1."""
+    monkeypatch.setenv("CULA_CHUNK_GRADIENT_KERNEL", "0" if request.param == "pytorch" else "1")
+    monkeypatch.setenv("CULA_GRADIENT_TILE_COPIES", "1" if request.param == "kernel tile copies" else "0")
     return request.param
 
 

@@ -22,15 +22,18 @@ import torch
 from cula import runtime
 from cula.ops import chunk_backward
 from cula.ops.gates import GATE_FLOOR
-from cula.sm90 import entry
+from cula.sm90 import entry, scalar_chunk_bwd
 from cula.sm90.delta_chunk_bwd import DeltaChunkBwdSm90
 
 # "0": passes 3 and 4 by PyTorch products instead of the kernel
 ENV_GRADIENT_KERNEL = "CULA_DELTA_GRADIENT_KERNEL"
 
 
-def compile_delta_chunk_gradients_sm90(arch="sm_90a", *, head_dim=128, is_varlen=False, keep_artifacts=False):
-    """The kernel of passes 3 and 4, compiled on any machine for ``arch``."""
+def compile_delta_chunk_gradients_sm90(
+    arch="sm_90a", *, head_dim=128, is_varlen=False, tile_copies=False, keep_artifacts=False
+):  # fmt: skip
+    """The kernel of passes 3 and 4, compiled on any machine for ``arch`` (``tile_copies``:
+    :data:`cula.sm90.scalar_chunk_bwd.ENV_TILE_COPIES`)."""
     import cutlass
 
     sym, fake = runtime.sym_int, runtime.fake_tensor
@@ -44,7 +47,7 @@ def compile_delta_chunk_gradients_sm90(arch="sm_90a", *, head_dim=128, is_varlen
         fake(f32, (B, T, HV, D)), fake(f32, (B, T, HV, D)), fake(f32, (B, T, HV, D)),
         fake(f32, (B, T, HV), align=4), fake(f32, (B, T, HV), align=4), f32(1.0), runtime.fake_stream(),
     )  # fmt: skip
-    return runtime.compile_kernel(DeltaChunkBwdSm90(D, is_varlen), args, arch, keep_artifacts)
+    return runtime.compile_kernel(DeltaChunkBwdSm90(D, is_varlen, tile_copies), args, arch, keep_artifacts)
 
 
 def delta_chunk_gradients_sm90(q, k, v, do, g, beta, S, dS, index, scale, is_varlen):
@@ -55,8 +58,11 @@ def delta_chunk_gradients_sm90(q, k, v, do, g, beta, S, dS, index, scale, is_var
     HV = v.shape[2]
     chunks = chunk_backward.kernel_chunk_rows(index, B * T)
     arch = runtime.device_arch(q.device)
-    key = ("delta_chunk_bwd", D, is_varlen, arch)
-    fn = runtime.get_or_compile(key, lambda: compile_delta_chunk_gradients_sm90(arch, head_dim=D, is_varlen=is_varlen))
+    copies = scalar_chunk_bwd.tile_copies()
+    key = ("delta_chunk_bwd", D, is_varlen, copies, arch)
+    fn = runtime.get_or_compile(
+        key, lambda: compile_delta_chunk_gradients_sm90(arch, head_dim=D, is_varlen=is_varlen, tile_copies=copies)
+    )
     dq, dk, dv = (torch.empty(B, T, HV, D, dtype=torch.float32, device=q.device) for _ in range(3))
     dbeta, dg = (torch.empty(B, T, HV, dtype=torch.float32, device=q.device) for _ in range(2))
     fn(q, k, v, do, g, beta, S, dS, chunks, dq, dk, dv, dbeta, dg, float(scale))
@@ -89,4 +95,10 @@ entry.register_checked(
     "gdn_chunk_bwd_sm90",
     compile_delta_chunk_gradients_sm90,
     {"": {"is_varlen": True}, "[fixed length]": {}, "[D=64]": {"head_dim": 64, "is_varlen": True}},
+)
+entry.register_checked(
+    "gdn_chunk_bwd_sm90",
+    compile_delta_chunk_gradients_sm90,
+    {"[tile copies]": {"is_varlen": True, "tile_copies": True}},
+    expected_ptx=(*entry.SM90_PTX, "ldmatrix", "stmatrix"),
 )

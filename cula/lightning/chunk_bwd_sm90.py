@@ -28,9 +28,14 @@ from cula.sm90.scalar_chunk_bwd import ScalarGateChunkBwdSm90
 ENV_GRADIENT_KERNEL = "CULA_CHUNK_GRADIENT_KERNEL"
 
 
-def compile_chunk_gradients_sm90(arch="sm_90a", *, head_dim=128, is_varlen=False, keep_artifacts=False):
-    """The kernel of passes 3 and 4, compiled on any machine for ``arch``."""
-    return scalar_chunk_bwd.compile_gradients(ScalarGateChunkBwdSm90, False, arch, head_dim, is_varlen, keep_artifacts)
+def compile_chunk_gradients_sm90(
+    arch="sm_90a", *, head_dim=128, is_varlen=False, tile_copies=False, keep_artifacts=False
+):
+    """The kernel of passes 3 and 4, compiled on any machine for ``arch`` (``tile_copies``:
+    :data:`cula.sm90.scalar_chunk_bwd.ENV_TILE_COPIES`)."""
+    return scalar_chunk_bwd.compile_gradients(
+        ScalarGateChunkBwdSm90, False, arch, head_dim, is_varlen, keep_artifacts, with_tile_copies=tile_copies
+    )
 
 
 def chunk_gradients_sm90(q, k, v, do, gate, S, dS, index, scale, is_varlen):
@@ -67,4 +72,10 @@ entry.register_checked(
     "simple_gla_chunk_bwd_sm90",
     compile_chunk_gradients_sm90,
     {"": {"is_varlen": True}, "[fixed length]": {}, "[D=64]": {"head_dim": 64, "is_varlen": True}},
+)
+entry.register_checked(
+    "simple_gla_chunk_bwd_sm90",
+    compile_chunk_gradients_sm90,
+    {"[tile copies]": {"is_varlen": True, "tile_copies": True}},
+    expected_ptx=(*entry.SM90_PTX, "ldmatrix"),
 )

@@ -85,8 +85,8 @@ class Smem(NamedTuple):
 class DeltaChunkBwdSm90(ScalarGateChunkBwdSm90):
     """The kernel (module docstring); the token and score helpers are the scalar-gate kernel's."""
 
-    def __init__(self, head_dim: int, is_varlen: bool):
-        super().__init__(head_dim, is_varlen)
+    def __init__(self, head_dim: int, is_varlen: bool, tile_copies: bool = False):
+        super().__init__(head_dim, is_varlen, tile_copies)
         self.threads = 128 * WARPGROUPS
 
     # ---------------------------------------------------------------- host side
@@ -150,7 +150,10 @@ class DeltaChunkBwdSm90(ScalarGateChunkBwdSm90):
                 self.issue_loads(p, loads, sQ, sK, sV, sDO, sS, sDS, b, t0, h, hv, row)
                 raw = scalar_gates.load_gates(t.g[b, None, hv], p.own.beta[b, None, hv], t0, valid, 0, lane, C)
                 scalar_gates.publish_gates(sm.g, sm.beta, sm.fac, 0, raw, 0, valid, lane, C)
-            if warp == 4:
+            if cutlass.const_expr(self.tile_copies):
+                if warp // 4 == 1:  # a quarter of the stores per thread (the unrolled clear is code every CTA fetches)
+                    solve.solve_clear(sm.t, tidx % 128, 128)
+            elif warp == 4:
                 solve.solve_clear(sm.t, lane, 32)
             loaded = pipeline.consumer_start(1)
             loads.consumer_wait(loaded)
@@ -196,11 +199,15 @@ class DeltaChunkBwdSm90(ScalarGateChunkBwdSm90):
         )
 
     @cute.jit
-    def to_tile(self, acc, coords, sX, factor: cutlass.Constexpr):
-        """The accumulator times ``factor`` (a constant) to the bf16 tile ``sX``, element by element."""
-        for e in cutlass.range_constexpr(cute.size(acc)):
-            r, c = coords[e]
-            sX[r, c] = (acc[e] * factor).to(cutlass.BFloat16)
+    def to_tile(self, acc, coords, sX, factor: cutlass.Constexpr, wtid):
+        """The accumulator times ``factor`` (a constant) to the bf16 tile ``sX``, element by element (by stmatrix
+        with ``tile_copies``)."""
+        if cutlass.const_expr(self.tile_copies):
+            self.store_tile(acc, sX, factor, wtid)
+        else:
+            for e in cutlass.range_constexpr(cute.size(acc)):
+                r, c = coords[e]
+                sX[r, c] = (acc[e] * factor).to(cutlass.BFloat16)
 
     @cute.jit
     def add_rows(self, acc, cTD, mX, valid, b, t0, h):
@@ -254,11 +261,11 @@ class DeltaChunkBwdSm90(ScalarGateChunkBwdSm90):
         self.wy_step()
         acc_w, cTD = self.inter("MN", sm.t, tiles.mn_plane(sm.w, p.tile_tok_mn), wtid)
         self.wy_step()  # every thread's wgmma has read 2^G K before W overwrites it
-        self.to_tile(acc_w, cTD, sm.w, -1.0)
+        self.to_tile(acc_w, cTD, sm.w, -1.0, wtid)
         self.wy_step()
         acc_u, _ = self.inter("MN", sm.t, tiles.mn_plane(sm.v, p.tile_tok_mn), wtid)
         self.accumulate("K", acc_u, sm.w, sm.s, wtid)
-        self.to_tile(acc_u, cTD, sm.vn, 1.0)
+        self.to_tile(acc_u, cTD, sm.vn, 1.0, wtid)
         self.stage_done()  # 2
         self.stage_done()  # 3
         # stage 4: dT = (dW K^T) diag(beta 2^G) + (dV' V^T) diag(beta), to X1 (q's bytes)
@@ -270,7 +277,7 @@ class DeltaChunkBwdSm90(ScalarGateChunkBwdSm90):
         self.stage_done()  # 4
         # stage 5: X = dT T^T (to X2), dA = -(T^T X), the pair terms
         acc_x, cCC = self.cc_product(sm.x1, tiles.mn_plane(sm.tt, p.own.tile_cc_mn), wtid)
-        self.to_tile(acc_x, cCC, sm.x2, 1.0)
+        self.to_tile(acc_x, cCC, sm.x2, 1.0, wtid)
         self.wy_step()
         acc_da, cCC = self.cc_product(sm.tt, tiles.mn_plane(sm.x2, p.own.tile_cc_mn), wtid)
         acc_kk, _ = self.scores(sm.k, sm.k, wtid)
@@ -314,7 +321,7 @@ class DeltaChunkBwdSm90(ScalarGateChunkBwdSm90):
         acc, cTD = self.inter("K", sm.k, sm.ds, wtid)
         self.scale_rows(acc, cTD, sm.fac, 1, f32(1.0))
         self.add_intra(acc, r_pt, tiles.mn_plane(sm.do, p.tile_tok_mn), wtid)
-        self.to_tile(acc, cTD, sm.dvn, 1.0)
+        self.to_tile(acc, cTD, sm.dvn, 1.0, wtid)
         self.stage_done()  # 1
         self.stage_done()  # 2
         # stage 3: dK = F (V' dS'^T) + (dP . Gamma)^T Q
@@ -350,7 +357,7 @@ class DeltaChunkBwdSm90(ScalarGateChunkBwdSm90):
         self.stage_done()  # 1
         # stage 2: -dW = dV' S^T, kept as dW
         acc_dw, cTD = self.inter("MN", sm.dvn, tiles.mn_plane(sm.s, p.tile_state_mn), wtid)
-        self.to_tile(acc_dw, cTD, sm.dw, -1.0)
+        self.to_tile(acc_dw, cTD, sm.dw, -1.0, wtid)
         self.stage_done()  # 2
         # stage 3: dQ = scale 2^G (dO S^T) + (dP . Gamma) K, dP = scale dO V'^T
         acc_dp, cCC = self.scores(sm.do, sm.vn, wtid)

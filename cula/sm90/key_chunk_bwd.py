@@ -82,8 +82,8 @@ def swizzled(r, c, width: cutlass.Constexpr):
 class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
     """The kernel (module docstring); the token and score helpers are the scalar-gate kernel's."""
 
-    def __init__(self, head_dim: int, is_varlen: bool):
-        super().__init__(head_dim, is_varlen)
+    def __init__(self, head_dim: int, is_varlen: bool, tile_copies: bool = False):
+        super().__init__(head_dim, is_varlen, tile_copies)
         self.threads = 128 * WARPGROUPS
 
     # ---------------------------------------------------------------- host side
@@ -262,7 +262,7 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
             self.add_intra(acc, r_da, tiles.mn_plane(sm.k_r, p.tile_tok_mn), wtid)
             self.scale_elements(acc, cTD, sm, ROW, C // 2, cutlass.Float32(1.0))
         self.store_rows(acc, cTD, p.t.dq, valid, b, t0, h)
-        self.times_tile(acc, cTD, sm.q)
+        self.times_tile(acc, cTD, sm.q, wtid)
         cute.arch.barrier(barrier_id=Barrier.GRADS_MADE, number_of_threads=self.threads)
         self.store_fp32(sm.x_q, acc, cTD)
 
@@ -286,7 +286,7 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
             self.add_intra(acc, r_dat, tiles.mn_plane(sm.q_l, p.tile_tok_mn), wtid)
             self.scale_elements(acc, cTD, sm, C // 2, ROW, one)
         self.store_rows(acc, cTD, p.t.dk, valid, b, t0, h)
-        self.times_tile(acc, cTD, sm.k)
+        self.times_tile(acc, cTD, sm.k, wtid)
         cute.arch.barrier(barrier_id=Barrier.GRADS_MADE, number_of_threads=self.threads)
         self.store_fp32(sm.x_k, acc, cTD)
 
@@ -337,11 +337,16 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
                 sm.col_warps[warp_in_group, d] = x
 
     @cute.jit
-    def times_tile(self, acc, cTD, sX):
+    def times_tile(self, acc, cTD, sX, wtid):
         """acc *= x per element, x the bf16 token tile ``sX`` (before the barrier: fewer values live across it)."""
-        for e in cutlass.range_constexpr(cute.size(acc)):
-            i, d = cTD[e]
-            acc[e] = acc[e] * sX[i, d].to(cutlass.Float32)
+        if cutlass.const_expr(self.tile_copies):
+            x = self.tile_fragment(acc, sX, wtid)
+            for e in cutlass.range_constexpr(cute.size(acc)):
+                acc[e] = acc[e] * x[e].to(cutlass.Float32)
+        else:
+            for e in cutlass.range_constexpr(cute.size(acc)):
+                i, d = cTD[e]
+                acc[e] = acc[e] * sX[i, d].to(cutlass.Float32)
 
     @cute.jit
     def store_fp32(self, dst, acc, cTD):

@@ -27,11 +27,15 @@ from typing import NamedTuple
 import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
+from cutlass.cute.nvgpu import warp as warp_ops
 
 from cula.sm90 import mma, pipeline, scalar_gates, tiles
 
 CHUNK = 64
 WARPGROUPS = 3  # dq, dk, dv
+# "1": the gradient kernels move their bf16 tiles to and from accumulator layouts by ldmatrix / stmatrix (not yet run
+# on a GPU; the default is the element-by-element shared-memory accesses)
+ENV_TILE_COPIES = "CULA_GRADIENT_TILE_COPIES"
 
 
 class Tensors(NamedTuple):
@@ -89,12 +93,22 @@ def fake_args(head_dim: int, per_key_gate: bool) -> tuple:
     return (*tokens, gates[0], *checkpoints, chunks, *grads, gates[1], f32(1.0), runtime.fake_stream())
 
 
-def compile_gradients(kernel_class, per_key_gate: bool, arch: str, head_dim: int, is_varlen: bool, keep=False):
+def tile_copies() -> bool:
+    """Whether the gradient kernels are compiled with :data:`ENV_TILE_COPIES` (read per call: part of each kernel's
+    cache key)."""
+    import os
+
+    return os.environ.get(ENV_TILE_COPIES, "0") == "1"
+
+
+def compile_gradients(
+    kernel_class, per_key_gate: bool, arch: str, head_dim: int, is_varlen: bool, keep=False, with_tile_copies=False
+):  # fmt: skip
     """``kernel_class`` (this kernel, or the per-key one) compiled on any machine for ``arch``."""
     from cula import runtime
 
     args = fake_args(head_dim, per_key_gate)
-    return runtime.compile_kernel(kernel_class(head_dim, is_varlen), args, arch, keep)
+    return runtime.compile_kernel(kernel_class(head_dim, is_varlen, with_tile_copies), args, arch, keep)
 
 
 def gradients(name: str, kernel_class, q, k, v, do, gate, S, dS, index, scale, is_varlen) -> tuple:
@@ -111,8 +125,10 @@ def gradients(name: str, kernel_class, q, k, v, do, gate, S, dS, index, scale, i
     per_key = gate.dim() == 4
     chunks = chunk_backward.kernel_chunk_rows(index, B * T)
     arch = runtime.device_arch(q.device)
+    copies = tile_copies()
     fn = runtime.get_or_compile(
-        (name, D, is_varlen, arch), lambda: compile_gradients(kernel_class, per_key, arch, D, is_varlen)
+        (name, D, is_varlen, copies, arch),
+        lambda: compile_gradients(kernel_class, per_key, arch, D, is_varlen, with_tile_copies=copies),
     )
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dgate = torch.empty(gate.shape, dtype=torch.float32, device=q.device)
@@ -123,11 +139,12 @@ def gradients(name: str, kernel_class, q, k, v, do, gate, S, dS, index, scale, i
 class ScalarGateChunkBwdSm90:
     """The kernel (module docstring)."""
 
-    def __init__(self, head_dim: int, is_varlen: bool):
+    def __init__(self, head_dim: int, is_varlen: bool, tile_copies: bool = False):
         assert head_dim in (64, 128), head_dim
         self.D = head_dim
         self.C = CHUNK
         self.is_varlen = is_varlen
+        self.tile_copies = tile_copies  # ENV_TILE_COPIES
         self.threads = 128 * WARPGROUPS
 
     # ---------------------------------------------------------------- host side
@@ -363,10 +380,41 @@ class ScalarGateChunkBwdSm90:
         elements lie on the four lanes of a quad)."""
         part = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
         part.fill(0.0)
-        for e in cutlass.range_constexpr(cute.size(acc)):
-            r, d = cTD[e]
-            part[mma.acc_row_slot(e)] = part[mma.acc_row_slot(e)] + sX[r, d].to(cutlass.Float32) * acc[e]
+        if cutlass.const_expr(self.tile_copies):
+            x = self.tile_fragment(acc, sX, wtid)
+            for e in cutlass.range_constexpr(cute.size(acc)):
+                part[mma.acc_row_slot(e)] = part[mma.acc_row_slot(e)] + x[e].to(cutlass.Float32) * acc[e]
+        else:
+            for e in cutlass.range_constexpr(cute.size(acc)):
+                r, d = cTD[e]
+                part[mma.acc_row_slot(e)] = part[mma.acc_row_slot(e)] + sX[r, d].to(cutlass.Float32) * acc[e]
         self.quad_sums(part, cTD, sRows, col, wtid)
+
+    def accumulator_copy(self, acc, atom):
+        """``atom`` (ldmatrix or stmatrix, bf16) tiled over the (C x N) accumulator layout ``acc`` has: each thread
+        moves its own elements of a swizzled (C x N) bf16 tile, eight 8 x 8 blocks per instruction instead of one
+        element."""
+        n = 2 * cute.size(acc)  # a thread holds C N / 128 elements of a (C x N) warpgroup accumulator, C = 64
+        return cute.make_tiled_copy_C(cute.make_copy_atom(atom, cutlass.BFloat16), mma.tiled_mma(self.C, n))
+
+    @cute.jit
+    def tile_fragment(self, acc, sX, wtid):
+        """The bf16 tile ``sX`` (C x N) read by ldmatrix into the layout of this thread's (C x N) accumulator
+        ``acc``: element e is sX at acc's element e."""
+        load = self.accumulator_copy(acc, warp_ops.LdMatrix8x8x16bOp(transpose=False, num_matrices=4))
+        thr = load.get_slice(wtid)
+        frag = cute.make_rmem_tensor(acc.layout, cutlass.BFloat16)
+        cute.copy(load, thr.partition_S(sX), thr.retile(frag))
+        return frag
+
+    @cute.jit
+    def store_tile(self, acc, sX, factor: cutlass.Constexpr, wtid):
+        """``factor`` (a constant) times the (C x N) accumulator to the bf16 tile ``sX`` by stmatrix."""
+        store = self.accumulator_copy(acc, warp_ops.StMatrix8x8x16bOp(transpose=False, num_matrices=4))
+        thr = store.get_slice(wtid)
+        frag = cute.make_rmem_tensor(acc.layout, cutlass.BFloat16)
+        frag.store((acc.load() * factor).to(cutlass.BFloat16))
+        cute.copy(store, thr.retile(frag), thr.partition_D(sX))
 
     @cute.jit
     def quad_sums(self, part, coords, sRows, col: cutlass.Constexpr, wtid):
