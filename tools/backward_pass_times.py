@@ -6,12 +6,14 @@ PERF.md's backward rows.
 
 For each B x T x H shape (D = 128, bf16, H = HV) it prints, as medians of CUDA-event timings over 10 calls: the two
 state walks, the per-chunk passes in PyTorch (``rows_backward``, KDA's with its bounded gate) and by their kernels
-(``CULA_CHUNK_GRADIENT_KERNEL``, ``CULA_DELTA_GRADIENT_KERNEL``, ``CULA_KEY_GRADIENT_KERNEL``; KDA has none yet), then
+(``CULA_CHUNK_GRADIENT_KERNEL``, ``CULA_DELTA_GRADIENT_KERNEL``, ``CULA_KEY_GRADIENT_KERNEL``; KDA has none yet),
+each kernel as by default and with ``CULA_GRADIENT_TILE_COPIES=1``, then
 the whole forward + backward through the public op served by cuLA (``CULA_BACKEND=cute CULA_UNTESTED_KERNELS=1``, with those kernels) and by FLA (where FLA
 runs it; its first call autotunes).
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -133,30 +135,45 @@ def passes(op: str, args: dict, do) -> dict:
             reps=3,
         ),
     )
+    kernel_pass = per_chunk_kernel(op, q, k, v, do, g, beta, w, scale)
+    if kernel_pass is not None:
+        for copies, label in (("0", "per-chunk, kernel"), ("1", "per-chunk, kernel with tile copies")):
+            with environment(CULA_GRADIENT_TILE_COPIES=copies):  # read per call (scalar_chunk_bwd.tile_copies)
+                times[label] = report(label, median_ms(kernel_pass))
+    return times
+
+
+def per_chunk_kernel(op: str, q, k, v, do, g, beta, w, scale):
+    """Passes 3 and 4 by ``op``'s per-chunk kernel on the walks ``w`` (a call without arguments), or None (KDA has
+    none yet)."""
     if op == "simple_gla":
         from cula.lightning.chunk_bwd_sm90 import chunk_gradients_sm90
 
-        times["per-chunk, kernel"] = report(
-            "per-chunk, kernel",
-            median_ms(lambda: chunk_gradients_sm90(q, k, v, do, g, w.starts, w.ends, w.index, scale, False)),
-        )
-    elif op == "gdn":
+        return lambda: chunk_gradients_sm90(q, k, v, do, g, w.starts, w.ends, w.index, scale, False)
+    if op == "gdn":
         from cula.gdn.chunk_bwd_sm90 import delta_chunk_gradients_sm90
 
-        times["per-chunk, kernel"] = report(
-            "per-chunk, kernel",
-            median_ms(
-                lambda: delta_chunk_gradients_sm90(q, k, v, do, g, beta, w.starts, w.ends, w.index, scale, False)
-            ),
-        )
-    elif op == "gla":
+        return lambda: delta_chunk_gradients_sm90(q, k, v, do, g, beta, w.starts, w.ends, w.index, scale, False)
+    if op == "gla":
         from cula.gla.chunk_bwd_sm90 import key_chunk_gradients_sm90
 
-        times["per-chunk, kernel"] = report(
-            "per-chunk, kernel",
-            median_ms(lambda: key_chunk_gradients_sm90(q, k, v, do, g, w.starts, w.ends, w.index, scale, False)),
-        )
-    return times
+        return lambda: key_chunk_gradients_sm90(q, k, v, do, g, w.starts, w.ends, w.index, scale, False)
+    return None
+
+
+@contextlib.contextmanager
+def environment(**values: str):
+    """The environment variables ``values`` set while the block runs, then restored."""
+    previous = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
 
 
 def training_step(op: str, args: dict, do, backend: str):
@@ -167,19 +184,12 @@ def training_step(op: str, args: dict, do, backend: str):
     leaves = {n: (x.detach().requires_grad_() if x.is_floating_point() else x) for n, x in args.items()}
 
     def step():
-        previous = os.environ.get("CULA_BACKEND")
-        os.environ["CULA_BACKEND"] = backend
-        try:
+        with environment(CULA_BACKEND=backend):
             for leaf in leaves.values():  # as a training step after zero_grad(set_to_none=True): no accumulation
                 if isinstance(leaf, torch.Tensor):
                     leaf.grad = None
             o, _ = fn(**leaves)
             o.backward(do)
-        finally:
-            if previous is None:
-                del os.environ["CULA_BACKEND"]
-            else:
-                os.environ["CULA_BACKEND"] = previous
 
     return step
 
