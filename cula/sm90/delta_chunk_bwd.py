@@ -34,7 +34,7 @@ from typing import NamedTuple
 import cutlass
 import cutlass.cute as cute
 
-from cula.sm90 import mma, pipeline, scalar_gates, solve, tiles
+from cula.sm90 import mma, pipeline, scalar_chunk_bwd, scalar_gates, solve, tiles
 from cula.sm90.chunk_fwd import A_STRIDE
 from cula.sm90.scalar_chunk_bwd import Params, ScalarGateChunkBwdSm90, Tensors
 
@@ -271,9 +271,16 @@ class DeltaChunkBwdSm90(ScalarGateChunkBwdSm90):
         # stage 4: dT = (dW K^T) diag(beta 2^G) + (dV' V^T) diag(beta), to X1 (q's bytes)
         acc_a, cCC = self.scores(sm.dw, sm.k, wtid)
         acc_b, _ = self.scores(sm.dvn, sm.v, wtid)
-        for e in cutlass.range_constexpr(cute.size(acc_a)):
-            r, c = cCC[e]
-            sm.x1[r, c] = (sm.beta[c, 0] * (acc_a[e] * sm.fac[c, 0, 0] + acc_b[e])).to(cutlass.BFloat16)
+        if cutlass.const_expr(self.tile_copies):
+            dt = cute.make_rmem_tensor(acc_a.layout, cutlass.BFloat16)
+            for e in cutlass.range_constexpr(cute.size(acc_a)):
+                _, c = cCC[e]
+                dt[e] = (sm.beta[c, 0] * (acc_a[e] * sm.fac[c, 0, 0] + acc_b[e])).to(cutlass.BFloat16)
+            self.store_fragment(dt, sm.x1, wtid, False)
+        else:
+            for e in cutlass.range_constexpr(cute.size(acc_a)):
+                r, c = cCC[e]
+                sm.x1[r, c] = (sm.beta[c, 0] * (acc_a[e] * sm.fac[c, 0, 0] + acc_b[e])).to(cutlass.BFloat16)
         self.stage_done()  # 4
         # stage 5: X = dT T^T (to X2), dA = -(T^T X), the pair terms
         acc_x, cCC = self.cc_product(sm.x1, tiles.mn_plane(sm.tt, p.own.tile_cc_mn), wtid)
@@ -287,6 +294,8 @@ class DeltaChunkBwdSm90(ScalarGateChunkBwdSm90):
         pair = cute.make_rmem_tensor(cute.make_layout(2), f32)
         da_kk.fill(0.0)
         pair.fill(0.0)
+        if cutlass.const_expr(self.tile_copies):
+            dab_frag = cute.make_rmem_tensor(acc_da.layout, cutlass.BFloat16)
         for e in cutlass.range_constexpr(cute.size(acc_da)):
             r, c = cCC[e]
             rr, kc = mma.acc_row_slot(e), mma.acc_col_slot(e)
@@ -297,9 +306,15 @@ class DeltaChunkBwdSm90(ScalarGateChunkBwdSm90):
             da_kk[rr] = da_kk[rr] + x
             pair[rr] = pair[rr] + b_r[rr] * x
             dab = (b_r[rr] * da_gated).to(cutlass.BFloat16)
-            sm.x1[r, c] = dab
-            sm.x2[c, r] = dab
+            if cutlass.const_expr(self.tile_copies):
+                dab_frag[e] = dab
+            else:
+                sm.x1[r, c] = dab
+                sm.x2[c, r] = dab
             sm.at[r, c] = b_r[rr] * x
+        if cutlass.const_expr(self.tile_copies):
+            self.store_fragment(dab_frag, sm.x1, wtid, False)
+            self.store_fragment(dab_frag, scalar_chunk_bwd.transposed(sm.x2), wtid, True)
         self.quad_sums(da_kk, cCC, sm.rows, DA_KK, wtid)
         self.quad_sums(pair, cCC, sm.rows, PAIR_ROW, wtid)
         self.stage_done()  # 5

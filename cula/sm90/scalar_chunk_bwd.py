@@ -38,6 +38,12 @@ WARPGROUPS = 3  # dq, dk, dv
 ENV_TILE_COPIES = "CULA_GRADIENT_TILE_COPIES"
 
 
+@cute.jit
+def transposed(tile):
+    """The (N x M) view of a 2-D (M x N) shared-memory tile (its modes swapped; the swizzle stays in the pointer)."""
+    return cute.make_tensor(tile.iterator, cute.select(tile.layout, mode=[1, 0]))
+
+
 class Tensors(NamedTuple):
     q: cute.Tensor
     k: cute.Tensor
@@ -410,10 +416,16 @@ class ScalarGateChunkBwdSm90:
     @cute.jit
     def store_tile(self, acc, sX, factor: cutlass.Constexpr, wtid):
         """``factor`` (a constant) times the (C x N) accumulator to the bf16 tile ``sX`` by stmatrix."""
-        store = self.accumulator_copy(acc, warp_ops.StMatrix8x8x16bOp(transpose=False, num_matrices=4))
-        thr = store.get_slice(wtid)
         frag = cute.make_rmem_tensor(acc.layout, cutlass.BFloat16)
         frag.store((acc.load() * factor).to(cutlass.BFloat16))
+        self.store_fragment(frag, sX, wtid, False)
+
+    @cute.jit
+    def store_fragment(self, frag, sX, wtid, transpose: cutlass.Constexpr):
+        """A bf16 fragment in a (C x N) accumulator's layout to the (C x N) view ``sX`` by stmatrix; ``transpose``
+        for a transposed view of a K-major tile (:func:`transposed`), whose rows lie down its columns."""
+        store = self.accumulator_copy(frag, warp_ops.StMatrix8x8x16bOp(transpose=transpose, num_matrices=4))
+        thr = store.get_slice(wtid)
         cute.copy(store, thr.retile(frag), thr.partition_D(sX))
 
     @cute.jit
