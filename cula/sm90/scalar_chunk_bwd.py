@@ -22,6 +22,7 @@ the flattened (B T) axis and its valid tokens (0: no chunk, the CTA exits). D = 
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import cutlass
@@ -102,8 +103,6 @@ def fake_args(head_dim: int, per_key_gate: bool) -> tuple:
 def tile_copies() -> bool:
     """Whether the gradient kernels are compiled with :data:`ENV_TILE_COPIES` (read per call: part of each kernel's
     cache key)."""
-    import os
-
     return os.environ.get(ENV_TILE_COPIES, "0") == "1"
 
 
