@@ -193,6 +193,37 @@ def sequence_bounds(B, T, lengths=None):
     return [(0, s, e) for s, e in zip(offsets[:-1], offsets[1:], strict=True)]
 
 
+def training_inputs(B, T, H, HV, D, per_key_gate, options=False, N=None):
+    """A delta-rule training call's inputs on the GPU, seeded by T + HV: bf16 q, k (normalised), v; fp32 beta and
+    initial state (N or B rows); the activated gate, GDN's logsigmoid(x + 3) per head, or (``per_key_gate``) KDA's
+    bounded -5 sigmoid(x) per key with 8 channels at the bound on every token. ``options``: the in-kernel options'
+    raw inputs instead (un-normalised keys, raw gate, bf16 per key as KDA's kernel takes it, raw beta, A_log and
+    dt_bias)."""
+    gate_shape = (B, T, HV, D) if per_key_gate else (B, T, HV)
+    torch.manual_seed(T + HV)
+    inputs = {
+        "q": torch.randn(B, T, H, D, device="cuda").bfloat16(),
+        "k": torch.nn.functional.normalize(torch.randn(B, T, H, D, device="cuda"), dim=-1).bfloat16(),
+        "v": torch.randn(B, T, HV, D, device="cuda").bfloat16(),
+    }
+    if per_key_gate:
+        g = -5.0 * torch.sigmoid(torch.randn(*gate_shape, device="cuda"))
+        g[..., :8] = -5.0
+    else:
+        g = torch.nn.functional.logsigmoid(torch.randn(*gate_shape, device="cuda") + 3.0)
+    inputs["g"] = g
+    inputs["beta"] = torch.rand(B, T, HV, device="cuda")
+    inputs["initial_state"] = torch.randn(N or B, HV, D, D, device="cuda") * 0.1
+    if options:
+        inputs["k"] = (torch.randn(B, T, H, D, device="cuda") * 2).bfloat16()
+        g_raw = torch.randn(*gate_shape, device="cuda")
+        inputs["g"] = g_raw.bfloat16() if per_key_gate else g_raw
+        inputs["beta"] = torch.randn(B, T, HV, device="cuda")
+        inputs["A_log"] = torch.rand(HV, device="cuda")
+        inputs["dt_bias"] = torch.rand(HV * D if per_key_gate else HV, device="cuda")
+    return inputs
+
+
 def gradients(entry, inputs, extra, grad_o, grad_ht, backend, monkeypatch):
     """The gradients of ``entry(**inputs, **extra)`` for the cotangents (grad_o, grad_ht) with ``backend`` forced
     ("cute": the kernel's backward; "torch": the reference in fp64) and the decision taken."""

@@ -7,7 +7,7 @@ entry point against the fp64 reference's autograd, in-kernel options included.""
 import pytest
 import torch
 import torch.nn.functional as F
-from delta_rule_recurrence import check_delta_walk, check_gradients, needs_sm90, offsets_of
+from delta_rule_recurrence import check_delta_walk, check_gradients, needs_sm90, offsets_of, training_inputs
 
 import cula
 
@@ -32,41 +32,24 @@ def gradient_passes(request, monkeypatch):
     return request.param
 
 
-def gdn_inputs(B, T, H, HV, D=128, options=False, N=None):
-    torch.manual_seed(T + HV)
-    inputs = {
-        "q": torch.randn(B, T, H, D, device="cuda").bfloat16(),
-        "k": F.normalize(torch.randn(B, T, H, D, device="cuda"), dim=-1).bfloat16(),
-        "v": torch.randn(B, T, HV, D, device="cuda").bfloat16(),
-        "g": F.logsigmoid(torch.randn(B, T, HV, device="cuda") + 3.0),
-        "beta": torch.rand(B, T, HV, device="cuda"),
-        "initial_state": torch.randn(N or B, HV, D, D, device="cuda") * 0.1,
-    }
-    if options:  # raw gate and beta, un-normalised keys: the kernel's options make them
-        inputs["k"] = (torch.randn(B, T, H, D, device="cuda") * 2).bfloat16()
-        inputs["g"] = torch.randn(B, T, HV, device="cuda")
-        inputs["beta"] = torch.randn(B, T, HV, device="cuda")
-        inputs["A_log"] = torch.rand(HV, device="cuda")
-        inputs["dt_bias"] = torch.rand(HV, device="cuda")
-    return inputs
-
-
 @pytest.mark.parametrize("T", [1, 65, 300])
 def test_gdn_gradients_fixed_length(gradient_passes, monkeypatch, T):
-    check_gradients(cula.gdn.chunk_gated_delta_rule, gdn_inputs(2, T, 2, 2), {}, monkeypatch)
+    check_gradients(cula.gdn.chunk_gated_delta_rule, training_inputs(2, T, 2, 2, 128, False), {}, monkeypatch)
 
 
 @pytest.mark.parametrize("D", [64, 128])
 def test_gdn_gradients_varlen_gva(gradient_passes, monkeypatch, D):
     lengths = [0, 1, 130, 64, 777]
-    inputs = gdn_inputs(1, sum(lengths), 2, 4, D=D, N=len(lengths))
+    inputs = training_inputs(1, sum(lengths), 2, 4, D, False, N=len(lengths))
     cu = torch.tensor(offsets_of(lengths), device="cuda")
     check_gradients(cula.gdn.chunk_gated_delta_rule, inputs, {"cu_seqlens": cu}, monkeypatch, lengths)
 
 
 def test_gdn_gradients_through_in_kernel_options(gradient_passes, monkeypatch):
     extra = {"use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True, "use_beta_sigmoid_in_kernel": True}
-    check_gradients(cula.gdn.chunk_gated_delta_rule, gdn_inputs(2, 200, 2, 4, options=True), extra, monkeypatch)
+    check_gradients(
+        cula.gdn.chunk_gated_delta_rule, training_inputs(2, 200, 2, 4, 128, False, options=True), extra, monkeypatch
+    )
 
 
 @pytest.mark.parametrize("T", [130, 1000])

@@ -6,8 +6,7 @@ against the fp64 reference's autograd, in-kernel options included."""
 
 import pytest
 import torch
-import torch.nn.functional as F
-from delta_rule_recurrence import check_delta_walk, check_gradients, needs_sm90, offsets_of
+from delta_rule_recurrence import check_delta_walk, check_gradients, needs_sm90, offsets_of, training_inputs
 
 import cula
 
@@ -31,48 +30,22 @@ def test_kda_walks_fixed_length(walk):
     check_delta_walk(KDA_SM90, walk, 128, 2, 2, per_key_gate=True, lengths=(200, 200), fixed_length=True)
 
 
-def bounded_gate(B, T, HV, D):
-    """KDA's bounded gate, -5 sigmoid(x), 8 key channels at the bound on every token."""
-    g = -5.0 * torch.sigmoid(torch.randn(B, T, HV, D, device="cuda"))
-    g[..., :8] = -5.0
-    return g
-
-
-def kda_inputs(B, T, H, HV, D=128, options=False, N=None):
-    torch.manual_seed(T + HV)
-    inputs = {
-        "q": torch.randn(B, T, H, D, device="cuda").bfloat16(),
-        "k": F.normalize(torch.randn(B, T, H, D, device="cuda"), dim=-1).bfloat16(),
-        "v": torch.randn(B, T, HV, D, device="cuda").bfloat16(),
-        "g": bounded_gate(B, T, HV, D),
-        "beta": torch.rand(B, T, HV, device="cuda"),
-        "initial_state": torch.randn(N or B, HV, D, D, device="cuda") * 0.1,
-    }
-    if options:  # raw gate (bf16: activated in the forward kernel) and beta, un-normalised keys
-        inputs["k"] = (torch.randn(B, T, H, D, device="cuda") * 2).bfloat16()
-        inputs["g"] = torch.randn(B, T, HV, D, device="cuda").bfloat16()
-        inputs["beta"] = torch.randn(B, T, HV, device="cuda")
-        inputs["A_log"] = torch.rand(HV, device="cuda")
-        inputs["dt_bias"] = torch.rand(HV * D, device="cuda")
-    return inputs
-
-
 SAFE = {"safe_gate": True, "lower_bound": -5.0}
 
 
 @pytest.mark.parametrize("T", [1, 65, 300])
 def test_kda_gradients_fixed_length(monkeypatch, T):
-    check_gradients(cula.kda.chunk_kda, kda_inputs(2, T, 2, 2), SAFE, monkeypatch)
+    check_gradients(cula.kda.chunk_kda, training_inputs(2, T, 2, 2, 128, True), SAFE, monkeypatch)
 
 
 @pytest.mark.parametrize("D", [64, 128])
 def test_kda_gradients_varlen_gva(monkeypatch, D):
     lengths = [0, 1, 130, 64, 777]
-    inputs = kda_inputs(1, sum(lengths), 2, 4, D=D, N=len(lengths))
+    inputs = training_inputs(1, sum(lengths), 2, 4, D, True, N=len(lengths))
     cu = torch.tensor(offsets_of(lengths), device="cuda")
     check_gradients(cula.kda.chunk_kda, inputs, {**SAFE, "cu_seqlens": cu}, monkeypatch, lengths)
 
 
 def test_kda_gradients_through_in_kernel_options(monkeypatch):
     extra = {**SAFE, "use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True, "use_beta_sigmoid_in_kernel": True}
-    check_gradients(cula.kda.chunk_kda, kda_inputs(2, 200, 2, 4, options=True), extra, monkeypatch)
+    check_gradients(cula.kda.chunk_kda, training_inputs(2, 200, 2, 4, 128, True, options=True), extra, monkeypatch)
