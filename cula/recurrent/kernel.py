@@ -195,7 +195,9 @@ class RecurrentFwd:
         HV = v.shape[2]
         N = cu_seqlens.shape[0] - 1 if cutlass.const_expr(self.cfg.is_varlen) else q.shape[0]
         tensors = Tensors(q, k, v, o, g, gamma, gk, gv, beta, a_log, dt_bias, h0, ht, indices, accepted, cu_seqlens)
-        self.kernel(tensors, scale, lower_bound).launch(grid=(self.V // self.block_v, HV, N), block=(THREADS, 1, 1), stream=stream)  # fmt: skip
+        self.kernel(tensors, scale, lower_bound).launch(
+            grid=(self.V // self.block_v, HV, N), block=(THREADS, 1, 1), stream=stream
+        )
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
