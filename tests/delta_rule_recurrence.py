@@ -193,6 +193,20 @@ def sequence_bounds(B, T, lengths=None):
     return [(0, s, e) for s, e in zip(offsets[:-1], offsets[1:], strict=True)]
 
 
+def gradient_passes_fixture(kernel_env: str):
+    """A ``gradient_passes`` fixture for a variant whose per-chunk gradient kernel ``kernel_env`` switches ("0": PyTorch
+    products): each test runs with the PyTorch passes, the kernel, and the kernel compiled with
+    CULA_GRADIENT_TILE_COPIES=1 ("kernel tile copies"). A test module binds it to that name."""
+
+    @pytest.fixture(params=["pytorch", "kernel", "kernel tile copies"])
+    def gradient_passes(request, monkeypatch):
+        monkeypatch.setenv(kernel_env, "0" if request.param == "pytorch" else "1")
+        monkeypatch.setenv("CULA_GRADIENT_TILE_COPIES", "1" if request.param == "kernel tile copies" else "0")
+        return request.param
+
+    return gradient_passes
+
+
 def training_inputs(B, T, H, HV, D, per_key_gate, options=False, N=None):
     """A delta-rule training call's inputs on the GPU, seeded by T + HV: bf16 q, k (normalised), v; fp32 beta and
     initial state (N or B rows); the activated gate, GDN's logsigmoid(x + 3) per head, or (``per_key_gate``) KDA's

@@ -7,7 +7,14 @@ entry point against the fp64 reference's autograd, in-kernel options included.""
 import pytest
 import torch
 import torch.nn.functional as F
-from delta_rule_recurrence import check_delta_walk, check_gradients, needs_sm90, offsets_of, training_inputs
+from delta_rule_recurrence import (
+    check_delta_walk,
+    check_gradients,
+    gradient_passes_fixture,
+    needs_sm90,
+    offsets_of,
+    training_inputs,
+)
 
 import cula
 
@@ -23,13 +30,7 @@ def test_gdn_walks_store_the_plans_checkpoints(walk, D, H, HV):
     check_delta_walk(GDN_SM90, walk, D, H, HV, per_key_gate=False)
 
 
-@pytest.fixture(params=["pytorch", "kernel", "kernel tile copies"])
-def gradient_passes(request, monkeypatch):
-    """Passes 3 and 4 by PyTorch products, or by their kernel (CULA_DELTA_GRADIENT_KERNEL=1); "kernel tile copies":
-    the kernel compiled with CULA_GRADIENT_TILE_COPIES=1."""
-    monkeypatch.setenv("CULA_DELTA_GRADIENT_KERNEL", "0" if request.param == "pytorch" else "1")
-    monkeypatch.setenv("CULA_GRADIENT_TILE_COPIES", "1" if request.param == "kernel tile copies" else "0")
-    return request.param
+gradient_passes = gradient_passes_fixture("CULA_DELTA_GRADIENT_KERNEL")
 
 
 @pytest.mark.parametrize("T", [1, 65, 300])

@@ -6,7 +6,7 @@ per sequence and over the call."""
 import pytest
 import torch
 import torch.nn.functional as F
-from delta_rule_recurrence import check_gradients, check_state_walk, needs_sm90, offsets_of
+from delta_rule_recurrence import check_gradients, check_state_walk, gradient_passes_fixture, needs_sm90, offsets_of
 
 import cula
 
@@ -24,13 +24,7 @@ def test_state_walks_store_the_plans_checkpoints(walk, D):
     check_state_walk(GLA_SM90, walk, D, per_key_gate=True)
 
 
-@pytest.fixture(params=["pytorch", "kernel", "kernel tile copies"])
-def gradient_passes(request, monkeypatch):
-    """Passes 3 and 4 by PyTorch products, or by their kernel (CULA_KEY_GRADIENT_KERNEL=1); "kernel tile copies":
-    the kernel compiled with CULA_GRADIENT_TILE_COPIES=1."""
-    monkeypatch.setenv("CULA_KEY_GRADIENT_KERNEL", "0" if request.param == "pytorch" else "1")
-    monkeypatch.setenv("CULA_GRADIENT_TILE_COPIES", "1" if request.param == "kernel tile copies" else "0")
-    return request.param
+gradient_passes = gradient_passes_fixture("CULA_KEY_GRADIENT_KERNEL")
 
 
 def gla_inputs(B, T, H, D, h0, N=None):

@@ -5,7 +5,14 @@ cuLA's backward, against the fp64 reference backend's autograd, per sequence and
 import pytest
 import torch
 import torch.nn.functional as F
-from delta_rule_recurrence import check_gradients, check_state_walk, needs_sm90, offsets_of, rel_rmse
+from delta_rule_recurrence import (
+    check_gradients,
+    check_state_walk,
+    gradient_passes_fixture,
+    needs_sm90,
+    offsets_of,
+    rel_rmse,
+)
 
 import cula
 
@@ -23,13 +30,7 @@ def test_state_walks_store_the_plans_checkpoints(walk, D):
     check_state_walk(SIMPLE_GLA_SM90, walk, D, per_key_gate=False)
 
 
-@pytest.fixture(params=["pytorch", "kernel", "kernel tile copies"])
-def gradient_passes(request, monkeypatch):
-    """Passes 3 and 4 by their kernel (the default), or by PyTorch products (CULA_CHUNK_GRADIENT_KERNEL=0);
-    "kernel tile copies": the kernel compiled with CULA_GRADIENT_TILE_COPIES=1."""
-    monkeypatch.setenv("CULA_CHUNK_GRADIENT_KERNEL", "0" if request.param == "pytorch" else "1")
-    monkeypatch.setenv("CULA_GRADIENT_TILE_COPIES", "1" if request.param == "kernel tile copies" else "0")
-    return request.param
+gradient_passes = gradient_passes_fixture("CULA_CHUNK_GRADIENT_KERNEL")
 
 
 def simple_gla_inputs(B, T, H, D, gate, h0, N=None):
