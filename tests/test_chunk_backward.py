@@ -664,14 +664,14 @@ def test_the_delta_gradient_kernels_host_gives_the_rows_gradients(monkeypatch, l
     B, T = (1, sum(lengths)) if lengths else (2, 100)
     H, HV, D = 1, 2, 16
     offsets = offsets_of(lengths) if lengths else [0, T, 2 * T]
-    index, rows = chunk_backward.chunk_token_index(offsets, lengths is None)
+    index, rows, chunks = chunk_backward.chunk_rows(offsets, lengths is None)
     q, k = torch.randn(B, T, H, D), F.normalize(torch.randn(B, T, H, D), dim=-1)
     v, do = torch.randn(B, T, HV, D), torch.randn(B, T, HV, D)
     g, beta = F.logsigmoid(torch.randn(B, T, HV) + 3.0), torch.rand(B, T, HV)
     g[0, 3] = -1e4  # below the floor: no gradient
     starts, ends = (torch.randn(max(rows, 1), HV, D, D) * 0.3 for _ in range(2))
     got = chunk_bwd_sm90.delta_chunk_gradients_sm90(
-        q, k, v, do, g, beta, starts, ends, index, 0.25, lengths is not None
+        q, k, v, do, g, beta, starts, ends, chunks, 0.25, lengths is not None
     )
     want = chunk_backward.rows_backward(q, k, v, do, g, beta, starts, ends, index, 0.25)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want, strict=True):
@@ -759,13 +759,13 @@ def test_the_key_gradient_kernels_host_gives_the_rows_gradients(monkeypatch, len
     B, T = (1, sum(lengths)) if lengths else (2, 100)
     H, D = 2, 16
     offsets = offsets_of(lengths) if lengths else [0, T, 2 * T]
-    index, rows = chunk_backward.chunk_token_index(offsets, lengths is None)
+    index, rows, chunks = chunk_backward.chunk_rows(offsets, lengths is None)
     q, k, v, do = (torch.randn(B, T, H, D) for _ in range(4))
     g = F.logsigmoid(torch.randn(B, T, H, D) + 2.0)
     g[0, 3, 1] = -1e4  # below the floor: no gradient
     g[0, 40:60, 0, :3] = -8.0  # a steep chunk
     starts, ends = (torch.randn(max(rows, 1), H, D, D) * 0.3 for _ in range(2))
-    got = chunk_bwd_sm90.key_chunk_gradients_sm90(q, k, v, do, g, starts, ends, index, 0.25, lengths is not None)
+    got = chunk_bwd_sm90.key_chunk_gradients_sm90(q, k, v, do, g, starts, ends, chunks, 0.25, lengths is not None)
     monkeypatch.setattr(chunk_backward, "bf16", lambda t: t)  # exact operands, as the emulated kernel's
     want = chunk_backward.rows_backward(q, k, v, do, g, None, starts, ends, index, 0.25)
     assert got[4] is None

@@ -72,7 +72,7 @@ def test_gdn_chunk_gradients_are_the_same_bits_on_every_run(T):
     scale = D**-0.5
     w = walks.both_walks(GDN_SM90, q, k, v, do, g, beta, scale, None, None, None, None, False)
     runs = [
-        delta_chunk_gradients_sm90(q, k, v, do, g, beta, w.starts, w.ends, w.index, scale, False) for _ in range(64)
+        delta_chunk_gradients_sm90(q, k, v, do, g, beta, w.starts, w.ends, w.chunks, scale, False) for _ in range(64)
     ]
     for n, run in enumerate(runs[1:], 1):
         for name, first, again in zip(("dq", "dk", "dv", "dg", "dbeta"), runs[0], run, strict=True):

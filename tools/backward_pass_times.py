@@ -149,15 +149,15 @@ def per_chunk_kernel(op: str, q, k, v, do, g, beta, w, scale):
     if op == "simple_gla":
         from cula.lightning.chunk_bwd_sm90 import chunk_gradients_sm90
 
-        return lambda: chunk_gradients_sm90(q, k, v, do, g, w.starts, w.ends, w.index, scale, False)
+        return lambda: chunk_gradients_sm90(q, k, v, do, g, w.starts, w.ends, w.chunks, scale, False)
     if op == "gdn":
         from cula.gdn.chunk_bwd_sm90 import delta_chunk_gradients_sm90
 
-        return lambda: delta_chunk_gradients_sm90(q, k, v, do, g, beta, w.starts, w.ends, w.index, scale, False)
+        return lambda: delta_chunk_gradients_sm90(q, k, v, do, g, beta, w.starts, w.ends, w.chunks, scale, False)
     if op == "gla":
         from cula.gla.chunk_bwd_sm90 import key_chunk_gradients_sm90
 
-        return lambda: key_chunk_gradients_sm90(q, k, v, do, g, w.starts, w.ends, w.index, scale, False)
+        return lambda: key_chunk_gradients_sm90(q, k, v, do, g, w.starts, w.ends, w.chunks, scale, False)
     return None
 
 

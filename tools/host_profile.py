@@ -2,7 +2,7 @@
 (validation, dispatch, the time model, the split planner, allocations, the launches' arguments) with CUDA faked and
 the GPU work stubbed out, so that only the host's work is timed.
 
-    python tools/host_profile.py [--case NAME ...] [--calls 100] [--rounds 20] [--profile] [--top 25]
+    python tools/host_profile.py [--case NAME ...] [--calls 100] [--rounds 20] [--profile] [--top 25] [--step]
 
 The call's tensors live on PyTorch's ``meta`` device (shapes and dtypes, no data): every torch op the host path
 makes on them costs its dispatch, as a GPU launch's host side does, and neither computes nor touches memory, so any
@@ -18,7 +18,9 @@ and FLA's Triton pre-passes (beta's sigmoid, the GDN and KDA gates: an empty out
 Each case (``--case``; all by default) makes a few warm-up calls (the first reads the varlen offsets and makes the
 cached plans, as a model's first layer does) and must be served by the CuTe path; then ``--rounds`` rounds over
 the cases time ``--calls`` calls of each, one by one, and the fastest round's median is printed in microseconds
-(this machine's slow spells then pass over a round rather than over one case). ``--profile`` adds cProfile's top
+(this machine's slow spells then pass over a round rather than over one case). ``--step`` times a training step
+instead (:func:`training_step`: the forward under autograd, then its backward with the kernels stubbed) for the
+cases whose backward runs on cuLA's kernels. ``--profile`` adds cProfile's top
 functions by own and by cumulative time over each case's calls, ``--ops`` the torch ops one call dispatches (each a
 launch or an allocation on a GPU).
 
@@ -224,6 +226,27 @@ CASES: dict[str, Callable[[], tuple[Callable, dict]]] = {
 }
 
 
+# the cases whose training calls cuLA's SM90 backward serves
+STEP_CASES = ("gdn B1 T8192 H64", "simple_gla B1 T8192 H64", "lightning B1 T8192 H64", "gla B1 T8192 H64")
+
+
+def training_step(fn: Callable, args: dict) -> tuple[Callable, dict]:
+    """A training step on ``fn(**args)`` as ``(step, {})``: every floating input a leaf that requires grad (its
+    ``.grad`` set to None before each step, as ``zero_grad`` does), the forward, then the backward from the output."""
+    leaves = {
+        n: x.detach().requires_grad_() if torch.is_tensor(x) and x.is_floating_point() else x for n, x in args.items()
+    }
+    grads = [x for x in leaves.values() if torch.is_tensor(x) and x.requires_grad]
+
+    def step():
+        for x in grads:
+            x.grad = None
+        o = fn(**leaves)[0]
+        o.backward(torch.empty_like(o))
+
+    return step, {}
+
+
 def time_case(fn: Callable, args: dict, calls: int) -> float:
     """The median host microseconds per call of ``calls`` calls of ``fn(**args)``, timed one by one."""
     times = []
@@ -274,13 +297,18 @@ def main() -> None:
     parser.add_argument("--ops", action="store_true", help="also list the torch ops of one call of each case")
     parser.add_argument("--profile", action="store_true", help="also cProfile each case's calls")
     parser.add_argument("--top", type=int, default=25, help="functions listed per profile")
+    parser.add_argument("--step", action="store_true", help="time training steps (forward and backward) instead")
     opts = parser.parse_args()
-    names = opts.case or list(CASES)
-    with torch.no_grad(), faked_gpu():
-        calls = {name: CASES[name]() for name in names}
-        for name, (fn, args) in calls.items():
+    names = opts.case or list(STEP_CASES if opts.step else CASES)
+    if opts.step and set(names) - set(STEP_CASES):
+        raise SystemExit(f"--step takes the cases {', '.join(STEP_CASES)}")
+    with torch.set_grad_enabled(opts.step), faked_gpu():
+        calls = {}
+        for name in names:
+            fn, args = CASES[name]()
+            calls[name] = training_step(fn, args) if opts.step else (fn, args)
             for _ in range(WARMUP):
-                fn(**args)
+                calls[name][0](**calls[name][1])
             decision = str(cula.last_decision(fn))
             if "served by 'cute'" not in decision:
                 raise SystemExit(f"{name}: not served by the CuTe path:\n{decision}")
@@ -291,7 +319,7 @@ def main() -> None:
             for name, (fn, args) in calls.items():
                 best[name] = min(best[name], time_case(fn, args, opts.calls))
         for name in names:
-            print(f"{name}: {best[name]:.1f} us host per call", flush=True)
+            print(f"{name}: {best[name]:.1f} us host per {'step' if opts.step else 'call'}", flush=True)
         if opts.ops:
             for name, (fn, args) in calls.items():
                 ops = op_names(fn, args)

@@ -20,7 +20,6 @@ import os
 import torch
 
 from cula import runtime
-from cula.ops import chunk_backward
 from cula.ops.gates import GATE_FLOOR
 from cula.sm90 import entry, scalar_chunk_bwd
 from cula.sm90.delta_chunk_bwd import DeltaChunkBwdSm90
@@ -50,13 +49,12 @@ def compile_delta_chunk_gradients_sm90(
     return runtime.compile_kernel(DeltaChunkBwdSm90(D, is_varlen, tile_copies), args, arch, keep_artifacts)
 
 
-def delta_chunk_gradients_sm90(q, k, v, do, g, beta, S, dS, index, scale, is_varlen):
+def delta_chunk_gradients_sm90(q, k, v, do, g, beta, S, dS, chunks, scale, is_varlen):
     """Passes 3 and 4 by the kernel: ``(dq, dk [B, T, H, K] summed over each GVA group, dv, dg, dbeta)`` in fp32, as
-    :func:`cula.ops.chunk_backward.rows_backward` gives them; ``index`` the chunk rows' tokens
-    (:func:`cula.ops.chunk_backward.chunk_token_index`)."""
+    :func:`cula.ops.chunk_backward.rows_backward` gives them; ``chunks`` the chunk rows as the kernel
+    reads them (:class:`cula.ops.chunk_backward.ChunkRows`' ``kernel_rows``)."""
     B, T, H, D = q.shape
     HV = v.shape[2]
-    chunks = chunk_backward.kernel_chunk_rows(index, B * T)
     arch = runtime.device_arch(q.device)
     copies = scalar_chunk_bwd.tile_copies()
     key = ("delta_chunk_bwd", D, is_varlen, copies, arch)
@@ -83,7 +81,7 @@ def chunk_gdn_bwd_sm90(q, k, v, g, beta, do, scale, initial_state, dht, cu_seqle
 
         def rows(q, k, v, do, w, scale):
             return delta_chunk_gradients_sm90(
-                q, k, v, do, g, beta, w.starts, w.ends, w.index, scale, cu_seqlens is not None
+                q, k, v, do, g, beta, w.starts, w.ends, w.chunks, scale, cu_seqlens is not None
             )
 
     return walks.walk_backward(

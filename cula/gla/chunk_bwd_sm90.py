@@ -38,11 +38,11 @@ def compile_key_chunk_gradients_sm90(
     )
 
 
-def key_chunk_gradients_sm90(q, k, v, do, gate, S, dS, index, scale, is_varlen):
+def key_chunk_gradients_sm90(q, k, v, do, gate, S, dS, chunks, scale, is_varlen):
     """Passes 3 and 4 by the kernel (:func:`cula.sm90.scalar_chunk_bwd.gradients`): ``(dq, dk, dv in q's dtype, dg
     fp32 [B, T, H, D], None)``, as :func:`cula.ops.chunk_backward.rows_backward` gives them."""
     grads = scalar_chunk_bwd.gradients(
-        "gla_chunk_bwd", KeyGateChunkBwdSm90, q, k, v, do, gate, S, dS, index, scale, is_varlen
+        "gla_chunk_bwd", KeyGateChunkBwdSm90, q, k, v, do, gate, S, dS, chunks, scale, is_varlen
     )
     return *grads, None
 
@@ -57,7 +57,9 @@ def chunk_gla_bwd_sm90(q, k, v, g, do, scale, initial_state, dht, cu_seqlens, cu
     if os.environ.get(ENV_GRADIENT_KERNEL, "1") != "0":
 
         def rows(q, k, v, do, w, scale):
-            return key_chunk_gradients_sm90(q, k, v, do, gate, w.starts, w.ends, w.index, scale, cu_seqlens is not None)
+            return key_chunk_gradients_sm90(
+                q, k, v, do, gate, w.starts, w.ends, w.chunks, scale, cu_seqlens is not None
+            )
 
     dq, dk, dv, dg, _, dh0 = walks.walk_backward(
         GLA_SM90,

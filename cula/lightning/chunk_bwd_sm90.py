@@ -38,11 +38,11 @@ def compile_chunk_gradients_sm90(
     )
 
 
-def chunk_gradients_sm90(q, k, v, do, gate, S, dS, index, scale, is_varlen):
+def chunk_gradients_sm90(q, k, v, do, gate, S, dS, chunks, scale, is_varlen):
     """Passes 3 and 4 by the kernel (:func:`cula.sm90.scalar_chunk_bwd.gradients`): ``(dq, dk, dv, dgate fp32 [B, T,
     H])``, as :func:`cula.ops.chunk_backward.rows_backward` gives them; gates below the floor take no gradient."""
     dq, dk, dv, dgate = scalar_chunk_bwd.gradients(
-        "simple_gla_chunk_bwd", ScalarGateChunkBwdSm90, q, k, v, do, gate, S, dS, index, scale, is_varlen
+        "simple_gla_chunk_bwd", ScalarGateChunkBwdSm90, q, k, v, do, gate, S, dS, chunks, scale, is_varlen
     )
     return dq, dk, dv, torch.where(gate < GATE_FLOOR, 0.0, dgate)
 
@@ -58,7 +58,7 @@ def chunk_simple_gla_bwd_sm90(
     if os.environ.get(ENV_GRADIENT_KERNEL, "1") != "0" and kernel is SIMPLE_GLA_SM90:
 
         def rows(q, k, v, do, w, scale):
-            grads = chunk_gradients_sm90(q, k, v, do, gate, w.starts, w.ends, w.index, scale, cu_seqlens is not None)
+            grads = chunk_gradients_sm90(q, k, v, do, gate, w.starts, w.ends, w.chunks, scale, cu_seqlens is not None)
             return *grads, None
 
     # beta's slot carries the gate (never read without the delta rule)

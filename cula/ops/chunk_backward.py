@@ -34,6 +34,8 @@ Shapes: one sequence per call, heads first: q, k [H, T, K]; v, do [H, T, V]; g [
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from cula import runtime
@@ -221,19 +223,34 @@ def checkpoint_rows(offsets: list[int], fixed_length: bool, chunk: int = CHUNK) 
     return [o // chunk + n for n, o in enumerate(offsets[:-1])]
 
 
+class ChunkRows(NamedTuple):
+    """A batch layout's chunk rows (:func:`chunk_rows`): ``index`` [rows, C] int64, the flattened token of each place
+    of each checkpoint row (or the number of tokens: past a sequence's end, and in rows no chunk takes); ``rows``;
+    and ``kernel_rows`` [rows, 2] int32, the per-chunk gradient kernels' view of them (:func:`kernel_chunk_rows`)."""
+
+    index: torch.Tensor
+    rows: int
+    kernel_rows: torch.Tensor
+
+
+def chunk_rows(offsets: list[int], fixed_length: bool, device=None, chunk: int = CHUNK) -> ChunkRows:
+    """The chunk rows (:class:`ChunkRows`) of the checkpoint rows as the state walks number them, with C = ``chunk``.
+    Made on the host without a loop over chunks (the host cost of a call with thousands of them), then copied to
+    ``device``; kept for the last few batches' offsets (a model's layers, and every step of a fixed-length training
+    run, ask for the same): callers only read them."""
+    return _chunk_rows(None if device is None else str(device), tuple(offsets), fixed_length, chunk)
+
+
 def chunk_token_index(
     offsets: list[int], fixed_length: bool, device=None, chunk: int = CHUNK
 ) -> tuple[torch.Tensor, int]:
-    """``(index [rows, C], rows)`` with C = ``chunk``: the flattened token of each place of each checkpoint row, or
-    the number of tokens (a zero row appended to the gathered tensors) past a sequence's end and in rows no chunk
-    takes. Made without a loop over chunks: the host cost of a call with thousands of them. Kept for the last few
-    batches' offsets (a model's layers, and every step of a fixed-length training run, ask for the same): callers
-    only read it."""
-    return _chunk_token_index(None if device is None else str(device), tuple(offsets), fixed_length, chunk)
+    """``(index [rows, C], rows)`` of :func:`chunk_rows`."""
+    plan = chunk_rows(offsets, fixed_length, device, chunk)
+    return plan.index, plan.rows
 
 
 @runtime.device_plan_cache(maxsize=16)
-def _chunk_token_index(device, offsets: tuple[int, ...], fixed_length: bool, chunk: int) -> tuple[torch.Tensor, int]:
+def _chunk_rows(device, offsets: tuple[int, ...], fixed_length: bool, chunk: int) -> ChunkRows:
     n_tokens = offsets[-1]
     bounds = torch.tensor(offsets, dtype=torch.long)
     lengths = bounds[1:] - bounds[:-1]
@@ -245,11 +262,12 @@ def _chunk_token_index(device, offsets: tuple[int, ...], fixed_length: bool, chu
     place = torch.arange(len(sequence)) - torch.repeat_interleave(torch.cumsum(chunks, 0) - chunks, chunks)
     tokens = bounds[sequence, None] + place[:, None] * chunk + torch.arange(chunk)  # [chunks, C]
     index[firsts[sequence] + place] = torch.where(tokens < bounds[sequence + 1, None], tokens, n_tokens)
-    return runtime.host_to_device(index, device), rows
+    kernel_rows = kernel_chunk_rows(index, n_tokens)
+    return ChunkRows(runtime.host_to_device(index, device), rows, runtime.host_to_device(kernel_rows, device))
 
 
 def kernel_chunk_rows(index: torch.Tensor, n_tokens: int) -> torch.Tensor:
-    """The per-chunk gradient kernels' view of the chunk rows ``index`` (:func:`chunk_token_index`): each row's first
+    """The per-chunk gradient kernels' view of the chunk rows ``index`` (:class:`ChunkRows`): each row's first
     token in the flattened (B T) axis and its number of tokens (0: no chunk), ``[rows, 2]`` int32."""
     valid = (index < n_tokens).sum(1)
     first = torch.where(valid > 0, index[:, 0], 0)

@@ -116,19 +116,17 @@ def compile_gradients(
     return runtime.compile_kernel(kernel_class(head_dim, is_varlen, with_tile_copies), args, arch, keep)
 
 
-def gradients(name: str, kernel_class, q, k, v, do, gate, S, dS, index, scale, is_varlen) -> tuple:
+def gradients(name: str, kernel_class, q, k, v, do, gate, S, dS, chunks, scale, is_varlen) -> tuple:
     """Passes 3 and 4 by ``kernel_class`` (compiled once per head dim, layout and architecture, cached under
     ``name``): ``(dq, dk, dv in q's dtype, the gate's gradient fp32 in the gate's shape)``, as
-    :func:`cula.ops.chunk_backward.rows_backward` gives them; ``index`` the chunk rows' tokens
-    (:func:`cula.ops.chunk_backward.chunk_token_index`). The gate is [B, T, H] or, per key, [B, T, H, D]."""
+    :func:`cula.ops.chunk_backward.rows_backward` gives them; ``chunks`` the chunk rows as the kernel reads them
+    (:class:`cula.ops.chunk_backward.ChunkRows`' ``kernel_rows``). The gate is [B, T, H] or, per key, [B, T, H, D]."""
     import torch
 
     from cula import runtime
-    from cula.ops import chunk_backward
 
     B, T, H, D = q.shape
     per_key = gate.dim() == 4
-    chunks = chunk_backward.kernel_chunk_rows(index, B * T)
     arch = runtime.device_arch(q.device)
     copies = tile_copies()
     fn = runtime.get_or_compile(

@@ -17,11 +17,13 @@ from cula.sm90.chunk_fwd import ChunkFwdConfig
 
 
 class Walks(NamedTuple):
-    """Both walks of a call: the chunk rows' tokens ``index`` [rows, C] (:func:`chunk_token_index`), the checkpoints
-    of the state at each chunk's start (``starts``) and of its gradient at each chunk's end (``ends``), both
-    [rows, HV, V, K] bf16, and dh0 (the reverse walk's final state)."""
+    """Both walks of a call: the chunk rows' tokens ``index`` [rows, C] and the per-chunk kernels' view of them,
+    ``chunks`` [rows, 2] (:class:`cula.ops.chunk_backward.ChunkRows`), the checkpoints of the state at each chunk's
+    start (``starts``) and of its gradient at each chunk's end (``ends``), both [rows, HV, V, K] bf16, and dh0 (the
+    reverse walk's final state)."""
 
     index: torch.Tensor
+    chunks: torch.Tensor
     starts: torch.Tensor
     ends: torch.Tensor
     dh0: torch.Tensor
@@ -71,16 +73,16 @@ def both_walks(
     (None: zero). q, k, v, do contiguous; g and beta as ``kernel`` takes them."""
     B, T = q.shape[:2]
     offsets = entry.call_offsets(B, T, cu_seqlens, cu_seqlens_cpu)
-    index, rows = chunk_backward.chunk_token_index(offsets, cu_seqlens is None, q.device, kernel.chunk)
+    plan = chunk_backward.chunk_rows(offsets, cu_seqlens is None, q.device, kernel.chunk)
     inputs = walk_inputs(kernel, q, k, v, do)
-    at = (cu_seqlens, rows, state_v_first)
+    at = (cu_seqlens, plan.rows, state_v_first)
     # the forward walk's outputs made on this stream before the walk leaves it (nothing frees or reuses them early)
-    forward_out = walk_outputs(q, v, cu_seqlens, rows)
+    forward_out = walk_outputs(q, v, cu_seqlens, plan.rows)
     with side_by_side(q.device) as on_side:
         with on_side():
             S, _ = state_walk(kernel, "states", *inputs["states"], g, beta, scale, h0, *at, out=forward_out)
         dS, dh0 = state_walk(kernel, "state_grads", *inputs["state_grads"], g, beta, scale, dht, *at)
-    return Walks(index, S, dS, dh0)
+    return Walks(plan.index, plan.kernel_rows, S, dS, dh0)
 
 
 _SIDE = threading.local()  # each thread's side stream per device (one capturing a CUDA graph shares it with none)
