@@ -119,6 +119,37 @@ def test_split_passes(per_key, state_v_first, launches):
     assert {c.mode for c, _ in launches} == {"full", "transition", "correction"}
 
 
+@pytest.mark.parametrize("state_v_first", [False, True])
+def test_a_token_gate_split_takes_its_transitions_from_the_gate(state_v_first, launches):
+    """A kernel without the delta rule whose gate is one per token (simple GLA's) launches no "transition" pass: the
+    host makes each middle range's e^(its gates' sum) I (a -inf gate taken at the floor, as the kernels take it), and
+    the split call gives what one walk of each sequence gives."""
+    from delta_rule_recurrence import rel_rmse
+
+    kernel = entry.ChunkKernel("test", None, delta_rule=False, token_gate_transition=True)
+    torch.manual_seed(3)
+    cu = [0, 0, 1, 3100, 3100, 3101, 6200]  # forced cuts every 1024 tokens: the long sequences have middle ranges
+    q, k, v, g, _ = inputs(1, 6200, 2, 2, False)
+    g = g * 1e-3  # slow decay: a middle range's transition reaches its successors
+    g[0, 1500] = float("-inf")  # a reset inside the first long sequence's middle range
+    h0 = torch.randn(len(cu) - 1, 2, 32, 32) * 0.1
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    fwd = entry_for(kernel)
+    outs = {}
+    for split in (True, False):
+        launches.clear()
+        init = h0.transpose(-1, -2).contiguous() if state_v_first else h0
+        o, ht = fwd(q, k, v, g, g, 32**-0.5, init, True, cu_t, state_v_first, split=split, cu_seqlens_cpu=cu_t)
+        outs[split] = (o.float(), ht.transpose(-1, -2) if state_v_first else ht)
+        modes = [c.mode for c, _ in launches]
+        assert modes == (["full", "correction"] if split else ["full"]), modes
+    for n in range(len(cu) - 1):
+        s, e = cu[n], cu[n + 1]
+        assert rel_rmse(outs[True][1][n], outs[False][1][n]) < 1e-5, n
+        if e > s:
+            assert rel_rmse(outs[True][0][0, s:e], outs[False][0][0, s:e]) < 5e-3, n
+
+
 def test_a_wrong_correction_pass_fails(monkeypatch):
     def no_correction(kernel, call, config, t, scale):
         if config.mode != "correction":

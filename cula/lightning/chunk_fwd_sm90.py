@@ -52,8 +52,9 @@ def token_gate(g: torch.Tensor | None, g_gamma: torch.Tensor | None, v: torch.Te
 
 def split_cost(call: entry.ChunkCall) -> segment_split.SplitCost:
     """The split passes' costs: GDN's measured ones (no split pass of this kernel has been timed; its correction pass,
-    without P and the update, costs less), uncached: the later passes carry no V (they need neither Tinv nor P)."""
-    return devices.times_for(call.q.device).kernels["gdn"].split._replace(cached=False)
+    without P and the update, costs less), uncached: the later passes carry no V (they need neither Tinv nor P); no
+    transition pass (the token gate's decay, made on the host)."""
+    return devices.times_for(call.q.device).kernels["gdn"].split._replace(cached=False, transition=0.0)
 
 
 def compile_simple_gla_fwd_sm90(arch="sm_90a", **options):
@@ -67,6 +68,7 @@ SIMPLE_GLA_SM90 = entry.ChunkKernel(
     compile_simple_gla_fwd_sm90,
     split_cost=split_cost,
     delta_rule=False,
+    token_gate_transition=True,
 )
 
 

@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 
 from cula import runtime
+from cula.ops.gates import GATE_FLOOR
 
 CHUNK = 64
 # (mode, starts, ends, initial states or None, out) -> final states [len(starts), HV, K, K or V] fp32
@@ -199,6 +200,20 @@ def chain_starts_torch(local, trans, starts, offsets, rows) -> None:
             starts[slot] = state
             if t >= 0:
                 state = torch.baddbmm(local[i], trans[t], state)
+
+
+def token_gate_transitions(g: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, K: int) -> torch.Tensor:
+    """What a "transition" pass returns for the token ranges ``[starts, ends)`` of a recurrence without the delta
+    rule whose gate is one log gate per token and head (``g`` [1, T, HV] fp32, natural log; the flattened token
+    axis): its v = 0 walk from S = I only decays the state, so a range's transition is e^(its gates' sum) I,
+    ``[ranges, HV, K, K]`` fp32. Each gate is taken as the kernels take it, at :data:`cula.ops.gates.GATE_FLOOR` or
+    above (NaN too); the sums are differences of an fp64 running sum (one in fp32 would cancel over long
+    sequences)."""
+    gate = torch.fmax(g[0].double(), torch.tensor(GATE_FLOOR, dtype=torch.float64, device=g.device))
+    running = torch.cat([gate.new_zeros(1, gate.shape[1]), gate.cumsum(0)])  # [T + 1, HV]
+    decay = (running[ends.long()] - running[starts.long()]).exp().float()  # [ranges, HV]
+    eye = torch.eye(K, dtype=torch.float32, device=g.device)
+    return decay[:, :, None, None] * eye
 
 
 def split_forward(
