@@ -119,17 +119,18 @@ def test_split_passes(per_key, state_v_first, launches):
     assert {c.mode for c, _ in launches} == {"full", "transition", "correction"}
 
 
+@pytest.mark.parametrize("per_key", [False, True])
 @pytest.mark.parametrize("state_v_first", [False, True])
-def test_a_token_gate_split_takes_its_transitions_from_the_gate(state_v_first, launches):
-    """A kernel without the delta rule whose gate is one per token (simple GLA's) launches no "transition" pass: the
-    host makes each middle range's e^(its gates' sum) I (a -inf gate taken at the floor, as the kernels take it), and
-    the split call gives what one walk of each sequence gives."""
+def test_a_gated_split_without_the_delta_rule_takes_its_transitions_from_the_gate(per_key, state_v_first, launches):
+    """A kernel without the delta rule (simple GLA's gate per token, GLA's per key) launches no "transition" pass: the
+    host makes each middle range's diag(e^(its gates' sum)) (a -inf gate taken at the floor, as the kernels take it),
+    and the split call gives what one walk of each sequence gives."""
     from delta_rule_recurrence import rel_rmse
 
-    kernel = entry.ChunkKernel("test", None, delta_rule=False, token_gate_transition=True)
+    kernel = entry.ChunkKernel("test", None, delta_rule=False, gate_transition=True)
     torch.manual_seed(3)
     cu = [0, 0, 1, 3100, 3100, 3101, 6200]  # forced cuts every 1024 tokens: the long sequences have middle ranges
-    q, k, v, g, _ = inputs(1, 6200, 2, 2, False)
+    q, k, v, g, _ = inputs(1, 6200, 2, 2, per_key)
     g = g * 1e-3  # slow decay: a middle range's transition reaches its successors
     g[0, 1500] = float("-inf")  # a reset inside the first long sequence's middle range
     h0 = torch.randn(len(cu) - 1, 2, 32, 32) * 0.1

@@ -267,8 +267,8 @@ def compile_gla_fwd_sm90(arch="sm_90a", *, beta_fp32=True, state_v_first=False, 
 
 def split_cost(call: entry.ChunkCall) -> segment_split.SplitCost:
     """The split passes' costs on the call's GPU (:func:`cula.devices.times_for`), uncached: the kernel saves no
-    intra-chunk matrices (its later passes make none)."""
-    return devices.times_for(call.q.device).kernels["gla"].split._replace(cached=False)
+    intra-chunk matrices (its later passes make none); no transition pass (the gate's decay, made on the host)."""
+    return devices.times_for(call.q.device).kernels["gla"].split._replace(cached=False, transition=0.0)
 
 
 GLA_SM90 = entry.ChunkKernel(
@@ -277,6 +277,7 @@ GLA_SM90 = entry.ChunkKernel(
     gate_args=kda.gate_args,
     split_cost=split_cost,
     delta_rule=False,
+    gate_transition=True,
 )
 
 

@@ -68,7 +68,7 @@ SIMPLE_GLA_SM90 = entry.ChunkKernel(
     compile_simple_gla_fwd_sm90,
     split_cost=split_cost,
     delta_rule=False,
-    token_gate_transition=True,
+    gate_transition=True,
 )
 
 

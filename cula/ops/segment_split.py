@@ -202,18 +202,29 @@ def chain_starts_torch(local, trans, starts, offsets, rows) -> None:
                 state = torch.baddbmm(local[i], trans[t], state)
 
 
-def token_gate_transitions(g: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, K: int) -> torch.Tensor:
+def gate_transitions(g: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, K: int) -> torch.Tensor:
     """What a "transition" pass returns for the token ranges ``[starts, ends)`` of a recurrence without the delta
-    rule whose gate is one log gate per token and head (``g`` [1, T, HV] fp32, natural log; the flattened token
-    axis): its v = 0 walk from S = I only decays the state, so a range's transition is e^(its gates' sum) I,
+    rule (``g`` [1, T, HV] or, per key, [1, T, HV, K] fp32 natural-log gates on the flattened token axis): its v = 0
+    walk from S = I only decays the state, so a range's transition is diag(e^(its gates' sum per key)),
     ``[ranges, HV, K, K]`` fp32. Each gate is taken as the kernels take it, at :data:`cula.ops.gates.GATE_FLOOR` or
-    above (NaN too); the sums are differences of an fp64 running sum (one in fp32 would cancel over long
-    sequences)."""
-    gate = torch.fmax(g[0].double(), torch.tensor(GATE_FLOOR, dtype=torch.float64, device=g.device))
-    running = torch.cat([gate.new_zeros(1, gate.shape[1]), gate.cumsum(0)])  # [T + 1, HV]
-    decay = (running[ends.long()] - running[starts.long()]).exp().float()  # [ranges, HV]
-    eye = torch.eye(K, dtype=torch.float32, device=g.device)
-    return decay[:, :, None, None] * eye
+    above (NaN too). A sum is the difference of two running sums, each an fp64 sum over whole 64-token blocks plus an
+    fp32 one within a block (an fp32 running sum over the whole axis would cancel on long sequences; an fp64 one
+    would double the per-key gate's bytes)."""
+    gate = torch.fmax(g[0], torch.tensor(GATE_FLOOR, dtype=g.dtype, device=g.device))  # [T, HV(, K)]
+    T, block = gate.shape[0], CHUNK
+    blocks = torch.cat([gate, gate.new_zeros(-T % block, *gate.shape[1:])]).view(-1, block, *gate.shape[1:])
+    within = blocks.cumsum(1)  # the running sum inside each block, fp32
+    before = torch.cat([blocks.new_zeros(1, *gate.shape[1:], dtype=torch.float64), within[:, -1].double().cumsum(0)])
+
+    def running(t: torch.Tensor) -> torch.Tensor:  # the sum of the gates before token t, [ranges, HV(, K)]
+        b, r = t.long() // block, t.long() % block
+        inside = within[b.clamp_max(within.shape[0] - 1), (r - 1).clamp_min(0)]
+        return before[b] + torch.where((r > 0).view(-1, *[1] * (inside.dim() - 1)), inside, 0.0).double()
+
+    decay = (running(ends) - running(starts)).exp().float()
+    if decay.dim() == 2:  # one gate for every key
+        decay = decay[..., None].expand(*decay.shape, K)
+    return torch.diag_embed(decay)
 
 
 def split_forward(

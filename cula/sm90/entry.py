@@ -86,10 +86,10 @@ class ChunkKernel:
     - ``options(call)``: its compile-time options beyond :class:`ChunkFwdConfig` (part of the cache key).
     - ``delta_rule``: its recurrence (:attr:`ChunkFwdConfig.delta_rule`), in every launch's config.
     - ``chunk``: its chunk size (the state walks' checkpoint rows, :mod:`cula.sm90.walks`).
-    - ``token_gate_transition``: a split's transitions are made on the host from the gate
-      (:func:`cula.ops.segment_split.token_gate_transitions`) instead of by a "transition" pass: true for a kernel
-      without the delta rule whose gate is one activated fp32 log gate per token, where a range's transition is
-      that gate's decay over the range, a multiple of the identity."""
+    - ``gate_transition``: a split's transitions are made on the host from the gate
+      (:func:`cula.ops.segment_split.gate_transitions`) instead of by a "transition" pass: true for a kernel without
+      the delta rule that reads its gate activated (fp32 natural log, per token or per token and key), where a
+      range's transition is the gate's decay over the range, a diagonal."""
 
     name: str
     compile: Callable[..., Any]
@@ -99,7 +99,7 @@ class ChunkKernel:
     options: Callable[[ChunkCall], dict] = field(default=lambda call: {})
     delta_rule: bool = True
     chunk: int = CHUNK
-    token_gate_transition: bool = False
+    gate_transition: bool = False
 
 
 def cached_zeros(device, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -296,8 +296,8 @@ def _split(kernel: ChunkKernel, call: ChunkCall, plan: Plan, o: torch.Tensor, sc
     saved = {}
 
     def run(mode, starts, ends, h0_, out_):
-        if mode == "transition" and kernel.token_gate_transition:
-            return segment_split.token_gate_transitions(flat[3], starts, ends, K)
+        if mode == "transition" and kernel.gate_transition and call.gate is None:
+            return segment_split.gate_transitions(flat[3], starts, ends, K)
         Vd = K if mode == "transition" else call.v.shape[3]
         ht_ = torch.empty(starts.numel(), HV, K, Vd, dtype=torch.float32, device=call.q.device)
         intra = "none"
