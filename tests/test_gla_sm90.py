@@ -88,8 +88,8 @@ def test_head_dim_64(monkeypatch, gates):
 @pytest.mark.parametrize("gates", ["layer", "resets"])
 @pytest.mark.parametrize("state_v_first", [False, True])
 def test_split_passes(monkeypatch, gates, state_v_first):
-    """Long sequences cut every 16 chunks (forced): the first, transition and correction passes and the start chain,
-    varlen with a 1-token sequence and initial states."""
+    """Long sequences cut every 16 chunks (forced): the first and correction passes, the middle segments' transitions
+    from the gate and the start chain, varlen with a 1-token sequence and initial states."""
     cu = [0, 2100, 2101, 5101]
     run_case(monkeypatch, 1, 5101, 2, gates=gates, cu=cu, h0=True, state_v_first=state_v_first, split=True)
 

@@ -93,7 +93,7 @@ def test_head_dim_64(monkeypatch):
 
 @pytest.mark.parametrize("h0", [False, True])
 def test_split_sequences(monkeypatch, h0):
-    # a cut every 16 chunks: the transition and correction passes and the start chain
+    # a cut every 16 chunks: the correction pass, the middle segment's transition from the gate and the start chain
     run_case(monkeypatch, 1, 3000, 2, cu=[0, 2500, 3000], h0=h0, split=True)
 
 

@@ -308,7 +308,6 @@ entry.register_checked(
         "[pool, read only]",
         "[bf16 pool]",
         "[D=64]",
-        "[transition]",
         "[correction]",
         "[D=64, correction]",
         *entry.WALK_CONFIGS,

@@ -113,7 +113,6 @@ entry.register_checked(
         "[pool, read only]",
         "[bf16 pool]",
         "[D=64]",
-        "[transition]",
         "[correction]",
         *entry.WALK_CONFIGS,
         "[D=64, state-gradient walk]",
