@@ -350,7 +350,7 @@ def test_the_sanitizer_workload_is_valid_calls():
 @pytest.mark.parametrize("split", [False, True])
 def test_the_simple_gla_kernel_launches_without_the_delta_rule(monkeypatch, split):
     """Every launch of simple GLA's SM90 entry, unsplit and in each split pass, asks for the kernel without the
-    delta rule (its config is the compile cache's key)."""
+    delta rule (its config is the compile cache's key); a split runs no transition pass (the host makes them)."""
     from cula.lightning.chunk_fwd_sm90 import chunk_simple_gla_fwd_sm90
 
     configs = []
@@ -360,7 +360,7 @@ def test_the_simple_gla_kernel_launches_without_the_delta_rule(monkeypatch, spli
     q, k, v, g, _ = inputs(1, 2100, 2, 2, per_key=False)
     chunk_simple_gla_fwd_sm90(q, k, v, g, None, None, None, False, None, False, None, split)
     assert configs and all(not c.delta_rule for c in configs)
-    assert {c.mode for c in configs} == ({"full", "transition", "correction"} if split else {"full"})
+    assert {c.mode for c in configs} == ({"full", "correction"} if split else {"full"})
 
 
 def pooled_call_and_reference(gdn_inputs, pool, slots, cu, inplace, state_v_first=False):
@@ -464,7 +464,8 @@ def test_the_chunk_kernels_take_pools_with_and_without_padding(monkeypatch, indi
 @pytest.mark.parametrize("split", [False, True])
 def test_gla_runs_without_the_delta_rule_whole_or_split(launches, split):
     """GLA's host path without the delta rule (beta's slot unread): one launch, or (forced) the uncached split passes
-    (first, transition, correction), as the reference backend's chunk_gla on the same inputs."""
+    (first and correction; the middle segments' transitions from the gate), as the reference backend's chunk_gla on
+    the same inputs."""
     import cula
     from cula.gla.chunk_fwd_sm90 import chunk_gla_fwd_sm90
 
@@ -472,7 +473,7 @@ def test_gla_runs_without_the_delta_rule_whole_or_split(launches, split):
     cu = torch.tensor([0, 1, 2100, 2100, 2300])
     h0 = torch.randn(4, 2, 32, 32) * 0.1
     o, ht = chunk_gla_fwd_sm90(q, k, v, g, None, h0, True, cu, split=split)
-    modes = ["full", "transition", "correction"] if split else ["full"]
+    modes = ["full", "correction"] if split else ["full"]
     assert [(c.delta_rule, c.mode, c.intra) for c, _ in launches] == [(False, m, "none") for m in modes]
     o_ref, ht_ref = cula.gla.chunk_gla(q, k, v, g, initial_state=h0, output_final_state=True, cu_seqlens=cu)
     assert (o.float() - o_ref.float()).abs().max() <= 1e-2 and torch.allclose(ht, ht_ref, atol=1e-4)
