@@ -210,7 +210,8 @@ def gate_transitions(g: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, 
     above (NaN too). A sum is the difference of two running sums, each an fp64 sum over whole 64-token blocks plus an
     fp32 one within a block (an fp32 running sum over the whole axis would cancel on long sequences; an fp64 one
     would double the per-key gate's bytes)."""
-    gate = torch.fmax(g[0], torch.tensor(GATE_FLOOR, dtype=g.dtype, device=g.device))  # [T, HV(, K)]
+    # no tensor made from a host value: its copy would wait for the device (and break a CUDA graph's capture)
+    gate = g[0].nan_to_num(nan=GATE_FLOOR, neginf=GATE_FLOOR).clamp_min(GATE_FLOOR)  # [T, HV(, K)]
     T, block = gate.shape[0], CHUNK
     blocks = torch.cat([gate, gate.new_zeros(-T % block, *gate.shape[1:])]).view(-1, block, *gate.shape[1:])
     within = blocks.cumsum(1)  # the running sum inside each block, fp32
