@@ -69,7 +69,7 @@ def test_a_training_step_never_waits_for_the_gpu(op, layout, monkeypatch):
     step()  # compiles the kernels
     torch.cuda.synchronize()
     # the host-made plans are kept per batch layout: made again here, their copies to the GPU are checked too
-    chunk_backward._chunk_token_index.cache_clear()
+    chunk_backward._chunk_rows.cache_clear()
     segment_split._split_plan.cache_clear()
     with cula.backend_counts() as counts:
         torch.cuda.set_sync_debug_mode("error")
