@@ -15,6 +15,7 @@ states [N, H, K, V] fp32 ([N, H, V, K] with ``state_v_first``). One value head p
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -28,14 +29,8 @@ from cula.sm90.scalar_chunk_bwd import ScalarGateChunkBwdSm90
 ENV_GRADIENT_KERNEL = "CULA_CHUNK_GRADIENT_KERNEL"
 
 
-def compile_chunk_gradients_sm90(
-    arch="sm_90a", *, head_dim=128, is_varlen=False, tile_copies=False, keep_artifacts=False
-):
-    """The kernel of passes 3 and 4, compiled on any machine for ``arch`` (``tile_copies``:
-    :data:`cula.sm90.scalar_chunk_bwd.ENV_TILE_COPIES`)."""
-    return scalar_chunk_bwd.compile_gradients(
-        ScalarGateChunkBwdSm90, False, arch, head_dim, is_varlen, keep_artifacts, with_tile_copies=tile_copies
-    )
+# the kernel of passes 3 and 4, compiled on any machine: (arch, *, head_dim, is_varlen, tile_copies, keep_artifacts)
+compile_chunk_gradients_sm90 = functools.partial(scalar_chunk_bwd.compile_gradients, ScalarGateChunkBwdSm90)
 
 
 def chunk_gradients_sm90(q, k, v, do, gate, S, dS, chunks, scale, is_varlen):

@@ -82,6 +82,8 @@ def swizzled(r, c, width: cutlass.Constexpr):
 class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
     """The kernel (module docstring); the token and score helpers are the scalar-gate kernel's."""
 
+    per_key_gate = True
+
     def __init__(self, head_dim: int, is_varlen: bool, tile_copies: bool = False):
         super().__init__(head_dim, is_varlen, tile_copies)
         self.threads = 128 * WARPGROUPS

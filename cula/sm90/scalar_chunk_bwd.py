@@ -107,13 +107,14 @@ def tile_copies() -> bool:
 
 
 def compile_gradients(
-    kernel_class, per_key_gate: bool, arch: str, head_dim: int, is_varlen: bool, keep=False, with_tile_copies=False
+    kernel_class, arch="sm_90a", *, head_dim=128, is_varlen=False, tile_copies=False, keep_artifacts=False
 ):  # fmt: skip
-    """``kernel_class`` (this kernel, or the per-key one) compiled on any machine for ``arch``."""
+    """``kernel_class`` (this kernel, or the per-key one) compiled on any machine for ``arch`` (``tile_copies``:
+    :data:`ENV_TILE_COPIES`); bound to its class, a variant's compile function for the compile check."""
     from cula import runtime
 
-    args = fake_args(head_dim, per_key_gate)
-    return runtime.compile_kernel(kernel_class(head_dim, is_varlen, with_tile_copies), args, arch, keep)
+    args = fake_args(head_dim, kernel_class.per_key_gate)
+    return runtime.compile_kernel(kernel_class(head_dim, is_varlen, tile_copies), args, arch, keep_artifacts)
 
 
 def gradients(name: str, kernel_class, q, k, v, do, gate, S, dS, chunks, scale, is_varlen) -> tuple:
@@ -126,12 +127,11 @@ def gradients(name: str, kernel_class, q, k, v, do, gate, S, dS, chunks, scale, 
     from cula import runtime
 
     B, T, H, D = q.shape
-    per_key = gate.dim() == 4
     arch = runtime.device_arch(q.device)
     copies = tile_copies()
     fn = runtime.get_or_compile(
         (name, D, is_varlen, copies, arch),
-        lambda: compile_gradients(kernel_class, per_key, arch, D, is_varlen, with_tile_copies=copies),
+        lambda: compile_gradients(kernel_class, arch, head_dim=D, is_varlen=is_varlen, tile_copies=copies),
     )
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dgate = torch.empty(gate.shape, dtype=torch.float32, device=q.device)
@@ -141,6 +141,8 @@ def gradients(name: str, kernel_class, q, k, v, do, gate, S, dS, chunks, scale, 
 
 class ScalarGateChunkBwdSm90:
     """The kernel (module docstring)."""
+
+    per_key_gate = False  # g and dg [B, T, H]; the per-key kernel's carry a key mode
 
     def __init__(self, head_dim: int, is_varlen: bool, tile_copies: bool = False):
         assert head_dim in (64, 128), head_dim
