@@ -307,7 +307,7 @@ def check_state_walk(kernel, walk, D, per_key_gate, lengths=(0, 1, 130, 64, 777)
     beta = torch.empty(1, T, H, device="cuda") if per_key_gate else gate
     start = torch.randn(N, H, D, D, device="cuda") * 0.1
     cu = torch.tensor(offsets, dtype=torch.int32, device="cuda")
-    _, rows = chunk_backward.chunk_token_index(offsets, False, chunk=C)
+    rows = chunk_backward.chunk_rows(offsets, False, chunk=C).rows
     scale = 0.3
     got, final = state_walk(kernel, walk, x, x, y, gate, beta, scale, start, cu, rows, False)
     torch.cuda.synchronize()
@@ -354,7 +354,7 @@ def check_delta_walk(kernel, walk, D, H, HV, per_key_gate, lengths=(0, 1, 130, 6
     h0 = torch.randn(N, HV, D, D, device="cuda") * 0.1
     dht = torch.randn(N, HV, D, D, device="cuda") * 0.1
     cu = None if fixed_length else torch.tensor(offsets, dtype=torch.int32, device="cuda")
-    _, rows = chunk_backward.chunk_token_index(offsets, fixed_length)
+    rows = chunk_backward.chunk_rows(offsets, fixed_length).rows
     scale = D**-0.5
     start, values = (h0, v) if walk == "states" else (dht, do)
     got, final = state_walk(kernel, walk, q, k, values, g, beta, scale, start, cu, rows, False)

@@ -162,7 +162,7 @@ def test_rows_backward_gives_the_reference_gradients(variant, chunk, batch):
     g = F.logsigmoid(torch.randn(1, T, HV, *((K,) if per_key else ()), dtype=f64) + 2.0)
     beta = torch.rand(1, T, HV, dtype=f64) if delta else None
     h0, dht = torch.randn(N, HV, K, V, dtype=f64) * 0.1, torch.randn(N, HV, K, V, dtype=f64) * 0.1
-    index, _ = chunk_backward.chunk_token_index(offsets, fixed_length=False, chunk=chunk)
+    index, _, _ = chunk_backward.chunk_rows(offsets, fixed_length=False, chunk=chunk)
     firsts = chunk_backward.checkpoint_rows(offsets, fixed_length=False, chunk=chunk)
     starts = torch.full((index.shape[0], HV, V, K), float("nan"), dtype=f64)
     ends = torch.full_like(starts, float("nan"))
@@ -358,7 +358,7 @@ def test_chunk_rows_hold_every_token_once_in_order(fixed_length, chunk):
             if offsets[-1] == 0:
                 continue
         n_tokens = offsets[-1]
-        index, rows = chunk_backward.chunk_token_index(offsets, fixed_length, chunk=chunk)
+        index, rows, _ = chunk_backward.chunk_rows(offsets, fixed_length, chunk=chunk)
         assert index.shape[1] == chunk
         real = index[index < n_tokens]
         assert torch.equal(real.sort().values, torch.arange(n_tokens))

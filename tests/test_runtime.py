@@ -99,12 +99,11 @@ def test_a_copy_captured_in_a_cuda_graph_keeps_its_pinned_source(monkeypatch):
 
 
 def test_the_chunk_rows_index_is_kept_per_batch_layout():
-    index, rows = chunk_backward.chunk_token_index([0, 100, 200], True)
-    again, _ = chunk_backward.chunk_token_index([0, 100, 200], True)
-    other, other_rows = chunk_backward.chunk_token_index([0, 100, 201], False)
-    assert again is index and rows == 4
+    index, rows, kernel_rows = chunk_backward.chunk_rows([0, 100, 200], True)
+    again = chunk_backward.chunk_rows([0, 100, 200], True)
+    other, other_rows, _ = chunk_backward.chunk_rows([0, 100, 201], False)
+    assert again.index is index and rows == 4
     # the per-chunk kernels' view of the rows comes with the index, made once per layout too
-    plan = chunk_backward.chunk_rows([0, 100, 200], True)
-    assert plan.index is index and plan.kernel_rows is chunk_backward.chunk_rows([0, 100, 200], True).kernel_rows
-    assert plan.kernel_rows.tolist() == [[0, 64], [64, 36], [100, 64], [164, 36]]
+    assert again.kernel_rows is kernel_rows
+    assert kernel_rows.tolist() == [[0, 64], [64, 36], [100, 64], [164, 36]]
     assert other is not index and other_rows == 4  # rows 0-1 and 2-3 (offsets[n] // 64 + n)

@@ -62,7 +62,7 @@ def main() -> None:
 
     costs["forward + backward"] = host_ms(step, opts.calls)
     offsets = [b * T for b in range(B + 1)]
-    costs["chunk rows' index"] = host_ms(lambda: chunk_backward.chunk_token_index(offsets, True, "cuda"), opts.calls)
+    costs["chunk rows' index"] = host_ms(lambda: chunk_backward.chunk_rows(offsets, True, "cuda"), opts.calls)
     kernel, g, beta, _ = walk_operands(opts.op, args)
     q, k, v = args["q"], args["k"], args["v"]
     scale = q.shape[3] ** -0.5

@@ -241,14 +241,6 @@ def chunk_rows(offsets: list[int], fixed_length: bool, device=None, chunk: int =
     return _chunk_rows(None if device is None else str(device), tuple(offsets), fixed_length, chunk)
 
 
-def chunk_token_index(
-    offsets: list[int], fixed_length: bool, device=None, chunk: int = CHUNK
-) -> tuple[torch.Tensor, int]:
-    """``(index [rows, C], rows)`` of :func:`chunk_rows`."""
-    plan = chunk_rows(offsets, fixed_length, device, chunk)
-    return plan.index, plan.rows
-
-
 @runtime.device_plan_cache(maxsize=16)
 def _chunk_rows(device, offsets: tuple[int, ...], fixed_length: bool, chunk: int) -> ChunkRows:
     n_tokens = offsets[-1]
@@ -520,7 +512,7 @@ def rows_backward(
     q, k, v, do, g, beta, starts, ends, index, scale, batch=None, bounded_gate=False
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """Passes 3 and 4 of every variant over the chunk rows ``index`` ([rows, C] flattened tokens,
-    :func:`chunk_token_index`) with the state walks' checkpoints ``starts`` / ``ends`` [rows, HV, V, K] (any dtype):
+    :class:`ChunkRows`) with the state walks' checkpoints ``starts`` / ``ends`` [rows, HV, V, K] (any dtype):
     q, k [B, T, H, K]; v, do [B, T, HV, V]; g [B, T, HV] (scalar) or [B, T, HV, K] (per key), natural log; beta
     [B, T, HV] with the delta rule, else None. Returns ``(dq, dk [B, T, H, K] summed over each GVA group,
     dv [B, T, HV, V], dg (g's shape), dbeta [B, T, HV] or None)`` in fp32; gates below the floor get no gradient.
