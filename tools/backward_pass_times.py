@@ -176,12 +176,14 @@ def environment(**values: str):
                 os.environ[name] = value
 
 
-def training_step(op: str, args: dict, do, backend: str):
-    """One forward + backward through the public op, served by ``backend`` (``CULA_BACKEND`` set while it runs)."""
+def training_step(fn, args: dict, do, backend: str):
+    """One forward + backward through the public op ``fn`` (its floating tensor arguments leaves that require grad),
+    served by ``backend`` (``CULA_BACKEND`` set while it runs)."""
     import torch
 
-    fn = entry_point(op)
-    leaves = {n: (x.detach().requires_grad_() if x.is_floating_point() else x) for n, x in args.items()}
+    leaves = {
+        n: x.detach().requires_grad_() if torch.is_tensor(x) and x.is_floating_point() else x for n, x in args.items()
+    }
 
     def step():
         with environment(CULA_BACKEND=backend):
@@ -259,7 +261,7 @@ def main() -> None:
         os.environ["CULA_CHUNK_GRADIENT_KERNEL"] = "1" if opts.op == "simple_gla" else "0"
         os.environ["CULA_DELTA_GRADIENT_KERNEL"] = "1" if opts.op == "gdn" else "0"
         os.environ["CULA_KEY_GRADIENT_KERNEL"] = "1" if opts.op == "gla" else "0"
-        cula_step = training_step(opts.op, args, do, "cute")
+        cula_step = training_step(entry_point(opts.op), args, do, "cute")
         row["cuLA forward + backward"] = report("cuLA forward + backward", median_ms(cula_step, reps=5))
         if opts.profile:
             profile_table(cula_step, opts.profile, f"{opts.op} {shape}: cuLA forward + backward")
@@ -267,7 +269,7 @@ def main() -> None:
             host_profile(cula_step, opts.host_profile, f"{opts.op} {shape}: cuLA forward + backward")
         if not opts.skip_fla:
             try:
-                fla = median_ms(training_step(opts.op, args, do, "fla"), reps=5)
+                fla = median_ms(training_step(entry_point(opts.op), args, do, "fla"), reps=5)
             except Exception as error:  # FLA refuses some backwards on some triton versions
                 fla = f"{type(error).__name__}: {str(error)[:120]}"
             row["FLA forward + backward"] = report("FLA forward + backward", fla)

@@ -231,20 +231,12 @@ STEP_CASES = ("gdn B1 T8192 H64", "simple_gla B1 T8192 H64", "lightning B1 T8192
 
 
 def training_step(fn: Callable, args: dict) -> tuple[Callable, dict]:
-    """A training step on ``fn(**args)`` as ``(step, {})``: every floating input a leaf that requires grad (its
-    ``.grad`` set to None before each step, as ``zero_grad`` does), the forward, then the backward from the output."""
-    leaves = {
-        n: x.detach().requires_grad_() if torch.is_tensor(x) and x.is_floating_point() else x for n, x in args.items()
-    }
-    grads = [x for x in leaves.values() if torch.is_tensor(x) and x.requires_grad]
+    """A training step on ``fn(**args)`` as ``(step, {})``: :func:`backward_pass_times.training_step` (every floating
+    input a leaf that requires grad, its ``.grad`` set to None before each step), the output's cotangent shaped as
+    v."""
+    from backward_pass_times import training_step as step_of
 
-    def step():
-        for x in grads:
-            x.grad = None
-        o = fn(**leaves)[0]
-        o.backward(torch.empty_like(o))
-
-    return step, {}
+    return step_of(fn, args, torch.empty_like(args["v"]), "cute"), {}
 
 
 def time_case(fn: Callable, args: dict, calls: int) -> float:
