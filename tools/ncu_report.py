@@ -24,7 +24,7 @@ def run(op: str, mode: str, shape: str) -> None:
     import torch
 
     sys.path.insert(0, os.path.dirname(__file__))
-    from backward_pass_times import entry_point, inputs
+    from backward_pass_times import entry_point, inputs, training_step
 
     B, T, H = (int(x) for x in shape.split("x"))
     args, do = inputs(op, B, T, H, "g")
@@ -38,10 +38,7 @@ def run(op: str, mode: str, shape: str) -> None:
         os.environ.setdefault("CULA_BACKEND", "cute")
         fn = entry_point(op)
         if mode == "step":
-            for x in args.values():
-                if x.is_floating_point():
-                    x.requires_grad_(True)
-            calls = [lambda: fn(**args)[0].backward(do)] * 3
+            calls = [training_step(fn, args, do, os.environ["CULA_BACKEND"])] * 3
         else:
             calls = [lambda: fn(**args)] * 3
     for call in calls:
