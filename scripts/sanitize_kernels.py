@@ -96,8 +96,8 @@ def shape_calls(op: str, device: str, whole: bool = False):
         yield name, call
 
 
-# the backwards' calls (op name -> the chunk op and the environment its backward runs under): GDN, simple GLA and
-# GLA (their per-chunk passes in PyTorch, or by their kernels)
+# the backwards' calls (op name -> the chunk op and the environment its backward runs under): GDN, simple GLA, GLA
+# and KDA (their per-chunk passes in PyTorch, or by their kernels)
 TRAINING = {
     "gdn_train": ("gdn", {"CULA_DELTA_GRADIENT_KERNEL": "0"}),
     "gdn_train_kernel": ("gdn", {"CULA_DELTA_GRADIENT_KERNEL": "1"}),
@@ -105,7 +105,8 @@ TRAINING = {
     "simple_gla_train_kernel": ("simple_gla", {"CULA_CHUNK_GRADIENT_KERNEL": "1"}),
     "gla_train": ("gla", {"CULA_KEY_GRADIENT_KERNEL": "0"}),
     "gla_train_kernel": ("gla", {"CULA_KEY_GRADIENT_KERNEL": "1"}),
-    "kda_train": ("kda", {}),
+    "kda_train": ("kda", {"CULA_KDA_GRADIENT_KERNEL": "0"}),
+    "kda_train_kernel": ("kda", {"CULA_KDA_GRADIENT_KERNEL": "1"}),
 }
 
 

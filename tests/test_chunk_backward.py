@@ -589,22 +589,24 @@ def key_delta_chunk_inputs(N, C, K, gates, valid, dtype=torch.float64):
     return q, k, v, beta, g * inside[..., None], S, dS, do
 
 
+@pytest.mark.parametrize("slab", [16, 8])
 @pytest.mark.parametrize("gates", ["layer", "steepest"])
-def test_the_kda_gradient_plans_stages_are_the_algebra(gates):
-    """The plan for KDA's per-chunk gradient kernel (cula.ops.chunk_emulation.key_delta_chunk_gradients: the delta
-    kernel's stages with every pair-factor sum by two reference tokens per chunk), with exact operands, equals the
-    per-key delta rule's per-chunk gradients (key_delta_rows) to rounding, on whole and cut chunks."""
+def test_the_kda_gradient_plans_stages_are_the_algebra(gates, slab):
+    """KDA's per-chunk gradient kernel emulated (cula.ops.chunk_emulation.key_delta_chunk_gradients: the delta
+    kernel's stages with every pair-factor sum by two reference tokens per chunk, the value columns in slabs whose
+    partial gradients are summed), with exact operands, equals the per-key delta rule's per-chunk gradients
+    (key_delta_rows) to rounding, on whole and cut chunks, in one slab or two."""
     torch.manual_seed(7)
     x = key_delta_chunk_inputs(4, 64, 16, gates, [64, 1, 37, 0])
     want = chunk_backward.key_delta_rows(*x, 0.3)
-    got = chunk_emulation.key_delta_chunk_gradients(*x, 0.3, operand=lambda t: t)
+    got = chunk_emulation.key_delta_chunk_gradients(*x, 0.3, operand=lambda t: t, slab=slab)
     for name, a, b in zip(("dq", "dk", "dv", "dbeta", "dg"), got, want, strict=True):
         assert torch.isfinite(a).all(), name
         assert rel_rmse(a, b) <= 1e-10, (name, rel_rmse(a, b))
 
 
 @pytest.mark.parametrize("gates", ["layer", "steepest"])
-def test_the_kda_gradient_plans_roundings_hold_the_bf16_tolerances(gates):
+def test_the_kda_gradient_kernels_roundings_hold_the_bf16_tolerances(gates):
     """With bf16 wgmma operands (the two-reference factors L and R, T, W, V', dV', dW, dT, X, dP, dA_b) and fp32
     accumulation, each chunk-head's gradients stay within the bf16 tolerances of the exact ones at D = 128, KDA's
     steepest gates included: the plan needs no steep path under safe_gate."""
@@ -677,6 +679,57 @@ def test_the_delta_gradient_kernels_host_gives_the_rows_gradients(monkeypatch, l
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want, strict=True):
         assert rel_rmse(a, b) <= 1e-5, (name, rel_rmse(a, b))
     assert got[3][0, 3].eq(0).all()
+
+
+def emulated_key_delta_gradient_kernel(q, k, v, do, g, beta, S, dS, chunks, dq, dk, dv, dbeta, dg, scale):
+    """cula.sm90.key_delta_chunk_bwd's launch on a CPU: per slab of value columns (``cula.kda.chunk_bwd_sm90.SLAB``
+    wide), :func:`emulate_chunk_rows` with the kernel's stages (cula.ops.chunk_emulation.key_delta_slab_gradients,
+    exact operands) on the slab's columns of v, dO and the checkpoints; slab s's dq, dk, dbeta and dg to rows
+    s B .. of theirs, its dv to its columns."""
+    from cula.kda import chunk_bwd_sm90
+
+    def stages(qc, kc, vc, doc, bc, gc, S_row, dS_row):
+        return chunk_emulation.key_delta_slab_gradients(
+            qc, kc, vc, bc, gc, S_row, dS_row, doc, scale, operand=lambda t: t
+        )  # fmt: skip
+
+    B, D = q.shape[0], v.shape[-1]
+    width = chunk_bwd_sm90.SLAB
+    for s, c in enumerate(range(0, D, width)):
+        cols, rows = slice(c, c + width), slice(s * B, (s + 1) * B)
+        dv_slab = torch.zeros_like(dv[..., cols])
+        inputs = (q, k, v[..., cols], do[..., cols], beta, g)
+        outputs = (dq[rows], dk[rows], dv_slab, dbeta[rows], dg[rows])
+        emulate_chunk_rows(chunks, inputs, outputs, S[:, :, cols], dS[:, :, cols], v.shape[2] // q.shape[2], stages)
+        dv[..., cols] = dv_slab
+
+
+@pytest.mark.parametrize("lengths", [[0, 1, 130, 64, 77], None], ids=["varlen", "fixed"])
+def test_the_kda_gradient_kernels_host_gives_the_rows_gradients(monkeypatch, lengths):
+    """KDA's per-chunk gradients by the kernel's host (cula.kda.chunk_bwd_sm90.key_delta_chunk_gradients_sm90: the
+    chunk rows' first tokens and lengths, a CTA per slab of value columns whose parts of dq, dk, dbeta and dg it
+    sums, then dq and dk over each GVA group), its launch emulated on the CPU in two slabs, equal the PyTorch passes
+    (rows_backward with KDA's bounded gate) on the same checkpoints."""
+    from cula.kda import chunk_bwd_sm90
+
+    monkeypatch.setattr(runtime, "device_arch", lambda device: "sm_90a")
+    monkeypatch.setattr(runtime, "get_or_compile", lambda key, build: emulated_key_delta_gradient_kernel)
+    monkeypatch.setattr(chunk_bwd_sm90, "SLAB", 8)
+    torch.manual_seed(4)
+    B, T = (1, sum(lengths)) if lengths else (2, 100)
+    H, HV, D = 1, 2, 16
+    offsets = offsets_of(lengths) if lengths else [0, T, 2 * T]
+    index, rows, chunks = chunk_backward.chunk_rows(offsets, lengths is None)
+    q, k = torch.randn(B, T, H, D), F.normalize(torch.randn(B, T, H, D), dim=-1)
+    v, do = torch.randn(B, T, HV, D), torch.randn(B, T, HV, D)
+    g, beta = F.logsigmoid(torch.randn(B, T, HV, D) + 2.0).clamp_min(-5.0), torch.rand(B, T, HV)
+    starts, ends = (torch.randn(max(rows, 1), HV, D, D) * 0.3 for _ in range(2))
+    got = chunk_bwd_sm90.key_delta_chunk_gradients_sm90(
+        q, k, v, do, g, beta, starts, ends, chunks, 0.25, lengths is not None
+    )
+    want = chunk_backward.rows_backward(q, k, v, do, g, beta, starts, ends, index, 0.25, bounded_gate=True)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want, strict=True):
+        assert rel_rmse(a, b) <= 1e-5, (name, rel_rmse(a, b))
 
 
 def key_chunk_inputs(N, C, K, gates, valid):

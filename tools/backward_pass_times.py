@@ -6,8 +6,8 @@ PERF.md's backward rows.
 
 For each B x T x H shape (D = 128, bf16, H = HV) it prints, as medians of CUDA-event timings over 10 calls: the two
 state walks, the per-chunk passes in PyTorch (``rows_backward``, KDA's with its bounded gate) and by their kernels
-(``CULA_CHUNK_GRADIENT_KERNEL``, ``CULA_DELTA_GRADIENT_KERNEL``, ``CULA_KEY_GRADIENT_KERNEL``; KDA has none yet),
-each kernel as by default and with ``CULA_GRADIENT_TILE_COPIES=1``, then the whole forward + backward through the
+(``CULA_CHUNK_GRADIENT_KERNEL``, ``CULA_DELTA_GRADIENT_KERNEL``, ``CULA_KEY_GRADIENT_KERNEL``,
+``CULA_KDA_GRADIENT_KERNEL``), each kernel as by default and with ``CULA_GRADIENT_TILE_COPIES=1`` where it has them, then the whole forward + backward through the
 public op served by cuLA (``CULA_BACKEND=cute CULA_UNTESTED_KERNELS=1``, with those kernels) and by FLA (where FLA
 runs it; its first call autotunes).
 """
@@ -136,16 +136,15 @@ def passes(op: str, args: dict, do) -> dict:
         ),
     )
     kernel_pass = per_chunk_kernel(op, q, k, v, do, g, beta, w, scale)
-    if kernel_pass is not None:
-        for copies, label in (("0", "per-chunk, kernel"), ("1", "per-chunk, kernel with tile copies")):
-            with environment(CULA_GRADIENT_TILE_COPIES=copies):  # read per call (scalar_chunk_bwd.tile_copies)
-                times[label] = report(label, median_ms(kernel_pass))
+    variants = (("0", "per-chunk, kernel"), ("1", "per-chunk, kernel with tile copies"))
+    for copies, label in variants[: 1 if op == "kda" else 2]:  # KDA's kernel has no tile copies
+        with environment(CULA_GRADIENT_TILE_COPIES=copies):  # read per call (scalar_chunk_bwd.tile_copies)
+            times[label] = report(label, median_ms(kernel_pass))
     return times
 
 
 def per_chunk_kernel(op: str, q, k, v, do, g, beta, w, scale):
-    """Passes 3 and 4 by ``op``'s per-chunk kernel on the walks ``w`` (a call without arguments), or None (KDA has
-    none yet)."""
+    """Passes 3 and 4 by ``op``'s per-chunk kernel on the walks ``w`` (a call without arguments)."""
     if op == "simple_gla":
         from cula.lightning.chunk_bwd_sm90 import chunk_gradients_sm90
 
@@ -158,7 +157,9 @@ def per_chunk_kernel(op: str, q, k, v, do, g, beta, w, scale):
         from cula.gla.chunk_bwd_sm90 import key_chunk_gradients_sm90
 
         return lambda: key_chunk_gradients_sm90(q, k, v, do, g, w.starts, w.ends, w.chunks, scale, False)
-    return None
+    from cula.kda.chunk_bwd_sm90 import key_delta_chunk_gradients_sm90
+
+    return lambda: key_delta_chunk_gradients_sm90(q, k, v, do, g, beta, w.starts, w.ends, w.chunks, scale, False)
 
 
 @contextlib.contextmanager
@@ -261,6 +262,7 @@ def main() -> None:
         os.environ["CULA_CHUNK_GRADIENT_KERNEL"] = "1" if opts.op == "simple_gla" else "0"
         os.environ["CULA_DELTA_GRADIENT_KERNEL"] = "1" if opts.op == "gdn" else "0"
         os.environ["CULA_KEY_GRADIENT_KERNEL"] = "1" if opts.op == "gla" else "0"
+        os.environ["CULA_KDA_GRADIENT_KERNEL"] = "1" if opts.op == "kda" else "0"
         cula_step = training_step(entry_point(opts.op), args, do, "cute")
         row["cuLA forward + backward"] = report("cuLA forward + backward", median_ms(cula_step, reps=5))
         if opts.profile:

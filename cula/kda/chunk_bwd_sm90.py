@@ -7,8 +7,9 @@
    walk's final state is dh0;
 3. and 4. each chunk's gradients from its tokens and the two checkpoints, the WY form recomputed: batched PyTorch
    products over the chunk rows (:func:`cula.ops.chunk_backward.rows_backward` with the gate bounded as the forward
-   kernel needs it: every pair-factor sum by two reference tokens per chunk; a per-chunk kernel, planned in
-   :func:`cula.ops.chunk_emulation.key_delta_chunk_gradients`, is still to come).
+   kernel needs it: every pair-factor sum by two reference tokens per chunk), or with ``CULA_KDA_GRADIENT_KERNEL=1``
+   the kernel :class:`cula.sm90.key_delta_chunk_bwd.KeyDeltaChunkBwdSm90` (one CTA per chunk, value head and slab of
+   64 value columns; compiled and in the compile check, not yet run on a GPU).
 
 Shapes: q, k [B, T, H, K]; v, do [B, T, HV, V] bf16; g [B, T, HV, K] fp32 (activated, >= -5: the forward kernel's
 bound); beta [B, T, HV] fp32; states [N, HV, K, V] fp32 ([N, HV, V, K] with ``state_v_first``).
@@ -16,9 +17,59 @@ bound); beta [B, T, HV] fp32; states [N, HV, K, V] fp32 ([N, HV, V, K] with ``st
 
 from __future__ import annotations
 
+import os
+
+import torch
+
+from cula import runtime
 from cula.kda.chunk_fwd_sm90 import KDA_SM90
 from cula.ops import chunk_backward
-from cula.sm90 import walks
+from cula.sm90 import entry, walks
+from cula.sm90.key_delta_chunk_bwd import SLAB, KeyDeltaChunkBwdSm90
+
+# "1": passes 3 and 4 by the per-chunk kernel instead of PyTorch products (not yet run on a GPU)
+ENV_GRADIENT_KERNEL = "CULA_KDA_GRADIENT_KERNEL"
+
+
+def compile_key_delta_chunk_gradients_sm90(arch="sm_90a", *, head_dim=128, is_varlen=False, keep_artifacts=False):
+    """The kernel of passes 3 and 4, compiled on any machine for ``arch``."""
+    import cutlass
+
+    sym, fake = runtime.sym_int, runtime.fake_tensor
+    B, parts, T, H, HV, rows = sym(), sym(), sym(), sym(), sym(), sym()
+    D = head_dim
+    bf16, f32 = cutlass.BFloat16, cutlass.Float32
+    args = (
+        fake(bf16, (B, T, H, D)), fake(bf16, (B, T, H, D)), fake(bf16, (B, T, HV, D)), fake(bf16, (B, T, HV, D)),
+        fake(f32, (B, T, HV, D)), fake(f32, (B, T, HV), align=4),
+        fake(bf16, (rows, HV, D, D)), fake(bf16, (rows, HV, D, D)), fake(cutlass.Int32, (rows, 2), align=4),
+        fake(f32, (parts, T, HV, D)), fake(f32, (parts, T, HV, D)), fake(f32, (B, T, HV, D)),
+        fake(f32, (parts, T, HV), align=4), fake(f32, (parts, T, HV, D)), f32(1.0), runtime.fake_stream(),
+    )  # fmt: skip
+    return runtime.compile_kernel(KeyDeltaChunkBwdSm90(D, is_varlen), args, arch, keep_artifacts)
+
+
+def key_delta_chunk_gradients_sm90(q, k, v, do, g, beta, S, dS, chunks, scale, is_varlen):
+    """Passes 3 and 4 by the kernel: ``(dq, dk [B, T, H, K] summed over each GVA group, dv, dg [B, T, HV, K], dbeta)``
+    in fp32, as :func:`cula.ops.chunk_backward.rows_backward` gives them, the slabs' parts summed; ``chunks`` the
+    chunk rows as the kernel reads them (:class:`cula.ops.chunk_backward.ChunkRows`' ``kernel_rows``)."""
+    B, T, H, D = q.shape
+    HV = v.shape[2]
+    slabs = D // SLAB
+    arch = runtime.device_arch(q.device)
+    fn = runtime.get_or_compile(
+        ("kda_chunk_bwd", D, is_varlen, arch),
+        lambda: compile_key_delta_chunk_gradients_sm90(arch, head_dim=D, is_varlen=is_varlen),
+    )
+    f32 = torch.float32
+    dq, dk, dg = (torch.empty(slabs * B, T, HV, D, dtype=f32, device=q.device) for _ in range(3))
+    dv = torch.empty(B, T, HV, D, dtype=f32, device=q.device)
+    dbeta = torch.empty(slabs * B, T, HV, dtype=f32, device=q.device)
+    fn(q, k, v, do, g, beta, S, dS, chunks, dq, dk, dv, dbeta, dg, float(scale))
+    dq, dk, dg, dbeta = (x.view(slabs, B, *x.shape[1:]).sum(0) for x in (dq, dk, dg, dbeta))
+    if HV != H:
+        dq, dk = (x.view(B, T, H, HV // H, D).sum(3) for x in (dq, dk))
+    return dq, dk, dv, dg, dbeta
 
 
 def chunk_kda_bwd_sm90(q, k, v, g, beta, do, scale, initial_state, dht, cu_seqlens, cu_seqlens_cpu, state_v_first):
@@ -26,11 +77,30 @@ def chunk_kda_bwd_sm90(q, k, v, g, beta, do, scale, initial_state, dht, cu_seqle
     normalised already where the call asks): ``(dq, dk, dv, dg [B, T, HV, K], dbeta, dh0 or None)`` in fp32."""
     g, beta = g.float().contiguous(), beta.float().contiguous()
 
-    def rows(q, k, v, do, w, scale):
-        return chunk_backward.rows_backward(
-            q, k, v, do, g, beta, w.starts, w.ends, w.index, scale, bounded_gate=True
-        )  # fmt: skip
+    if os.environ.get(ENV_GRADIENT_KERNEL, "0") == "1":
+
+        def rows(q, k, v, do, w, scale):
+            return key_delta_chunk_gradients_sm90(
+                q, k, v, do, g, beta, w.starts, w.ends, w.chunks, scale, cu_seqlens is not None
+            )
+
+    else:
+
+        def rows(q, k, v, do, w, scale):
+            return chunk_backward.rows_backward(
+                q, k, v, do, g, beta, w.starts, w.ends, w.index, scale, bounded_gate=True
+            )  # fmt: skip
 
     return walks.walk_backward(
         KDA_SM90, q, k, v, do, g, beta, scale, initial_state, dht, cu_seqlens, cu_seqlens_cpu, state_v_first, rows
     )
+
+
+entry.register_checked(
+    "kda_chunk_bwd_sm90",
+    compile_key_delta_chunk_gradients_sm90,
+    {"": {"is_varlen": True}, "[fixed length]": {}, "[D=64]": {"head_dim": 64, "is_varlen": True}},
+    # measured: at D = 128, a few long-lived scalars (row addresses) stored once where a stage peaks (warpgroup 2's
+    # P^T, warpgroup 1's column sums of dk^end) and reloaded by later stages' stores, outside any loop
+    sass_allowed={"": (30, 0), "[fixed length]": (45, 0)},
+)

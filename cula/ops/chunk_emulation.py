@@ -15,7 +15,7 @@ checked against the fp64 recurrence on a CPU, and a new scheme tried before it i
   by stage (batched chunk-heads, not one sequence).
 - :func:`key_chunk_gradients`: GLA's per-chunk gradient kernel (:mod:`cula.sm90.key_chunk_bwd`), its fast and steep
   paths (batched chunk-heads).
-- :func:`key_delta_chunk_gradients`: the plan for KDA's per-chunk gradient kernel (not yet written): the delta
+- :func:`key_delta_chunk_gradients`: KDA's per-chunk gradient kernel (:mod:`cula.sm90.key_delta_chunk_bwd`): the delta
   kernel's stages with KDA's two reference tokens per chunk (batched chunk-heads).
 
 Shapes: one sequence per call, heads first: q, k [H, T, K]; v [H, T, V]; g [H, T] natural-log gate (per key: [H, T,
@@ -310,63 +310,116 @@ def key_chunk_gradients(q, k, v, do, g, S, dS_end, scale, operand=bf16) -> tuple
     return dq, dk, dv, dg
 
 
-def key_delta_chunk_gradients(q, k, v, beta, g, S, dS_end, do, scale, operand=bf16) -> tuple[torch.Tensor, ...]:
-    """A plan for KDA's per-chunk gradient kernel, not yet written: :func:`delta_chunk_gradients`'s six stages with
-    the per-key gate taken as KDA's forward kernel takes it (:func:`halves_scores`), on chunk-heads batched as
-    :func:`cula.ops.chunk_backward.key_delta_rows` takes them (g [N, C, K] >= -5, FLA's ``safe_gate``; zero past a
-    sequence's end). Returns ``(dq, dk, dv, dbeta, dg [N, C, K])``.
+def key_delta_slab_gradients(q, k, v, beta, g, S, dS_end, do, scale, operand=bf16) -> tuple[torch.Tensor, ...]:
+    """KDA's per-chunk gradient kernel (:mod:`cula.sm90.key_delta_chunk_bwd`) for one slab of value columns:
+    :func:`delta_chunk_gradients`'s six stages with the per-key gate taken against two reference tokens per chunk, on
+    chunk-heads batched as :func:`cula.ops.chunk_backward.key_delta_rows` takes them (g [N, C, K] >= -5, FLA's
+    ``safe_gate``; zero past a sequence's end) and v, do [N, C, Vs], S, dS_end [N, K, Vs] the slab's columns. Every
+    gradient is linear in the slab's columns, so the slabs' ``(dq, dk, dbeta, dg)`` sum to the chunk's and their dv
+    are its columns. Returns ``(dq, dk, dv, dbeta, dg [N, C, K])`` of the slab.
 
-    Every sum over a pair factor e^(G_ik - G_jk) goes by :func:`cula.ops.chunk_backward.two_reference_products`: two
-    reference tokens r = 16, 48, L_i = x_i e^(G_i - G_r) and R_j = k_j e^(G_r - G_j) as bf16 operands (``operand``;
-    exact for the algebra alone); a score is L R^T per half, a gradient of the scores one product per half with the
-    half's factor on the fp32 accumulator between:
+    The references are r = 16 and 48, one per 32-token half; ``R_j = k_j e^(G_r(j) - G_j)`` and ``L_i = x_i
+    e^(G_i - G_r(i))`` take the reference of their own token's half, and the scores' left operands
+    ``L^h_i = x_i e^(G_i - G_rh)`` (zero before half h) that of the columns' half h:
 
-        dX_ik  = sum_h e^(G_ik - G_rk) (dM[:, h] R_h)_ik           (i in or after half h)
-        dK_jk  = e^(G_rk - G_jk) (dM^T L_h)_jk                      (j in half h)
+        scores_ij  = (L^h R^T)_ij                                     (j in half h: each half one product)
+        dX_ik      = sum_h e^(G_ik - G_rh,k) (dM[:, h] R_h)_ik          (i in or after half h)
+        dK_jk      = sum_h e^(G_rh,k - G_jk) (dM[h, :]^T L_h)_jk        (j before the end of half h)
 
-    for dM = dP (X = Q) and dM = beta dA (X = K). dg per key is the suffix sum of q dq - k dk's pair and end parts,
-    the pair terms of A, beta e^G k d_bk, and the chunk's constant."""
-    from cula.ops import chunk_backward  # (which imports this module)
-
+    for dM = dP (X = Q) and dM = beta dA (X = K): each half's product has its factor applied to the fp32 product
+    alone (a factor of one half would overflow on the other's). ``operand``: the bf16 rounding of the kernel's wgmma
+    operands and stored tiles. dg per key is the suffix sum of q dq - k dk + 2 Z with the slab's final dq and dk and
+    Z = k (dk_rows + beta e^G d_bk) (the kernel reads dq and dk back instead of keeping each term), plus the chunk's
+    constant sum_j k_j dk^end_j + e^G_L sum_v S dS'."""
     r = operand
     N, C, K = q.shape
+    half = C // 2
+    refs = (half // 2, half + half // 2)
+    idx = torch.arange(C, device=q.device)
+    lower, strict = idx[:, None] >= idx[None, :], idx[:, None] > idx[None, :]
     G = torch.cumsum(g, dim=1)
     G_L = G[:, -1:]
     E, F = torch.exp(G), torch.exp(G_L - G)
-    idx = torch.arange(C, device=q.device)
-    lower, strict = idx[:, None] >= idx[None, :], idx[:, None] > idx[None, :]
+    G_ref = [G[:, ref : ref + 1] for ref in refs]
+    G_own = torch.where((idx < half)[None, :, None], G_ref[0], G_ref[1])
     b = beta[..., None]
     S, dS_end, q, k, v, do = (r(x) for x in (S, dS_end, q, k, v, do))
     t = lambda x: x.transpose(1, 2)  # noqa: E731
+    R = r(k * torch.exp(G_own - G))
 
-    def products(x, dm, scale_):
-        return chunk_backward.two_reference_products(x, k, dm, G, scale_, operand=r, dtype=q.dtype)
+    def scores(x):
+        out = x.new_zeros(N, C, C)
+        for h in range(2):
+            cols = slice(h * half, (h + 1) * half)
+            left = r(torch.where((idx >= h * half)[None, :, None], x * torch.exp(G - G_ref[h]), 0.0))
+            out[:, :, cols] = (left @ t(R))[:, :, cols]
+        return out
 
-    # stage 1: A and T; dV' = F (K dS') + P^T dO
-    kk = torch.where(strict, products(k, None, 1.0)[0], 0.0)
+    def row_gradient(dM):
+        out = torch.zeros_like(q)
+        for h in range(2):
+            cols = slice(h * half, (h + 1) * half)
+            part = dM[:, :, cols] @ R[:, cols]
+            out = out + torch.where((idx >= h * half)[None, :, None], torch.exp(G - G_ref[h]) * part, 0.0)
+        return out
+
+    def column_gradient(dM, x):
+        own = r(x * torch.exp(G - G_own))
+        out = torch.zeros_like(q)
+        for h in range(2):
+            rows = slice(h * half, (h + 1) * half)
+            part = t(dM[:, rows]) @ own[:, rows]
+            out = out + torch.where((idx < (h + 1) * half)[None, :, None], torch.exp(G_ref[h] - G) * part, 0.0)
+        return out
+
+    # stage 1: A and T; P^T; dV' = (F K) dS' + P^T dO
+    kk = torch.where(strict, scores(k), 0.0)
     eye = torch.eye(C, dtype=q.dtype, device=q.device)
     T = r(torch.linalg.solve_triangular(eye + b * kk, eye.expand(N, C, C), upper=False))
-    pt = r(t(products(q, None, scale)[0]))
+    pt = r(t(torch.where(lower, scale * scores(q), 0.0)))
     dvn = r(r(F * k) @ dS_end + pt @ do)
-    # stage 2: W = T diag(beta) (K e^G), U = T diag(beta) V, V' = U - W S; dW = -dV' S^T
+    # stage 2: W = T diag(beta) (E K), V' = T diag(beta) V - W S; dW = -dV' S^T
     t_beta = r(T * t(b))
-    w_neg = r(-(t_beta @ r(E * k)))
+    ek = r(E * k)
+    w_neg = r(-(t_beta @ ek))
     vn = r(t_beta @ v + w_neg @ S)
     dw = r(-(dvn @ t(S)))
-    # stage 3: dP = dO V'^T (scaled in the products); dq, and dk's P and end parts
-    _, dq_pair, dk_pair = products(q, torch.where(lower, do @ t(vn), 0.0), scale)
-    dq = scale * E * (do @ t(S)) + dq_pair
+    # stage 3: dq; dk's end and P parts
+    dP = r(torch.where(lower, scale * (do @ t(vn)), 0.0))
+    dq = scale * E * (do @ t(S)) + row_gradient(dP)
     dk_end = F * (vn @ t(dS_end))
-    # stage 4: dT, d_bk = T^T dW, d_bv = T^T dV'
-    dT = r(t(b) * (dw @ t(r(E * k)) + dvn @ t(v)))
+    dk = dk_end + column_gradient(dP, q)
+    # stage 4: dT; d_bk = T^T dW (dk += beta E d_bk); d_bv = T^T dV'
+    dT = r(t(b) * (dw @ t(ek) + dvn @ t(v)))
     d_bk, d_bv = t(T) @ dw, t(T) @ dvn
+    dk = dk + b * E * d_bk
+    Z = k * b * E * d_bk
     # stage 5: X = dT T^T, dA = -(T^T X) on the strict lower triangle
     dA = torch.where(strict, -(t(T) @ r(dT @ t(T))), 0.0)
-    # stage 6: the pair terms of A; dbeta and dg
-    _, dk_rows, dk_cols = products(k, b * dA, 1.0)
-    dk = dk_pair + dk_end + dk_rows + dk_cols + b * E * d_bk
-    dbeta = (dA * kk).sum(-1) + (E * k * d_bk).sum(-1) + (v * d_bv).sum(-1)
-    local = q * dq - k * (dk_pair + dk_end) + k * (dk_rows - dk_cols) + b * E * k * d_bk
+    dA_b = r(b * dA)
+    # stage 6: the pair terms of A
+    rows_term = row_gradient(dA_b)
+    Z = Z + k * rows_term
+    dk = dk + rows_term + column_gradient(dA_b, k)
+    dbeta = (dA * kk).sum(-1) + (ek * d_bk).sum(-1) + (v * d_bv).sum(-1)
     constant = (k * dk_end).sum(1, keepdim=True) + torch.exp(G_L) * (S * dS_end).sum(-1)[:, None, :]
-    dg = local.flip(1).cumsum(1).flip(1) + constant
+    dg = (q * dq - k * dk + 2 * Z).flip(1).cumsum(1).flip(1) + constant
     return dq, dk, b * d_bv, dbeta, dg
+
+
+def key_delta_chunk_gradients(
+    q, k, v, beta, g, S, dS_end, do, scale, operand=bf16, slab=64
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """KDA's per-chunk gradient kernel over all value columns, ``slab`` at a time (its CTAs per chunk-head: one per
+    slab, :func:`key_delta_slab_gradients`), their partial gradients summed as the kernel's host sums them. Shapes
+    as :func:`key_delta_slab_gradients` with the whole V; returns ``(dq, dk, dv, dbeta, dg [N, C, K])``."""
+    V = v.shape[-1]
+    parts = [
+        key_delta_slab_gradients(
+            q, k, v[..., c : c + slab], beta, g, S[..., c : c + slab], dS_end[..., c : c + slab], do[..., c : c + slab],
+            scale, operand,
+        )
+        for c in range(0, V, slab)
+    ]  # fmt: skip
+    dq, dk, _, dbeta, dg = (sum(p[n] for p in parts) for n in range(5))
+    return dq, dk, torch.cat([p[2] for p in parts], dim=-1), dbeta, dg

@@ -210,10 +210,10 @@ class DeltaChunkBwdSm90(ScalarGateChunkBwdSm90):
                 sX[r, c] = (acc[e] * factor).to(cutlass.BFloat16)
 
     @cute.jit
-    def add_rows(self, acc, cTD, mX, valid, b, t0, h):
-        """``mX[b, t0 + i, h] +=`` the (C x D) accumulator's rows before ``valid``. Each of the thread's two rows
-        loads all its old values before its stores (loaded between stores to the same tensor, they made one dependent
-        global round trip each), from a row clamped into the chunk, so that they issue at once."""
+    def add_rows(self, acc, cTD, mX, valid, b, t0, h, col0=0):
+        """``mX[b, t0 + i, h, col0:] +=`` the (C x N) accumulator's rows before ``valid``. Each of the thread's two
+        rows loads all its old values before its stores (loaded between stores to the same tensor, they made one
+        dependent global round trip each), from a row clamped into the chunk, so that they issue at once."""
         n_cols = cute.size(acc) // 2
         old = cute.make_rmem_tensor(cute.make_layout(n_cols), cutlass.Float32)
         for rr in cutlass.range_constexpr(2):  # the thread's two rows: one row address and one predicate each
@@ -221,12 +221,12 @@ class DeltaChunkBwdSm90(ScalarGateChunkBwdSm90):
             row = mX[b, t0 + cutlass.min(r, valid - 1), h, None]
             for kc in cutlass.range_constexpr(n_cols):
                 _, d = cTD[mma.acc_col_element(kc, rr)]
-                old[kc] = row[d]
+                old[kc] = row[col0 + d]
             if r < valid:
                 for kc in cutlass.range_constexpr(n_cols):
                     e = mma.acc_col_element(kc, rr)
                     _, d = cTD[e]
-                    row[d] = old[kc] + acc[e]
+                    row[col0 + d] = old[kc] + acc[e]
 
     # ---------------------------------------------------------------- warpgroup 0: the WY form and its gradients
     @cute.jit

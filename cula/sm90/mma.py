@@ -23,18 +23,20 @@ def tiled_mma(m: int, n: int, b_major: str = "K", a_in_registers: bool = True):
 
 
 @cute.jit
-def gemm(tiled_mma, acc, a_frag, b_frag, zero_init: cutlass.Constexpr):
-    """acc (+)= A B over all k-blocks of the operands (wgmma, issued not waited)."""
-    for kb in cutlass.range_constexpr(cute.size(a_frag, mode=[2])):
-        tiled_mma.set(warpgroup.Field.ACCUMULATE, not (zero_init and kb == 0))
-        cute.gemm(tiled_mma, acc, a_frag[None, None, kb], b_frag[None, None, kb], acc)
+def gemm(tiled_mma, acc, a_frag, b_frag, zero_init: cutlass.Constexpr, k_blocks: cutlass.Constexpr = None):
+    """acc (+)= A B over all k-blocks of the operands, or over the k-blocks ``k_blocks`` (a tuple: a product over
+    part of the contraction index) (wgmma, issued not waited)."""
+    blocks = tuple(range(cute.size(a_frag, mode=[2]))) if k_blocks is None else k_blocks
+    for n in cutlass.range_constexpr(len(blocks)):
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, not (zero_init and n == 0))
+        cute.gemm(tiled_mma, acc, a_frag[None, None, blocks[n]], b_frag[None, None, blocks[n]], acc)
 
 
 @cute.jit
-def gemm_waited(tiled_mma, acc, a_frag, b_frag, zero_init: cutlass.Constexpr):
+def gemm_waited(tiled_mma, acc, a_frag, b_frag, zero_init: cutlass.Constexpr, k_blocks: cutlass.Constexpr = None):
     """:func:`gemm` as one wgmma group of its own: registers fenced before it, waited for after it."""
     warpgroup.fence()
-    gemm(tiled_mma, acc, a_frag, b_frag, zero_init)
+    gemm(tiled_mma, acc, a_frag, b_frag, zero_init, k_blocks)
     warpgroup.commit_group()
     warpgroup.wait_group(0)
 

@@ -440,8 +440,8 @@ class ScalarGateChunkBwdSm90:
                 sRows[r, col] = x
 
     @cute.jit
-    def store_rows(self, acc, cTD, mX, valid, b, t0, h):
-        """The (C x D) accumulator's rows before ``valid`` to ``mX[b, t0 + i, h]`` in mX's dtype."""
+    def store_rows(self, acc, cTD, mX, valid, b, t0, h, col0=0):
+        """The (C x N) accumulator's rows before ``valid`` to ``mX[b, t0 + i, h, col0:]`` in mX's dtype."""
         for rr in cutlass.range_constexpr(2):  # the thread's two rows: one predicate and one row address each
             r, _ = cTD[mma.acc_col_element(0, rr)]
             if r < valid:
@@ -449,7 +449,7 @@ class ScalarGateChunkBwdSm90:
                 for kc in cutlass.range_constexpr(cute.size(acc) // 2):
                     e = mma.acc_col_element(kc, rr)
                     _, d = cTD[e]
-                    row[d] = acc[e].to(mX.element_type)
+                    row[col0 + d] = acc[e].to(mX.element_type)
 
     @cute.jit
     def make_dq(self, p, tiles_, sS, sG, sFac, sRows, valid, wtid, b, t0, h):

@@ -59,11 +59,12 @@ def state_tma_view(x):
 
 
 @cute.jit
-def tma_chunk_tiles(atom, gX, tok0, sX):
+def tma_chunk_tiles(atom, gX, tok0, sX, column_tile=0):
     """TMA partition of one head's ``(T, D)`` plane ``gX``, shifted to the sequence start ``tok0`` and cut in the
-    ``(C, D)`` tiles of the staged smem tensor ``sX`` ``(C, D, stage)``: ``(smem per stage, gmem per chunk)``."""
+    ``(C, D')`` tiles of the staged smem tensor ``sX`` ``(C, D', stage)`` (the ``column_tile``-th D' columns where the
+    tile is narrower than the plane): ``(smem per stage, gmem per chunk)``."""
     tile = (cute.size(sX, mode=[0]), cute.size(sX, mode=[1]))
-    gX = cute.local_tile(cute.domain_offset((tok0, 0), gX), tile, (None, 0))
+    gX = cute.local_tile(cute.domain_offset((tok0, 0), gX), tile, (None, column_tile))
     return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
 
 

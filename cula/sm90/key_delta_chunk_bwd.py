@@ -1,0 +1,654 @@
+"""Passes 3 and 4 of the delta rule's backward for a per-key gate (KDA; :func:`cula.ops.chunk_backward.key_delta_rows`)
+on SM90: one CTA per (chunk, value head, slab of 64 value columns) recomputes the chunk's WY form from its tokens
+and the slab's columns of its start checkpoint, and makes the slab's part of dq, dk, dbeta and dg and its columns of
+dv. Every gradient is linear in the value columns, so the slabs' parts sum to the chunk's (the host sums them, as it
+sums each GVA group); a CTA of the whole D = 128 would need ~275 KB of shared memory, a slab's takes ~212 KB.
+
+Per chunk (C = 64 tokens; G [C, K] the cumulative log2 gate per key, E = 2^G, F = 2^(G_L - G); two reference tokens
+r_h = 16, 48, one per 32-token half h; S^T and dS'^T the slab's rows of the checkpoints (Vs, K)):
+
+- the pair-factor sums sum_k x_ik y_jk 2^(G_ik - G_jk) go by bf16 operands against the references:
+  R_j = k_j 2^(G_r(j) - G_j) and L_i = x_i 2^(G_i - G_r(i)) take the reference of their own token's half; a score's
+  left operand L^h_i = x_i 2^(G_i - G_rh) (zero before half h) that of the column's half h, built in registers.
+  A score is (L^h R^T)_ij for j in half h; a gradient of the scores dM is one product per half of its contraction
+  index, the half's factor applied to that product alone, selected where it applies:
+
+      rows:     dX_i = sum_h 2^(G_i - G_rh) (dM[:, h] R_h)_i          (i in or after half h)
+      columns:  dK_j = sum_h 2^(G_rh - G_j) (dM[h, :]^T L_h)_j          (j before the end of half h)
+
+- the delta kernel's six stages (:mod:`cula.sm90.delta_chunk_bwd`), each closed by a CTA barrier:
+
+    1. wg 0: A = beta (K K^T)_gated (strict lower), T   wg 2: P^T   wg 1: dV' = (F K) dS' + P^T dO
+    2. wg 0: T^T; W = T diag(beta) (E K), V' = T diag(beta) V - W S   wg 2: dW = -dV' S^T   wg 1: L of q
+    3. wg 2: dq = scale E (dO S^T) + rows(dP)   wg 1: dk = F (V' dS'^T)   wg 0: E K again, dk += columns(dP^T;
+       L of q)
+    4. wg 0: dT = diag(beta) columns of (dW (E K)^T + dV' V^T)   wg 1: d_bk = T^T dW, dk += beta E d_bk
+       wg 2: d_bv = T^T dV', dv = beta d_bv
+    5. wg 0: X = dT T^T, dA = -(T^T X) (strict lower), dA_b = beta dA both ways round   wg 1: L of k
+    6. wg 1 and 2 (a block of 64 keys each): dk += rows(dA_b) + columns(dA_b^T; L of k)
+
+- dbeta = sum_j dA (K K^T)_gated + sum_k E k d_bk + sum_v v d_bv per token; dg per key the suffix sum over the chunk of
+  q dq - k dk + 2 Z with Z = k (rows(dA_b) + beta E d_bk) (kept in dg until the scan: dq and dk are read back from
+  global memory instead of keeping each of their terms), plus sum_j k_j dk^end_j + 2^G_L sum_v S dS'.
+
+:func:`cula.ops.chunk_emulation.key_delta_slab_gradients` is this arithmetic in PyTorch, roundings included. Under
+KDA's ``safe_gate`` (g >= -5) no operand passes 2^116, so there is no steep path.
+
+Shapes: q, k [B, T, H, D], v, do [B, T, HV, D] bf16 (GVA: value head hv reads q / k head hv // (HV / H)); g [B, T,
+HV, D] fp32 (activated, natural log); beta [B, T, HV] fp32; the checkpoints [rows, HV, D, D] bf16 (S^T); ``chunks``
+[rows, 2] int32 (:class:`cula.sm90.scalar_chunk_bwd.ScalarGateChunkBwdSm90`); dv [B, T, HV, D] fp32; the slabs'
+parts dq, dk, dg [slabs B, T, HV, D] and dbeta [slabs B, T, HV] fp32 (slab s of batch row b at row s B + b).
+D = 64 or 128.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync
+
+from cula.sm90 import mma, pipeline, solve, tiles
+from cula.sm90.chunk_fwd import A_STRIDE
+from cula.sm90.delta_chunk_bwd import DeltaChunkBwdSm90
+from cula.sm90.key_chunk_bwd import GATE_BATCH, swizzled
+from cula.sm90.scalar_chunk_bwd import Loads, Params, Tensors
+
+WARPGROUPS = 3
+SLAB = 64  # value columns per CTA
+KEY_BLOCK = 64  # key columns per gradient accumulator of the score gradients (two live at once)
+# sRows columns: per token, the row sums dbeta adds up
+DA_KK, K_DBK, V_DBV = range(3)
+_LOG2E = math.log2(math.e)
+
+
+class Barrier(enum.IntEnum):
+    STAGE = 1  # all warpgroups: the end of a stage
+    WY = 2  # warpgroup 0's own steps
+    P_READY = 3  # warpgroups 1 and 2: P^T in shared memory
+    DK_END = 4  # warpgroups 0 and 1: dk^end stored, for warpgroup 0 to add the P part to
+
+
+class KeyDeltaParams(NamedTuple):
+    """What this kernel takes beyond :class:`Params`: beta and its gradient, and the (C x C) and slab tiles'
+    layouts (token tiles (C, Vs); checkpoint slabs are ``tile_state``, (Vs, K))."""
+
+    beta: cute.Tensor
+    dbeta: cute.Tensor
+    tile_cc: object
+    tile_cc_mn: object
+    tile_slab: object
+    tile_slab_mn: object
+
+
+class Smem(NamedTuple):
+    """The CTA's shared tiles. (C, K): q, k; w (P^T in stage 1, E K and -W in stage 2, E K from stage 3); r (R);
+    left (F K in stage 1, then L of q, then L of k). (C, Vs): v, do, vn (V'), dvn (dV'). (Vs, K): s, ds. (C, C): t, tt;
+    x1 (dT, then dA_b) in do's bytes, x2 (X, then dA_b^T) in v's. at: A^T (fp32) for the solve, then dW (C, K)
+    bf16. gates: G (C x K fp32 log2, :func:`swizzled`)."""
+
+    q: cute.Tensor
+    k: cute.Tensor
+    v: cute.Tensor
+    do: cute.Tensor
+    s: cute.Tensor
+    ds: cute.Tensor
+    vn: cute.Tensor
+    dvn: cute.Tensor
+    w: cute.Tensor
+    pt: cute.Tensor
+    r: cute.Tensor
+    left: cute.Tensor
+    at: cute.Tensor
+    dw: cute.Tensor
+    t: cute.Tensor
+    tt: cute.Tensor
+    x1: cute.Tensor
+    x2: cute.Tensor
+    gates: cute.Tensor
+    beta: cute.Tensor
+    rows: cute.Tensor
+    col_warps: cute.Tensor  # (4, K): sum_j (k * dk^end)_j per warp of warpgroup 1
+    col_state: cute.Tensor  # (K,): 2^G_L sum_v (S * dS') over the slab
+
+
+def _key_block(view, kb):
+    """Keys ``KEY_BLOCK kb ..`` of an (K, n) MN-major view: its (KEY_BLOCK, n) part (a whole swizzle atom wide)."""
+    return cute.local_tile(view, (KEY_BLOCK, cute.size(view, mode=[1])), (kb, 0))
+
+
+class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
+    """The kernel (module docstring); the token, score and solve helpers are the delta kernel's."""
+
+    def __init__(self, head_dim: int, is_varlen: bool):
+        super().__init__(head_dim, is_varlen)
+        self.slabs = head_dim // SLAB
+        self.key_blocks = head_dim // KEY_BLOCK
+
+    # ---------------------------------------------------------------- host side
+    @cute.jit
+    def __call__(
+        self, q, k, v, do, g, beta, states, state_grads, chunks, dq, dk, dv, dbeta, dg, scale, stream
+    ):  # fmt: skip
+        C, K = self.C, self.D
+        bf16, f32 = cutlass.BFloat16, cutlass.Float32
+        t = Tensors(q, k, v, do, g, states, state_grads, chunks, dq, dk, dv, dg)
+        tile_tok, tile_tok_mn = tiles.token_tiles(C, K, 1)
+        tile_slab, tile_slab_mn = tiles.token_tiles(C, SLAB, 1)
+        tile_state, tile_state_mn = tiles.token_tiles(SLAB, K, 1)
+        tile_cc, tile_cc_mn = tiles.token_tiles(C, C)
+        load = cpasync.CopyBulkTensorTileG2SOp()
+
+        def atom(view, tile, shape):
+            return cpasync.make_tiled_tma_atom(load, view, cute.slice_(tile, (None, None, 0)), shape)
+
+        tok, ckpt = tiles.tma_view, tiles.state_tma_view
+        loads = Loads(
+            atom(tok(q), tile_tok, (C, K)), atom(tok(k), tile_tok, (C, K)), atom(tok(v), tile_slab, (C, SLAB)),
+            atom(tok(do), tile_slab, (C, SLAB)), atom(ckpt(states), tile_state, (SLAB, K)),
+            atom(ckpt(state_grads), tile_state, (SLAB, K)),
+        )  # fmt: skip
+        own = KeyDeltaParams(beta, dbeta, tile_cc, tile_cc_mn, tile_slab, tile_slab_mn)
+        p = Params(loads, t, scale, tile_tok, tile_tok_mn, tile_state, tile_state_mn, own)
+
+        def tile(layout):
+            return cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(layout)], 1024]
+
+        fields = {
+            "ring": pipeline.ring_storage(1),
+            **{name: tile(tile_tok) for name in ("sQ", "sK", "sW", "sR", "sL")},
+            **{name: tile(tile_slab) for name in ("sV", "sDO", "sVN", "sDVN")},
+            "sS": tile(tile_state),
+            "sDS": tile(tile_state),
+            "sT": tile(tile_cc),
+            "sTt": tile(tile_cc),
+            "sAt": cute.struct.Align[cute.struct.MemRange[f32, C * A_STRIDE], 1024],
+            "sGates": cute.struct.Align[cute.struct.MemRange[f32, C * K], 16],
+            "sBeta": cute.struct.MemRange[f32, C],
+            "sRows": cute.struct.MemRange[f32, 3 * C],
+            "sColWarps": cute.struct.MemRange[f32, 4 * K],
+            "sColState": cute.struct.MemRange[f32, K],
+        }
+        self.storage = cute.struct(type("Storage", (), {"__annotations__": fields}))
+        self.kernel(p).launch(
+            grid=(chunks.shape[0], v.shape[2], self.slabs),
+            block=(self.threads, 1, 1),
+            smem=self.storage.size_in_bytes(),
+            stream=stream,
+        )
+
+    # ---------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(self, p: Params):
+        C, K = self.C, self.D
+        t, own = p.t, p.own
+        bf16 = cutlass.BFloat16
+        tidx, row, hv, warp, lane, valid, b, t0 = self.coordinates(t)
+        _, _, slab = cute.arch.block_idx()
+        h = hv // (t.v.shape[2] // t.q.shape[2])
+        part = slab * t.q.shape[0] + b  # the slab's batch row of dq, dk, dbeta and dg
+
+        st = cutlass.memory.SmemAllocator().allocate(self.storage)
+
+        def staged(field, layout):
+            return field.get_tensor(layout.outer, swizzle=layout.inner)
+
+        def cc_over(plane):
+            return cute.make_tensor(cute.recast_ptr(plane.iterator, own.tile_cc.inner), own.tile_cc.outer)
+
+        sQ, sK, sW, sR, sL = (staged(f, p.tile_tok) for f in (st.sQ, st.sK, st.sW, st.sR, st.sL))
+        sV, sDO, sVN, sDVN = (staged(f, own.tile_slab) for f in (st.sV, st.sDO, st.sVN, st.sDVN))
+        sS, sDS = staged(st.sS, p.tile_state), staged(st.sDS, p.tile_state)
+        sAt = st.sAt.get_tensor(cute.make_layout((C, A_STRIDE), stride=(A_STRIDE, 1)))
+        sDW = cute.make_tensor(cute.recast_ptr(sAt.iterator, p.tile_tok.inner, dtype=bf16), p.tile_tok.outer)
+        w_plane, do_plane, v_plane = sW[None, None, 0], sDO[None, None, 0], sV[None, None, 0]
+        sm = Smem(
+            sQ[None, None, 0], sK[None, None, 0], v_plane, do_plane, sS[None, None, 0], sDS[None, None, 0],
+            sVN[None, None, 0], sDVN[None, None, 0], w_plane, cc_over(w_plane), sR[None, None, 0], sL[None, None, 0],
+            sAt, sDW[None, None, 0], staged(st.sT, own.tile_cc), staged(st.sTt, own.tile_cc), cc_over(do_plane),
+            cc_over(v_plane), st.sGates.get_tensor(cute.make_layout(C * K)), st.sBeta.get_tensor(cute.make_layout(C)),
+            st.sRows.get_tensor(cute.make_layout((C, 3))),
+            st.sColWarps.get_tensor(cute.make_layout((4, K), stride=(K, 1))), st.sColState.get_tensor(cute.make_layout(K)),
+        )  # fmt: skip
+        tx_bytes = (2 * C * K + 2 * C * SLAB + 2 * SLAB * K) * 2
+        loads = pipeline.tma_ring(st.ring, 1, tx_bytes, 4 * WARPGROUPS)
+        pipeline.rings_made()
+
+        if valid > 0:
+            if warp == 0:
+                self.issue_slab_loads(p, loads, (sQ, sK, sV, sDO, sS, sDS), b, t0, h, hv, row, slab)
+                for half in cutlass.range_constexpr(2):
+                    i = lane + 32 * half
+                    sm.beta[i] = own.beta[b, t0 + cutlass.min(i, valid - 1), hv] if i < valid else cutlass.Float32(0.0)
+            if tidx < K:
+                self.scan_gates(t, sm, valid, tidx, b, t0, hv)
+            if warp == 4:
+                solve.solve_clear(sm.t, lane, 32)
+            self.await_tokens(loads, (sQ, sK, sV, sDO), valid, tidx)
+            cute.arch.sync_threads()  # the gates, beta, T's zeros and the zeroed rows
+            self.gated_keys(sm, tidx)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_threads()
+            wg = warp // 4
+            wtid = tidx % 128
+            if wg == 0:
+                self.wy_role(p, sm, valid, wtid, part, t0, hv)
+            elif wg == 1:
+                self.dk_role(p, sm, valid, wtid, warp % 4, part, t0, hv)
+            else:
+                self.dq_dv_role(p, sm, valid, wtid, b, part, t0, hv, slab)
+            cute.arch.sync_threads()  # dq, dk, Z and the row sums written
+            if warp == 0:
+                for half in cutlass.range_constexpr(2):
+                    i = lane + 32 * half
+                    if i < valid:
+                        own.dbeta[part, t0 + i, hv] = sm.rows[i, DA_KK] + sm.rows[i, K_DBK] + sm.rows[i, V_DBV]
+            if tidx < K:
+                self.gate_gradient(t, sm, valid, tidx, part, t0, hv)
+
+    @cute.jit
+    def issue_slab_loads(self, p, loads, smem_tiles, b, t0, h, hv, row, slab):
+        """Warp 0: q and k of head h, the slab's columns of v and dO of value head hv (token t0 of batch row b), and
+        the slab's rows of the chunk row's two checkpoints, on one mbarrier."""
+        L = p.loads
+        sQ, sK, sV, sDO, sS, sDS = smem_tiles
+        fill = pipeline.producer_start(1)
+        loads.producer_acquire(fill)
+        bar = loads.producer_get_barrier(fill)
+        for (tma, view), smem_tile, head, column_tile in zip(
+            (L.q, L.k, L.v, L.do), (sQ, sK, sV, sDO), (h, h, hv, hv), (0, 0, slab, slab), strict=True
+        ):  # fmt: skip
+            tS, tG = tiles.tma_chunk_tiles(tma, view[None, None, head, b], t0, smem_tile, column_tile)
+            cute.copy(tma, tG[None, 0], tS[None, 0], tma_bar_ptr=bar)
+        for (tma, view), smem_tile in zip((L.states, L.state_grads), (sS, sDS), strict=True):
+            tS, tG = tiles.tma_chunk_tiles(tma, view[None, None, hv, row], 0, smem_tile)
+            cute.copy(tma, tG[None, slab], tS[None, 0], tma_bar_ptr=bar)
+
+    @cute.jit
+    def scan_gates(self, t, sm, valid, key, b, t0, hv):
+        """One key channel per thread: G, the inclusive sum of g log2(e) over the chunk (0 past its end; KDA's gate is
+        >= -5, above the floor), to shared memory. The token index is clamped into the chunk, so that every load is
+        issued before the sum needs it."""
+        C, K = self.C, self.D
+        f32 = cutlass.Float32
+        raw = cute.make_rmem_tensor(cute.make_layout(C), f32)
+        for r in cutlass.range_constexpr(C):
+            raw[r] = t.g[b, t0 + cutlass.min(r, valid - 1), hv, key]
+        run = f32(0.0)
+        for r in cutlass.range_constexpr(C):
+            x = raw[r] * f32(_LOG2E)
+            if r >= valid:
+                x = f32(0.0)
+            run = run + x
+            sm.gates[swizzled(r, key, K)] = run
+
+    @cute.jit
+    def gate(self, sm, r, key):
+        """G (log2) of token ``r`` at ``key``."""
+        return sm.gates[swizzled(r, key, self.D)]
+
+    @cute.jit
+    def own_reference(self, r):
+        """The reference token of token ``r``'s half."""
+        half = self.C // 2
+        return (r // half) * half + half // 2
+
+    @cute.jit
+    def gated_keys(self, sm, tidx):
+        """Every thread: R = k 2^(G_r - G) (own references) and F K = k 2^(G_L - G) into ``sm.left``."""
+        C, K = self.C, self.D
+        for idx in cutlass.range(tidx, C * K, self.threads, unroll=2):
+            r, d = idx // K, idx % K
+            g_r = self.gate(sm, r, d)
+            x = sm.k[r, d].to(cutlass.Float32)
+            sm.r[r, d] = (x * cute.math.exp2(self.gate(sm, self.own_reference(r), d) - g_r, fastmath=True)).to(
+                cutlass.BFloat16
+            )
+            sm.left[r, d] = (x * cute.math.exp2(self.gate(sm, C - 1, d) - g_r, fastmath=True)).to(cutlass.BFloat16)
+
+    @cute.jit
+    def left_own(self, sm, sX, wtid):
+        """One warpgroup: L = x 2^(G - G_r) (own references) into ``sm.left``."""
+        C, K = self.C, self.D
+        for idx in cutlass.range(wtid, C * K, 128, unroll=2):
+            r, d = idx // K, idx % K
+            factor = cute.math.exp2(self.gate(sm, r, d) - self.gate(sm, self.own_reference(r), d), fastmath=True)
+            sm.left[r, d] = (sX[r, d].to(cutlass.Float32) * factor).to(cutlass.BFloat16)
+
+    @cute.jit
+    def gated_k(self, sm, wtid):
+        """One warpgroup: E K = k 2^G into ``sm.w``."""
+        C, K = self.C, self.D
+        for idx in cutlass.range(wtid, C * K, 128, unroll=2):
+            r, d = idx // K, idx % K
+            factor = cute.math.exp2(self.gate(sm, r, d), fastmath=True)
+            sm.w[r, d] = (sm.k[r, d].to(cutlass.Float32) * factor).to(cutlass.BFloat16)
+
+    # ---------------------------------------------------------------- products
+    @cute.jit
+    def gemm_to(self, n: cutlass.Constexpr, b_major: cutlass.Constexpr, sA, sB, wtid):
+        """A B (both in shared memory, B a view as :meth:`product` takes it): an fp32 (C x n) accumulator and its
+        coordinates."""
+        return self.product(mma.tiled_mma(self.C, n, b_major=b_major, a_in_registers=False), sA, sB, wtid, n)
+
+    @cute.jit
+    def key_scores(self, sm, sX, h: cutlass.Constexpr, wtid):
+        """Column half h of the unmasked scores sum_k x_ik k_jk 2^(G_ik - G_jk): the product of the register operand
+        L^h = x 2^(G - G_rh) (zero on the rows before half h) and R's rows of the half, a block of KEY_BLOCK keys at a
+        time (one block's operand in registers at once). Returns an fp32 (C x C/2) accumulator and its coordinates
+        (i, j - h C/2)."""
+        C = self.C
+        half = C // 2
+        ref = h * half + half // 2
+        f32, bf16 = cutlass.Float32, cutlass.BFloat16
+        tiled = mma.tiled_mma(C, half)
+        thr = tiled.get_slice(wtid)
+        cCK = mma.tiled_mma(C, KEY_BLOCK).get_slice(wtid).partition_C(cute.make_identity_tensor((C, KEY_BLOCK)))
+        pair = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
+        part = thr.make_fragment_C(thr.partition_shape_C((C, half)))
+        for kb in cutlass.range_constexpr(self.key_blocks):
+            # built in pairs and converted two at a time (bf16x2): every operand register is final before the wgmma
+            # fence (a register packed after it makes ptxas fence each k-block)
+            left = mma.empty_operand(cute.size(cCK))
+            left_flat = cute.make_tensor(left.iterator, cute.make_layout(cute.size(cCK)))
+            for e2 in cutlass.range_constexpr(cute.size(cCK) // 2):
+                i, d = cCK[2 * e2]
+                for e in cutlass.range_constexpr(2):
+                    key = kb * KEY_BLOCK + d + e
+                    x = f32(0.0)
+                    if i >= h * half:
+                        x = sX[i, key].to(f32) * cute.math.exp2(
+                            self.gate(sm, i, key) - self.gate(sm, ref, key), fastmath=True
+                        )
+                    pair[0, e] = x
+                cute.local_tile(left_flat, (2,), (e2,)).store(pair.load().to(bf16))
+            b_frag = thr.make_fragment_B(thr.partition_B(cute.local_tile(sm.r, (half, KEY_BLOCK), (h, kb))))
+            mma.gemm_waited(tiled, part, left, b_frag, kb == 0)
+        return part, thr.partition_C(cute.make_identity_tensor((C, half)))
+
+    @cute.jit
+    def pair_gradient(self, acc, cTD, kb, sm, a, a_in_smem: cutlass.Constexpr, b_mn, side: cutlass.Constexpr, wtid):
+        """acc (C x KEY_BLOCK, keys KEY_BLOCK kb ..) += a score gradient's product with a bf16 (C x K) tile read
+        MN-major, ``b_mn`` (R for ``side`` "rows", an L for "columns"), over each half of the contraction index, the
+        half's factor on its product alone (module docstring). ``a``: the (C x C) score gradient (dM for rows, dM^T
+        for columns) as a bf16 register operand, or a tile in shared memory (``a_in_smem``)."""
+        C = self.C
+        half = C // 2
+        f32 = cutlass.Float32
+        tiled = mma.tiled_mma(C, KEY_BLOCK, b_major="MN", a_in_registers=not a_in_smem)
+        thr = tiled.get_slice(wtid)
+        b_frag = thr.make_fragment_B(thr.partition_B(_key_block(b_mn, kb)))
+        a_frag = a
+        if cutlass.const_expr(a_in_smem):
+            a_frag = thr.make_fragment_A(thr.partition_A(a))
+        for h in cutlass.range_constexpr(2):
+            ref = h * half + half // 2
+            part = thr.make_fragment_C(thr.partition_shape_C((C, KEY_BLOCK)))
+            mma.gemm_waited(tiled, part, a_frag, b_frag, True, (2 * h, 2 * h + 1))
+            for e in cutlass.range_constexpr(cute.size(acc)):
+                i, d = cTD[e]
+                key = kb * KEY_BLOCK + d
+                x = f32(0.0)
+                if cutlass.const_expr(side == "rows"):
+                    if i >= h * half:
+                        x = part[e] * cute.math.exp2(self.gate(sm, i, key) - self.gate(sm, ref, key), fastmath=True)
+                else:
+                    if i < (h + 1) * half:
+                        x = part[e] * cute.math.exp2(self.gate(sm, ref, key) - self.gate(sm, i, key), fastmath=True)
+                acc[e] = acc[e] + x
+
+    # ---------------------------------------------------------------- warpgroup 0: the WY form and its gradients
+    @cute.jit
+    def wy_role(self, p, sm, valid, wtid, part, t0, hv):
+        C, K = self.C, self.D
+        f32 = cutlass.Float32
+        own = p.own
+        # stage 1: A (strict lower, fp32, transposed for the solve), then T
+        for h in cutlass.range_constexpr(2):
+            kk, cH = self.key_scores(sm, sm.k, h, wtid)
+            for e in cutlass.range_constexpr(cute.size(kk)):
+                r, c = cH[e]
+                c = c + h * (C // 2)
+                a = f32(0.0)
+                if c < r and r < valid:
+                    a = kk[e] * sm.beta[r]
+                sm.at[c, r] = a
+        self.wy_step()
+        solve.solve_diag16_per_warp(sm.at, wtid)
+        self.wy_step()
+        solve.solve_merge_to_bf16(sm.at, sm.t, wtid, Barrier.WY)
+        self.stage_done()  # 1
+        # stage 2: T^T kept and T's columns scaled by beta; W = T diag(beta) (E K), V' = T diag(beta) V - W S
+        for idx in cutlass.range(wtid, C * C, 128, unroll=4):
+            r, c = idx // C, idx % C
+            x = sm.t[r, c]
+            sm.tt[c, r] = x
+            sm.t[r, c] = (x.to(f32) * sm.beta[c]).to(cutlass.BFloat16)
+        self.gated_k(sm, wtid)
+        self.wy_step()
+        acc_w, cTK = self.gemm_to(K, "MN", sm.t, tiles.mn_plane(sm.w, p.tile_tok_mn), wtid)
+        self.wy_step()  # every thread's wgmma has read E K before -W overwrites it
+        self.to_tile(acc_w, cTK, sm.w, -1.0, wtid)
+        self.wy_step()
+        acc_u, cTV = self.gemm_to(SLAB, "MN", sm.t, tiles.mn_plane(sm.v, own.tile_slab_mn), wtid)
+        self.smem_gemm(mma.tiled_mma(C, SLAB, a_in_registers=False), acc_u, sm.w, sm.s, wtid, False)
+        self.to_tile(acc_u, cTV, sm.vn, 1.0, wtid)
+        self.stage_done()  # 2
+        # stage 3: E K again (over -W) for stage 4; dk += columns(dP^T; L of q) once warpgroup 1 has stored dk^end
+        # (one warpgroup holding both spills)
+        self.gated_k(sm, wtid)
+        acc_dpt, cCC = self.scores(sm.vn, sm.do, wtid)
+        r_dpt = self.masked_scores(acc_dpt, cCC, None, valid, True, p.scale)
+        thr = mma.tiled_mma(C, KEY_BLOCK).get_slice(wtid)
+        cTD = thr.partition_C(cute.make_identity_tensor((C, KEY_BLOCK)))
+        for kb in cutlass.range_constexpr(self.key_blocks):
+            acc = thr.make_fragment_C(thr.partition_shape_C((C, KEY_BLOCK)))
+            acc.fill(0.0)
+            self.pair_gradient(acc, cTD, kb, sm, r_dpt, False, tiles.mn_plane(sm.left, p.tile_tok_mn), "columns", wtid)
+            if cutlass.const_expr(kb == 0):
+                cute.arch.barrier(barrier_id=Barrier.DK_END, number_of_threads=256)
+            self.add_rows(acc, cTD, p.t.dk, valid, part, t0, hv, kb * KEY_BLOCK)
+        self.stage_done()  # 3
+        # stage 4: dT = (dW (E K)^T + dV' V^T) diag(beta), to X1 (dO's bytes)
+        acc_a, cCC = self.scores(sm.dw, sm.w, wtid)
+        acc_b, _ = self.scores(sm.dvn, sm.v, wtid)
+        for e in cutlass.range_constexpr(cute.size(acc_a)):
+            r, c = cCC[e]
+            sm.x1[r, c] = (sm.beta[c] * (acc_a[e] + acc_b[e])).to(cutlass.BFloat16)
+        self.stage_done()  # 4
+        # stage 5: the scores of A again (for dbeta), kept in A^T's bytes (dW's until stage 4); X = dT T^T (to X2),
+        # dA = -(T^T X); dA_b both ways round
+        for h in cutlass.range_constexpr(2):
+            kk, cH = self.key_scores(sm, sm.k, h, wtid)
+            for e in cutlass.range_constexpr(cute.size(kk)):
+                r, c = cH[e]
+                sm.at[r, c + h * (C // 2)] = kk[e]
+        acc_x, cCC = self.cc_product(sm.x1, tiles.mn_plane(sm.tt, own.tile_cc_mn), wtid)
+        self.to_tile(acc_x, cCC, sm.x2, 1.0, wtid)
+        self.wy_step()
+        acc_da, _ = self.cc_product(sm.tt, tiles.mn_plane(sm.x2, own.tile_cc_mn), wtid)
+        self.wy_step()  # every thread's X read before dA_b^T overwrites X2, and dT before dA_b overwrites X1
+        da_kk = cute.make_rmem_tensor(cute.make_layout(2), f32)
+        da_kk.fill(0.0)
+        for e in cutlass.range_constexpr(cute.size(acc_da)):
+            r, c = cCC[e]
+            rr = mma.acc_row_slot(e)
+            da = f32(0.0)
+            if c < r:
+                da = -acc_da[e]
+            da_kk[rr] = da_kk[rr] + da * sm.at[r, c]
+            dab = (sm.beta[r] * da).to(cutlass.BFloat16)
+            sm.x1[r, c] = dab
+            sm.x2[c, r] = dab
+        self.quad_sums(da_kk, cCC, sm.rows, DA_KK, wtid)
+        self.stage_done()  # 5
+        self.stage_done()  # 6
+
+    # ---------------------------------------------------------------- warpgroup 1: dV', then dk
+    @cute.jit
+    def dk_role(self, p, sm, valid, wtid, warp_in_group, part, t0, hv):
+        C, K = self.C, self.D
+        f32 = cutlass.Float32
+        own = p.own
+        # stage 1: dV' = (F K) dS' + P^T dO
+        acc, cTV = self.gemm_to(SLAB, "K", sm.left, sm.ds, wtid)
+        cute.arch.barrier(barrier_id=Barrier.P_READY, number_of_threads=256)
+        self.smem_gemm(
+            mma.tiled_mma(C, SLAB, b_major="MN", a_in_registers=False), acc, sm.pt,
+            tiles.mn_plane(sm.do, own.tile_slab_mn), wtid, False,
+        )  # fmt: skip
+        self.to_tile(acc, cTV, sm.dvn, 1.0, wtid)
+        self.stage_done()  # 1
+        # stage 2: L of q; the slab's 2^G_L sum_v S dS' per key
+        self.left_own(sm, sm.q, wtid)
+        if wtid < K:
+            x = f32(0.0)
+            for v in cutlass.range(SLAB, unroll=8):
+                x = x + sm.s[v, wtid].to(f32) * sm.ds[v, wtid].to(f32)
+            sm.col_state[wtid] = x * cute.math.exp2(self.gate(sm, C - 1, wtid), fastmath=True)
+        self.stage_done()  # 2
+        # stage 3: dk = dk^end = F (V' dS'^T), a key block at a time, and the constant's sum_j k_j dk^end_j
+        # (warpgroup 0 adds the P part)
+        for kb in cutlass.range_constexpr(self.key_blocks):
+            acc, cTD = self.gemm_to(
+                KEY_BLOCK, "MN", sm.vn, _key_block(tiles.mn_plane(sm.ds, p.tile_state_mn), kb), wtid
+            )  # fmt: skip
+            for e in cutlass.range_constexpr(cute.size(acc)):
+                j, d = cTD[e]
+                key = kb * KEY_BLOCK + d
+                acc[e] = acc[e] * cute.math.exp2(self.gate(sm, C - 1, key) - self.gate(sm, j, key), fastmath=True)
+            self.end_column_sums(acc, cTD, kb, sm, warp_in_group, wtid)
+            self.store_rows(acc, cTD, p.t.dk, valid, part, t0, hv, kb * KEY_BLOCK)
+        cute.arch.barrier(barrier_id=Barrier.DK_END, number_of_threads=256)
+        self.stage_done()  # 3
+        # stage 4: d_bk = T^T dW; dbeta's sum_k E k d_bk; dk += beta E d_bk; Z = k beta E d_bk into dg
+        acc_dbk, cTK = self.gemm_to(K, "MN", sm.tt, tiles.mn_plane(sm.dw, p.tile_tok_mn), wtid)
+        self.row_dot(acc_dbk, cTK, sm.w, sm.rows, K_DBK, wtid)
+        for e in cutlass.range_constexpr(cute.size(acc_dbk)):
+            r, d = cTK[e]
+            acc_dbk[e] = acc_dbk[e] * sm.beta[r] * cute.math.exp2(self.gate(sm, r, d), fastmath=True)
+        self.add_rows(acc_dbk, cTK, p.t.dk, valid, part, t0, hv)
+        for e in cutlass.range_constexpr(cute.size(acc_dbk)):
+            r, d = cTK[e]
+            acc_dbk[e] = acc_dbk[e] * sm.k[r, d].to(f32)
+        self.store_rows(acc_dbk, cTK, p.t.dg, valid, part, t0, hv)
+        self.stage_done()  # 4
+        # stage 5: L of k
+        self.left_own(sm, sm.k, wtid)
+        self.stage_done()  # 5
+        self.pair_terms(p, sm, 0, valid, wtid, part, t0, hv)
+        self.stage_done()  # 6
+
+    # ---------------------------------------------------------------- warpgroup 2: P^T, dq, then dv
+    @cute.jit
+    def dq_dv_role(self, p, sm, valid, wtid, b, part, t0, hv, slab):
+        C, K = self.C, self.D
+        own = p.own
+        # stage 1: P^T = scale (Q K^T)_gated on j <= i < valid, for warpgroup 1's dV'
+        for h in cutlass.range_constexpr(2):
+            scores, cH = self.key_scores(sm, sm.q, h, wtid)
+            for e in cutlass.range_constexpr(cute.size(scores)):
+                i, j = cH[e]
+                j = j + h * (C // 2)
+                x = cutlass.Float32(0.0)
+                if j <= i and i < valid:
+                    x = scores[e] * p.scale
+                sm.pt[j, i] = x.to(cutlass.BFloat16)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=Barrier.P_READY, number_of_threads=256)
+        self.stage_done()  # 1
+        # stage 2: -dW = dV' S^T, kept as dW
+        acc_dw, cTK = self.gemm_to(K, "MN", sm.dvn, tiles.mn_plane(sm.s, p.tile_state_mn), wtid)
+        self.to_tile(acc_dw, cTK, sm.dw, -1.0, wtid)
+        self.stage_done()  # 2
+        # stage 3: dq = scale E (dO S^T) + rows(dP), dP = scale dO V'^T, a key block at a time
+        acc_dp, cCC = self.scores(sm.do, sm.vn, wtid)
+        r_dp = self.masked_scores(acc_dp, cCC, None, valid, False, p.scale)
+        for kb in cutlass.range_constexpr(self.key_blocks):
+            acc, cTD = self.gemm_to(
+                KEY_BLOCK, "MN", sm.do, _key_block(tiles.mn_plane(sm.s, p.tile_state_mn), kb), wtid
+            )  # fmt: skip
+            for e in cutlass.range_constexpr(cute.size(acc)):
+                i, d = cTD[e]
+                acc[e] = acc[e] * p.scale * cute.math.exp2(self.gate(sm, i, kb * KEY_BLOCK + d), fastmath=True)
+            self.pair_gradient(acc, cTD, kb, sm, r_dp, False, tiles.mn_plane(sm.r, p.tile_tok_mn), "rows", wtid)
+            self.store_rows(acc, cTD, p.t.dq, valid, part, t0, hv, kb * KEY_BLOCK)
+        self.stage_done()  # 3
+        # stage 4: d_bv = T^T dV', dv = beta d_bv (the slab's columns)
+        acc_dbv, cTV = self.gemm_to(SLAB, "MN", sm.tt, tiles.mn_plane(sm.dvn, own.tile_slab_mn), wtid)
+        self.row_dot(acc_dbv, cTV, sm.v, sm.rows, V_DBV, wtid)
+        for e in cutlass.range_constexpr(cute.size(acc_dbv)):
+            r, _ = cTV[e]
+            acc_dbv[e] = acc_dbv[e] * sm.beta[r]
+        self.store_rows(acc_dbv, cTV, p.t.dv, valid, b, t0, hv, slab * SLAB)
+        self.stage_done()  # 4
+        self.stage_done()  # 5
+        if cutlass.const_expr(self.key_blocks > 1):
+            self.pair_terms(p, sm, 1, valid, wtid, part, t0, hv)
+        self.stage_done()  # 6
+
+    # ---------------------------------------------------------------- stage 6, and the sums
+    @cute.jit
+    def pair_terms(self, p, sm, kb: cutlass.Constexpr, valid, wtid, part, t0, hv):
+        """Stage 6 on key block ``kb``: the pair terms of A, rows(dA_b) + columns(dA_b^T; L of k), into dk, and k
+        rows(dA_b) into Z (dg)."""
+        thr = mma.tiled_mma(self.C, KEY_BLOCK).get_slice(wtid)
+        acc = thr.make_fragment_C(thr.partition_shape_C((self.C, KEY_BLOCK)))
+        cTD = thr.partition_C(cute.make_identity_tensor((self.C, KEY_BLOCK)))
+        acc.fill(0.0)
+        self.pair_gradient(acc, cTD, kb, sm, sm.x1, True, tiles.mn_plane(sm.r, p.tile_tok_mn), "rows", wtid)
+        z = cute.make_rmem_tensor(acc.layout, cutlass.Float32)
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            i, d = cTD[e]
+            z[e] = acc[e] * sm.k[i, kb * KEY_BLOCK + d].to(cutlass.Float32)
+        self.add_rows(z, cTD, p.t.dg, valid, part, t0, hv, kb * KEY_BLOCK)
+        self.pair_gradient(acc, cTD, kb, sm, sm.x2, True, tiles.mn_plane(sm.left, p.tile_tok_mn), "columns", wtid)
+        self.add_rows(acc, cTD, p.t.dk, valid, part, t0, hv, kb * KEY_BLOCK)
+
+    @cute.jit
+    def end_column_sums(self, acc, cTD, kb, sm, warp_in_group, wtid):
+        """sum_j k_j * dk^end_j per key of block ``kb`` over this warp's 16 rows to ``sm.col_warps[warp_in_group]``:
+        each thread's two rows, then the eight lanes that share its columns (lanes 4 apart)."""
+        for kc in cutlass.range_constexpr(KEY_BLOCK // 4):
+            x = cutlass.Float32(0.0)
+            for rr in cutlass.range_constexpr(2):
+                e = mma.acc_col_element(kc, rr)
+                j, d = cTD[e]
+                x = x + sm.k[j, kb * KEY_BLOCK + d].to(cutlass.Float32) * acc[e]
+            for step in cutlass.range_constexpr(3):
+                x = x + cute.arch.shuffle_sync_bfly(x, 4 << step)
+            _, d = cTD[mma.acc_col_element(kc)]
+            if wtid % 32 < 4:
+                sm.col_warps[warp_in_group, kb * KEY_BLOCK + d] = x
+
+    @cute.jit
+    def gate_gradient(self, t, sm, valid, key, part, t0, hv):
+        """One key channel per thread: dg_t = sum_{s >= t} (q dq - k dk + 2 Z)_s + the chunk's constant, with the
+        slab's dq, dk and Z read back from global memory (a batch of rows loaded before its stores overwrite Z; rows
+        clamped into the chunk so that every load of a batch is issued at once)."""
+        C = self.C
+        f32 = cutlass.Float32
+        constant = sm.col_state[key]
+        for w in cutlass.range_constexpr(4):
+            constant = constant + sm.col_warps[w, key]
+        batch = GATE_BATCH // 2  # three values a row
+        dq = cute.make_rmem_tensor(cute.make_layout(batch), f32)
+        dk = cute.make_rmem_tensor(cute.make_layout(batch), f32)
+        z = cute.make_rmem_tensor(cute.make_layout(batch), f32)
+        run = f32(0.0)
+        for rb in cutlass.range_constexpr(C // batch):
+            r0 = C - batch * (rb + 1)
+            for i in cutlass.range_constexpr(batch):
+                token = t0 + cutlass.min(r0 + i, valid - 1)
+                dq[i] = t.dq[part, token, hv, key]
+                dk[i] = t.dk[part, token, hv, key]
+                z[i] = t.dg[part, token, hv, key]
+            for rev in cutlass.range_constexpr(batch):
+                i = batch - 1 - rev
+                r = r0 + i
+                if r < valid:
+                    run = run + sm.q[r, key].to(f32) * dq[i] - sm.k[r, key].to(f32) * dk[i] + 2.0 * z[i]
+                    t.dg[part, t0 + r, hv, key] = run + constant
