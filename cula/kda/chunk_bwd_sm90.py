@@ -55,6 +55,7 @@ def key_delta_chunk_gradients_sm90(q, k, v, do, g, beta, S, dS, chunks, scale, i
     chunk rows as the kernel reads them (:class:`cula.ops.chunk_backward.ChunkRows`' ``kernel_rows``)."""
     B, T, H, D = q.shape
     HV = v.shape[2]
+    assert v.shape[3] == D and D % SLAB == 0, (q.shape, v.shape)  # the slabs and checkpoint tiles take K = V
     slabs = D // SLAB
     arch = runtime.device_arch(q.device)
     fn = runtime.get_or_compile(

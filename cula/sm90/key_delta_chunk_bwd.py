@@ -2,7 +2,7 @@
 on SM90: one CTA per (chunk, value head, slab of 64 value columns) recomputes the chunk's WY form from its tokens
 and the slab's columns of its start checkpoint, and makes the slab's part of dq, dk, dbeta and dg and its columns of
 dv. Every gradient is linear in the value columns, so the slabs' parts sum to the chunk's (the host sums them, as it
-sums each GVA group); a CTA of the whole D = 128 would need ~275 KB of shared memory, a slab's takes ~212 KB.
+sums each GVA group); a CTA of the whole D = 128 would need ~275 KB of shared memory, a slab's takes ~213 KB.
 
 Per chunk (C = 64 tokens; G [C, K] the cumulative log2 gate per key, E = 2^G, F = 2^(G_L - G); two reference tokens
 r_h = 16, 48, one per 32-token half h; S^T and dS'^T the slab's rows of the checkpoints (Vs, K)):
@@ -88,7 +88,7 @@ class Smem(NamedTuple):
     """The CTA's shared tiles. (C, K): q, k; w (P^T in stage 1, E K and -W in stage 2, E K from stage 3); r (R);
     left (F K in stage 1, then L of q, then L of k). (C, Vs): v, do, vn (V'), dvn (dV'). (Vs, K): s, ds. (C, C): t, tt;
     x1 (dT, then dA_b) in do's bytes, x2 (X, then dA_b^T) in v's. at: A^T (fp32) for the solve, then dW (C, K)
-    bf16. gates: G (C x K fp32 log2, :func:`swizzled`)."""
+    bf16, then in stage 5 the scores of A again (fp32). gates: G (C x K fp32 log2, :func:`swizzled`)."""
 
     q: cute.Tensor
     k: cute.Tensor
