@@ -318,19 +318,20 @@ def key_delta_slab_gradients(q, k, v, beta, g, S, dS_end, do, scale, operand=bf1
     gradient is linear in the slab's columns, so the slabs' ``(dq, dk, dbeta, dg)`` sum to the chunk's and their dv
     are its columns. Returns ``(dq, dk, dv, dbeta, dg [N, C, K])`` of the slab.
 
-    The references are r = 16 and 48, one per 32-token half; ``R_j = k_j e^(G_r(j) - G_j)`` and ``L_i = x_i
-    e^(G_i - G_r(i))`` take the reference of their own token's half, and the scores' left operands
-    ``L^h_i = x_i e^(G_i - G_rh)`` (zero before half h) that of the columns' half h:
+    The references are r = 16 and 48, one per 32-token half; ``R_j = k_j e^(G_r(j) - G_j)`` takes the reference of
+    its own token's half, ``L^h_i = x_i e^(G_i - G_rh)`` (zero before half h) that of half h:
 
         scores_ij  = (L^h R^T)_ij                                     (j in half h: each half one product)
         dX_ik      = sum_h e^(G_ik - G_rh,k) (dM[:, h] R_h)_ik          (i in or after half h)
-        dK_jk      = sum_h e^(G_rh,k - G_jk) (dM[h, :]^T L_h)_jk        (j before the end of half h)
+        dK_jk      = e^(G_rh,k - G_jk) (dM^T L^h)_jk                    (h the half of j)
 
-    for dM = dP (X = Q) and dM = beta dA (X = K): each half's product has its factor applied to the fp32 product
-    alone (a factor of one half would overflow on the other's). ``operand``: the bf16 rounding of the kernel's wgmma
-    operands and stored tiles. dg per key is the suffix sum of q dq - k dk + 2 Z with the slab's final dq and dk and
-    Z = k (dk_rows + beta e^G d_bk) (the kernel reads dq and dk back instead of keeping each term), plus the chunk's
-    constant sum_j k_j dk^end_j + e^G_L sum_v S dS'."""
+    for dM = dP (X = Q) and dM = beta dA (X = K) (h the half of j): each half's product has its factor applied to the
+    fp32 product alone (a factor of one half would overflow on the other's). ``operand``: the bf16 rounding of the
+    kernel's wgmma operands and stored tiles. dg per key is the suffix sum of a local term plus the chunk's constant
+    sum_j k_j dk^end_j + e^G_L sum_v S dS'; the local term is q dq^inter - k dk^end + beta E k d_bk and, per pair
+    gradient, L^h (dM[:, h] R_h) - R (dM^T L^h): each pair enters it through the same rounded operands from both
+    sides, so that the pairs inside a suffix cancel (through q dq - k dk they would not, each side with its own
+    roundings)."""
     r = operand
     N, C, K = q.shape
     half = C // 2
@@ -351,26 +352,29 @@ def key_delta_slab_gradients(q, k, v, beta, g, S, dS_end, do, scale, operand=bf1
         out = x.new_zeros(N, C, C)
         for h in range(2):
             cols = slice(h * half, (h + 1) * half)
-            left = r(torch.where((idx >= h * half)[None, :, None], x * torch.exp(G - G_ref[h]), 0.0))
-            out[:, :, cols] = (left @ t(R))[:, :, cols]
+            out[:, :, cols] = (left(x, h) @ t(R))[:, :, cols]
         return out
 
-    def row_gradient(dM):
-        out = torch.zeros_like(q)
-        for h in range(2):
-            cols = slice(h * half, (h + 1) * half)
-            part = dM[:, :, cols] @ R[:, cols]
-            out = out + torch.where((idx >= h * half)[None, :, None], torch.exp(G - G_ref[h]) * part, 0.0)
-        return out
+    def left(x, h):
+        return r(torch.where((idx >= h * half)[None, :, None], x * torch.exp(G - G_ref[h]), 0.0))
 
-    def column_gradient(dM, x):
-        own = r(x * torch.exp(G - G_own))
-        out = torch.zeros_like(q)
+    def pair_gradients(dM, x):
+        """The rows and columns gradients of the scores dM (x's and k's), and their part of dg's local term,
+        sum_h L^h (dM[:, h] R_h) - R (dM^T L^h(j)): each pair (i, j) enters it through the same rounded operands on
+        both sides, so that the pairs inside a suffix cancel."""
+        rows, columns, local = torch.zeros_like(q), torch.zeros_like(q), torch.zeros_like(q)
         for h in range(2):
-            rows = slice(h * half, (h + 1) * half)
-            part = t(dM[:, rows]) @ own[:, rows]
-            out = out + torch.where((idx < (h + 1) * half)[None, :, None], torch.exp(G_ref[h] - G) * part, 0.0)
-        return out
+            in_half = (idx >= h * half) & (idx < (h + 1) * half)
+            L = left(x, h)
+            part = dM[:, :, in_half] @ R[:, in_half]
+            after = (idx >= h * half)[None, :, None]
+            rows = rows + torch.where(after, torch.exp(G - G_ref[h]) * part, 0.0)
+            local = local + L * part
+            part = t(dM) @ L
+            mine = in_half[None, :, None]
+            columns = columns + torch.where(mine, torch.exp(G_ref[h] - G) * part, 0.0)
+            local = local - torch.where(mine, R * part, 0.0)
+        return rows, columns, local
 
     # stage 1: A and T; P^T; dV' = (F K) dS' + P^T dO
     kk = torch.where(strict, scores(k), 0.0)
@@ -386,24 +390,27 @@ def key_delta_slab_gradients(q, k, v, beta, g, S, dS_end, do, scale, operand=bf1
     dw = r(-(dvn @ t(S)))
     # stage 3: dq; dk's end and P parts
     dP = r(torch.where(lower, scale * (do @ t(vn)), 0.0))
-    dq = scale * E * (do @ t(S)) + row_gradient(dP)
+    dq_inter = scale * E * (do @ t(S))
+    dq_pair, dk_pair, local = pair_gradients(dP, q)
+    dq = dq_inter + dq_pair
     dk_end = F * (vn @ t(dS_end))
-    dk = dk_end + column_gradient(dP, q)
+    dk = dk_end + dk_pair
+    local = local + q * dq_inter - k * dk_end
     # stage 4: dT; d_bk = T^T dW (dk += beta E d_bk); d_bv = T^T dV'
     dT = r(t(b) * (dw @ t(ek) + dvn @ t(v)))
     d_bk, d_bv = t(T) @ dw, t(T) @ dvn
     dk = dk + b * E * d_bk
-    Z = k * b * E * d_bk
+    local = local + k * b * E * d_bk
     # stage 5: X = dT T^T, dA = -(T^T X) on the strict lower triangle
     dA = torch.where(strict, -(t(T) @ r(dT @ t(T))), 0.0)
     dA_b = r(b * dA)
     # stage 6: the pair terms of A
-    rows_term = row_gradient(dA_b)
-    Z = Z + k * rows_term
-    dk = dk + rows_term + column_gradient(dA_b, k)
+    dk_rows, dk_columns, pair_local = pair_gradients(dA_b, k)
+    dk = dk + dk_rows + dk_columns
+    local = local + pair_local
     dbeta = (dA * kk).sum(-1) + (ek * d_bk).sum(-1) + (v * d_bv).sum(-1)
     constant = (k * dk_end).sum(1, keepdim=True) + torch.exp(G_L) * (S * dS_end).sum(-1)[:, None, :]
-    dg = (q * dq - k * dk + 2 * Z).flip(1).cumsum(1).flip(1) + constant
+    dg = local.flip(1).cumsum(1).flip(1) + constant
     return dq, dk, b * d_bv, dbeta, dg
 
 

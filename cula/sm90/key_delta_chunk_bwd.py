@@ -7,29 +7,30 @@ sums each GVA group); a CTA of the whole D = 128 would need ~275 KB of shared me
 Per chunk (C = 64 tokens; G [C, K] the cumulative log2 gate per key, E = 2^G, F = 2^(G_L - G); two reference tokens
 r_h = 16, 48, one per 32-token half h; S^T and dS'^T the slab's rows of the checkpoints (Vs, K)):
 
-- the pair-factor sums sum_k x_ik y_jk 2^(G_ik - G_jk) go by bf16 operands against the references:
-  R_j = k_j 2^(G_r(j) - G_j) and L_i = x_i 2^(G_i - G_r(i)) take the reference of their own token's half; a score's
-  left operand L^h_i = x_i 2^(G_i - G_rh) (zero before half h) that of the column's half h, built in registers.
-  A score is (L^h R^T)_ij for j in half h; a gradient of the scores dM is one product per half of its contraction
-  index, the half's factor applied to that product alone, selected where it applies:
+- the pair-factor sums sum_k x_ik y_jk 2^(G_ik - G_jk) go by bf16 operands against the references: R_j = k_j
+  2^(G_r(j) - G_j) takes the reference of its own token's half, L^h_i = x_i 2^(G_i - G_rh) (zero before half h) the
+  reference of half h. A score is (L^h R^T)_ij for j in half h (L^h built in registers); a gradient of the scores dM
+  is one product per half, the half's factor applied to that product alone, selected where it applies:
 
-      rows:     dX_i = sum_h 2^(G_i - G_rh) (dM[:, h] R_h)_i          (i in or after half h)
-      columns:  dK_j = sum_h 2^(G_rh - G_j) (dM[h, :]^T L_h)_j          (j before the end of half h)
+      rows:     dX_i = sum_h 2^(G_i - G_rh) (dM[:, h] R_h)_i       (i in or after half h; contraction over half h)
+      columns:  dK_j = 2^(G_rh - G_j) (dM^T L^h)_j                  (h the half of j; L^h built in ``left`` by blocks)
 
 - the delta kernel's six stages (:mod:`cula.sm90.delta_chunk_bwd`), each closed by a CTA barrier:
 
     1. wg 0: A = beta (K K^T)_gated (strict lower), T   wg 2: P^T   wg 1: dV' = (F K) dS' + P^T dO
-    2. wg 0: T^T; W = T diag(beta) (E K), V' = T diag(beta) V - W S   wg 2: dW = -dV' S^T   wg 1: L of q
-    3. wg 2: dq = scale E (dO S^T) + rows(dP)   wg 1: dk = F (V' dS'^T)   wg 0: E K again, dk += columns(dP^T;
-       L of q)
+    2. wg 0: T^T; W = T diag(beta) (E K), V' = T diag(beta) V - W S   wg 2: dW = -dV' S^T
+    3. wg 2: dq = scale E (dO S^T) + rows(dP)   wg 1: dk = F (V' dS'^T)   wg 0: E K again, dk += columns(dP^T)
     4. wg 0: dT = diag(beta) columns of (dW (E K)^T + dV' V^T)   wg 1: d_bk = T^T dW, dk += beta E d_bk
        wg 2: d_bv = T^T dV', dv = beta d_bv
-    5. wg 0: X = dT T^T, dA = -(T^T X) (strict lower), dA_b = beta dA both ways round   wg 1: L of k
-    6. wg 1 and 2 (a block of 64 keys each): dk += rows(dA_b) + columns(dA_b^T; L of k)
+    5. wg 0: X = dT T^T, dA = -(T^T X) (strict lower), dA_b = beta dA both ways round
+    6. wg 1 and 2 (a block of 64 keys each): dk += rows(dA_b) + columns(dA_b^T)
 
 - dbeta = sum_j dA (K K^T)_gated + sum_k E k d_bk + sum_v v d_bv per token; dg per key the suffix sum over the chunk of
-  q dq - k dk + 2 Z with Z = k (rows(dA_b) + beta E d_bk) (kept in dg until the scan: dq and dk are read back from
-  global memory instead of keeping each of their terms), plus sum_j k_j dk^end_j + 2^G_L sum_v S dS'.
+  a local term plus sum_j k_j dk^end_j + 2^G_L sum_v S dS'. The local term is q dq^inter - k dk^end + beta E k d_bk
+  plus, for each pair gradient, L^h (dM[:, h] R_h) from the rows side and -R (dM^T L^h) from the columns side: a pair
+  (i, j) enters it through the same rounded L^h_i and R_j from both sides, so that the pairs inside a suffix cancel
+  (through q dq - k dk, each side's own roundings, dg is off by 7-12 % on KDA's safe gates). Its parts are added into
+  dg in global memory, in an order the barriers fix, and scanned at the end.
 
 :func:`cula.ops.chunk_emulation.key_delta_slab_gradients` is this arithmetic in PyTorch, roundings included. Under
 KDA's ``safe_gate`` (g >= -5) no operand passes 2^116, so there is no steep path.
@@ -69,7 +70,10 @@ class Barrier(enum.IntEnum):
     STAGE = 1  # all warpgroups: the end of a stage
     WY = 2  # warpgroup 0's own steps
     P_READY = 3  # warpgroups 1 and 2: P^T in shared memory
-    DK_END = 4  # warpgroups 0 and 1: dk^end stored, for warpgroup 0 to add the P part to
+    DK_END = 4  # warpgroups 0 and 1: dk^end stored and taken from dg's local term, for warpgroup 0 to add to both
+    LOCAL_Q = 5  # warpgroups 1 and 2: dg's local term from dq's side stored, for warpgroup 1 to add to
+    OWN_1 = 6  # warpgroup 1's own steps (its L^h blocks)
+    OWN_2 = 7  # warpgroup 2's own steps
 
 
 class KeyDeltaParams(NamedTuple):
@@ -86,9 +90,10 @@ class KeyDeltaParams(NamedTuple):
 
 class Smem(NamedTuple):
     """The CTA's shared tiles. (C, K): q, k; w (P^T in stage 1, E K and -W in stage 2, E K from stage 3); r (R);
-    left (F K in stage 1, then L of q, then L of k). (C, Vs): v, do, vn (V'), dvn (dV'). (Vs, K): s, ds. (C, C): t, tt;
-    x1 (dT, then dA_b) in do's bytes, x2 (X, then dA_b^T) in v's. at: A^T (fp32) for the solve, then dW (C, K)
-    bf16, then in stage 5 the scores of A again (fp32). gates: G (C x K fp32 log2, :func:`swizzled`)."""
+    left (F K in stage 1, then blocks of the L^h of q and of k). (C, Vs): v, do, vn (V'), dvn (dV'). (Vs, K): s,
+    ds. (C, C): t, tt; x1 (dT, then dA_b) in do's bytes, x2 (X, then dA_b^T) in v's. at: A^T (fp32) for the solve,
+    then dW (C, K) bf16, then in stage 5 the scores of A again (fp32). gates: G (C x K fp32 log2,
+    :func:`swizzled`)."""
 
     q: cute.Tensor
     k: cute.Tensor
@@ -310,15 +315,6 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
             sm.left[r, d] = (x * cute.math.exp2(self.gate(sm, C - 1, d) - g_r, fastmath=True)).to(cutlass.BFloat16)
 
     @cute.jit
-    def left_own(self, sm, sX, wtid):
-        """One warpgroup: L = x 2^(G - G_r) (own references) into ``sm.left``."""
-        C, K = self.C, self.D
-        for idx in cutlass.range(wtid, C * K, 128, unroll=2):
-            r, d = idx // K, idx % K
-            factor = cute.math.exp2(self.gate(sm, r, d) - self.gate(sm, self.own_reference(r), d), fastmath=True)
-            sm.left[r, d] = (sX[r, d].to(cutlass.Float32) * factor).to(cutlass.BFloat16)
-
-    @cute.jit
     def gated_k(self, sm, wtid):
         """One warpgroup: E K = k 2^G into ``sm.w``."""
         C, K = self.C, self.D
@@ -370,17 +366,17 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
         return part, thr.partition_C(cute.make_identity_tensor((C, half)))
 
     @cute.jit
-    def pair_gradient(self, acc, cTD, kb, sm, a, a_in_smem: cutlass.Constexpr, b_mn, side: cutlass.Constexpr, wtid):
-        """acc (C x KEY_BLOCK, keys KEY_BLOCK kb ..) += a score gradient's product with a bf16 (C x K) tile read
-        MN-major, ``b_mn`` (R for ``side`` "rows", an L for "columns"), over each half of the contraction index, the
-        half's factor on its product alone (module docstring). ``a``: the (C x C) score gradient (dM for rows, dM^T
-        for columns) as a bf16 register operand, or a tile in shared memory (``a_in_smem``)."""
+    def row_pairs(self, p, acc, local, cTD, kb, sm, a, a_in_smem: cutlass.Constexpr, sX, wtid):
+        """The rows gradient of a score gradient dM on key block ``kb`` (C x KEY_BLOCK), one product per half h of its
+        contraction index: acc += 2^(G_i - G_rh) (dM[:, h] R_h)_i and dg's local += L^h_i (dM[:, h] R_h)_i for i in or
+        after half h, with L^h = bf16(x 2^(G - G_rh)) as the scores take it (``sX`` the tile of x). ``a``: dM as a
+        bf16 register operand, or (``a_in_smem``) a tile in shared memory."""
         C = self.C
         half = C // 2
         f32 = cutlass.Float32
         tiled = mma.tiled_mma(C, KEY_BLOCK, b_major="MN", a_in_registers=not a_in_smem)
         thr = tiled.get_slice(wtid)
-        b_frag = thr.make_fragment_B(thr.partition_B(_key_block(b_mn, kb)))
+        b_frag = thr.make_fragment_B(thr.partition_B(_key_block(tiles.mn_plane(sm.r, p.tile_tok_mn), kb)))
         a_frag = a
         if cutlass.const_expr(a_in_smem):
             a_frag = thr.make_fragment_A(thr.partition_A(a))
@@ -391,14 +387,51 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
             for e in cutlass.range_constexpr(cute.size(acc)):
                 i, d = cTD[e]
                 key = kb * KEY_BLOCK + d
+                if i >= h * half:
+                    factor = cute.math.exp2(self.gate(sm, i, key) - self.gate(sm, ref, key), fastmath=True)
+                    left = (sX[i, key].to(f32) * factor).to(cutlass.BFloat16).to(f32)
+                    acc[e] = acc[e] + part[e] * factor
+                    local[e] = local[e] + part[e] * left
+
+    @cute.jit
+    def column_pairs(
+        self, p, acc, local, cTD, kb, sm, a, a_in_smem: cutlass.Constexpr, sX, barrier: cutlass.Constexpr, wtid
+    ):  # fmt: skip
+        """The columns gradient of a score gradient dM (``a``: dM^T, rows j) on key block ``kb``, one product per
+        half h of its rows: L^h = bf16(x 2^(G - G_rh)) (zero before half h) is built in ``sm.left``'s columns of the
+        block by this warpgroup (``barrier`` its own named barrier), then acc += 2^(G_rh - G_j) (dM^T L^h)_j and dg's
+        local -= R_j (dM^T L^h)_j for j in half h. A pair (i, j) so enters dg's local term through the same rounded
+        L^h_i and R_j as through :meth:`row_pairs`, and the pairs inside a suffix cancel."""
+        C = self.C
+        half = C // 2
+        f32 = cutlass.Float32
+        tiled = mma.tiled_mma(C, KEY_BLOCK, b_major="MN", a_in_registers=not a_in_smem)
+        thr = tiled.get_slice(wtid)
+        b_frag = thr.make_fragment_B(thr.partition_B(_key_block(tiles.mn_plane(sm.left, p.tile_tok_mn), kb)))
+        a_frag = a
+        if cutlass.const_expr(a_in_smem):
+            a_frag = thr.make_fragment_A(thr.partition_A(a))
+        for h in cutlass.range_constexpr(2):
+            ref = h * half + half // 2
+            for idx in cutlass.range(wtid, C * KEY_BLOCK, 128, unroll=2):
+                i, key = idx // KEY_BLOCK, kb * KEY_BLOCK + idx % KEY_BLOCK
                 x = f32(0.0)
-                if cutlass.const_expr(side == "rows"):
-                    if i >= h * half:
-                        x = part[e] * cute.math.exp2(self.gate(sm, i, key) - self.gate(sm, ref, key), fastmath=True)
-                else:
-                    if i < (h + 1) * half:
-                        x = part[e] * cute.math.exp2(self.gate(sm, ref, key) - self.gate(sm, i, key), fastmath=True)
-                acc[e] = acc[e] + x
+                if i >= h * half:
+                    factor = cute.math.exp2(self.gate(sm, i, key) - self.gate(sm, ref, key), fastmath=True)
+                    x = sX[i, key].to(f32) * factor
+                sm.left[i, key] = x.to(cutlass.BFloat16)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=barrier, number_of_threads=128)
+            part = thr.make_fragment_C(thr.partition_shape_C((C, KEY_BLOCK)))
+            mma.gemm_waited(tiled, part, a_frag, b_frag, True)
+            for e in cutlass.range_constexpr(cute.size(acc)):
+                j, d = cTD[e]
+                key = kb * KEY_BLOCK + d
+                if j >= h * half and j < (h + 1) * half:
+                    factor = cute.math.exp2(self.gate(sm, ref, key) - self.gate(sm, j, key), fastmath=True)
+                    acc[e] = acc[e] + part[e] * factor
+                    local[e] = local[e] - part[e] * sm.r[j, key].to(f32)
+            cute.arch.barrier(barrier_id=barrier, number_of_threads=128)  # every read of L^h before the next's build
 
     # ---------------------------------------------------------------- warpgroup 0: the WY form and its gradients
     @cute.jit
@@ -437,8 +470,8 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
         self.smem_gemm(mma.tiled_mma(C, SLAB, a_in_registers=False), acc_u, sm.w, sm.s, wtid, False)
         self.to_tile(acc_u, cTV, sm.vn, 1.0, wtid)
         self.stage_done()  # 2
-        # stage 3: E K again (over -W) for stage 4; dk += columns(dP^T; L of q) once warpgroup 1 has stored dk^end
-        # (one warpgroup holding both spills)
+        # stage 3: E K again (over -W) for stage 4; the columns gradient of dP (x = q) into dk and dg's local term once
+        # warpgroup 1 has stored dk^end (one warpgroup holding both spills)
         self.gated_k(sm, wtid)
         acc_dpt, cCC = self.scores(sm.vn, sm.do, wtid)
         r_dpt = self.masked_scores(acc_dpt, cCC, None, valid, True, p.scale)
@@ -446,11 +479,14 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
         cTD = thr.partition_C(cute.make_identity_tensor((C, KEY_BLOCK)))
         for kb in cutlass.range_constexpr(self.key_blocks):
             acc = thr.make_fragment_C(thr.partition_shape_C((C, KEY_BLOCK)))
+            local = thr.make_fragment_C(thr.partition_shape_C((C, KEY_BLOCK)))
             acc.fill(0.0)
-            self.pair_gradient(acc, cTD, kb, sm, r_dpt, False, tiles.mn_plane(sm.left, p.tile_tok_mn), "columns", wtid)
+            local.fill(0.0)
+            self.column_pairs(p, acc, local, cTD, kb, sm, r_dpt, False, sm.q, Barrier.WY, wtid)
             if cutlass.const_expr(kb == 0):
                 cute.arch.barrier(barrier_id=Barrier.DK_END, number_of_threads=256)
             self.add_rows(acc, cTD, p.t.dk, valid, part, t0, hv, kb * KEY_BLOCK)
+            self.add_rows(local, cTD, p.t.dg, valid, part, t0, hv, kb * KEY_BLOCK)
         self.stage_done()  # 3
         # stage 4: dT = (dW (E K)^T + dV' V^T) diag(beta), to X1 (dO's bytes)
         acc_a, cCC = self.scores(sm.dw, sm.w, wtid)
@@ -502,16 +538,16 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
         )  # fmt: skip
         self.to_tile(acc, cTV, sm.dvn, 1.0, wtid)
         self.stage_done()  # 1
-        # stage 2: L of q; the slab's 2^G_L sum_v S dS' per key
-        self.left_own(sm, sm.q, wtid)
+        # stage 2: the slab's 2^G_L sum_v S dS' per key
         if wtid < K:
             x = f32(0.0)
             for v in cutlass.range(SLAB, unroll=8):
                 x = x + sm.s[v, wtid].to(f32) * sm.ds[v, wtid].to(f32)
             sm.col_state[wtid] = x * cute.math.exp2(self.gate(sm, C - 1, wtid), fastmath=True)
         self.stage_done()  # 2
-        # stage 3: dk = dk^end = F (V' dS'^T), a key block at a time, and the constant's sum_j k_j dk^end_j
-        # (warpgroup 0 adds the P part)
+        # stage 3: dk = dk^end = F (V' dS'^T), a key block at a time, and the constant's sum_j k_j dk^end_j; once
+        # warpgroup 2 has stored dg's local term from dq's side, -k dk^end added to it (warpgroup 0 adds the P parts)
+        ends = []
         for kb in cutlass.range_constexpr(self.key_blocks):
             acc, cTD = self.gemm_to(
                 KEY_BLOCK, "MN", sm.vn, _key_block(tiles.mn_plane(sm.ds, p.tile_state_mn), kb), wtid
@@ -522,9 +558,17 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
                 acc[e] = acc[e] * cute.math.exp2(self.gate(sm, C - 1, key) - self.gate(sm, j, key), fastmath=True)
             self.end_column_sums(acc, cTD, kb, sm, warp_in_group, wtid)
             self.store_rows(acc, cTD, p.t.dk, valid, part, t0, hv, kb * KEY_BLOCK)
+            ends.append((acc, cTD))
+        cute.arch.barrier(barrier_id=Barrier.LOCAL_Q, number_of_threads=256)
+        for kb in cutlass.range_constexpr(self.key_blocks):
+            acc, cTD = ends[kb]
+            for e in cutlass.range_constexpr(cute.size(acc)):
+                j, d = cTD[e]
+                acc[e] = -acc[e] * sm.k[j, kb * KEY_BLOCK + d].to(f32)
+            self.add_rows(acc, cTD, p.t.dg, valid, part, t0, hv, kb * KEY_BLOCK)
         cute.arch.barrier(barrier_id=Barrier.DK_END, number_of_threads=256)
         self.stage_done()  # 3
-        # stage 4: d_bk = T^T dW; dbeta's sum_k E k d_bk; dk += beta E d_bk; Z = k beta E d_bk into dg
+        # stage 4: d_bk = T^T dW; dbeta's sum_k E k d_bk; dk += beta E d_bk; dg's local += k beta E d_bk
         acc_dbk, cTK = self.gemm_to(K, "MN", sm.tt, tiles.mn_plane(sm.dw, p.tile_tok_mn), wtid)
         self.row_dot(acc_dbk, cTK, sm.w, sm.rows, K_DBK, wtid)
         for e in cutlass.range_constexpr(cute.size(acc_dbk)):
@@ -534,12 +578,10 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
         for e in cutlass.range_constexpr(cute.size(acc_dbk)):
             r, d = cTK[e]
             acc_dbk[e] = acc_dbk[e] * sm.k[r, d].to(f32)
-        self.store_rows(acc_dbk, cTK, p.t.dg, valid, part, t0, hv)
+        self.add_rows(acc_dbk, cTK, p.t.dg, valid, part, t0, hv)
         self.stage_done()  # 4
-        # stage 5: L of k
-        self.left_own(sm, sm.k, wtid)
         self.stage_done()  # 5
-        self.pair_terms(p, sm, 0, valid, wtid, part, t0, hv)
+        self.pair_terms(p, sm, 0, valid, wtid, part, t0, hv, Barrier.OWN_1)
         self.stage_done()  # 6
 
     # ---------------------------------------------------------------- warpgroup 2: P^T, dq, then dv
@@ -571,11 +613,16 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
             acc, cTD = self.gemm_to(
                 KEY_BLOCK, "MN", sm.do, _key_block(tiles.mn_plane(sm.s, p.tile_state_mn), kb), wtid
             )  # fmt: skip
+            local = cute.make_rmem_tensor(acc.layout, cutlass.Float32)
             for e in cutlass.range_constexpr(cute.size(acc)):
                 i, d = cTD[e]
-                acc[e] = acc[e] * p.scale * cute.math.exp2(self.gate(sm, i, kb * KEY_BLOCK + d), fastmath=True)
-            self.pair_gradient(acc, cTD, kb, sm, r_dp, False, tiles.mn_plane(sm.r, p.tile_tok_mn), "rows", wtid)
+                key = kb * KEY_BLOCK + d
+                acc[e] = acc[e] * p.scale * cute.math.exp2(self.gate(sm, i, key), fastmath=True)
+                local[e] = acc[e] * sm.q[i, key].to(cutlass.Float32)
+            self.row_pairs(p, acc, local, cTD, kb, sm, r_dp, False, sm.q, wtid)
             self.store_rows(acc, cTD, p.t.dq, valid, part, t0, hv, kb * KEY_BLOCK)
+            self.store_rows(local, cTD, p.t.dg, valid, part, t0, hv, kb * KEY_BLOCK)
+        cute.arch.barrier(barrier_id=Barrier.LOCAL_Q, number_of_threads=256)
         self.stage_done()  # 3
         # stage 4: d_bv = T^T dV', dv = beta d_bv (the slab's columns)
         acc_dbv, cTV = self.gemm_to(SLAB, "MN", sm.tt, tiles.mn_plane(sm.dvn, own.tile_slab_mn), wtid)
@@ -587,26 +634,24 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
         self.stage_done()  # 4
         self.stage_done()  # 5
         if cutlass.const_expr(self.key_blocks > 1):
-            self.pair_terms(p, sm, 1, valid, wtid, part, t0, hv)
+            self.pair_terms(p, sm, 1, valid, wtid, part, t0, hv, Barrier.OWN_2)
         self.stage_done()  # 6
 
     # ---------------------------------------------------------------- stage 6, and the sums
     @cute.jit
-    def pair_terms(self, p, sm, kb: cutlass.Constexpr, valid, wtid, part, t0, hv):
-        """Stage 6 on key block ``kb``: the pair terms of A, rows(dA_b) + columns(dA_b^T; L of k), into dk, and k
-        rows(dA_b) into Z (dg)."""
+    def pair_terms(self, p, sm, kb: cutlass.Constexpr, valid, wtid, part, t0, hv, barrier: cutlass.Constexpr):
+        """Stage 6 on key block ``kb``: the pair terms of A, rows(dA_b) + columns(dA_b^T) (x = k), into dk and dg's
+        local term (``barrier``: this warpgroup's own, for its L^h blocks)."""
         thr = mma.tiled_mma(self.C, KEY_BLOCK).get_slice(wtid)
         acc = thr.make_fragment_C(thr.partition_shape_C((self.C, KEY_BLOCK)))
+        local = thr.make_fragment_C(thr.partition_shape_C((self.C, KEY_BLOCK)))
         cTD = thr.partition_C(cute.make_identity_tensor((self.C, KEY_BLOCK)))
         acc.fill(0.0)
-        self.pair_gradient(acc, cTD, kb, sm, sm.x1, True, tiles.mn_plane(sm.r, p.tile_tok_mn), "rows", wtid)
-        z = cute.make_rmem_tensor(acc.layout, cutlass.Float32)
-        for e in cutlass.range_constexpr(cute.size(acc)):
-            i, d = cTD[e]
-            z[e] = acc[e] * sm.k[i, kb * KEY_BLOCK + d].to(cutlass.Float32)
-        self.add_rows(z, cTD, p.t.dg, valid, part, t0, hv, kb * KEY_BLOCK)
-        self.pair_gradient(acc, cTD, kb, sm, sm.x2, True, tiles.mn_plane(sm.left, p.tile_tok_mn), "columns", wtid)
+        local.fill(0.0)
+        self.row_pairs(p, acc, local, cTD, kb, sm, sm.x1, True, sm.k, wtid)
+        self.column_pairs(p, acc, local, cTD, kb, sm, sm.x2, True, sm.k, barrier, wtid)
         self.add_rows(acc, cTD, p.t.dk, valid, part, t0, hv, kb * KEY_BLOCK)
+        self.add_rows(local, cTD, p.t.dg, valid, part, t0, hv, kb * KEY_BLOCK)
 
     @cute.jit
     def end_column_sums(self, acc, cTD, kb, sm, warp_in_group, wtid):
@@ -626,29 +671,24 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
 
     @cute.jit
     def gate_gradient(self, t, sm, valid, key, part, t0, hv):
-        """One key channel per thread: dg_t = sum_{s >= t} (q dq - k dk + 2 Z)_s + the chunk's constant, with the
-        slab's dq, dk and Z read back from global memory (a batch of rows loaded before its stores overwrite Z; rows
-        clamped into the chunk so that every load of a batch is issued at once)."""
+        """One key channel per thread: dg_t = sum_{s >= t} local_s + the chunk's constant, the slab's local term read
+        back from dg (a batch of rows loaded before its stores overwrite them; rows clamped into the chunk, so that
+        every load of a batch is issued at once)."""
         C = self.C
         f32 = cutlass.Float32
         constant = sm.col_state[key]
         for w in cutlass.range_constexpr(4):
             constant = constant + sm.col_warps[w, key]
-        batch = GATE_BATCH // 2  # three values a row
-        dq = cute.make_rmem_tensor(cute.make_layout(batch), f32)
-        dk = cute.make_rmem_tensor(cute.make_layout(batch), f32)
-        z = cute.make_rmem_tensor(cute.make_layout(batch), f32)
+        batch = GATE_BATCH
+        local = cute.make_rmem_tensor(cute.make_layout(batch), f32)
         run = f32(0.0)
         for rb in cutlass.range_constexpr(C // batch):
             r0 = C - batch * (rb + 1)
             for i in cutlass.range_constexpr(batch):
-                token = t0 + cutlass.min(r0 + i, valid - 1)
-                dq[i] = t.dq[part, token, hv, key]
-                dk[i] = t.dk[part, token, hv, key]
-                z[i] = t.dg[part, token, hv, key]
+                local[i] = t.dg[part, t0 + cutlass.min(r0 + i, valid - 1), hv, key]
             for rev in cutlass.range_constexpr(batch):
                 i = batch - 1 - rev
                 r = r0 + i
                 if r < valid:
-                    run = run + sm.q[r, key].to(f32) * dq[i] - sm.k[r, key].to(f32) * dk[i] + 2.0 * z[i]
+                    run = run + local[i]
                     t.dg[part, t0 + r, hv, key] = run + constant
