@@ -366,6 +366,19 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
         return part, thr.partition_C(cute.make_identity_tensor((C, half)))
 
     @cute.jit
+    def pair_product(self, p, a, a_in_smem: cutlass.Constexpr, b_tile, kb, wtid):
+        """The pair gradients' (C x KEY_BLOCK) product of a score gradient ``a`` (a bf16 register operand, or with
+        ``a_in_smem`` a (C x C) tile) and key block ``kb`` of the (C, K) tile ``b_tile`` read MN-major: ``(tiled MMA,
+        its thread slice, A fragment, B fragment)``."""
+        tiled = mma.tiled_mma(self.C, KEY_BLOCK, b_major="MN", a_in_registers=not a_in_smem)
+        thr = tiled.get_slice(wtid)
+        b_frag = thr.make_fragment_B(thr.partition_B(_key_block(tiles.mn_plane(b_tile, p.tile_tok_mn), kb)))
+        a_frag = a
+        if cutlass.const_expr(a_in_smem):
+            a_frag = thr.make_fragment_A(thr.partition_A(a))
+        return tiled, thr, a_frag, b_frag
+
+    @cute.jit
     def row_pairs(self, p, acc, local, cTD, kb, sm, a, a_in_smem: cutlass.Constexpr, sX, wtid):
         """The rows gradient of a score gradient dM on key block ``kb`` (C x KEY_BLOCK), one product per half h of its
         contraction index: acc += 2^(G_i - G_rh) (dM[:, h] R_h)_i and dg's local += L^h_i (dM[:, h] R_h)_i for i in or
@@ -374,12 +387,7 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
         C = self.C
         half = C // 2
         f32 = cutlass.Float32
-        tiled = mma.tiled_mma(C, KEY_BLOCK, b_major="MN", a_in_registers=not a_in_smem)
-        thr = tiled.get_slice(wtid)
-        b_frag = thr.make_fragment_B(thr.partition_B(_key_block(tiles.mn_plane(sm.r, p.tile_tok_mn), kb)))
-        a_frag = a
-        if cutlass.const_expr(a_in_smem):
-            a_frag = thr.make_fragment_A(thr.partition_A(a))
+        tiled, thr, a_frag, b_frag = self.pair_product(p, a, a_in_smem, sm.r, kb, wtid)
         for h in cutlass.range_constexpr(2):
             ref = h * half + half // 2
             part = thr.make_fragment_C(thr.partition_shape_C((C, KEY_BLOCK)))
@@ -405,12 +413,7 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
         C = self.C
         half = C // 2
         f32 = cutlass.Float32
-        tiled = mma.tiled_mma(C, KEY_BLOCK, b_major="MN", a_in_registers=not a_in_smem)
-        thr = tiled.get_slice(wtid)
-        b_frag = thr.make_fragment_B(thr.partition_B(_key_block(tiles.mn_plane(sm.left, p.tile_tok_mn), kb)))
-        a_frag = a
-        if cutlass.const_expr(a_in_smem):
-            a_frag = thr.make_fragment_A(thr.partition_A(a))
+        tiled, thr, a_frag, b_frag = self.pair_product(p, a, a_in_smem, sm.left, kb, wtid)
         for h in cutlass.range_constexpr(2):
             ref = h * half + half // 2
             for idx in cutlass.range(wtid, C * KEY_BLOCK, 128, unroll=2):
