@@ -649,6 +649,26 @@ def emulate_chunk_rows(chunks, inputs, outputs, S, dS, value_heads_per_head, gra
                 out[tokens, hv] = grad[0, :valid].to(out.dtype)
 
 
+def delta_host_inputs(lengths, per_key_gate: bool) -> tuple:
+    """A delta-rule backward's per-chunk inputs on the CPU for a host test, seeded: a varlen batch of ``lengths`` or
+    (None) two rows of 100 tokens, H = 1, HV = 2, D = 16; GDN's gate per head or KDA's bounded one per key; random
+    checkpoints. Returns ``(index, chunks, q, k, v, do, g, beta, starts, ends)``."""
+    torch.manual_seed(4)
+    B, T = (1, sum(lengths)) if lengths else (2, 100)
+    H, HV, D = 1, 2, 16
+    offsets = offsets_of(lengths) if lengths else [0, T, 2 * T]
+    index, rows, chunks = chunk_backward.chunk_rows(offsets, lengths is None)
+    q, k = torch.randn(B, T, H, D), F.normalize(torch.randn(B, T, H, D), dim=-1)
+    v, do = torch.randn(B, T, HV, D), torch.randn(B, T, HV, D)
+    if per_key_gate:
+        g = F.logsigmoid(torch.randn(B, T, HV, D) + 2.0).clamp_min(-5.0)
+    else:
+        g = F.logsigmoid(torch.randn(B, T, HV) + 3.0)
+    beta = torch.rand(B, T, HV)
+    starts, ends = (torch.randn(max(rows, 1), HV, D, D) * 0.3 for _ in range(2))
+    return index, chunks, q, k, v, do, g, beta, starts, ends
+
+
 def emulated_delta_gradient_kernel(q, k, v, do, g, beta, S, dS, chunks, dq, dk, dv, dbeta, dg, scale):
     """cula.sm90.delta_chunk_bwd's launch on a CPU (:func:`emulate_chunk_rows` with the kernel's stages,
     cula.ops.chunk_emulation.delta_chunk_gradients, exact operands); outputs per value head."""
@@ -669,16 +689,8 @@ def test_the_delta_gradient_kernels_host_gives_the_rows_gradients(monkeypatch, l
 
     monkeypatch.setattr(runtime, "device_arch", lambda device: "sm_90a")
     monkeypatch.setattr(runtime, "get_or_compile", lambda key, build: emulated_delta_gradient_kernel)
-    torch.manual_seed(4)
-    B, T = (1, sum(lengths)) if lengths else (2, 100)
-    H, HV, D = 1, 2, 16
-    offsets = offsets_of(lengths) if lengths else [0, T, 2 * T]
-    index, rows, chunks = chunk_backward.chunk_rows(offsets, lengths is None)
-    q, k = torch.randn(B, T, H, D), F.normalize(torch.randn(B, T, H, D), dim=-1)
-    v, do = torch.randn(B, T, HV, D), torch.randn(B, T, HV, D)
-    g, beta = F.logsigmoid(torch.randn(B, T, HV) + 3.0), torch.rand(B, T, HV)
+    index, chunks, q, k, v, do, g, beta, starts, ends = delta_host_inputs(lengths, per_key_gate=False)
     g[0, 3] = -1e4  # below the floor: no gradient
-    starts, ends = (torch.randn(max(rows, 1), HV, D, D) * 0.3 for _ in range(2))
     got = chunk_bwd_sm90.delta_chunk_gradients_sm90(
         q, k, v, do, g, beta, starts, ends, chunks, 0.25, lengths is not None
     )
@@ -722,15 +734,7 @@ def test_the_kda_gradient_kernels_host_gives_the_rows_gradients(monkeypatch, len
     monkeypatch.setattr(runtime, "device_arch", lambda device: "sm_90a")
     monkeypatch.setattr(runtime, "get_or_compile", lambda key, build: emulated_key_delta_gradient_kernel)
     monkeypatch.setattr(chunk_bwd_sm90, "SLAB", 8)
-    torch.manual_seed(4)
-    B, T = (1, sum(lengths)) if lengths else (2, 100)
-    H, HV, D = 1, 2, 16
-    offsets = offsets_of(lengths) if lengths else [0, T, 2 * T]
-    index, rows, chunks = chunk_backward.chunk_rows(offsets, lengths is None)
-    q, k = torch.randn(B, T, H, D), F.normalize(torch.randn(B, T, H, D), dim=-1)
-    v, do = torch.randn(B, T, HV, D), torch.randn(B, T, HV, D)
-    g, beta = F.logsigmoid(torch.randn(B, T, HV, D) + 2.0).clamp_min(-5.0), torch.rand(B, T, HV)
-    starts, ends = (torch.randn(max(rows, 1), HV, D, D) * 0.3 for _ in range(2))
+    index, chunks, q, k, v, do, g, beta, starts, ends = delta_host_inputs(lengths, per_key_gate=True)
     got = chunk_bwd_sm90.key_delta_chunk_gradients_sm90(
         q, k, v, do, g, beta, starts, ends, chunks, 0.25, lengths is not None
     )
