@@ -9,7 +9,8 @@
    products over the chunk rows (:func:`cula.ops.chunk_backward.rows_backward` with the gate bounded as the forward
    kernel needs it: every pair-factor sum by two reference tokens per chunk), or with ``CULA_KDA_GRADIENT_KERNEL=1``
    the kernel :class:`cula.sm90.key_delta_chunk_bwd.KeyDeltaChunkBwdSm90` (one CTA per chunk, value head and slab of
-   64 value columns; compiled and in the compile check, not yet run on a GPU).
+   64 value columns; opt-in until its GPU tests pass: its first GPU run found dg off, and the fixed version has not
+   run yet).
 
 Shapes: q, k [B, T, H, K]; v, do [B, T, HV, V] bf16; g [B, T, HV, K] fp32 (activated, >= -5: the forward kernel's
 bound); beta [B, T, HV] fp32; states [N, HV, K, V] fp32 ([N, HV, V, K] with ``state_v_first``).
@@ -27,7 +28,7 @@ from cula.ops import chunk_backward
 from cula.sm90 import entry, walks
 from cula.sm90.key_delta_chunk_bwd import SLAB, KeyDeltaChunkBwdSm90
 
-# "1": passes 3 and 4 by the per-chunk kernel instead of PyTorch products (not yet run on a GPU)
+# "1": passes 3 and 4 by the per-chunk kernel instead of PyTorch products (opt-in until its GPU tests pass)
 ENV_GRADIENT_KERNEL = "CULA_KDA_GRADIENT_KERNEL"
 
 
