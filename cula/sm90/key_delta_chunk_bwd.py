@@ -245,7 +245,7 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
                 self.dk_role(p, sm, valid, wtid, warp % 4, part, t0, hv)
             else:
                 self.dq_dv_role(p, sm, valid, wtid, b, part, t0, hv, slab)
-            cute.arch.sync_threads()  # dq, dk, Z and the row sums written
+            cute.arch.sync_threads()  # dq, dk, dg's local term and the row sums written
             if warp == 0:
                 for half in cutlass.range_constexpr(2):
                     i = lane + 32 * half
