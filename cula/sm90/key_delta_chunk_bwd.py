@@ -516,9 +516,9 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
             r, c = cCC[e]
             rr = mma.acc_row_slot(e)
             da = f32(0.0)
-            if c < r:
+            if c < r:  # the scores above the diagonal may be inf (their factors grow): a select, not a product
                 da = -acc_da[e]
-            da_kk[rr] = da_kk[rr] + da * sm.at[r, c]
+                da_kk[rr] = da_kk[rr] + da * sm.at[r, c]
             dab = (sm.beta[r] * da).to(cutlass.BFloat16)
             sm.x1[r, c] = dab
             sm.x2[c, r] = dab
