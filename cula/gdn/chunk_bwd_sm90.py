@@ -21,7 +21,7 @@ import torch
 
 from cula import runtime
 from cula.ops.gates import GATE_FLOOR
-from cula.sm90 import entry, scalar_chunk_bwd
+from cula.sm90 import delta_chunk_bwd, entry, scalar_chunk_bwd
 from cula.sm90.delta_chunk_bwd import DeltaChunkBwdSm90
 
 # "0": passes 3 and 4 by PyTorch products instead of the kernel
@@ -33,20 +33,8 @@ def compile_delta_chunk_gradients_sm90(
 ):  # fmt: skip
     """The kernel of passes 3 and 4, compiled on any machine for ``arch`` (``tile_copies``:
     :data:`cula.sm90.scalar_chunk_bwd.ENV_TILE_COPIES`)."""
-    import cutlass
-
-    sym, fake = runtime.sym_int, runtime.fake_tensor
-    B, T, H, HV, rows = sym(), sym(), sym(), sym(), sym()
-    D = head_dim
-    bf16, f32 = cutlass.BFloat16, cutlass.Float32
-    args = (
-        fake(bf16, (B, T, H, D)), fake(bf16, (B, T, H, D)), fake(bf16, (B, T, HV, D)), fake(bf16, (B, T, HV, D)),
-        fake(f32, (B, T, HV), align=4), fake(f32, (B, T, HV), align=4),
-        fake(bf16, (rows, HV, D, D)), fake(bf16, (rows, HV, D, D)), fake(cutlass.Int32, (rows, 2), align=4),
-        fake(f32, (B, T, HV, D)), fake(f32, (B, T, HV, D)), fake(f32, (B, T, HV, D)),
-        fake(f32, (B, T, HV), align=4), fake(f32, (B, T, HV), align=4), f32(1.0), runtime.fake_stream(),
-    )  # fmt: skip
-    return runtime.compile_kernel(DeltaChunkBwdSm90(D, is_varlen, tile_copies), args, arch, keep_artifacts)
+    args = delta_chunk_bwd.fake_args(head_dim, per_key_gate=False)
+    return runtime.compile_kernel(DeltaChunkBwdSm90(head_dim, is_varlen, tile_copies), args, arch, keep_artifacts)
 
 
 def delta_chunk_gradients_sm90(q, k, v, do, g, beta, S, dS, chunks, scale, is_varlen):

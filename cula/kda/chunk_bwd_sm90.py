@@ -25,7 +25,7 @@ import torch
 from cula import runtime
 from cula.kda.chunk_fwd_sm90 import KDA_SM90
 from cula.ops import chunk_backward
-from cula.sm90 import entry, walks
+from cula.sm90 import delta_chunk_bwd, entry, walks
 from cula.sm90.key_delta_chunk_bwd import SLAB, KeyDeltaChunkBwdSm90
 
 # "1": passes 3 and 4 by the per-chunk kernel instead of PyTorch products (opt-in until its GPU tests pass)
@@ -34,20 +34,8 @@ ENV_GRADIENT_KERNEL = "CULA_KDA_GRADIENT_KERNEL"
 
 def compile_key_delta_chunk_gradients_sm90(arch="sm_90a", *, head_dim=128, is_varlen=False, keep_artifacts=False):
     """The kernel of passes 3 and 4, compiled on any machine for ``arch``."""
-    import cutlass
-
-    sym, fake = runtime.sym_int, runtime.fake_tensor
-    B, parts, T, H, HV, rows = sym(), sym(), sym(), sym(), sym(), sym()
-    D = head_dim
-    bf16, f32 = cutlass.BFloat16, cutlass.Float32
-    args = (
-        fake(bf16, (B, T, H, D)), fake(bf16, (B, T, H, D)), fake(bf16, (B, T, HV, D)), fake(bf16, (B, T, HV, D)),
-        fake(f32, (B, T, HV, D)), fake(f32, (B, T, HV), align=4),
-        fake(bf16, (rows, HV, D, D)), fake(bf16, (rows, HV, D, D)), fake(cutlass.Int32, (rows, 2), align=4),
-        fake(f32, (parts, T, HV, D)), fake(f32, (parts, T, HV, D)), fake(f32, (B, T, HV, D)),
-        fake(f32, (parts, T, HV), align=4), fake(f32, (parts, T, HV, D)), f32(1.0), runtime.fake_stream(),
-    )  # fmt: skip
-    return runtime.compile_kernel(KeyDeltaChunkBwdSm90(D, is_varlen), args, arch, keep_artifacts)
+    args = delta_chunk_bwd.fake_args(head_dim, per_key_gate=True)
+    return runtime.compile_kernel(KeyDeltaChunkBwdSm90(head_dim, is_varlen), args, arch, keep_artifacts)
 
 
 def key_delta_chunk_gradients_sm90(q, k, v, do, g, beta, S, dS, chunks, scale, is_varlen):

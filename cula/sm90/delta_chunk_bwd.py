@@ -45,6 +45,30 @@ WY_BARRIER = 2  # warpgroup 0's own steps
 Q_DQ, K_DK, K_DK_END, K_DBK, V_DBV, DA_KK, PAIR_ROW, PAIR_COL = range(8)
 
 
+def fake_args(head_dim: int, per_key_gate: bool) -> tuple:
+    """The arguments of :meth:`DeltaChunkBwdSm90.__call__` as fake tensors of symbolic sizes, for a compile on any
+    machine; with ``per_key_gate`` those of KDA's kernel (:mod:`cula.sm90.key_delta_chunk_bwd`): g and dg carry a
+    key mode, and dq, dk, dbeta and dg a row per slab and batch row instead of per batch row."""
+    from cula import runtime
+
+    sym, fake = runtime.sym_int, runtime.fake_tensor
+    B, T, H, HV, rows = sym(), sym(), sym(), sym(), sym()
+    parts = sym() if per_key_gate else B
+    D = head_dim
+    bf16, f32 = cutlass.BFloat16, cutlass.Float32
+
+    def gate(rows_):
+        return fake(f32, (rows_, T, HV, D)) if per_key_gate else fake(f32, (rows_, T, HV), align=4)
+
+    return (
+        fake(bf16, (B, T, H, D)), fake(bf16, (B, T, H, D)), fake(bf16, (B, T, HV, D)), fake(bf16, (B, T, HV, D)),
+        gate(B), fake(f32, (B, T, HV), align=4),
+        fake(bf16, (rows, HV, D, D)), fake(bf16, (rows, HV, D, D)), fake(cutlass.Int32, (rows, 2), align=4),
+        fake(f32, (parts, T, HV, D)), fake(f32, (parts, T, HV, D)), fake(f32, (B, T, HV, D)),
+        fake(f32, (parts, T, HV), align=4), gate(parts), f32(1.0), runtime.fake_stream(),
+    )  # fmt: skip
+
+
 class DeltaParams(NamedTuple):
     """What the delta rule's kernel takes beyond the scalar-gate kernel's :class:`Params`: beta and its gradient
     [B, T, HV] fp32, and the (C x C) tiles' layouts."""

@@ -50,13 +50,12 @@ from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.nvgpu import cpasync
 
 from cula.sm90 import mma, pipeline, solve, tiles
 from cula.sm90.chunk_fwd import A_STRIDE
 from cula.sm90.delta_chunk_bwd import DeltaChunkBwdSm90
 from cula.sm90.key_chunk_bwd import GATE_BATCH, swizzled
-from cula.sm90.scalar_chunk_bwd import Loads, Params, Tensors
+from cula.sm90.scalar_chunk_bwd import Params, Tensors
 
 WARPGROUPS = 3
 SLAB = 64  # value columns per CTA
@@ -141,21 +140,10 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
         C, K = self.C, self.D
         bf16, f32 = cutlass.BFloat16, cutlass.Float32
         t = Tensors(q, k, v, do, g, states, state_grads, chunks, dq, dk, dv, dg)
-        tile_tok, tile_tok_mn = tiles.token_tiles(C, K, 1)
-        tile_slab, tile_slab_mn = tiles.token_tiles(C, SLAB, 1)
-        tile_state, tile_state_mn = tiles.token_tiles(SLAB, K, 1)
+        loads, tile_tok, tile_tok_mn, tile_state, tile_state_mn, tile_slab, tile_slab_mn = self.chunk_loads(
+            q, k, v, do, states, state_grads, SLAB
+        )
         tile_cc, tile_cc_mn = tiles.token_tiles(C, C)
-        load = cpasync.CopyBulkTensorTileG2SOp()
-
-        def atom(view, tile, shape):
-            return cpasync.make_tiled_tma_atom(load, view, cute.slice_(tile, (None, None, 0)), shape)
-
-        tok, ckpt = tiles.tma_view, tiles.state_tma_view
-        loads = Loads(
-            atom(tok(q), tile_tok, (C, K)), atom(tok(k), tile_tok, (C, K)), atom(tok(v), tile_slab, (C, SLAB)),
-            atom(tok(do), tile_slab, (C, SLAB)), atom(ckpt(states), tile_state, (SLAB, K)),
-            atom(ckpt(state_grads), tile_state, (SLAB, K)),
-        )  # fmt: skip
         own = KeyDeltaParams(beta, dbeta, tile_cc, tile_cc_mn, tile_slab, tile_slab_mn)
         p = Params(loads, t, scale, tile_tok, tile_tok_mn, tile_state, tile_state_mn, own)
 
@@ -224,7 +212,7 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
 
         if valid > 0:
             if warp == 0:
-                self.issue_slab_loads(p, loads, (sQ, sK, sV, sDO, sS, sDS), b, t0, h, hv, row, slab)
+                self.issue_loads(p, loads, sQ, sK, sV, sDO, sS, sDS, b, t0, h, hv, row, slab)
                 for half in cutlass.range_constexpr(2):
                     i = lane + 32 * half
                     sm.beta[i] = own.beta[b, t0 + cutlass.min(i, valid - 1), hv] if i < valid else cutlass.Float32(0.0)
@@ -253,24 +241,6 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
                         own.dbeta[part, t0 + i, hv] = sm.rows[i, DA_KK] + sm.rows[i, K_DBK] + sm.rows[i, V_DBV]
             if tidx < K:
                 self.gate_gradient(t, sm, valid, tidx, part, t0, hv)
-
-    @cute.jit
-    def issue_slab_loads(self, p, loads, smem_tiles, b, t0, h, hv, row, slab):
-        """Warp 0: q and k of head h, the slab's columns of v and dO of value head hv (token t0 of batch row b), and
-        the slab's rows of the chunk row's two checkpoints, on one mbarrier."""
-        L = p.loads
-        sQ, sK, sV, sDO, sS, sDS = smem_tiles
-        fill = pipeline.producer_start(1)
-        loads.producer_acquire(fill)
-        bar = loads.producer_get_barrier(fill)
-        for (tma, view), smem_tile, head, column_tile in zip(
-            (L.q, L.k, L.v, L.do), (sQ, sK, sV, sDO), (h, h, hv, hv), (0, 0, slab, slab), strict=True
-        ):  # fmt: skip
-            tS, tG = tiles.tma_chunk_tiles(tma, view[None, None, head, b], t0, smem_tile, column_tile)
-            cute.copy(tma, tG[None, 0], tS[None, 0], tma_bar_ptr=bar)
-        for (tma, view), smem_tile in zip((L.states, L.state_grads), (sS, sDS), strict=True):
-            tS, tG = tiles.tma_chunk_tiles(tma, view[None, None, hv, row], 0, smem_tile)
-            cute.copy(tma, tG[None, slab], tS[None, 0], tma_bar_ptr=bar)
 
     @cute.jit
     def scan_gates(self, t, sm, valid, key, b, t0, hv):

@@ -153,12 +153,16 @@ class ScalarGateChunkBwdSm90:
         self.threads = 128 * WARPGROUPS
 
     # ---------------------------------------------------------------- host side
-    def chunk_loads(self, q, k, v, do, states, state_grads):
+    def chunk_loads(self, q, k, v, do, states, state_grads, value_columns=None):
         """The TMA atoms of a chunk's six loads (:class:`Loads`), with the token tile's and the checkpoint tile's
-        layouts: ``(loads, tile_tok, tile_tok_mn, tile_state, tile_state_mn)``."""
+        layouts: ``(loads, tile_tok, tile_tok_mn, tile_state, tile_state_mn)``. ``value_columns``: v, dO and the
+        checkpoints' rows loaded that many at a time (a slab: (C, value_columns) and (value_columns, D) boxes, whose
+        token tile layouts are then returned last, ``tile_value, tile_value_mn``)."""
         C, D = self.C, self.D
+        Vc = D if value_columns is None else value_columns
         tile_tok, tile_tok_mn = tiles.token_tiles(C, D, 1)
-        tile_state, tile_state_mn = tiles.token_tiles(D, D, 1)
+        tile_value, tile_value_mn = tiles.token_tiles(C, Vc, 1)
+        tile_state, tile_state_mn = tiles.token_tiles(Vc, D, 1)
         load = cpasync.CopyBulkTensorTileG2SOp()
 
         def atom(view, tile, shape):
@@ -166,11 +170,12 @@ class ScalarGateChunkBwdSm90:
 
         tok, ckpt = tiles.tma_view, tiles.state_tma_view
         loads = Loads(
-            atom(tok(q), tile_tok, (C, D)), atom(tok(k), tile_tok, (C, D)), atom(tok(v), tile_tok, (C, D)),
-            atom(tok(do), tile_tok, (C, D)), atom(ckpt(states), tile_state, (D, D)),
-            atom(ckpt(state_grads), tile_state, (D, D)),
+            atom(tok(q), tile_tok, (C, D)), atom(tok(k), tile_tok, (C, D)), atom(tok(v), tile_value, (C, Vc)),
+            atom(tok(do), tile_value, (C, Vc)), atom(ckpt(states), tile_state, (Vc, D)),
+            atom(ckpt(state_grads), tile_state, (Vc, D)),
         )  # fmt: skip
-        return loads, tile_tok, tile_tok_mn, tile_state, tile_state_mn
+        tiles_ = (loads, tile_tok, tile_tok_mn, tile_state, tile_state_mn)
+        return tiles_ if value_columns is None else (*tiles_, tile_value, tile_value_mn)
 
     def shared_fields(self, tile_tok, tile_state, token_tiles, row_sums: int) -> dict:
         """The shared storage both gradient kernels hold: the load ring, the bf16 ``token_tiles`` (names) and the two
@@ -284,21 +289,22 @@ class ScalarGateChunkBwdSm90:
                 cute.arch.fence_proxy("async.shared", space="cta")
 
     @cute.jit
-    def issue_loads(self, p, loads, sQ, sK, sV, sDO, sS, sDS, b, t0, h, hv, row):
+    def issue_loads(self, p, loads, sQ, sK, sV, sDO, sS, sDS, b, t0, h, hv, row, slab=0):
         """Warp 0: q and k of head h, v and dO of value head hv (token t0 of batch row b), and the chunk row's two
-        checkpoints, on one mbarrier."""
+        checkpoints, on one mbarrier; with tiles of a slab of value columns (:meth:`chunk_loads`), slab ``slab``'s
+        columns of v and dO and rows of the checkpoints."""
         L = p.loads
         fill = pipeline.producer_start(1)
         loads.producer_acquire(fill)
         bar = loads.producer_get_barrier(fill)
-        for (tma, view), smem_tile, head in zip(
-            (L.q, L.k, L.v, L.do), (sQ, sK, sV, sDO), (h, h, hv, hv), strict=True
+        for (tma, view), smem_tile, head, column_tile in zip(
+            (L.q, L.k, L.v, L.do), (sQ, sK, sV, sDO), (h, h, hv, hv), (0, 0, slab, slab), strict=True
         ):  # fmt: skip
-            tS, tG = tiles.tma_chunk_tiles(tma, view[None, None, head, b], t0, smem_tile)
+            tS, tG = tiles.tma_chunk_tiles(tma, view[None, None, head, b], t0, smem_tile, column_tile)
             cute.copy(tma, tG[None, 0], tS[None, 0], tma_bar_ptr=bar)
         for (tma, view), smem_tile in zip((L.states, L.state_grads), (sS, sDS), strict=True):
             tS, tG = tiles.tma_chunk_tiles(tma, view[None, None, hv, row], 0, smem_tile)
-            cute.copy(tma, tG[None, 0], tS[None, 0], tma_bar_ptr=bar)
+            cute.copy(tma, tG[None, slab], tS[None, 0], tma_bar_ptr=bar)
 
     @cute.jit
     def masked_scores(self, acc, cCC, sG, valid, transposed: cutlass.Constexpr, scale):
