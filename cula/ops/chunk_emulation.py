@@ -348,15 +348,15 @@ def key_delta_slab_gradients(q, k, v, beta, g, S, dS_end, do, scale, operand=bf1
     t = lambda x: x.transpose(1, 2)  # noqa: E731
     R = r(k * torch.exp(G_own - G))
 
+    def left(x, h):
+        return r(torch.where((idx >= h * half)[None, :, None], x * torch.exp(G - G_ref[h]), 0.0))
+
     def scores(x):
         out = x.new_zeros(N, C, C)
         for h in range(2):
             cols = slice(h * half, (h + 1) * half)
             out[:, :, cols] = (left(x, h) @ t(R))[:, :, cols]
         return out
-
-    def left(x, h):
-        return r(torch.where((idx >= h * half)[None, :, None], x * torch.exp(G - G_ref[h]), 0.0))
 
     def pair_gradients(dM, x):
         """The rows and columns gradients of the scores dM (x's and k's), and their part of dg's local term,
