@@ -723,17 +723,18 @@ def emulated_key_delta_gradient_kernel(q, k, v, do, g, beta, S, dS, chunks, dq, 
         dv[..., cols] = dv_slab
 
 
+@pytest.mark.parametrize("slab", [8, 16], ids=["two slabs", "one slab"])
 @pytest.mark.parametrize("lengths", [[0, 1, 130, 64, 77], None], ids=["varlen", "fixed"])
-def test_the_kda_gradient_kernels_host_gives_the_rows_gradients(monkeypatch, lengths):
+def test_the_kda_gradient_kernels_host_gives_the_rows_gradients(monkeypatch, lengths, slab):
     """KDA's per-chunk gradients by the kernel's host (cula.kda.chunk_bwd_sm90.key_delta_chunk_gradients_sm90: the
     chunk rows' first tokens and lengths, a CTA per slab of value columns whose parts of dq, dk, dbeta and dg it
-    sums, then dq and dk over each GVA group), its launch emulated on the CPU in two slabs, equal the PyTorch passes
-    (rows_backward with KDA's bounded gate) on the same checkpoints."""
+    sums, then dq and dk over each GVA group), its launch emulated on the CPU in two slabs or one, equal the PyTorch
+    passes (rows_backward with KDA's bounded gate) on the same checkpoints."""
     from cula.kda import chunk_bwd_sm90
 
     monkeypatch.setattr(runtime, "device_arch", lambda device: "sm_90a")
     monkeypatch.setattr(runtime, "get_or_compile", lambda key, build: emulated_key_delta_gradient_kernel)
-    monkeypatch.setattr(chunk_bwd_sm90, "SLAB", 8)
+    monkeypatch.setattr(chunk_bwd_sm90, "SLAB", slab)
     index, chunks, q, k, v, do, g, beta, starts, ends = delta_host_inputs(lengths, per_key_gate=True)
     got = chunk_bwd_sm90.key_delta_chunk_gradients_sm90(
         q, k, v, do, g, beta, starts, ends, chunks, 0.25, lengths is not None

@@ -56,7 +56,8 @@ def key_delta_chunk_gradients_sm90(q, k, v, do, g, beta, S, dS, chunks, scale, i
     dv = torch.empty(B, T, HV, D, dtype=f32, device=q.device)
     dbeta = torch.empty(slabs * B, T, HV, dtype=f32, device=q.device)
     fn(q, k, v, do, g, beta, S, dS, chunks, dq, dk, dv, dbeta, dg, float(scale))
-    dq, dk, dg, dbeta = (x.view(slabs, B, *x.shape[1:]).sum(0) for x in (dq, dk, dg, dbeta))
+    if slabs > 1:  # (one slab: its parts are the gradients, no copy)
+        dq, dk, dg, dbeta = (x.view(slabs, B, *x.shape[1:]).sum(0) for x in (dq, dk, dg, dbeta))
     if HV != H:
         dq, dk = (x.view(B, T, H, HV // H, D).sum(3) for x in (dq, dk))
     return dq, dk, dv, dg, dbeta
