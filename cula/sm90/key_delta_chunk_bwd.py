@@ -266,6 +266,27 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
         return sm.gates[swizzled(r, key, self.D)]
 
     @cute.jit
+    def gate_pair(self, sm, r, key):
+        """G (log2) of token ``r`` at keys ``key`` and ``key + 1`` (``key`` even: :func:`swizzled` keeps the two
+        adjacent), by one 64-bit shared load: a (1, 2) fp32 fragment."""
+        rows = cute.make_tensor(sm.gates.iterator, cute.make_layout((self.C, self.D), stride=(self.D, 1)))
+        pair = cute.make_rmem_tensor(cute.make_layout((1, 2)), cutlass.Float32)
+        cute.autovec_copy(cute.local_tile(rows, (1, 2), (r, (key // 2) ^ ((r & 7) << 1))), pair)
+        return pair
+
+    @cute.jit
+    def column_gates(self, sm, r, cTD, kb):
+        """G (log2) of token ``r`` at this thread's accumulator columns of key block ``kb`` (a (C x KEY_BLOCK)
+        accumulator's coordinates ``cTD``), by column slot (:func:`mma.acc_col_slot`): loaded once for all its rows."""
+        gates = cute.make_rmem_tensor(cute.make_layout(KEY_BLOCK // 4), cutlass.Float32)
+        for kc2 in cutlass.range_constexpr(KEY_BLOCK // 8):
+            _, d = cTD[mma.acc_col_element(2 * kc2)]
+            pair = self.gate_pair(sm, r, kb * KEY_BLOCK + d)
+            gates[2 * kc2] = pair[0, 0]
+            gates[2 * kc2 + 1] = pair[0, 1]
+        return gates
+
+    @cute.jit
     def own_reference(self, r):
         """The reference token of token ``r``'s half."""
         half = self.C // 2
@@ -320,16 +341,15 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
             # fence (a register packed after it makes ptxas fence each k-block)
             left = mma.empty_operand(cute.size(cCK))
             left_flat = cute.make_tensor(left.iterator, cute.make_layout(cute.size(cCK)))
+            ref_gates = self.column_gates(sm, ref, cCK, kb)
             for e2 in cutlass.range_constexpr(cute.size(cCK) // 2):
                 i, d = cCK[2 * e2]
-                for e in cutlass.range_constexpr(2):
-                    key = kb * KEY_BLOCK + d + e
-                    x = f32(0.0)
-                    if i >= h * half:
-                        x = sX[i, key].to(f32) * cute.math.exp2(
-                            self.gate(sm, i, key) - self.gate(sm, ref, key), fastmath=True
-                        )
-                    pair[0, e] = x
+                pair.fill(0.0)
+                if i >= h * half:
+                    gates = self.gate_pair(sm, i, kb * KEY_BLOCK + d)
+                    for e in cutlass.range_constexpr(2):
+                        factor = cute.math.exp2(gates[0, e] - ref_gates[mma.acc_col_slot(2 * e2 + e)], fastmath=True)
+                        pair[0, e] = sX[i, kb * KEY_BLOCK + d + e].to(f32) * factor
                 cute.local_tile(left_flat, (2,), (e2,)).store(pair.load().to(bf16))
             b_frag = thr.make_fragment_B(thr.partition_B(cute.local_tile(sm.r, (half, KEY_BLOCK), (h, kb))))
             mma.gemm_waited(tiled, part, left, b_frag, kb == 0)
@@ -359,17 +379,19 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
         f32 = cutlass.Float32
         tiled, thr, a_frag, b_frag = self.pair_product(p, a, a_in_smem, sm.r, kb, wtid)
         for h in cutlass.range_constexpr(2):
-            ref = h * half + half // 2
+            ref_gates = self.column_gates(sm, h * half + half // 2, cTD, kb)
             part = thr.make_fragment_C(thr.partition_shape_C((C, KEY_BLOCK)))
             mma.gemm_waited(tiled, part, a_frag, b_frag, True, (2 * h, 2 * h + 1))
-            for e in cutlass.range_constexpr(cute.size(acc)):
-                i, d = cTD[e]
-                key = kb * KEY_BLOCK + d
+            for e2 in cutlass.range_constexpr(cute.size(acc) // 2):
+                i, d = cTD[2 * e2]
                 if i >= h * half:
-                    factor = cute.math.exp2(self.gate(sm, i, key) - self.gate(sm, ref, key), fastmath=True)
-                    left = (sX[i, key].to(f32) * factor).to(cutlass.BFloat16).to(f32)
-                    acc[e] = acc[e] + part[e] * factor
-                    local[e] = local[e] + part[e] * left
+                    gates = self.gate_pair(sm, i, kb * KEY_BLOCK + d)
+                    for x in cutlass.range_constexpr(2):
+                        e = 2 * e2 + x
+                        factor = cute.math.exp2(gates[0, x] - ref_gates[mma.acc_col_slot(e)], fastmath=True)
+                        left = (sX[i, kb * KEY_BLOCK + d + x].to(f32) * factor).to(cutlass.BFloat16).to(f32)
+                        acc[e] = acc[e] + part[e] * factor
+                        local[e] = local[e] + part[e] * left
 
     @cute.jit
     def column_pairs(
@@ -384,26 +406,29 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
         half = C // 2
         f32 = cutlass.Float32
         tiled, thr, a_frag, b_frag = self.pair_product(p, a, a_in_smem, sm.left, kb, wtid)
+        key = kb * KEY_BLOCK + wtid % KEY_BLOCK  # this thread's key of the L^h build
         for h in cutlass.range_constexpr(2):
             ref = h * half + half // 2
-            for idx in cutlass.range(wtid, C * KEY_BLOCK, 128, unroll=2):
-                i, key = idx // KEY_BLOCK, kb * KEY_BLOCK + idx % KEY_BLOCK
+            ref_gate = self.gate(sm, ref, key)
+            for i in cutlass.range(wtid // KEY_BLOCK, C, 128 // KEY_BLOCK, unroll=2):
                 x = f32(0.0)
                 if i >= h * half:
-                    factor = cute.math.exp2(self.gate(sm, i, key) - self.gate(sm, ref, key), fastmath=True)
-                    x = sX[i, key].to(f32) * factor
+                    x = sX[i, key].to(f32) * cute.math.exp2(self.gate(sm, i, key) - ref_gate, fastmath=True)
                 sm.left[i, key] = x.to(cutlass.BFloat16)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=barrier, number_of_threads=128)
+            ref_gates = self.column_gates(sm, ref, cTD, kb)
             part = thr.make_fragment_C(thr.partition_shape_C((C, KEY_BLOCK)))
             mma.gemm_waited(tiled, part, a_frag, b_frag, True)
-            for e in cutlass.range_constexpr(cute.size(acc)):
-                j, d = cTD[e]
-                key = kb * KEY_BLOCK + d
+            for e2 in cutlass.range_constexpr(cute.size(acc) // 2):
+                j, d = cTD[2 * e2]
                 if j >= h * half and j < (h + 1) * half:
-                    factor = cute.math.exp2(self.gate(sm, ref, key) - self.gate(sm, j, key), fastmath=True)
-                    acc[e] = acc[e] + part[e] * factor
-                    local[e] = local[e] - part[e] * sm.r[j, key].to(f32)
+                    gates = self.gate_pair(sm, j, kb * KEY_BLOCK + d)
+                    for x in cutlass.range_constexpr(2):
+                        e = 2 * e2 + x
+                        factor = cute.math.exp2(ref_gates[mma.acc_col_slot(e)] - gates[0, x], fastmath=True)
+                        acc[e] = acc[e] + part[e] * factor
+                        local[e] = local[e] - part[e] * sm.r[j, kb * KEY_BLOCK + d + x].to(f32)
             cute.arch.barrier(barrier_id=barrier, number_of_threads=128)  # every read of L^h before the next's build
 
     # ---------------------------------------------------------------- warpgroup 0: the WY form and its gradients
@@ -525,10 +550,13 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
             acc, cTD = self.gemm_to(
                 KEY_BLOCK, "MN", sm.vn, _key_block(tiles.mn_plane(sm.ds, p.tile_state_mn), kb), wtid
             )  # fmt: skip
-            for e in cutlass.range_constexpr(cute.size(acc)):
-                j, d = cTD[e]
-                key = kb * KEY_BLOCK + d
-                acc[e] = acc[e] * cute.math.exp2(self.gate(sm, C - 1, key) - self.gate(sm, j, key), fastmath=True)
+            last_gates = self.column_gates(sm, C - 1, cTD, kb)
+            for e2 in cutlass.range_constexpr(cute.size(acc) // 2):
+                j, d = cTD[2 * e2]
+                gates = self.gate_pair(sm, j, kb * KEY_BLOCK + d)
+                for x in cutlass.range_constexpr(2):
+                    e = 2 * e2 + x
+                    acc[e] = acc[e] * cute.math.exp2(last_gates[mma.acc_col_slot(e)] - gates[0, x], fastmath=True)
             self.end_column_sums(acc, cTD, kb, sm, warp_in_group, wtid)
             self.store_rows(acc, cTD, p.t.dk, valid, part, t0, hv, kb * KEY_BLOCK)
             ends.append((acc, cTD))
@@ -544,9 +572,12 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
         # stage 4: d_bk = T^T dW; dbeta's sum_k E k d_bk; dk += beta E d_bk; dg's local += k beta E d_bk
         acc_dbk, cTK = self.gemm_to(K, "MN", sm.tt, tiles.mn_plane(sm.dw, p.tile_tok_mn), wtid)
         self.row_dot(acc_dbk, cTK, sm.w, sm.rows, K_DBK, wtid)
-        for e in cutlass.range_constexpr(cute.size(acc_dbk)):
-            r, d = cTK[e]
-            acc_dbk[e] = acc_dbk[e] * sm.beta[r] * cute.math.exp2(self.gate(sm, r, d), fastmath=True)
+        for e2 in cutlass.range_constexpr(cute.size(acc_dbk) // 2):
+            r, d = cTK[2 * e2]
+            gates = self.gate_pair(sm, r, d)
+            for x in cutlass.range_constexpr(2):
+                e = 2 * e2 + x
+                acc_dbk[e] = acc_dbk[e] * sm.beta[r] * cute.math.exp2(gates[0, x], fastmath=True)
         self.add_rows(acc_dbk, cTK, p.t.dk, valid, part, t0, hv)
         for e in cutlass.range_constexpr(cute.size(acc_dbk)):
             r, d = cTK[e]
@@ -587,11 +618,13 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
                 KEY_BLOCK, "MN", sm.do, _key_block(tiles.mn_plane(sm.s, p.tile_state_mn), kb), wtid
             )  # fmt: skip
             local = cute.make_rmem_tensor(acc.layout, cutlass.Float32)
-            for e in cutlass.range_constexpr(cute.size(acc)):
-                i, d = cTD[e]
-                key = kb * KEY_BLOCK + d
-                acc[e] = acc[e] * p.scale * cute.math.exp2(self.gate(sm, i, key), fastmath=True)
-                local[e] = acc[e] * sm.q[i, key].to(cutlass.Float32)
+            for e2 in cutlass.range_constexpr(cute.size(acc) // 2):
+                i, d = cTD[2 * e2]
+                gates = self.gate_pair(sm, i, kb * KEY_BLOCK + d)
+                for x in cutlass.range_constexpr(2):
+                    e = 2 * e2 + x
+                    acc[e] = acc[e] * p.scale * cute.math.exp2(gates[0, x], fastmath=True)
+                    local[e] = acc[e] * sm.q[i, kb * KEY_BLOCK + d + x].to(cutlass.Float32)
             self.row_pairs(p, acc, local, cTD, kb, sm, r_dp, False, sm.q, wtid)
             self.store_rows(acc, cTD, p.t.dq, valid, part, t0, hv, kb * KEY_BLOCK)
             self.store_rows(local, cTD, p.t.dg, valid, part, t0, hv, kb * KEY_BLOCK)
