@@ -233,6 +233,12 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
                 self.dk_role(p, sm, valid, wtid, warp % 4, part, t0, hv)
             else:
                 self.dq_dv_role(p, sm, valid, wtid, b, part, t0, hv, slab)
+            # stage 6: warpgroup 1 + kb on key block kb, through one copy of the code
+            if wg > 0:
+                kb = wg - 1
+                if kb < self.key_blocks:
+                    self.pair_terms(p, sm, kb, valid, wtid, part, t0, hv, Barrier.OWN_1 + kb)
+            self.stage_done()  # 6
             cute.arch.sync_threads()  # dq, dk, dg's local term and the row sums written
             if warp == 0:
                 for half in cutlass.range_constexpr(2):
@@ -322,7 +328,7 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
         return self.product(mma.tiled_mma(self.C, n, b_major=b_major, a_in_registers=False), sA, sB, wtid, n)
 
     @cute.jit
-    def key_scores(self, sm, sX, h: cutlass.Constexpr, wtid):
+    def key_scores(self, sm, sX, h, wtid):
         """Column half h of the unmasked scores sum_k x_ik k_jk 2^(G_ik - G_jk): the product of the register operand
         L^h = x 2^(G - G_rh) (zero on the rows before half h) and R's rows of the half, a block of KEY_BLOCK keys at a
         time (one block's operand in registers at once). Returns an fp32 (C x C/2) accumulator and its coordinates
@@ -336,7 +342,8 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
         cCK = mma.tiled_mma(C, KEY_BLOCK).get_slice(wtid).partition_C(cute.make_identity_tensor((C, KEY_BLOCK)))
         pair = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
         part = thr.make_fragment_C(thr.partition_shape_C((C, half)))
-        for kb in cutlass.range_constexpr(self.key_blocks):
+        part.fill(0.0)
+        for kb in cutlass.range(self.key_blocks, unroll=1):
             # built in pairs and converted two at a time (bf16x2): every operand register is final before the wgmma
             # fence (a register packed after it makes ptxas fence each k-block)
             left = mma.empty_operand(cute.size(cCK))
@@ -352,7 +359,7 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
                         pair[0, e] = sX[i, kb * KEY_BLOCK + d + e].to(f32) * factor
                 cute.local_tile(left_flat, (2,), (e2,)).store(pair.load().to(bf16))
             b_frag = thr.make_fragment_B(thr.partition_B(cute.local_tile(sm.r, (half, KEY_BLOCK), (h, kb))))
-            mma.gemm_waited(tiled, part, left, b_frag, kb == 0)
+            mma.gemm_waited(tiled, part, left, b_frag, False)
         return part, thr.partition_C(cute.make_identity_tensor((C, half)))
 
     @cute.jit
@@ -394,9 +401,7 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
                         local[e] = local[e] + part[e] * left
 
     @cute.jit
-    def column_pairs(
-        self, p, acc, local, cTD, kb, sm, a, a_in_smem: cutlass.Constexpr, sX, barrier: cutlass.Constexpr, wtid
-    ):  # fmt: skip
+    def column_pairs(self, p, acc, local, cTD, kb, sm, a, a_in_smem: cutlass.Constexpr, sX, barrier, wtid):
         """The columns gradient of a score gradient dM (``a``: dM^T, rows j) on key block ``kb``, one product per
         half h of its rows: L^h = bf16(x 2^(G - G_rh)) (zero before half h) is built in ``sm.left``'s columns of the
         block by this warpgroup (``barrier`` its own named barrier), then acc += 2^(G_rh - G_j) (dM^T L^h)_j and dg's
@@ -407,7 +412,7 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
         f32 = cutlass.Float32
         tiled, thr, a_frag, b_frag = self.pair_product(p, a, a_in_smem, sm.left, kb, wtid)
         key = kb * KEY_BLOCK + wtid % KEY_BLOCK  # this thread's key of the L^h build
-        for h in cutlass.range_constexpr(2):
+        for h in cutlass.range(2, unroll=1):
             ref = h * half + half // 2
             ref_gate = self.gate(sm, ref, key)
             for i in cutlass.range(wtid // KEY_BLOCK, C, 128 // KEY_BLOCK, unroll=2):
@@ -438,7 +443,7 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
         f32 = cutlass.Float32
         own = p.own
         # stage 1: A (strict lower, fp32, transposed for the solve), then T
-        for h in cutlass.range_constexpr(2):
+        for h in cutlass.range(2, unroll=1):
             kk, cH = self.key_scores(sm, sm.k, h, wtid)
             for e in cutlass.range_constexpr(cute.size(kk)):
                 r, c = cH[e]
@@ -475,13 +480,13 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
         r_dpt = self.masked_scores(acc_dpt, cCC, None, valid, True, p.scale)
         thr = mma.tiled_mma(C, KEY_BLOCK).get_slice(wtid)
         cTD = thr.partition_C(cute.make_identity_tensor((C, KEY_BLOCK)))
-        for kb in cutlass.range_constexpr(self.key_blocks):
+        for kb in cutlass.range(self.key_blocks, unroll=1):
             acc = thr.make_fragment_C(thr.partition_shape_C((C, KEY_BLOCK)))
             local = thr.make_fragment_C(thr.partition_shape_C((C, KEY_BLOCK)))
             acc.fill(0.0)
             local.fill(0.0)
             self.column_pairs(p, acc, local, cTD, kb, sm, r_dpt, False, sm.q, Barrier.WY, wtid)
-            if cutlass.const_expr(kb == 0):
+            if kb == 0:
                 cute.arch.barrier(barrier_id=Barrier.DK_END, number_of_threads=256)
             self.add_rows(acc, cTD, p.t.dk, valid, part, t0, hv, kb * KEY_BLOCK)
             self.add_rows(local, cTD, p.t.dg, valid, part, t0, hv, kb * KEY_BLOCK)
@@ -495,7 +500,7 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
         self.stage_done()  # 4
         # stage 5: the scores of A again (for dbeta), kept in A^T's bytes (dW's until stage 4); X = dT T^T (to X2),
         # dA = -(T^T X); dA_b both ways round
-        for h in cutlass.range_constexpr(2):
+        for h in cutlass.range(2, unroll=1):
             kk, cH = self.key_scores(sm, sm.k, h, wtid)
             for e in cutlass.range_constexpr(cute.size(kk)):
                 r, c = cH[e]
@@ -519,7 +524,6 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
             sm.x2[c, r] = dab
         self.quad_sums(da_kk, cCC, sm.rows, DA_KK, wtid)
         self.stage_done()  # 5
-        self.stage_done()  # 6
 
     # ---------------------------------------------------------------- warpgroup 1: dV', then dk
     @cute.jit
@@ -585,8 +589,6 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
         self.add_rows(acc_dbk, cTK, p.t.dg, valid, part, t0, hv)
         self.stage_done()  # 4
         self.stage_done()  # 5
-        self.pair_terms(p, sm, 0, valid, wtid, part, t0, hv, Barrier.OWN_1)
-        self.stage_done()  # 6
 
     # ---------------------------------------------------------------- warpgroup 2: P^T, dq, then dv
     @cute.jit
@@ -594,7 +596,7 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
         C, K = self.C, self.D
         own = p.own
         # stage 1: P^T = scale (Q K^T)_gated on j <= i < valid, for warpgroup 1's dV'
-        for h in cutlass.range_constexpr(2):
+        for h in cutlass.range(2, unroll=1):
             scores, cH = self.key_scores(sm, sm.q, h, wtid)
             for e in cutlass.range_constexpr(cute.size(scores)):
                 i, j = cH[e]
@@ -613,7 +615,7 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
         # stage 3: dq = scale E (dO S^T) + rows(dP), dP = scale dO V'^T, a key block at a time
         acc_dp, cCC = self.scores(sm.do, sm.vn, wtid)
         r_dp = self.masked_scores(acc_dp, cCC, None, valid, False, p.scale)
-        for kb in cutlass.range_constexpr(self.key_blocks):
+        for kb in cutlass.range(self.key_blocks, unroll=1):
             acc, cTD = self.gemm_to(
                 KEY_BLOCK, "MN", sm.do, _key_block(tiles.mn_plane(sm.s, p.tile_state_mn), kb), wtid
             )  # fmt: skip
@@ -639,13 +641,10 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
         self.store_rows(acc_dbv, cTV, p.t.dv, valid, b, t0, hv, slab * SLAB)
         self.stage_done()  # 4
         self.stage_done()  # 5
-        if cutlass.const_expr(self.key_blocks > 1):
-            self.pair_terms(p, sm, 1, valid, wtid, part, t0, hv, Barrier.OWN_2)
-        self.stage_done()  # 6
 
     # ---------------------------------------------------------------- stage 6, and the sums
     @cute.jit
-    def pair_terms(self, p, sm, kb: cutlass.Constexpr, valid, wtid, part, t0, hv, barrier: cutlass.Constexpr):
+    def pair_terms(self, p, sm, kb, valid, wtid, part, t0, hv, barrier):
         """Stage 6 on key block ``kb``: the pair terms of A, rows(dA_b) + columns(dA_b^T) (x = k), into dk and dg's
         local term (``barrier``: this warpgroup's own, for its L^h blocks)."""
         thr = mma.tiled_mma(self.C, KEY_BLOCK).get_slice(wtid)
