@@ -687,7 +687,7 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
         batch = GATE_BATCH
         local = cute.make_rmem_tensor(cute.make_layout(batch), f32)
         run = f32(0.0)
-        for rb in cutlass.range_constexpr(C // batch):
+        for rb in cutlass.range(C // batch, unroll=1):
             r0 = C - batch * (rb + 1)
             for i in cutlass.range_constexpr(batch):
                 local[i] = t.dg[part, t0 + cutlass.min(r0 + i, valid - 1), hv, key]
