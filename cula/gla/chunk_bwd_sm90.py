@@ -73,4 +73,6 @@ entry.register_checked(
     compile_key_chunk_gradients_sm90,
     {"[tile copies]": {"is_varlen": True, "tile_copies": True}},
     expected_ptx=(*entry.SM90_PTX, "ldmatrix"),
+    # measured: the steep path's hoisted shared addresses, stored once and reloaded once, outside any loop
+    sass_allowed={"[tile copies]": (24, 0)},
 )

@@ -79,6 +79,25 @@ def swizzled(r, c, width: cutlass.Constexpr):
     return r * width + (c ^ ((r & 7) << 2))
 
 
+@cute.jit
+def gate_pair(gates, r, c, width: cutlass.Constexpr):
+    """(r, c) and (r, c + 1) of a flat :func:`swizzled` fp32 tile (``c`` even: the swizzle keeps the two adjacent),
+    by one 64-bit shared load: a (1, 2) fp32 fragment."""
+    rows = cute.make_tensor(gates.iterator, cute.make_layout((cute.size(gates) // width, width), stride=(width, 1)))
+    pair = cute.make_rmem_tensor(cute.make_layout((1, 2)), cutlass.Float32)
+    cute.autovec_copy(cute.local_tile(rows, (1, 2), (r, (c // 2) ^ ((r & 7) << 1))), pair)
+    return pair
+
+
+def _difference(plus, minus, x):
+    """G_plus - G_minus at column ``x`` of two (1, 2) gate fragments (None: no term)."""
+    if minus is None:
+        return plus[0, x]
+    if plus is None:
+        return -minus[0, x]
+    return plus[0, x] - minus[0, x]
+
+
 class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
     """The kernel (module docstring); the token and score helpers are the scalar-gate kernel's."""
 
@@ -218,10 +237,47 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
     @cute.jit
     def scale_elements(self, acc, cTD, sm, plus, minus, factor):
         """acc[i, d] *= factor 2^(G_plus - G_minus) at key d (each term as :meth:`exponent` takes it)."""
-        for e in cutlass.range_constexpr(cute.size(acc)):
-            i, d = cTD[e]
-            x = self.exponent(sm, plus, i, d) - self.exponent(sm, minus, i, d)
-            acc[e] = acc[e] * factor * cute.math.exp2(x, fastmath=True)
+        if cutlass.const_expr(self.tile_copies):
+            self.scale_column_pairs(acc, cTD, sm, plus, minus, factor)
+        else:
+            for e in cutlass.range_constexpr(cute.size(acc)):
+                i, d = cTD[e]
+                x = self.exponent(sm, plus, i, d) - self.exponent(sm, minus, i, d)
+                acc[e] = acc[e] * factor * cute.math.exp2(x, fastmath=True)
+
+    def fixed_pair(self, sm, term, d):
+        """G of a token's ``term`` (as :meth:`exponent` takes it) at keys ``d`` and ``d + 1`` (``d`` even): a (1, 2)
+        fragment; None for no term or ``ROW``."""
+        if term is None or term == ROW:
+            return None
+        return gate_pair(sm.gates, term, d, self.D)
+
+    def row_pair(self, sm, term, i, d, fixed):
+        """G of ``term`` at keys ``d`` and ``d + 1`` of row ``i``: the row's pair for ``ROW``, else ``fixed``."""
+        return gate_pair(sm.gates, i, d, self.D) if term == ROW else fixed
+
+    @cute.jit
+    def scale_column_pairs(self, acc, cTD, sm, plus, minus, factor):
+        """:meth:`scale_elements` a column pair at a time: G by 64-bit loads, a token's term loaded once for the
+        thread's two rows, and, where neither term is the row's, one factor per column for both rows."""
+        per_row = ROW in (plus, minus)
+        column = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
+        for blk in cutlass.range_constexpr(cute.size(acc) // 4):  # an 8-column block: (2 columns x 2 rows)
+            _, d = cTD[4 * blk]
+            fixed_plus, fixed_minus = self.fixed_pair(sm, plus, d), self.fixed_pair(sm, minus, d)
+            if cutlass.const_expr(not per_row):
+                for x in cutlass.range_constexpr(2):
+                    column[x] = factor * cute.math.exp2(_difference(fixed_plus, fixed_minus, x), fastmath=True)
+            for rr in cutlass.range_constexpr(2):
+                i, _ = cTD[4 * blk + 2 * rr]
+                if cutlass.const_expr(per_row):
+                    row_plus = self.row_pair(sm, plus, i, d, fixed_plus)
+                    row_minus = self.row_pair(sm, minus, i, d, fixed_minus)
+                    for x in cutlass.range_constexpr(2):
+                        column[x] = factor * cute.math.exp2(_difference(row_plus, row_minus, x), fastmath=True)
+                for x in cutlass.range_constexpr(2):
+                    e = 4 * blk + 2 * rr + x
+                    acc[e] = acc[e] * column[x]
 
     @cute.jit
     def steep_intra(self, acc, cTD, sm, valid, queries: cutlass.Constexpr):
@@ -361,7 +417,7 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
     def gate_gradient(self, t, sm, valid, key, b, t0, h):
         """One key channel per thread: dg_t = sum_{s >= t} (q * dq - k * dk)_s + the chunk's constant, stored for the
         valid tokens (zero where the raw gate is below the floor)."""
-        C, D = self.C, self.D
+        C = self.C
         f32 = cutlass.Float32
         constant = sm.col_state[key]
         for w in cutlass.range_constexpr(4):
@@ -373,16 +429,28 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
         batch = GATE_BATCH
         assert C % batch == 0, (C, batch)
         raw = cute.make_rmem_tensor(cute.make_layout(batch), f32)
-        for rb in cutlass.range_constexpr(C // batch):
-            r0 = C - batch * (rb + 1)
-            for i in cutlass.range_constexpr(batch):
-                raw[i] = t.g[b, t0 + cutlass.min(r0 + i, valid - 1), h, key]
-            for rev in cutlass.range_constexpr(batch):
-                i = batch - 1 - rev
-                r = r0 + i
-                run = run + (sm.x_q[swizzled(r, key, D)] - sm.x_k[swizzled(r, key, D)])
-                if r < valid:
-                    x = run + constant
-                    if raw[i] < f32(GATE_FLOOR):
-                        x = f32(0.0)
-                    t.dg[b, t0 + r, h, key] = x
+        if cutlass.const_expr(self.tile_copies):  # a loop over the batches: less code
+            for rb in cutlass.range(C // batch, unroll=1):
+                run = self.gate_gradient_rows(t, sm, valid, key, b, t0, h, C - batch * (rb + 1), raw, run, constant)
+        else:
+            for rb in cutlass.range_constexpr(C // batch):
+                run = self.gate_gradient_rows(t, sm, valid, key, b, t0, h, C - batch * (rb + 1), raw, run, constant)
+
+    @cute.jit
+    def gate_gradient_rows(self, t, sm, valid, key, b, t0, h, r0, raw, run, constant):
+        """:meth:`gate_gradient` on rows ``r0 ..`` (a batch, ``raw`` its registers), from the last; returns the
+        running sum."""
+        f32 = cutlass.Float32
+        batch = cute.size(raw)
+        for i in cutlass.range_constexpr(batch):
+            raw[i] = t.g[b, t0 + cutlass.min(r0 + i, valid - 1), h, key]
+        for rev in cutlass.range_constexpr(batch):
+            i = batch - 1 - rev
+            r = r0 + i
+            run = run + (sm.x_q[swizzled(r, key, self.D)] - sm.x_k[swizzled(r, key, self.D)])
+            if r < valid:
+                x = run + constant
+                if raw[i] < f32(GATE_FLOOR):
+                    x = f32(0.0)
+                t.dg[b, t0 + r, h, key] = x
+        return run
