@@ -54,7 +54,7 @@ import cutlass.cute as cute
 from cula.sm90 import mma, pipeline, solve, tiles
 from cula.sm90.chunk_fwd import A_STRIDE
 from cula.sm90.delta_chunk_bwd import DeltaChunkBwdSm90
-from cula.sm90.key_chunk_bwd import GATE_BATCH, swizzled
+from cula.sm90.key_chunk_bwd import GATE_BATCH, gate_pair, swizzled
 from cula.sm90.scalar_chunk_bwd import Params, Tensors
 
 WARPGROUPS = 3
@@ -272,22 +272,13 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
         return sm.gates[swizzled(r, key, self.D)]
 
     @cute.jit
-    def gate_pair(self, sm, r, key):
-        """G (log2) of token ``r`` at keys ``key`` and ``key + 1`` (``key`` even: :func:`swizzled` keeps the two
-        adjacent), by one 64-bit shared load: a (1, 2) fp32 fragment."""
-        rows = cute.make_tensor(sm.gates.iterator, cute.make_layout((self.C, self.D), stride=(self.D, 1)))
-        pair = cute.make_rmem_tensor(cute.make_layout((1, 2)), cutlass.Float32)
-        cute.autovec_copy(cute.local_tile(rows, (1, 2), (r, (key // 2) ^ ((r & 7) << 1))), pair)
-        return pair
-
-    @cute.jit
     def column_gates(self, sm, r, cTD, kb):
         """G (log2) of token ``r`` at this thread's accumulator columns of key block ``kb`` (a (C x KEY_BLOCK)
         accumulator's coordinates ``cTD``), by column slot (:func:`mma.acc_col_slot`): loaded once for all its rows."""
         gates = cute.make_rmem_tensor(cute.make_layout(KEY_BLOCK // 4), cutlass.Float32)
         for kc2 in cutlass.range_constexpr(KEY_BLOCK // 8):
             _, d = cTD[mma.acc_col_element(2 * kc2)]
-            pair = self.gate_pair(sm, r, kb * KEY_BLOCK + d)
+            pair = gate_pair(sm.gates, r, kb * KEY_BLOCK + d, self.D)
             gates[2 * kc2] = pair[0, 0]
             gates[2 * kc2 + 1] = pair[0, 1]
         return gates
@@ -353,7 +344,7 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
                 i, d = cCK[2 * e2]
                 pair.fill(0.0)
                 if i >= h * half:
-                    gates = self.gate_pair(sm, i, kb * KEY_BLOCK + d)
+                    gates = gate_pair(sm.gates, i, kb * KEY_BLOCK + d, self.D)
                     for e in cutlass.range_constexpr(2):
                         factor = cute.math.exp2(gates[0, e] - ref_gates[mma.acc_col_slot(2 * e2 + e)], fastmath=True)
                         pair[0, e] = sX[i, kb * KEY_BLOCK + d + e].to(f32) * factor
@@ -392,7 +383,7 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
             for e2 in cutlass.range_constexpr(cute.size(acc) // 2):
                 i, d = cTD[2 * e2]
                 if i >= h * half:
-                    gates = self.gate_pair(sm, i, kb * KEY_BLOCK + d)
+                    gates = gate_pair(sm.gates, i, kb * KEY_BLOCK + d, self.D)
                     for x in cutlass.range_constexpr(2):
                         e = 2 * e2 + x
                         factor = cute.math.exp2(gates[0, x] - ref_gates[mma.acc_col_slot(e)], fastmath=True)
@@ -428,7 +419,7 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
             for e2 in cutlass.range_constexpr(cute.size(acc) // 2):
                 j, d = cTD[2 * e2]
                 if j >= h * half and j < (h + 1) * half:
-                    gates = self.gate_pair(sm, j, kb * KEY_BLOCK + d)
+                    gates = gate_pair(sm.gates, j, kb * KEY_BLOCK + d, self.D)
                     for x in cutlass.range_constexpr(2):
                         e = 2 * e2 + x
                         factor = cute.math.exp2(ref_gates[mma.acc_col_slot(e)] - gates[0, x], fastmath=True)
@@ -557,7 +548,7 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
             last_gates = self.column_gates(sm, C - 1, cTD, kb)
             for e2 in cutlass.range_constexpr(cute.size(acc) // 2):
                 j, d = cTD[2 * e2]
-                gates = self.gate_pair(sm, j, kb * KEY_BLOCK + d)
+                gates = gate_pair(sm.gates, j, kb * KEY_BLOCK + d, self.D)
                 for x in cutlass.range_constexpr(2):
                     e = 2 * e2 + x
                     acc[e] = acc[e] * cute.math.exp2(last_gates[mma.acc_col_slot(e)] - gates[0, x], fastmath=True)
@@ -578,7 +569,7 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
         self.row_dot(acc_dbk, cTK, sm.w, sm.rows, K_DBK, wtid)
         for e2 in cutlass.range_constexpr(cute.size(acc_dbk) // 2):
             r, d = cTK[2 * e2]
-            gates = self.gate_pair(sm, r, d)
+            gates = gate_pair(sm.gates, r, d, self.D)
             for x in cutlass.range_constexpr(2):
                 e = 2 * e2 + x
                 acc_dbk[e] = acc_dbk[e] * sm.beta[r] * cute.math.exp2(gates[0, x], fastmath=True)
@@ -622,7 +613,7 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
             local = cute.make_rmem_tensor(acc.layout, cutlass.Float32)
             for e2 in cutlass.range_constexpr(cute.size(acc) // 2):
                 i, d = cTD[2 * e2]
-                gates = self.gate_pair(sm, i, kb * KEY_BLOCK + d)
+                gates = gate_pair(sm.gates, i, kb * KEY_BLOCK + d, self.D)
                 for x in cutlass.range_constexpr(2):
                     e = 2 * e2 + x
                     acc[e] = acc[e] * p.scale * cute.math.exp2(gates[0, x], fastmath=True)
