@@ -3,8 +3,9 @@ rule and the per-key gate in its B tiles), each checkpoint of the forward walk (
 through the transposed chain ("state_grads") against the delta rule's chunked plan in fp64, per sequence, on a varlen
 batch with empty, one-token and odd sequences, GVA and start states; then every gradient of the public entry point
 against the fp64 reference's autograd, in-kernel options included, with passes 3 and 4 by PyTorch products and by
-the per-chunk kernel (cula.sm90.key_delta_chunk_bwd, CULA_KDA_GRADIENT_KERNEL=1); and that kernel alone against the
-PyTorch passes on the same checkpoints, per chunk-head."""
+the per-chunk kernel (cula.sm90.key_delta_chunk_bwd, CULA_KDA_GRADIENT_KERNEL=1; as compiled and with
+CULA_GRADIENT_TILE_COPIES=1); and that kernel alone against the PyTorch passes on the same checkpoints, per
+chunk-head."""
 
 import pytest
 import torch
@@ -42,7 +43,7 @@ def test_kda_walks_fixed_length(walk):
 
 
 SAFE = {"safe_gate": True, "lower_bound": -5.0}
-gradient_passes = gradient_passes_fixture("CULA_KDA_GRADIENT_KERNEL", tile_copies=False)
+gradient_passes = gradient_passes_fixture("CULA_KDA_GRADIENT_KERNEL")
 
 
 @pytest.mark.parametrize("T", [1, 65, 300])
@@ -63,16 +64,26 @@ def test_kda_gradients_through_in_kernel_options(gradient_passes, monkeypatch):
     check_gradients(cula.kda.chunk_kda, training_inputs(2, 200, 2, 4, 128, True, options=True), extra, monkeypatch)
 
 
-@pytest.mark.parametrize("fixed_length", [False, True])
-@pytest.mark.parametrize("D", [64, 128])
-def test_kda_chunk_gradient_kernel_against_the_rows(D, fixed_length):
+@pytest.mark.parametrize(
+    "D,fixed_length,tile_copies",
+    [
+        (64, False, False),
+        (64, True, False),
+        (128, False, False),
+        (128, True, False),
+        (64, False, True),
+        (128, False, True),
+    ],
+)
+def test_kda_chunk_gradient_kernel_against_the_rows(D, fixed_length, tile_copies, monkeypatch):
     """Passes 3 and 4 by the kernel against rows_backward (KDA's bounded gate, fp32 products) on the same random
     checkpoints, each chunk row's and head's gradients within the bf16 tolerances: a varlen batch with empty,
     one-token and odd sequences or two fixed-length rows of 100 tokens, GVA, gates at the -5 bound on a quarter of the
     keys. The caching allocator's free memory is NaN-filled first, so that an output element the kernel leaves
-    unwritten shows."""
+    unwritten shows. ``tile_copies``: the kernel's smaller-code variant (CULA_GRADIENT_TILE_COPIES=1)."""
     from cula.kda import chunk_bwd_sm90
 
+    monkeypatch.setenv("CULA_GRADIENT_TILE_COPIES", "1" if tile_copies else "0")
     torch.manual_seed(D)
     lengths = [100, 100] if fixed_length else [0, 1, 130, 64, 77]
     B, T = (2, 100) if fixed_length else (1, sum(lengths))

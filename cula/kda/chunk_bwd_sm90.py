@@ -25,17 +25,20 @@ import torch
 from cula import runtime
 from cula.kda.chunk_fwd_sm90 import KDA_SM90
 from cula.ops import chunk_backward
-from cula.sm90 import delta_chunk_bwd, entry, walks
+from cula.sm90 import delta_chunk_bwd, entry, scalar_chunk_bwd, walks
 from cula.sm90.key_delta_chunk_bwd import SLAB, KeyDeltaChunkBwdSm90
 
 # "1": passes 3 and 4 by the per-chunk kernel instead of PyTorch products (opt-in until its GPU tests pass)
 ENV_GRADIENT_KERNEL = "CULA_KDA_GRADIENT_KERNEL"
 
 
-def compile_key_delta_chunk_gradients_sm90(arch="sm_90a", *, head_dim=128, is_varlen=False, keep_artifacts=False):
-    """The kernel of passes 3 and 4, compiled on any machine for ``arch``."""
+def compile_key_delta_chunk_gradients_sm90(
+    arch="sm_90a", *, head_dim=128, is_varlen=False, tile_copies=False, keep_artifacts=False
+):  # fmt: skip
+    """The kernel of passes 3 and 4, compiled on any machine for ``arch`` (``tile_copies``:
+    :data:`cula.sm90.scalar_chunk_bwd.ENV_TILE_COPIES`)."""
     args = delta_chunk_bwd.fake_args(head_dim, per_key_gate=True)
-    return runtime.compile_kernel(KeyDeltaChunkBwdSm90(head_dim, is_varlen), args, arch, keep_artifacts)
+    return runtime.compile_kernel(KeyDeltaChunkBwdSm90(head_dim, is_varlen, tile_copies), args, arch, keep_artifacts)
 
 
 def key_delta_chunk_gradients_sm90(q, k, v, do, g, beta, S, dS, chunks, scale, is_varlen):
@@ -47,9 +50,10 @@ def key_delta_chunk_gradients_sm90(q, k, v, do, g, beta, S, dS, chunks, scale, i
     assert v.shape[3] == D and D % SLAB == 0, (q.shape, v.shape)  # the slabs and checkpoint tiles take K = V
     slabs = D // SLAB
     arch = runtime.device_arch(q.device)
+    copies = scalar_chunk_bwd.tile_copies()
     fn = runtime.get_or_compile(
-        ("kda_chunk_bwd", D, is_varlen, arch),
-        lambda: compile_key_delta_chunk_gradients_sm90(arch, head_dim=D, is_varlen=is_varlen),
+        ("kda_chunk_bwd", D, is_varlen, copies, arch),
+        lambda: compile_key_delta_chunk_gradients_sm90(arch, head_dim=D, is_varlen=is_varlen, tile_copies=copies),
     )
     f32 = torch.float32
     dq, dk, dg = (torch.empty(slabs * B, T, HV, D, dtype=f32, device=q.device) for _ in range(3))
@@ -95,4 +99,11 @@ entry.register_checked(
     # rows side of the pair gradients holding an accumulator and dg's local term) and reloaded by later stages,
     # outside any loop
     sass_allowed={"": (22, 0), "[fixed length]": (40, 0), "[D=64]": (24, 0)},
+)
+entry.register_checked(
+    "kda_chunk_bwd_sm90",
+    compile_key_delta_chunk_gradients_sm90,
+    {"[tile copies]": {"is_varlen": True, "tile_copies": True}},
+    expected_ptx=(*entry.SM90_PTX, "stmatrix", "ldmatrix"),
+    sass_allowed={"[tile copies]": (28, 0)},  # measured, as the default's
 )

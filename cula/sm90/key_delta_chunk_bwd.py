@@ -127,8 +127,8 @@ def _key_block(view, kb):
 class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
     """The kernel (module docstring); the token, score and solve helpers are the delta kernel's."""
 
-    def __init__(self, head_dim: int, is_varlen: bool):
-        super().__init__(head_dim, is_varlen)
+    def __init__(self, head_dim: int, is_varlen: bool, tile_copies: bool = False):
+        super().__init__(head_dim, is_varlen, tile_copies)
         self.slabs = head_dim // SLAB
         self.key_blocks = head_dim // KEY_BLOCK
 
@@ -271,6 +271,20 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
         """G (log2) of token ``r`` at ``key``."""
         return sm.gates[swizzled(r, key, self.D)]
 
+    def block_fragment(self, like, sX, kb, wtid):
+        """With ``tile_copies``, key block ``kb`` of the bf16 token tile ``sX`` by ldmatrix in the layout of the
+        (C x KEY_BLOCK) accumulator ``like`` (element e at like's element e); else None (:meth:`tile_value` reads
+        element by element)."""
+        if not self.tile_copies:
+            return None
+        return self.tile_fragment(like, cute.local_tile(sX, (self.C, KEY_BLOCK), (0, kb)), wtid)
+
+    @staticmethod
+    def tile_value(frag, sX, e, i, key):
+        """Element e (at (i, key) of ``sX``) in fp32: from :meth:`block_fragment`'s ``frag``, or read from ``sX``."""
+        x = sX[i, key] if frag is None else frag[e]
+        return x.to(cutlass.Float32)
+
     @cute.jit
     def column_gates(self, sm, r, cTD, kb):
         """G (log2) of token ``r`` at this thread's accumulator columns of key block ``kb`` (a (C x KEY_BLOCK)
@@ -330,7 +344,9 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
         f32, bf16 = cutlass.Float32, cutlass.BFloat16
         tiled = mma.tiled_mma(C, half)
         thr = tiled.get_slice(wtid)
-        cCK = mma.tiled_mma(C, KEY_BLOCK).get_slice(wtid).partition_C(cute.make_identity_tensor((C, KEY_BLOCK)))
+        thr_ck = mma.tiled_mma(C, KEY_BLOCK).get_slice(wtid)
+        cCK = thr_ck.partition_C(cute.make_identity_tensor((C, KEY_BLOCK)))
+        part_ck = thr_ck.make_fragment_C(thr_ck.partition_shape_C((C, KEY_BLOCK)))  # the layout of the operand
         pair = cute.make_rmem_tensor(cute.make_layout((1, 2)), f32)
         part = thr.make_fragment_C(thr.partition_shape_C((C, half)))
         part.fill(0.0)
@@ -340,6 +356,7 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
             left = mma.empty_operand(cute.size(cCK))
             left_flat = cute.make_tensor(left.iterator, cute.make_layout(cute.size(cCK)))
             ref_gates = self.column_gates(sm, ref, cCK, kb)
+            x_frag = self.block_fragment(part_ck, sX, kb, wtid)
             for e2 in cutlass.range_constexpr(cute.size(cCK) // 2):
                 i, d = cCK[2 * e2]
                 pair.fill(0.0)
@@ -347,7 +364,8 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
                     gates = gate_pair(sm.gates, i, kb * KEY_BLOCK + d, self.D)
                     for e in cutlass.range_constexpr(2):
                         factor = cute.math.exp2(gates[0, e] - ref_gates[mma.acc_col_slot(2 * e2 + e)], fastmath=True)
-                        pair[0, e] = sX[i, kb * KEY_BLOCK + d + e].to(f32) * factor
+                        x = self.tile_value(x_frag, sX, 2 * e2 + e, i, kb * KEY_BLOCK + d + e)
+                        pair[0, e] = x * factor
                 cute.local_tile(left_flat, (2,), (e2,)).store(pair.load().to(bf16))
             b_frag = thr.make_fragment_B(thr.partition_B(cute.local_tile(sm.r, (half, KEY_BLOCK), (h, kb))))
             mma.gemm_waited(tiled, part, left, b_frag, False)
@@ -380,6 +398,7 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
             ref_gates = self.column_gates(sm, h * half + half // 2, cTD, kb)
             part = thr.make_fragment_C(thr.partition_shape_C((C, KEY_BLOCK)))
             mma.gemm_waited(tiled, part, a_frag, b_frag, True, (2 * h, 2 * h + 1))
+            x_frag = self.block_fragment(acc, sX, kb, wtid)  # per half: held across both, it spills
             for e2 in cutlass.range_constexpr(cute.size(acc) // 2):
                 i, d = cTD[2 * e2]
                 if i >= h * half:
@@ -387,7 +406,8 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
                     for x in cutlass.range_constexpr(2):
                         e = 2 * e2 + x
                         factor = cute.math.exp2(gates[0, x] - ref_gates[mma.acc_col_slot(e)], fastmath=True)
-                        left = (sX[i, kb * KEY_BLOCK + d + x].to(f32) * factor).to(cutlass.BFloat16).to(f32)
+                        left = self.tile_value(x_frag, sX, e, i, kb * KEY_BLOCK + d + x) * factor
+                        left = left.to(cutlass.BFloat16).to(f32)
                         acc[e] = acc[e] + part[e] * factor
                         local[e] = local[e] + part[e] * left
 
@@ -414,6 +434,7 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=barrier, number_of_threads=128)
             ref_gates = self.column_gates(sm, ref, cTD, kb)
+            r_frag = self.block_fragment(acc, sm.r, kb, wtid)
             part = thr.make_fragment_C(thr.partition_shape_C((C, KEY_BLOCK)))
             mma.gemm_waited(tiled, part, a_frag, b_frag, True)
             for e2 in cutlass.range_constexpr(cute.size(acc) // 2):
@@ -424,7 +445,7 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
                         e = 2 * e2 + x
                         factor = cute.math.exp2(ref_gates[mma.acc_col_slot(e)] - gates[0, x], fastmath=True)
                         acc[e] = acc[e] + part[e] * factor
-                        local[e] = local[e] - part[e] * sm.r[j, kb * KEY_BLOCK + d + x].to(f32)
+                        local[e] = local[e] - part[e] * self.tile_value(r_frag, sm.r, e, j, kb * KEY_BLOCK + d + x)
             cute.arch.barrier(barrier_id=barrier, number_of_threads=128)  # every read of L^h before the next's build
 
     # ---------------------------------------------------------------- warpgroup 0: the WY form and its gradients
@@ -611,13 +632,14 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
                 KEY_BLOCK, "MN", sm.do, _key_block(tiles.mn_plane(sm.s, p.tile_state_mn), kb), wtid
             )  # fmt: skip
             local = cute.make_rmem_tensor(acc.layout, cutlass.Float32)
+            q_frag = self.block_fragment(acc, sm.q, kb, wtid)
             for e2 in cutlass.range_constexpr(cute.size(acc) // 2):
                 i, d = cTD[2 * e2]
                 gates = gate_pair(sm.gates, i, kb * KEY_BLOCK + d, self.D)
                 for x in cutlass.range_constexpr(2):
                     e = 2 * e2 + x
                     acc[e] = acc[e] * p.scale * cute.math.exp2(gates[0, x], fastmath=True)
-                    local[e] = acc[e] * sm.q[i, kb * KEY_BLOCK + d + x].to(cutlass.Float32)
+                    local[e] = acc[e] * self.tile_value(q_frag, sm.q, e, i, kb * KEY_BLOCK + d + x)
             self.row_pairs(p, acc, local, cTD, kb, sm, r_dp, False, sm.q, wtid)
             self.store_rows(acc, cTD, p.t.dq, valid, part, t0, hv, kb * KEY_BLOCK)
             self.store_rows(local, cTD, p.t.dg, valid, part, t0, hv, kb * KEY_BLOCK)

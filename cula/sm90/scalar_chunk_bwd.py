@@ -35,8 +35,9 @@ from cula.sm90 import mma, pipeline, scalar_gates, tiles
 CHUNK = 64
 WARPGROUPS = 3  # dq, dk, dv
 # "1": the gradient kernels' smaller code, not yet run on a GPU: their bf16 tiles to and from accumulator layouts by
-# ldmatrix / stmatrix (the default: element-by-element shared-memory accesses), and GLA's gate factors by column pairs
-# of 64-bit loads and its gate gradient's row batches as a loop
+# ldmatrix / stmatrix (the default: element-by-element shared-memory accesses; KDA's kernel reads its key blocks of q,
+# k and R this way too), and GLA's gate factors by column pairs of 64-bit loads and its gate gradient's row batches as
+# a loop
 ENV_TILE_COPIES = "CULA_GRADIENT_TILE_COPIES"
 
 
