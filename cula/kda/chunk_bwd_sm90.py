@@ -5,12 +5,11 @@
    (:func:`cula.sm90.walks.state_walk`: "states" on (k, v), "state_grads" from the last chunk on (q, k, dO) through
    the transposed chain, the per-key factors in its B tiles), each storing a bf16 checkpoint per chunk; the second
    walk's final state is dh0;
-3. and 4. each chunk's gradients from its tokens and the two checkpoints, the WY form recomputed: batched PyTorch
-   products over the chunk rows (:func:`cula.ops.chunk_backward.rows_backward` with the gate bounded as the forward
-   kernel needs it: every pair-factor sum by two reference tokens per chunk), or with ``CULA_KDA_GRADIENT_KERNEL=1``
-   the kernel :class:`cula.sm90.key_delta_chunk_bwd.KeyDeltaChunkBwdSm90` (one CTA per chunk, value head and slab of
-   64 value columns; opt-in until its GPU tests pass: on an H100 its dq, dk, dv and dg were within the bf16
-   tolerances, its dbeta's fix has not run yet).
+3. and 4. each chunk's gradients from its tokens and the two checkpoints, the WY form recomputed: the kernel
+   :class:`cula.sm90.key_delta_chunk_bwd.KeyDeltaChunkBwdSm90` (one CTA per chunk, value head and slab of 64 value
+   columns), or with ``CULA_KDA_GRADIENT_KERNEL=0`` batched PyTorch products over the chunk rows
+   (:func:`cula.ops.chunk_backward.rows_backward` with the gate bounded as the forward kernel needs it: every
+   pair-factor sum by two reference tokens per chunk).
 
 Shapes: q, k [B, T, H, K]; v, do [B, T, HV, V] bf16; g [B, T, HV, K] fp32 (activated, >= -5: the forward kernel's
 bound); beta [B, T, HV] fp32; states [N, HV, K, V] fp32 ([N, HV, V, K] with ``state_v_first``).
@@ -28,7 +27,7 @@ from cula.ops import chunk_backward
 from cula.sm90 import delta_chunk_bwd, entry, scalar_chunk_bwd, walks
 from cula.sm90.key_delta_chunk_bwd import SLAB, KeyDeltaChunkBwdSm90
 
-# "1": passes 3 and 4 by the per-chunk kernel instead of PyTorch products (opt-in until its GPU tests pass)
+# "0": passes 3 and 4 by PyTorch products instead of the per-chunk kernel
 ENV_GRADIENT_KERNEL = "CULA_KDA_GRADIENT_KERNEL"
 
 
@@ -72,7 +71,7 @@ def chunk_kda_bwd_sm90(q, k, v, g, beta, do, scale, initial_state, dht, cu_seqle
     normalised already where the call asks): ``(dq, dk, dv, dg [B, T, HV, K], dbeta, dh0 or None)`` in fp32."""
     g, beta = g.float().contiguous(), beta.float().contiguous()
 
-    if os.environ.get(ENV_GRADIENT_KERNEL, "0") == "1":
+    if os.environ.get(ENV_GRADIENT_KERNEL, "1") != "0":
 
         def rows(q, k, v, do, w, scale):
             return key_delta_chunk_gradients_sm90(
