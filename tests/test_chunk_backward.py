@@ -307,6 +307,7 @@ def test_the_delta_rule_backward_host_paths_give_the_reference_gradients(monkeyp
         from cula.kda.chunk_bwd_sm90 import chunk_kda_bwd_sm90 as backward
 
         entry_point = cula.kda.chunk_kda
+        monkeypatch.setenv("CULA_KDA_GRADIENT_KERNEL", "0")
     monkeypatch.setattr(walks.entry, "launch", emulated_launch)
     torch.manual_seed(6)
     B, T = (1, sum(lengths)) if lengths else (2, 150)
