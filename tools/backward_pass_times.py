@@ -138,7 +138,7 @@ def passes(op: str, args: dict, do) -> dict:
     )
     kernel_pass = per_chunk_kernel(op, q, k, v, do, g, beta, w, scale)
     variants = (("0", "per-chunk, kernel"), ("1", "per-chunk, kernel with tile copies"))
-    for copies, label in variants[: 1 if op == "kda" else 2]:  # KDA's kernel has no tile copies
+    for copies, label in variants:
         with environment(CULA_GRADIENT_TILE_COPIES=copies):  # read per call (scalar_chunk_bwd.tile_copies)
             times[label] = report(label, median_ms(kernel_pass))
     return times

@@ -34,10 +34,11 @@ from cula.sm90 import mma, pipeline, scalar_gates, tiles
 
 CHUNK = 64
 WARPGROUPS = 3  # dq, dk, dv
-# "1": the gradient kernels' smaller code, not yet run on a GPU: their bf16 tiles to and from accumulator layouts by
-# ldmatrix / stmatrix (the default: element-by-element shared-memory accesses; KDA's kernel reads its key blocks of q,
-# k and R this way too), and GLA's gate factors by column pairs of 64-bit loads and its gate gradient's row batches as
-# a loop
+# the gradient kernels' smaller code ("1"), or the element-by-element one ("0"); unset, each kernel's default
+# (``tile_copies_default``: GLA's the smaller, the others' the element-by-element until the smaller has passed their GPU
+# tests and A/B). The smaller: their bf16 tiles to and from accumulator layouts by ldmatrix / stmatrix (KDA's kernel
+# reads its key blocks of q, k and R this way too), and GLA's gate factors by column pairs of 64-bit loads and its gate
+# gradient's row batches as a loop
 ENV_TILE_COPIES = "CULA_GRADIENT_TILE_COPIES"
 
 
@@ -102,10 +103,10 @@ def fake_args(head_dim: int, per_key_gate: bool) -> tuple:
     return (*tokens, gates[0], *checkpoints, chunks, *grads, gates[1], f32(1.0), runtime.fake_stream())
 
 
-def tile_copies() -> bool:
-    """Whether the gradient kernels are compiled with :data:`ENV_TILE_COPIES` (read per call: part of each kernel's
-    cache key)."""
-    return os.environ.get(ENV_TILE_COPIES, "0") == "1"
+def tile_copies(default: bool = False) -> bool:
+    """Whether a gradient kernel whose own choice is ``default`` is compiled with tile copies (:data:`ENV_TILE_COPIES`,
+    read per call: part of each kernel's cache key)."""
+    return os.environ.get(ENV_TILE_COPIES, "1" if default else "0") == "1"
 
 
 def compile_gradients(
@@ -130,7 +131,7 @@ def gradients(name: str, kernel_class, q, k, v, do, gate, S, dS, chunks, scale, 
 
     B, T, H, D = q.shape
     arch = runtime.device_arch(q.device)
-    copies = tile_copies()
+    copies = tile_copies(kernel_class.tile_copies_default)
     fn = runtime.get_or_compile(
         (name, D, is_varlen, copies, arch),
         lambda: compile_gradients(kernel_class, arch, head_dim=D, is_varlen=is_varlen, tile_copies=copies),
@@ -145,6 +146,7 @@ class ScalarGateChunkBwdSm90:
     """The kernel (module docstring)."""
 
     per_key_gate = False  # g and dg [B, T, H]; the per-key kernel's carry a key mode
+    tile_copies_default = False  # ENV_TILE_COPIES unset: element by element (its GPU A/B not yet run)
 
     def __init__(self, head_dim: int, is_varlen: bool, tile_copies: bool = False):
         assert head_dim in (64, 128), head_dim
