@@ -44,7 +44,7 @@ def delta_chunk_gradients_sm90(q, k, v, do, g, beta, S, dS, chunks, scale, is_va
     B, T, H, D = q.shape
     HV = v.shape[2]
     arch = runtime.device_arch(q.device)
-    copies = scalar_chunk_bwd.tile_copies()
+    copies = scalar_chunk_bwd.tile_copies(DeltaChunkBwdSm90.tile_copies_default)
     key = ("delta_chunk_bwd", D, is_varlen, copies, arch)
     fn = runtime.get_or_compile(
         key, lambda: compile_delta_chunk_gradients_sm90(arch, head_dim=D, is_varlen=is_varlen, tile_copies=copies)
@@ -77,14 +77,17 @@ def chunk_gdn_bwd_sm90(q, k, v, g, beta, do, scale, initial_state, dht, cu_seqle
     )
 
 
+_TILE_COPIES = {"tile_copies": True}  # the kernel's default (DeltaChunkBwdSm90.tile_copies_default)
 entry.register_checked(
     "gdn_chunk_bwd_sm90",
     compile_delta_chunk_gradients_sm90,
-    {"": {"is_varlen": True}, "[fixed length]": {}, "[D=64]": {"head_dim": 64, "is_varlen": True}},
+    {
+        "": {"is_varlen": True, **_TILE_COPIES},
+        "[fixed length]": _TILE_COPIES,
+        "[D=64]": {"head_dim": 64, "is_varlen": True, **_TILE_COPIES},
+    },
+    expected_ptx=(*entry.SM90_PTX, "ldmatrix", "stmatrix"),
 )
 entry.register_checked(
-    "gdn_chunk_bwd_sm90",
-    compile_delta_chunk_gradients_sm90,
-    {"[tile copies]": {"is_varlen": True, "tile_copies": True}},
-    expected_ptx=(*entry.SM90_PTX, "ldmatrix", "stmatrix"),
+    "gdn_chunk_bwd_sm90", compile_delta_chunk_gradients_sm90, {"[element by element]": {"is_varlen": True}}
 )

@@ -49,7 +49,7 @@ def key_delta_chunk_gradients_sm90(q, k, v, do, g, beta, S, dS, chunks, scale, i
     assert v.shape[3] == D and D % SLAB == 0, (q.shape, v.shape)  # the slabs and checkpoint tiles take K = V
     slabs = D // SLAB
     arch = runtime.device_arch(q.device)
-    copies = scalar_chunk_bwd.tile_copies()
+    copies = scalar_chunk_bwd.tile_copies(KeyDeltaChunkBwdSm90.tile_copies_default)
     fn = runtime.get_or_compile(
         ("kda_chunk_bwd", D, is_varlen, copies, arch),
         lambda: compile_key_delta_chunk_gradients_sm90(arch, head_dim=D, is_varlen=is_varlen, tile_copies=copies),

@@ -35,8 +35,8 @@ from cula.sm90 import mma, pipeline, scalar_gates, tiles
 CHUNK = 64
 WARPGROUPS = 3  # dq, dk, dv
 # the gradient kernels' smaller code ("1"), or the element-by-element one ("0"); unset, each kernel's default
-# (``tile_copies_default``: GLA's the smaller, the others' the element-by-element until the smaller has passed their GPU
-# tests and A/B). The smaller: their bf16 tiles to and from accumulator layouts by ldmatrix / stmatrix (KDA's kernel
+# (``tile_copies_default``: GDN's and GLA's the smaller, the others' the element-by-element until the smaller has passed
+# their GPU tests and A/B). The smaller: their bf16 tiles to and from accumulator layouts by ldmatrix / stmatrix (KDA's kernel
 # reads its key blocks of q, k and R this way too), and GLA's gate factors by column pairs of 64-bit loads and its gate
 # gradient's row batches as a loop
 ENV_TILE_COPIES = "CULA_GRADIENT_TILE_COPIES"
