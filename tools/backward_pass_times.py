@@ -7,8 +7,8 @@ PERF.md's backward rows.
 For each B x T x H shape (D = 128, bf16, H = HV) it prints, as medians of CUDA-event timings over 10 calls: the two
 state walks, the per-chunk passes in PyTorch (``rows_backward``, KDA's with its bounded gate) and by their kernels
 (``CULA_CHUNK_GRADIENT_KERNEL``, ``CULA_DELTA_GRADIENT_KERNEL``, ``CULA_KEY_GRADIENT_KERNEL``,
-``CULA_KDA_GRADIENT_KERNEL``), each kernel as by default and, where it has them, with
-``CULA_GRADIENT_TILE_COPIES=1``; then the whole forward + backward through the public op served by cuLA
+``CULA_KDA_GRADIENT_KERNEL``), each kernel element by element (``CULA_GRADIENT_TILE_COPIES=0``, "per-chunk, kernel")
+and with tile copies (``=1``); then the whole forward + backward through the public op served by cuLA
 (``CULA_BACKEND=cute CULA_UNTESTED_KERNELS=1``, with those kernels) and by FLA (where FLA runs it; its first call
 autotunes).
 """
