@@ -15,26 +15,22 @@ and differentiated through by autograd after them. Shapes: q, k [B, T, H, K]; v,
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 
 from cula import runtime
 from cula.ops.gates import GATE_FLOOR
-from cula.sm90 import delta_chunk_bwd, entry, scalar_chunk_bwd
+from cula.sm90 import entry, scalar_chunk_bwd
 from cula.sm90.delta_chunk_bwd import DeltaChunkBwdSm90
 
 # "0": passes 3 and 4 by PyTorch products instead of the kernel
 ENV_GRADIENT_KERNEL = "CULA_DELTA_GRADIENT_KERNEL"
 
 
-def compile_delta_chunk_gradients_sm90(
-    arch="sm_90a", *, head_dim=128, is_varlen=False, tile_copies=False, keep_artifacts=False
-):  # fmt: skip
-    """The kernel of passes 3 and 4, compiled on any machine for ``arch`` (``tile_copies``:
-    :data:`cula.sm90.scalar_chunk_bwd.ENV_TILE_COPIES`)."""
-    args = delta_chunk_bwd.fake_args(head_dim, per_key_gate=False)
-    return runtime.compile_kernel(DeltaChunkBwdSm90(head_dim, is_varlen, tile_copies), args, arch, keep_artifacts)
+# the kernel of passes 3 and 4, compiled on any machine: (arch, *, head_dim, is_varlen, tile_copies, keep_artifacts)
+compile_delta_chunk_gradients_sm90 = functools.partial(scalar_chunk_bwd.compile_gradients, DeltaChunkBwdSm90)
 
 
 def delta_chunk_gradients_sm90(q, k, v, do, g, beta, S, dS, chunks, scale, is_varlen):

@@ -17,6 +17,7 @@ bound); beta [B, T, HV] fp32; states [N, HV, K, V] fp32 ([N, HV, V, K] with ``st
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -24,20 +25,15 @@ import torch
 from cula import runtime
 from cula.kda.chunk_fwd_sm90 import KDA_SM90
 from cula.ops import chunk_backward
-from cula.sm90 import delta_chunk_bwd, entry, scalar_chunk_bwd, walks
+from cula.sm90 import entry, scalar_chunk_bwd, walks
 from cula.sm90.key_delta_chunk_bwd import SLAB, KeyDeltaChunkBwdSm90
 
 # "0": passes 3 and 4 by PyTorch products instead of the per-chunk kernel
 ENV_GRADIENT_KERNEL = "CULA_KDA_GRADIENT_KERNEL"
 
 
-def compile_key_delta_chunk_gradients_sm90(
-    arch="sm_90a", *, head_dim=128, is_varlen=False, tile_copies=False, keep_artifacts=False
-):  # fmt: skip
-    """The kernel of passes 3 and 4, compiled on any machine for ``arch`` (``tile_copies``:
-    :data:`cula.sm90.scalar_chunk_bwd.ENV_TILE_COPIES`)."""
-    args = delta_chunk_bwd.fake_args(head_dim, per_key_gate=True)
-    return runtime.compile_kernel(KeyDeltaChunkBwdSm90(head_dim, is_varlen, tile_copies), args, arch, keep_artifacts)
+# the kernel of passes 3 and 4, compiled on any machine: (arch, *, head_dim, is_varlen, tile_copies, keep_artifacts)
+compile_key_delta_chunk_gradients_sm90 = functools.partial(scalar_chunk_bwd.compile_gradients, KeyDeltaChunkBwdSm90)
 
 
 def key_delta_chunk_gradients_sm90(q, k, v, do, g, beta, S, dS, chunks, scale, is_varlen):

@@ -127,6 +127,7 @@ def _key_block(view, kb):
 class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
     """The kernel (module docstring); the token, score and solve helpers are the delta kernel's."""
 
+    per_key_gate = True
     tile_copies_default = False  # its smaller code passed the GPU tests, not yet timed
 
     def __init__(self, head_dim: int, is_varlen: bool, tile_copies: bool = False):

@@ -35,10 +35,10 @@ from cula.sm90 import mma, pipeline, scalar_gates, tiles
 CHUNK = 64
 WARPGROUPS = 3  # dq, dk, dv
 # the gradient kernels' smaller code ("1"), or the element-by-element one ("0"); unset, each kernel's default
-# (``tile_copies_default``: GDN's and GLA's the smaller, the others' the element-by-element until the smaller has passed
-# their GPU tests and A/B). The smaller: their bf16 tiles to and from accumulator layouts by ldmatrix / stmatrix (KDA's kernel
-# reads its key blocks of q, k and R this way too), and GLA's gate factors by column pairs of 64-bit loads and its gate
-# gradient's row batches as a loop
+# (``tile_copies_default``: GDN's and GLA's the smaller, the others' the element-by-element until the smaller has
+# passed their GPU tests and A/B). The smaller: their bf16 tiles to and from accumulator layouts by ldmatrix /
+# stmatrix (KDA's kernel reads its key blocks of q, k and R this way too), and GLA's gate factors by column pairs of
+# 64-bit loads and its gate gradient's row batches as a loop
 ENV_TILE_COPIES = "CULA_GRADIENT_TILE_COPIES"
 
 
@@ -112,11 +112,12 @@ def tile_copies(default: bool = False) -> bool:
 def compile_gradients(
     kernel_class, arch="sm_90a", *, head_dim=128, is_varlen=False, tile_copies=False, keep_artifacts=False
 ):  # fmt: skip
-    """``kernel_class`` (this kernel, or the per-key one) compiled on any machine for ``arch`` (``tile_copies``:
-    :data:`ENV_TILE_COPIES`); bound to its class, a variant's compile function for the compile check."""
+    """``kernel_class`` (one of the per-chunk gradient kernels) compiled on any machine for ``arch``
+    (``tile_copies``: :data:`ENV_TILE_COPIES`); bound to its class, a variant's compile function for the compile
+    check."""
     from cula import runtime
 
-    args = fake_args(head_dim, kernel_class.per_key_gate)
+    args = kernel_class.fake_args(head_dim)
     return runtime.compile_kernel(kernel_class(head_dim, is_varlen, tile_copies), args, arch, keep_artifacts)
 
 
@@ -145,8 +146,13 @@ def gradients(name: str, kernel_class, q, k, v, do, gate, S, dS, chunks, scale, 
 class ScalarGateChunkBwdSm90:
     """The kernel (module docstring)."""
 
-    per_key_gate = False  # g and dg [B, T, H]; the per-key kernel's carry a key mode
+    per_key_gate = False  # g and dg [B, T, H]; the per-key kernels' carry a key mode
     tile_copies_default = False  # ENV_TILE_COPIES unset: element by element (its GPU A/B not yet run)
+
+    @classmethod
+    def fake_args(cls, head_dim: int) -> tuple:
+        """The kernel's arguments as fake tensors, for a compile on any machine (:func:`fake_args`)."""
+        return fake_args(head_dim, cls.per_key_gate)
 
     def __init__(self, head_dim: int, is_varlen: bool, tile_copies: bool = False):
         assert head_dim in (64, 128), head_dim
