@@ -21,12 +21,16 @@ import os
 
 import torch
 
+from cula import runtime
 from cula.gla.chunk_fwd_sm90 import GLA_SM90
 from cula.sm90 import entry, scalar_chunk_bwd, walks
-from cula.sm90.key_chunk_bwd import KeyGateChunkBwdSm90
+from cula.sm90.key_chunk_bwd import PATHS_APART, KeyGateChunkBwdSm90
 
 # "0": passes 3 and 4 by PyTorch products instead of the kernel
 ENV_GRADIENT_KERNEL = "CULA_KEY_GRADIENT_KERNEL"
+# "1": the kernel's steep chunk-heads in a launch of their own, after a launch whose code has no steep path (opt-in
+# until its GPU tests and A/B have run)
+ENV_STEEP_APART = "CULA_GLA_STEEP_APART"
 
 
 # the kernel of passes 3 and 4, compiled on any machine: (arch, *, head_dim, is_varlen, tile_copies, keep_artifacts)
@@ -34,12 +38,26 @@ compile_key_chunk_gradients_sm90 = functools.partial(scalar_chunk_bwd.compile_gr
 
 
 def key_chunk_gradients_sm90(q, k, v, do, gate, S, dS, chunks, scale, is_varlen):
-    """Passes 3 and 4 by the kernel (:func:`cula.sm90.scalar_chunk_bwd.gradients`): ``(dq, dk, dv in q's dtype, dg
-    fp32 [B, T, H, D], None)``, as :func:`cula.ops.chunk_backward.rows_backward` gives them."""
-    grads = scalar_chunk_bwd.gradients(
-        "gla_chunk_bwd", KeyGateChunkBwdSm90, q, k, v, do, gate, S, dS, chunks, scale, is_varlen
-    )
-    return *grads, None
+    """Passes 3 and 4 by the kernel (compiled once per head dim, layout, path and architecture): ``(dq, dk, dv in q's
+    dtype, dg fp32 [B, T, H, D], None)``, as :func:`cula.ops.chunk_backward.rows_backward` gives them; ``chunks`` the
+    chunk rows as the kernel reads them. With ``CULA_GLA_STEEP_APART=1`` two launches (the fast path, then the steep
+    chunk-heads it flagged), else one."""
+    D, H = q.shape[3], q.shape[2]
+    arch = runtime.device_arch(q.device)
+    copies = scalar_chunk_bwd.tile_copies(KeyGateChunkBwdSm90.tile_copies_default)
+    paths = PATHS_APART if os.environ.get(ENV_STEEP_APART, "0") == "1" else ("both",)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dg = torch.empty(gate.shape, dtype=torch.float32, device=q.device)
+    steep_flags = torch.empty(chunks.shape[0], H, dtype=torch.int32, device=q.device)
+    for path in paths:
+        fn = runtime.get_or_compile(
+            ("gla_chunk_bwd", D, is_varlen, copies, path, arch),
+            lambda path=path: compile_key_chunk_gradients_sm90(
+                arch, head_dim=D, is_varlen=is_varlen, tile_copies=copies, path=path
+            ),
+        )
+        fn(q, k, v, do, gate, S, dS, chunks, dq, dk, dv, dg, steep_flags, float(scale))
+    return dq, dk, dv, dg, None
 
 
 def chunk_gla_bwd_sm90(q, k, v, g, do, scale, initial_state, dht, cu_seqlens, cu_seqlens_cpu, state_v_first):
@@ -78,4 +96,10 @@ entry.register_checked(
 )
 entry.register_checked(
     "gla_chunk_bwd_sm90", compile_key_chunk_gradients_sm90, {"[element by element]": {"is_varlen": True}}
+)
+entry.register_checked(
+    "gla_chunk_bwd_sm90",
+    compile_key_chunk_gradients_sm90,
+    {f"[{path} path]": {"is_varlen": True, "path": path, **_TILE_COPIES} for path in PATHS_APART},
+    expected_ptx=(*entry.SM90_PTX, "ldmatrix"),
 )
