@@ -812,28 +812,30 @@ def key_chunk_is_steep(gate_chunk) -> bool:
 
 
 def emulated_key_gradient_kernel(
-    q, k, v, do, g, S, dS, chunks, dq, dk, dv, dg, steep_flags, scale, operand=lambda t: t, path="both", made=None
+    q, k, v, do, g, S, dS, chunks, dq, dk, dv, dg, steep_list, scale, operand=lambda t: t, path="both", made=None
 ):  # fmt: skip
     """cula.sm90.key_chunk_bwd's launch on a CPU (:func:`emulate_chunk_rows` with cula.ops.chunk_emulation.
     key_chunk_gradients, exact operands unless ``operand`` rounds), gates below the floor taking no gradient as the
-    kernel's scan gives them. ``path`` as the kernel's: "fast" makes the chunk-heads that are not steep and flags
-    each in ``steep_flags``, "steep" makes the flagged ones. ``made``: a list that gets (path, row, hv) per chunk-head
-    made."""
+    kernel's scan gives them. ``path`` as the kernel's: "fast" makes the chunk-heads that are not steep and appends
+    the others to ``steep_list`` (its count first), "steep" makes the listed ones. ``made``: a list that gets (path,
+    row, hv) per chunk-head made."""
+    heads = q.shape[2]
+    listed = {int(x) for x in steep_list[1 : 1 + steep_list[0]]} if path == "steep" else set()
 
     def kernel(qc, kc, vc, doc, gc, S_row, dS_row):
         return chunk_emulation.key_chunk_gradients(qc, kc, vc, doc, gc, S_row, dS_row, scale, operand=operand)
 
     def takes(row, hv, gate_chunk):
-        if path == "fast":
-            steep_flags[row, hv] = int(key_chunk_is_steep(gate_chunk))
-        take = path == "both" or steep_flags[row, hv].item() == int(path == "steep")
+        if path == "fast" and key_chunk_is_steep(gate_chunk):
+            steep_list[1 + steep_list[0]] = row * heads + hv
+            steep_list[0] += 1
+            return False
+        take = path != "steep" or row * heads + hv in listed
         if take and made is not None:
             made.append((path, row, hv))
         return take
 
     emulate_chunk_rows(chunks, (q, k, v, do, g), (dq, dk, dv, dg), S, dS, 1, kernel, takes)
-    if path == "fast":
-        steep_flags[chunks[:, 1] == 0] = 0  # as the fast launch's CTAs of empty rows flag them
     dg.masked_fill_(g < chunk_emulation.GATE_FLOOR, 0.0)
 
 

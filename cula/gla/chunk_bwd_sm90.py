@@ -48,7 +48,8 @@ def key_chunk_gradients_sm90(q, k, v, do, gate, S, dS, chunks, scale, is_varlen)
     paths = PATHS_APART if os.environ.get(ENV_STEEP_APART, "0") == "1" else ("both",)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dg = torch.empty(gate.shape, dtype=torch.float32, device=q.device)
-    steep_flags = torch.empty(chunks.shape[0], H, dtype=torch.int32, device=q.device)
+    steep_list = torch.empty(1 + chunks.shape[0] * H, dtype=torch.int32, device=q.device)
+    steep_list[0] = 0  # (only the fast launch counts its entries)
     for path in paths:
         fn = runtime.get_or_compile(
             ("gla_chunk_bwd", D, is_varlen, copies, path, arch),
@@ -56,7 +57,7 @@ def key_chunk_gradients_sm90(q, k, v, do, gate, S, dS, chunks, scale, is_varlen)
                 arch, head_dim=D, is_varlen=is_varlen, tile_copies=copies, path=path
             ),
         )
-        fn(q, k, v, do, gate, S, dS, chunks, dq, dk, dv, dg, steep_flags, float(scale))
+        fn(q, k, v, do, gate, S, dS, chunks, dq, dk, dv, dg, steep_list, float(scale))
     return dq, dk, dv, dg, None
 
 

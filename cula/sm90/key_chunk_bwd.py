@@ -102,13 +102,15 @@ def _difference(plus, minus, x):
 
 
 class KeyGateParams(NamedTuple):
-    steep_flags: cute.Tensor  # [rows, H] int32: 1 where the fast path left the chunk-head to the steep launch
+    # [1 + rows H] int32: how many chunk-heads the fast launch left to the steep one (zeroed before it), then which
+    # (row H + head each)
+    steep_list: cute.Tensor
 
 
 class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
     """The kernel (module docstring); the token and score helpers are the scalar-gate kernel's. ``path``: "both"
     (each chunk by the path it needs, in one launch), or the two launches of :data:`PATHS_APART`: "fast" (one CTA per
-    chunk-head; a steep chunk-head is only flagged) and then "steep" (up to :data:`STEEP_CTAS` CTAs walk the flagged
+    chunk-head; a steep chunk-head is only listed) and then "steep" (up to :data:`STEEP_CTAS` CTAs walk the listed
     chunk-heads). Apart, the fast launch's code holds no steep path."""
 
     per_key_gate = True
@@ -119,8 +121,8 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
         from cula import runtime
 
         *args, scale, stream = fake_args(head_dim, cls.per_key_gate)
-        flags = runtime.fake_tensor(cutlass.Int32, (runtime.sym_int(), runtime.sym_int()), align=4)
-        return (*args, flags, scale, stream)
+        steep_list = runtime.fake_tensor(cutlass.Int32, (runtime.sym_int(),), align=4)
+        return (*args, steep_list, scale, stream)
 
     def __init__(self, head_dim: int, is_varlen: bool, tile_copies: bool = False, path: str = "both"):
         assert path in PATHS, path
@@ -130,12 +132,12 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
 
     # ---------------------------------------------------------------- host side
     @cute.jit
-    def __call__(self, q, k, v, do, g, states, state_grads, chunks, dq, dk, dv, dg, steep_flags, scale, stream):
+    def __call__(self, q, k, v, do, g, states, state_grads, chunks, dq, dk, dv, dg, steep_list, scale, stream):
         C, D = self.C, self.D
         f32 = cutlass.Float32
         t = Tensors(q, k, v, do, g, states, state_grads, chunks, dq, dk, dv, dg)
         loads, tile_tok, tile_tok_mn, tile_state, tile_state_mn = self.chunk_loads(q, k, v, do, states, state_grads)
-        own = KeyGateParams(steep_flags)
+        own = KeyGateParams(steep_list)
         p = Params(loads, t, scale, tile_tok, tile_tok_mn, tile_state, tile_state_mn, own)
         tok = cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(tile_tok)], 1024]
         fields = {
@@ -150,7 +152,7 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
             "sSteep": cute.struct.MemRange[cutlass.Int32, 4],
         }
         if cutlass.const_expr(self.path == "steep"):
-            self.launch_with(p, fields, cutlass.min(chunks.shape[0] * q.shape[2], STEEP_CTAS), 1, stream)
+            self.launch_with(p, fields, STEEP_CTAS, 1, stream)
         else:
             self.launch_with(p, fields, chunks.shape[0], q.shape[2], stream)
 
@@ -181,22 +183,22 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
         pipeline.rings_made()
         fill, loaded = pipeline.producer_start(1), pipeline.consumer_start(1)
         if cutlass.const_expr(self.path == "steep"):
-            # the chunk-heads the fast launch flagged, every CTA a share of them in turn
+            # the chunk-heads the fast launch listed, every CTA a share of them in turn
             cta, _, _ = cute.arch.block_idx()
             ctas, _, _ = cute.arch.grid_dim()
-            rows = p.t.chunks.shape[0]
-            for i in cutlass.range(cta, rows * p.t.q.shape[2], ctas, unroll=1):
-                if p.own.steep_flags[i % rows, i // rows] != 0:
-                    self.chunk(p, st, sm, loads, fill, loaded, i % rows, i // rows)
-                    # the chunk's generic writes ordered before the next chunk's TMA writes to the same bytes, and
-                    # the stage released for them by every warp
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    loads.consumer_release(loaded)
-                    fill.advance()
-                    loaded.advance()
-                    if tidx == 0:
-                        sm.steep[0] = cutlass.Int32(0)
-                    cute.arch.sync_threads()
+            heads = p.t.q.shape[2]
+            for i in cutlass.range(cta, p.own.steep_list[0], ctas, unroll=1):
+                listed = p.own.steep_list[1 + i]
+                self.chunk(p, st, sm, loads, fill, loaded, listed // heads, listed % heads)
+                # the chunk's generic writes ordered before the next chunk's TMA writes to the same bytes, and the
+                # stage released for them by every warp
+                cute.arch.fence_proxy("async.shared", space="cta")
+                loads.consumer_release(loaded)
+                fill.advance()
+                loaded.advance()
+                if tidx == 0:
+                    sm.steep[0] = cutlass.Int32(0)
+                cute.arch.sync_threads()
         else:
             row, h, _ = cute.arch.block_idx()
             self.chunk(p, st, sm, loads, fill, loaded, row, h)
@@ -204,7 +206,7 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
     @cute.jit
     def chunk(self, p: Params, st, sm: Smem, loads, fill, loaded, row, h):
         """Chunk row ``row`` of head ``h``: its loads into the stage at ring positions ``fill`` / ``loaded``, then its
-        gradients by :attr:`path` (the fast path leaves a steep chunk to the steep launch, and flags it)."""
+        gradients by :attr:`path` (the fast path leaves a steep chunk to the steep launch, and lists it)."""
         D = self.D
         t = p.t
         tidx, _, _ = cute.arch.thread_idx()
@@ -224,13 +226,11 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
             elif cutlass.const_expr(self.path == "steep"):
                 self.gradients(p, sm, 1, valid, b, t0, h)
             else:
-                if tidx == 0:
-                    p.own.steep_flags[row, h] = steep
                 if steep == 0:
                     self.gradients(p, sm, 0, valid, b, t0, h)
-        elif cutlass.const_expr(self.path == "fast"):
-            if tidx == 0:
-                p.own.steep_flags[row, h] = cutlass.Int32(0)
+                elif tidx == 0:
+                    slot = cute.arch.atomic_add(p.own.steep_list.iterator, cutlass.Int32(1))
+                    p.own.steep_list[1 + slot] = row * t.q.shape[2] + h
 
     @cute.jit
     def gradients(self, p: Params, sm: Smem, steep, valid, b, t0, h):
