@@ -41,15 +41,18 @@ def key_chunk_gradients_sm90(q, k, v, do, gate, S, dS, chunks, scale, is_varlen)
     """Passes 3 and 4 by the kernel (compiled once per head dim, layout, path and architecture): ``(dq, dk, dv in q's
     dtype, dg fp32 [B, T, H, D], None)``, as :func:`cula.ops.chunk_backward.rows_backward` gives them; ``chunks`` the
     chunk rows as the kernel reads them. With ``CULA_GLA_STEEP_APART=1`` two launches (the fast path, then the steep
-    chunk-heads it flagged), else one."""
+    chunk-heads it listed), else one."""
     D, H = q.shape[3], q.shape[2]
     arch = runtime.device_arch(q.device)
     copies = scalar_chunk_bwd.tile_copies(KeyGateChunkBwdSm90.tile_copies_default)
-    paths = PATHS_APART if os.environ.get(ENV_STEEP_APART, "0") == "1" else ("both",)
+    apart = os.environ.get(ENV_STEEP_APART, "0") == "1"
+    paths = PATHS_APART if apart else ("both",)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dg = torch.empty(gate.shape, dtype=torch.float32, device=q.device)
-    steep_list = torch.empty(1 + chunks.shape[0] * H, dtype=torch.int32, device=q.device)
-    steep_list[0] = 0  # (only the fast launch counts its entries)
+    # apart, the steep chunk-heads' count (the fast launch counts from zero) and list; else never read
+    steep_list = torch.empty(1 + chunks.shape[0] * H if apart else 1, dtype=torch.int32, device=q.device)
+    if apart:
+        steep_list[0] = 0
     for path in paths:
         fn = runtime.get_or_compile(
             ("gla_chunk_bwd", D, is_varlen, copies, path, arch),

@@ -196,8 +196,6 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
                 loads.consumer_release(loaded)
                 fill.advance()
                 loaded.advance()
-                if tidx == 0:
-                    sm.steep[0] = cutlass.Int32(0)
                 cute.arch.sync_threads()
         else:
             row, h, _ = cute.arch.block_idx()
