@@ -859,7 +859,7 @@ def test_the_key_gradient_kernels_host_gives_the_rows_gradients(monkeypatch, len
     monkeypatch.setattr(
         runtime,
         "get_or_compile",
-        lambda key, build: functools.partial(emulated_key_gradient_kernel, path=key[4], made=made),
+        lambda key, build: functools.partial(emulated_key_gradient_kernel, path=dict(key[5:])["path"], made=made),
     )
     torch.manual_seed(9)
     B, T = (1, sum(lengths)) if lengths else (2, 100)

@@ -20,7 +20,6 @@ import os
 
 import torch
 
-from cula import runtime
 from cula.ops.gates import GATE_FLOOR
 from cula.sm90 import entry, scalar_chunk_bwd
 from cula.sm90.delta_chunk_bwd import DeltaChunkBwdSm90
@@ -39,12 +38,7 @@ def delta_chunk_gradients_sm90(q, k, v, do, g, beta, S, dS, chunks, scale, is_va
     reads them (:class:`cula.ops.chunk_backward.ChunkRows`' ``kernel_rows``)."""
     B, T, H, D = q.shape
     HV = v.shape[2]
-    arch = runtime.device_arch(q.device)
-    copies = scalar_chunk_bwd.tile_copies(DeltaChunkBwdSm90.tile_copies_default)
-    key = ("delta_chunk_bwd", D, is_varlen, copies, arch)
-    fn = runtime.get_or_compile(
-        key, lambda: compile_delta_chunk_gradients_sm90(arch, head_dim=D, is_varlen=is_varlen, tile_copies=copies)
-    )
+    fn = scalar_chunk_bwd.compiled("delta_chunk_bwd", DeltaChunkBwdSm90, q.device, D, is_varlen)
     dq, dk, dv = (torch.empty(B, T, HV, D, dtype=torch.float32, device=q.device) for _ in range(3))
     dbeta, dg = (torch.empty(B, T, HV, dtype=torch.float32, device=q.device) for _ in range(2))
     fn(q, k, v, do, g, beta, S, dS, chunks, dq, dk, dv, dbeta, dg, float(scale))

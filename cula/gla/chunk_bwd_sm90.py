@@ -21,7 +21,6 @@ import os
 
 import torch
 
-from cula import runtime
 from cula.gla.chunk_fwd_sm90 import GLA_SM90
 from cula.sm90 import entry, scalar_chunk_bwd, walks
 from cula.sm90.key_chunk_bwd import PATHS_APART, KeyGateChunkBwdSm90
@@ -43,8 +42,6 @@ def key_chunk_gradients_sm90(q, k, v, do, gate, S, dS, chunks, scale, is_varlen)
     chunk rows as the kernel reads them. With ``CULA_GLA_STEEP_APART=1`` two launches (the fast path, then the steep
     chunk-heads it listed), else one."""
     D, H = q.shape[3], q.shape[2]
-    arch = runtime.device_arch(q.device)
-    copies = scalar_chunk_bwd.tile_copies(KeyGateChunkBwdSm90.tile_copies_default)
     apart = os.environ.get(ENV_STEEP_APART, "0") == "1"
     paths = PATHS_APART if apart else ("both",)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -54,12 +51,7 @@ def key_chunk_gradients_sm90(q, k, v, do, gate, S, dS, chunks, scale, is_varlen)
     if apart:
         steep_list[0] = 0
     for path in paths:
-        fn = runtime.get_or_compile(
-            ("gla_chunk_bwd", D, is_varlen, copies, path, arch),
-            lambda path=path: compile_key_chunk_gradients_sm90(
-                arch, head_dim=D, is_varlen=is_varlen, tile_copies=copies, path=path
-            ),
-        )
+        fn = scalar_chunk_bwd.compiled("gla_chunk_bwd", KeyGateChunkBwdSm90, q.device, D, is_varlen, path=path)
         fn(q, k, v, do, gate, S, dS, chunks, dq, dk, dv, dg, steep_list, float(scale))
     return dq, dk, dv, dg, None
 

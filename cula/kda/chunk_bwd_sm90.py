@@ -22,7 +22,6 @@ import os
 
 import torch
 
-from cula import runtime
 from cula.kda.chunk_fwd_sm90 import KDA_SM90
 from cula.ops import chunk_backward
 from cula.sm90 import entry, scalar_chunk_bwd, walks
@@ -44,12 +43,7 @@ def key_delta_chunk_gradients_sm90(q, k, v, do, g, beta, S, dS, chunks, scale, i
     HV = v.shape[2]
     assert v.shape[3] == D and D % SLAB == 0, (q.shape, v.shape)  # the slabs and checkpoint tiles take K = V
     slabs = D // SLAB
-    arch = runtime.device_arch(q.device)
-    copies = scalar_chunk_bwd.tile_copies(KeyDeltaChunkBwdSm90.tile_copies_default)
-    fn = runtime.get_or_compile(
-        ("kda_chunk_bwd", D, is_varlen, copies, arch),
-        lambda: compile_key_delta_chunk_gradients_sm90(arch, head_dim=D, is_varlen=is_varlen, tile_copies=copies),
-    )
+    fn = scalar_chunk_bwd.compiled("kda_chunk_bwd", KeyDeltaChunkBwdSm90, q.device, D, is_varlen)
     f32 = torch.float32
     dq, dk, dg = (torch.empty(slabs * B, T, HV, D, dtype=f32, device=q.device) for _ in range(3))
     dv = torch.empty(B, T, HV, D, dtype=f32, device=q.device)

@@ -122,6 +122,21 @@ def compile_gradients(
     return runtime.compile_kernel(kernel, args, arch, keep_artifacts)
 
 
+def compiled(name: str, kernel_class, device, head_dim: int, is_varlen: bool, **options):
+    """``kernel_class`` compiled for ``device``'s architecture with its tile copies (:func:`tile_copies`) and
+    ``options`` (its own constructor arguments) on first use, then cached under ``name`` and all of those."""
+    from cula import runtime
+
+    arch = runtime.device_arch(device)
+    copies = tile_copies(kernel_class.tile_copies_default)
+    return runtime.get_or_compile(
+        (name, head_dim, is_varlen, copies, arch, *sorted(options.items())),
+        lambda: compile_gradients(
+            kernel_class, arch, head_dim=head_dim, is_varlen=is_varlen, tile_copies=copies, **options
+        ),
+    )
+
+
 def gradients(name: str, kernel_class, q, k, v, do, gate, S, dS, chunks, scale, is_varlen) -> tuple:
     """Passes 3 and 4 by ``kernel_class`` (compiled once per head dim, layout and architecture, cached under
     ``name``): ``(dq, dk, dv in q's dtype, the gate's gradient fp32 in the gate's shape)``, as
@@ -129,15 +144,7 @@ def gradients(name: str, kernel_class, q, k, v, do, gate, S, dS, chunks, scale, 
     (:class:`cula.ops.chunk_backward.ChunkRows`' ``kernel_rows``). The gate is [B, T, H] or, per key, [B, T, H, D]."""
     import torch
 
-    from cula import runtime
-
-    B, T, H, D = q.shape
-    arch = runtime.device_arch(q.device)
-    copies = tile_copies(kernel_class.tile_copies_default)
-    fn = runtime.get_or_compile(
-        (name, D, is_varlen, copies, arch),
-        lambda: compile_gradients(kernel_class, arch, head_dim=D, is_varlen=is_varlen, tile_copies=copies),
-    )
+    fn = compiled(name, kernel_class, q.device, q.shape[3], is_varlen)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dgate = torch.empty(gate.shape, dtype=torch.float32, device=q.device)
     fn(q, k, v, do, gate, S, dS, chunks, dq, dk, dv, dgate, float(scale))
