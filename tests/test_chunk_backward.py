@@ -3,9 +3,6 @@ against the gradients of cuLA's fp64 reference backend (autograd through its rec
 per head within the bf16 tolerances, for scalar and per-key gates, with initial states and a gradient into the final
 state."""
 
-import functools
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -628,13 +625,12 @@ def test_the_kda_gradient_kernels_roundings_hold_the_bf16_tolerances(gates):
     assert_each_chunk_head_within_bf16_tolerances(got, want)
 
 
-def emulate_chunk_rows(chunks, inputs, outputs, S, dS, value_heads_per_head, gradients, takes=None):
+def emulate_chunk_rows(chunks, inputs, outputs, S, dS, value_heads_per_head, gradients):
     """A per-chunk gradient kernel's launch on a CPU: per chunk row (its first flattened token and valid tokens) and
     value head hv, ``gradients(*chunk inputs [1, C, ...], S^T row, dS'^T row)`` (the kernel's stages, emulated) on
     the row's tokens of ``inputs`` ([B, T, heads, ...]: q and k read at head hv // ``value_heads_per_head``, the rest
     at hv) padded with zeros, the gate (the last input) floored as the kernel loads it; its results' valid rows to
-    ``outputs`` per value head. ``takes(row, hv, padded gate)`` (optional): whether this launch makes that chunk-head
-    (the others' outputs are left as they are)."""
+    ``outputs`` per value head."""
     C = chunk_backward.CHUNK
     B, T, HV = inputs[2].shape[:3]
     flat = [x.reshape(B * T, *x.shape[2:]).float() for x in inputs]
@@ -649,8 +645,6 @@ def emulate_chunk_rows(chunks, inputs, outputs, S, dS, value_heads_per_head, gra
                 padded.append(chunk[None])
             inside = (torch.arange(C) < valid).view(1, C, *([1] * (padded[-1].dim() - 2)))
             padded[-1] = torch.where(inside, padded[-1].clamp_min(chunk_emulation.GATE_FLOOR), 0.0)
-            if takes is not None and not takes(row, hv, padded[-1]):
-                continue
             grads = gradients(*padded, *(x[row, hv].float().T[None] for x in (S, dS)))
             for out, grad in zip(outs, grads, strict=True):
                 out[tokens, hv] = grad[0, :valid].to(out.dtype)
@@ -801,41 +795,15 @@ def test_the_key_gradient_kernels_roundings_hold_the_bf16_tolerances(monkeypatch
             assert rel_rmse(a[n], b[n]) <= tol, (name, n, rel_rmse(a[n], b[n]))
 
 
-def key_chunk_is_steep(gate_chunk) -> bool:
-    """The key gradient kernel's steep test on one chunk's floored gate [1, C, D] (zero past its end): some key
-    channel's G_0 - G_r or G_r - G_L (log2, r = C / 2) above its SAFE_SPAN."""
-    from cula.sm90 import key_chunk_bwd
-
-    G = (gate_chunk[0].double() * math.log2(math.e)).cumsum(0)
-    r = G.shape[0] // 2
-    return bool(torch.maximum(G[0] - G[r], G[r] - G[-1]).max() > key_chunk_bwd.SAFE_SPAN)
-
-
-def emulated_key_gradient_kernel(
-    q, k, v, do, g, S, dS, chunks, dq, dk, dv, dg, steep_list, scale, operand=lambda t: t, path="both", made=None
-):  # fmt: skip
+def emulated_key_gradient_kernel(q, k, v, do, g, S, dS, chunks, dq, dk, dv, dg, scale, operand=lambda t: t):
     """cula.sm90.key_chunk_bwd's launch on a CPU (:func:`emulate_chunk_rows` with cula.ops.chunk_emulation.
     key_chunk_gradients, exact operands unless ``operand`` rounds), gates below the floor taking no gradient as the
-    kernel's scan gives them. ``path`` as the kernel's: "fast" makes the chunk-heads that are not steep and appends
-    the others to ``steep_list`` (its count first), "steep" makes the listed ones. ``made``: a list that gets (path,
-    row, hv) per chunk-head made."""
-    heads = q.shape[2]
-    listed = {int(x) for x in steep_list[1 : 1 + steep_list[0]]} if path == "steep" else set()
+    kernel's scan gives them."""
 
     def kernel(qc, kc, vc, doc, gc, S_row, dS_row):
         return chunk_emulation.key_chunk_gradients(qc, kc, vc, doc, gc, S_row, dS_row, scale, operand=operand)
 
-    def takes(row, hv, gate_chunk):
-        if path == "fast" and key_chunk_is_steep(gate_chunk):
-            steep_list[1 + steep_list[0]] = row * heads + hv
-            steep_list[0] += 1
-            return False
-        take = path != "steep" or row * heads + hv in listed
-        if take and made is not None:
-            made.append((path, row, hv))
-        return take
-
-    emulate_chunk_rows(chunks, (q, k, v, do, g), (dq, dk, dv, dg), S, dS, 1, kernel, takes)
+    emulate_chunk_rows(chunks, (q, k, v, do, g), (dq, dk, dv, dg), S, dS, 1, kernel)
     dg.masked_fill_(g < chunk_emulation.GATE_FLOOR, 0.0)
 
 
@@ -844,23 +812,15 @@ def rounding_key_gradient_kernel(*args):
     emulated_key_gradient_kernel(*args, operand=bf16)
 
 
-@pytest.mark.parametrize("apart", [False, True], ids=["one launch", "steep apart"])
 @pytest.mark.parametrize("lengths", [[0, 1, 130, 64, 77], None], ids=["varlen", "fixed"])
-def test_the_key_gradient_kernels_host_gives_the_rows_gradients(monkeypatch, lengths, apart):
+def test_the_key_gradient_kernels_host_gives_the_rows_gradients(monkeypatch, lengths):
     """GLA's per-chunk gradients by the kernel's host (cula.gla.chunk_bwd_sm90.key_chunk_gradients_sm90: the chunk
-    rows' first tokens and lengths, gates below the floor taking no gradient), its launches emulated on the CPU, equal
-    the PyTorch passes (rows_backward) on the same checkpoints; with the steep chunk-heads apart, the fast launch
-    makes every chunk-head but the steep one, which the steep launch makes."""
+    rows' first tokens and lengths, gates below the floor taking no gradient), its launch emulated on the CPU, equal
+    the PyTorch passes (rows_backward) on the same checkpoints."""
     from cula.gla import chunk_bwd_sm90
 
-    made = []
-    monkeypatch.setenv(chunk_bwd_sm90.ENV_STEEP_APART, "1" if apart else "0")
     monkeypatch.setattr(runtime, "device_arch", lambda device: "sm_90a")
-    monkeypatch.setattr(
-        runtime,
-        "get_or_compile",
-        lambda key, build: functools.partial(emulated_key_gradient_kernel, path=dict(key[5:])["path"], made=made),
-    )
+    monkeypatch.setattr(runtime, "get_or_compile", lambda key, build: emulated_key_gradient_kernel)
     torch.manual_seed(9)
     B, T = (1, sum(lengths)) if lengths else (2, 100)
     H, D = 2, 16
@@ -878,14 +838,6 @@ def test_the_key_gradient_kernels_host_gives_the_rows_gradients(monkeypatch, len
     for name, a, b in zip(("dq", "dk", "dv", "dg"), got[:4], want[:4], strict=True):
         assert rel_rmse(a, b) <= 1e-5, (name, rel_rmse(a, b))
     assert got[3][0, 3, 1].eq(0).all()
-    assert sorted({path for path, _, _ in made}) == (["fast", "steep"] if apart else ["both"])
-    # every chunk-head made once (empty rows included, as the emulation walks them); apart, the steep chunk (the row of flattened tokens 40..59, head 0) by the steep
-    # launch (the gate below the floor makes its chunk-head steep as well)
-    made_once = sorted((row, hv) for _, row, hv in made)
-    assert made_once == [(row, hv) for row in range(chunks.shape[0]) for hv in range(H)]
-    if apart:
-        steep_row = next(row for row, (first, valid) in enumerate(chunks.tolist()) if first <= 40 < 60 <= first + valid)
-        assert ("steep", steep_row, 0) in made
 
 
 def test_the_forward_walk_runs_beside_the_reverse_one(monkeypatch):

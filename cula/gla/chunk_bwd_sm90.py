@@ -23,13 +23,10 @@ import torch
 
 from cula.gla.chunk_fwd_sm90 import GLA_SM90
 from cula.sm90 import entry, scalar_chunk_bwd, walks
-from cula.sm90.key_chunk_bwd import PATHS_APART, KeyGateChunkBwdSm90
+from cula.sm90.key_chunk_bwd import KeyGateChunkBwdSm90
 
 # "0": passes 3 and 4 by PyTorch products instead of the kernel
 ENV_GRADIENT_KERNEL = "CULA_KEY_GRADIENT_KERNEL"
-# "1": the kernel's steep chunk-heads in a launch of their own, after a launch whose code has no steep path (opt-in
-# until its GPU tests and A/B have run)
-ENV_STEEP_APART = "CULA_GLA_STEEP_APART"
 
 
 # the kernel of passes 3 and 4, compiled on any machine: (arch, *, head_dim, is_varlen, tile_copies, keep_artifacts)
@@ -37,23 +34,12 @@ compile_key_chunk_gradients_sm90 = functools.partial(scalar_chunk_bwd.compile_gr
 
 
 def key_chunk_gradients_sm90(q, k, v, do, gate, S, dS, chunks, scale, is_varlen):
-    """Passes 3 and 4 by the kernel (compiled once per head dim, layout, path and architecture): ``(dq, dk, dv in q's
-    dtype, dg fp32 [B, T, H, D], None)``, as :func:`cula.ops.chunk_backward.rows_backward` gives them; ``chunks`` the
-    chunk rows as the kernel reads them. With ``CULA_GLA_STEEP_APART=1`` two launches (the fast path, then the steep
-    chunk-heads it listed), else one."""
-    D, H = q.shape[3], q.shape[2]
-    apart = os.environ.get(ENV_STEEP_APART, "0") == "1"
-    paths = PATHS_APART if apart else ("both",)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    dg = torch.empty(gate.shape, dtype=torch.float32, device=q.device)
-    # apart, the steep chunk-heads' count (the fast launch counts from zero) and list; else never read
-    steep_list = torch.empty(1 + chunks.shape[0] * H if apart else 1, dtype=torch.int32, device=q.device)
-    if apart:
-        steep_list[0] = 0
-    for path in paths:
-        fn = scalar_chunk_bwd.compiled("gla_chunk_bwd", KeyGateChunkBwdSm90, q.device, D, is_varlen, path=path)
-        fn(q, k, v, do, gate, S, dS, chunks, dq, dk, dv, dg, steep_list, float(scale))
-    return dq, dk, dv, dg, None
+    """Passes 3 and 4 by the kernel (:func:`cula.sm90.scalar_chunk_bwd.gradients`): ``(dq, dk, dv in q's dtype, dg
+    fp32 [B, T, H, D], None)``, as :func:`cula.ops.chunk_backward.rows_backward` gives them."""
+    grads = scalar_chunk_bwd.gradients(
+        "gla_chunk_bwd", KeyGateChunkBwdSm90, q, k, v, do, gate, S, dS, chunks, scale, is_varlen
+    )
+    return *grads, None
 
 
 def chunk_gla_bwd_sm90(q, k, v, g, do, scale, initial_state, dht, cu_seqlens, cu_seqlens_cpu, state_v_first):
@@ -92,10 +78,4 @@ entry.register_checked(
 )
 entry.register_checked(
     "gla_chunk_bwd_sm90", compile_key_chunk_gradients_sm90, {"[element by element]": {"is_varlen": True}}
-)
-entry.register_checked(
-    "gla_chunk_bwd_sm90",
-    compile_key_chunk_gradients_sm90,
-    {f"[{path} path]": {"is_varlen": True, "path": path, **_TILE_COPIES} for path in PATHS_APART},
-    expected_ptx=(*entry.SM90_PTX, "ldmatrix"),
 )

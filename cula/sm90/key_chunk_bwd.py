@@ -38,15 +38,12 @@ import cutlass.cute as cute
 
 from cula.ops.gates import GATE_FLOOR
 from cula.sm90 import mma, pipeline, tiles
-from cula.sm90.scalar_chunk_bwd import Params, ScalarGateChunkBwdSm90, Tensors, fake_args
+from cula.sm90.scalar_chunk_bwd import Params, ScalarGateChunkBwdSm90, Tensors
 
 WARPGROUPS = 3  # dq, dk, dv
 SAFE_SPAN = 108.0  # log2: as the forward's two-reference operands (cula.gla.chunk_fwd_sm90.SAFE_SPAN)
 GATE_BATCH = 32  # raw gates loaded at once by gate_gradient: 64 spill at D = 128
 _LOG2E = math.log2(math.e)
-PATHS = ("both", "fast", "steep")  # KeyGateChunkBwdSm90's launches
-PATHS_APART = ("fast", "steep")
-STEEP_CTAS = 132  # the steep launch's CTAs at most: a wave of an H100 or H200 (more CTAs than SMs queue)
 ROW = "row"  # an exponent's term: the accumulator element's own row (KeyGateChunkBwdSm90.exponent)
 
 
@@ -101,44 +98,24 @@ def _difference(plus, minus, x):
     return plus[0, x] - minus[0, x]
 
 
-class KeyGateParams(NamedTuple):
-    # [1 + rows H] int32: how many chunk-heads the fast launch left to the steep one (zeroed before it), then which
-    # (row H + head each)
-    steep_list: cute.Tensor
-
-
 class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
-    """The kernel (module docstring); the token and score helpers are the scalar-gate kernel's. ``path``: "both"
-    (each chunk by the path it needs, in one launch), or the two launches of :data:`PATHS_APART`: "fast" (one CTA per
-    chunk-head; a steep chunk-head is only listed) and then "steep" (up to :data:`STEEP_CTAS` CTAs walk the listed
-    chunk-heads). Apart, the fast launch's code holds no steep path."""
+    """The kernel (module docstring); the token and score helpers are the scalar-gate kernel's."""
 
     per_key_gate = True
     tile_copies_default = True  # ENV_TILE_COPIES unset: the smaller code (GPU-tested; 1.34 against 1.87 ms, PERF.md)
 
-    @classmethod
-    def fake_args(cls, head_dim: int) -> tuple:
-        from cula import runtime
-
-        *args, scale, stream = fake_args(head_dim, cls.per_key_gate)
-        steep_list = runtime.fake_tensor(cutlass.Int32, (runtime.sym_int(),), align=4)
-        return (*args, steep_list, scale, stream)
-
-    def __init__(self, head_dim: int, is_varlen: bool, tile_copies: bool = False, path: str = "both"):
-        assert path in PATHS, path
+    def __init__(self, head_dim: int, is_varlen: bool, tile_copies: bool = False):
         super().__init__(head_dim, is_varlen, tile_copies)
         self.threads = 128 * WARPGROUPS
-        self.path = path
 
     # ---------------------------------------------------------------- host side
     @cute.jit
-    def __call__(self, q, k, v, do, g, states, state_grads, chunks, dq, dk, dv, dg, steep_list, scale, stream):
+    def __call__(self, q, k, v, do, g, states, state_grads, chunks, dq, dk, dv, dg, scale, stream):
         C, D = self.C, self.D
         f32 = cutlass.Float32
         t = Tensors(q, k, v, do, g, states, state_grads, chunks, dq, dk, dv, dg)
         loads, tile_tok, tile_tok_mn, tile_state, tile_state_mn = self.chunk_loads(q, k, v, do, states, state_grads)
-        own = KeyGateParams(steep_list)
-        p = Params(loads, t, scale, tile_tok, tile_tok_mn, tile_state, tile_state_mn, own)
+        p = Params(loads, t, scale, tile_tok, tile_tok_mn, tile_state, tile_state_mn)
         tok = cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(tile_tok)], 1024]
         fields = {
             **self.shared_fields(tile_tok, tile_state, ("sQ", "sK", "sV", "sDO"), 1),
@@ -151,15 +128,14 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
             "sColState": cute.struct.MemRange[f32, D],
             "sSteep": cute.struct.MemRange[cutlass.Int32, 4],
         }
-        if cutlass.const_expr(self.path == "steep"):
-            self.launch_with(p, fields, STEEP_CTAS, 1, stream)
-        else:
-            self.launch_with(p, fields, chunks.shape[0], q.shape[2], stream)
+        self.launch_with(p, fields, chunks.shape[0], q.shape[2], stream)
 
     # ---------------------------------------------------------------- device side
     @cute.kernel
     def kernel(self, p: Params):
         C, D = self.C, self.D
+        t = p.t
+        tidx, row, h, warp, _, valid, b, t0 = self.coordinates(t)
         f32 = cutlass.Float32
 
         st = cutlass.memory.SmemAllocator().allocate(self.storage)
@@ -176,81 +152,33 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
             fp32_over(st.sV, C * D), st.sColWarps.get_tensor(cute.make_layout((4, D), stride=(D, 1))),
             st.sColState.get_tensor(cute.make_layout(D)), st.sSteep.get_tensor(cute.make_layout(4)),
         )  # fmt: skip
-        tidx, _, _ = cute.arch.thread_idx()
         loads = pipeline.tma_ring(st.ring, 1, 4 * C * D * 2 + 2 * D * D * 2, 4 * WARPGROUPS)
         if tidx == 0:
             sm.steep[0] = cutlass.Int32(0)
         pipeline.rings_made()
-        fill, loaded = pipeline.producer_start(1), pipeline.consumer_start(1)
-        if cutlass.const_expr(self.path == "steep"):
-            # the chunk-heads the fast launch listed, every CTA a share of them in turn
-            cta, _, _ = cute.arch.block_idx()
-            ctas, _, _ = cute.arch.grid_dim()
-            heads = p.t.q.shape[2]
-            for i in cutlass.range(cta, p.own.steep_list[0], ctas, unroll=1):
-                listed = p.own.steep_list[1 + i]
-                self.chunk(p, st, sm, loads, fill, loaded, listed // heads, listed % heads)
-                # the chunk's generic writes ordered before the next chunk's TMA writes to the same bytes, and the
-                # stage released for them by every warp
-                cute.arch.fence_proxy("async.shared", space="cta")
-                loads.consumer_release(loaded)
-                fill.advance()
-                loaded.advance()
-                cute.arch.sync_threads()
-        else:
-            row, h, _ = cute.arch.block_idx()
-            self.chunk(p, st, sm, loads, fill, loaded, row, h)
 
-    @cute.jit
-    def chunk(self, p: Params, st, sm: Smem, loads, fill, loaded, row, h):
-        """Chunk row ``row`` of head ``h``: its loads into the stage at ring positions ``fill`` / ``loaded``, then its
-        gradients by :attr:`path` (the fast path leaves a steep chunk to the steep launch, and lists it)."""
-        D = self.D
-        t = p.t
-        tidx, _, _ = cute.arch.thread_idx()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        valid, b, t0 = self.chunk_tokens(t, row)
-        sQ, sK, sV, sDO, sS, sDS = self.loaded_tiles(st, p)
         if valid > 0:
             if warp == 0:
-                self.issue_loads(p, loads, sQ, sK, sV, sDO, sS, sDS, b, t0, h, h, row, fill=fill)
+                self.issue_loads(p, loads, sQ, sK, sV, sDO, sS, sDS, b, t0, h, h, row)
             if tidx < D:
                 self.scan_gates(t, sm, valid, tidx, b, t0, h)
-            self.await_tokens(loads, (sQ, sK, sV, sDO), valid, tidx, loaded)
+            self.await_tokens(loads, (sQ, sK, sV, sDO), valid, tidx)
             cute.arch.sync_threads()  # the gates, the steep flag and the zeroed rows
             steep = sm.steep[0]
-            if cutlass.const_expr(self.path == "both"):
-                self.gradients(p, sm, steep, valid, b, t0, h)
-            elif cutlass.const_expr(self.path == "steep"):
-                self.gradients(p, sm, 1, valid, b, t0, h)
+            self.gated_tiles(sm, steep, tidx)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_threads()
+            wg = warp // 4
+            wtid = tidx % 128
+            if wg == 0:
+                self.make_dq(p, sm, steep, valid, wtid, b, t0, h)
+            elif wg == 1:
+                self.make_dk(p, sm, steep, valid, wtid, warp % 4, b, t0, h)
             else:
-                if steep == 0:
-                    self.gradients(p, sm, 0, valid, b, t0, h)
-                elif tidx == 0:
-                    slot = cute.arch.atomic_add(p.own.steep_list.iterator, cutlass.Int32(1))
-                    p.own.steep_list[1 + slot] = row * t.q.shape[2] + h
-
-    @cute.jit
-    def gradients(self, p: Params, sm: Smem, steep, valid, b, t0, h):
-        """The chunk's dq, dk, dv and dg once its tiles and gates are in shared memory; ``steep`` the chunk's steep
-        flag, or a constant 0 / 1 where the path is fixed at compile time (the other path's code is then left out)."""
-        D = self.D
-        tidx, _, _ = cute.arch.thread_idx()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        self.gated_tiles(sm, steep, tidx)
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.sync_threads()
-        wg = warp // 4
-        wtid = tidx % 128
-        if wg == 0:
-            self.make_dq(p, sm, steep, valid, wtid, b, t0, h)
-        elif wg == 1:
-            self.make_dk(p, sm, steep, valid, wtid, warp % 4, b, t0, h)
-        else:
-            self.make_dv(p, sm, steep, valid, wtid, b, t0, h)
-        cute.arch.sync_threads()  # q * dq and k * dk in shared memory
-        if tidx < D:
-            self.gate_gradient(p.t, sm, valid, tidx, b, t0, h)
+                self.make_dv(p, sm, steep, valid, wtid, b, t0, h)
+            cute.arch.sync_threads()  # q * dq and k * dk in shared memory
+            if tidx < D:
+                self.gate_gradient(t, sm, valid, tidx, b, t0, h)
 
     @cute.jit
     def scan_gates(self, t, sm, valid, key, b, t0, h):

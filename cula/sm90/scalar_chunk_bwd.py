@@ -110,30 +110,27 @@ def tile_copies(default: bool = False) -> bool:
 
 
 def compile_gradients(
-    kernel_class, arch="sm_90a", *, head_dim=128, is_varlen=False, tile_copies=False, keep_artifacts=False, **options
+    kernel_class, arch="sm_90a", *, head_dim=128, is_varlen=False, tile_copies=False, keep_artifacts=False
 ):  # fmt: skip
     """``kernel_class`` (one of the per-chunk gradient kernels) compiled on any machine for ``arch``
-    (``tile_copies``: :data:`ENV_TILE_COPIES`; ``options``: the class's own constructor arguments); bound to its
-    class, a variant's compile function for the compile check."""
+    (``tile_copies``: :data:`ENV_TILE_COPIES`); bound to its class, a variant's compile function for the compile
+    check."""
     from cula import runtime
 
     args = kernel_class.fake_args(head_dim)
-    kernel = kernel_class(head_dim, is_varlen, tile_copies, **options)
-    return runtime.compile_kernel(kernel, args, arch, keep_artifacts)
+    return runtime.compile_kernel(kernel_class(head_dim, is_varlen, tile_copies), args, arch, keep_artifacts)
 
 
-def compiled(name: str, kernel_class, device, head_dim: int, is_varlen: bool, **options):
-    """``kernel_class`` compiled for ``device``'s architecture with its tile copies (:func:`tile_copies`) and
-    ``options`` (its own constructor arguments) on first use, then cached under ``name`` and all of those."""
+def compiled(name: str, kernel_class, device, head_dim: int, is_varlen: bool):
+    """``kernel_class`` compiled for ``device``'s architecture with its tile copies (:func:`tile_copies`) on first
+    use, then cached under ``name`` and those."""
     from cula import runtime
 
     arch = runtime.device_arch(device)
     copies = tile_copies(kernel_class.tile_copies_default)
     return runtime.get_or_compile(
-        (name, head_dim, is_varlen, copies, arch, *sorted(options.items())),
-        lambda: compile_gradients(
-            kernel_class, arch, head_dim=head_dim, is_varlen=is_varlen, tile_copies=copies, **options
-        ),
+        (name, head_dim, is_varlen, copies, arch),
+        lambda: compile_gradients(kernel_class, arch, head_dim=head_dim, is_varlen=is_varlen, tile_copies=copies),
     )
 
 
@@ -253,14 +250,9 @@ class ScalarGateChunkBwdSm90:
         row, head, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
-        return tidx, row, head, warp, lane, *self.chunk_tokens(t, row)
-
-    @cute.jit
-    def chunk_tokens(self, t, row):
-        """Chunk row ``row``'s valid tokens and its first token as (batch row b, token t0): ``(valid, b, t0)``."""
         first, valid = t.chunks[row, 0], t.chunks[row, 1]
         T = t.q.shape[1]
-        return valid, first // T, first % T
+        return tidx, row, head, warp, lane, valid, first // T, first % T
 
     @cute.kernel
     def kernel(self, p: Params):
@@ -300,12 +292,10 @@ class ScalarGateChunkBwdSm90:
                 self.gate_gradient(t, sG, sRows, sWarps, valid, lane, b, t0, h)
 
     @cute.jit
-    def await_tokens(self, loads, token_tiles, valid, tidx, loaded=None):
-        """Every thread: waits for the chunk's loads (at ring position ``loaded``; None: the first); in a varlen call,
-        zeroes the rows of the ``token_tiles`` past the chunk's end (the next sequence's tokens) before any product
-        reads them. The caller synchronises."""
-        if cutlass.const_expr(loaded is None):
-            loaded = pipeline.consumer_start(1)
+    def await_tokens(self, loads, token_tiles, valid, tidx):
+        """Every thread: waits for the chunk's loads; in a varlen call, zeroes the rows of the ``token_tiles`` past
+        the chunk's end (the next sequence's tokens) before any product reads them. The caller synchronises."""
+        loaded = pipeline.consumer_start(1)
         loads.consumer_wait(loaded)
         if cutlass.const_expr(self.is_varlen):
             if valid < self.C:
@@ -314,13 +304,12 @@ class ScalarGateChunkBwdSm90:
                 cute.arch.fence_proxy("async.shared", space="cta")
 
     @cute.jit
-    def issue_loads(self, p, loads, sQ, sK, sV, sDO, sS, sDS, b, t0, h, hv, row, slab=0, fill=None):
+    def issue_loads(self, p, loads, sQ, sK, sV, sDO, sS, sDS, b, t0, h, hv, row, slab=0):
         """Warp 0: q and k of head h, v and dO of value head hv (token t0 of batch row b), and the chunk row's two
-        checkpoints, on one mbarrier (at ring position ``fill``; None: the first); with tiles of a slab of value
-        columns (:meth:`chunk_loads`), slab ``slab``'s columns of v and dO and rows of the checkpoints."""
+        checkpoints, on one mbarrier; with tiles of a slab of value columns (:meth:`chunk_loads`), slab ``slab``'s
+        columns of v and dO and rows of the checkpoints."""
         L = p.loads
-        if cutlass.const_expr(fill is None):
-            fill = pipeline.producer_start(1)
+        fill = pipeline.producer_start(1)
         loads.producer_acquire(fill)
         bar = loads.producer_get_barrier(fill)
         for (tma, view), smem_tile, head, column_tile in zip(
