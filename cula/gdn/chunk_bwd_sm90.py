@@ -67,17 +67,14 @@ def chunk_gdn_bwd_sm90(q, k, v, g, beta, do, scale, initial_state, dht, cu_seqle
     )
 
 
-_TILE_COPIES = {"tile_copies": True}  # the kernel's default (DeltaChunkBwdSm90.tile_copies_default)
 entry.register_checked(
     "gdn_chunk_bwd_sm90",
     compile_delta_chunk_gradients_sm90,
-    {
-        "": {"is_varlen": True, **_TILE_COPIES},
-        "[fixed length]": _TILE_COPIES,
-        "[D=64]": {"head_dim": 64, "is_varlen": True, **_TILE_COPIES},
-    },
+    {"": {"is_varlen": True}, "[fixed length]": {}, "[D=64]": {"head_dim": 64, "is_varlen": True}},
     expected_ptx=(*entry.SM90_PTX, "ldmatrix", "stmatrix"),
 )
 entry.register_checked(
-    "gdn_chunk_bwd_sm90", compile_delta_chunk_gradients_sm90, {"[element by element]": {"is_varlen": True}}
+    "gdn_chunk_bwd_sm90",
+    compile_delta_chunk_gradients_sm90,
+    {"[element by element]": {"is_varlen": True, "tile_copies": False}},
 )

@@ -63,19 +63,16 @@ def chunk_gla_bwd_sm90(q, k, v, g, do, scale, initial_state, dht, cu_seqlens, cu
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg, dh0
 
 
-_TILE_COPIES = {"tile_copies": True}  # the kernel's default (KeyGateChunkBwdSm90.tile_copies_default)
 entry.register_checked(
     "gla_chunk_bwd_sm90",
     compile_key_chunk_gradients_sm90,
-    {
-        "": {"is_varlen": True, **_TILE_COPIES},
-        "[fixed length]": _TILE_COPIES,
-        "[D=64]": {"head_dim": 64, "is_varlen": True, **_TILE_COPIES},
-    },
+    {"": {"is_varlen": True}, "[fixed length]": {}, "[D=64]": {"head_dim": 64, "is_varlen": True}},
     expected_ptx=(*entry.SM90_PTX, "ldmatrix"),
     # measured: the steep path's hoisted shared addresses, stored once and reloaded once, outside any loop
     sass_allowed={"": (24, 0), "[fixed length]": (24, 0)},
 )
 entry.register_checked(
-    "gla_chunk_bwd_sm90", compile_key_chunk_gradients_sm90, {"[element by element]": {"is_varlen": True}}
+    "gla_chunk_bwd_sm90",
+    compile_key_chunk_gradients_sm90,
+    {"[element by element]": {"is_varlen": True, "tile_copies": False}},
 )

@@ -67,10 +67,10 @@ entry.register_checked(
     "simple_gla_chunk_bwd_sm90",
     compile_chunk_gradients_sm90,
     {"": {"is_varlen": True}, "[fixed length]": {}, "[D=64]": {"head_dim": 64, "is_varlen": True}},
+    expected_ptx=(*entry.SM90_PTX, "ldmatrix"),
 )
 entry.register_checked(
     "simple_gla_chunk_bwd_sm90",
     compile_chunk_gradients_sm90,
-    {"[tile copies]": {"is_varlen": True, "tile_copies": True}},
-    expected_ptx=(*entry.SM90_PTX, "ldmatrix"),
+    {"[element by element]": {"is_varlen": True, "tile_copies": False}},
 )

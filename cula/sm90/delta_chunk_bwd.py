@@ -109,14 +109,12 @@ class Smem(NamedTuple):
 class DeltaChunkBwdSm90(ScalarGateChunkBwdSm90):
     """The kernel (module docstring); the token and score helpers are the scalar-gate kernel's."""
 
-    tile_copies_default = True  # GPU-tested; 1.50 against 3.47 ms (PERF.md)
-
     @classmethod
     def fake_args(cls, head_dim: int) -> tuple:
         """The kernel's arguments as fake tensors, for a compile on any machine (:func:`fake_args`)."""
         return fake_args(head_dim, cls.per_key_gate)
 
-    def __init__(self, head_dim: int, is_varlen: bool, tile_copies: bool = False):
+    def __init__(self, head_dim: int, is_varlen: bool, tile_copies: bool = True):
         super().__init__(head_dim, is_varlen, tile_copies)
         self.threads = 128 * WARPGROUPS
 

@@ -102,9 +102,8 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
     """The kernel (module docstring); the token and score helpers are the scalar-gate kernel's."""
 
     per_key_gate = True
-    tile_copies_default = True  # ENV_TILE_COPIES unset: the smaller code (GPU-tested; 1.34 against 1.87 ms, PERF.md)
 
-    def __init__(self, head_dim: int, is_varlen: bool, tile_copies: bool = False):
+    def __init__(self, head_dim: int, is_varlen: bool, tile_copies: bool = True):
         super().__init__(head_dim, is_varlen, tile_copies)
         self.threads = 128 * WARPGROUPS
 

@@ -128,9 +128,8 @@ class KeyDeltaChunkBwdSm90(DeltaChunkBwdSm90):
     """The kernel (module docstring); the token, score and solve helpers are the delta kernel's."""
 
     per_key_gate = True
-    tile_copies_default = False  # its smaller code passed the GPU tests, not yet timed
 
-    def __init__(self, head_dim: int, is_varlen: bool, tile_copies: bool = False):
+    def __init__(self, head_dim: int, is_varlen: bool, tile_copies: bool = True):
         super().__init__(head_dim, is_varlen, tile_copies)
         self.slabs = head_dim // SLAB
         self.key_blocks = head_dim // KEY_BLOCK

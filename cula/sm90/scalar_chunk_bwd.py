@@ -34,11 +34,10 @@ from cula.sm90 import mma, pipeline, scalar_gates, tiles
 
 CHUNK = 64
 WARPGROUPS = 3  # dq, dk, dv
-# the gradient kernels' smaller code ("1"), or the element-by-element one ("0"); unset, each kernel's default
-# (``tile_copies_default``: GDN's and GLA's the smaller, the others' the element-by-element until the smaller has
-# passed their GPU tests and A/B). The smaller: their bf16 tiles to and from accumulator layouts by ldmatrix /
-# stmatrix (KDA's kernel reads its key blocks of q, k and R this way too), and GLA's gate factors by column pairs of
-# 64-bit loads and its gate gradient's row batches as a loop
+# "0": the gradient kernels' element-by-element code instead of their smaller code (the default: their bf16 tiles to
+# and from accumulator layouts by ldmatrix / stmatrix, KDA's key blocks of q, k and R read this way too, and GLA's
+# gate factors by column pairs of 64-bit loads and its gate gradient's row batches as a loop; 1.1-2.3x faster on an
+# H100, PERF.md)
 ENV_TILE_COPIES = "CULA_GRADIENT_TILE_COPIES"
 
 
@@ -103,14 +102,14 @@ def fake_args(head_dim: int, per_key_gate: bool) -> tuple:
     return (*tokens, gates[0], *checkpoints, chunks, *grads, gates[1], f32(1.0), runtime.fake_stream())
 
 
-def tile_copies(default: bool = False) -> bool:
-    """Whether a gradient kernel whose own choice is ``default`` is compiled with tile copies (:data:`ENV_TILE_COPIES`,
-    read per call: part of each kernel's cache key)."""
-    return os.environ.get(ENV_TILE_COPIES, "1" if default else "0") == "1"
+def tile_copies() -> bool:
+    """Whether the gradient kernels are compiled with tile copies (:data:`ENV_TILE_COPIES`, read per call: part of
+    each kernel's cache key)."""
+    return os.environ.get(ENV_TILE_COPIES, "1") != "0"
 
 
 def compile_gradients(
-    kernel_class, arch="sm_90a", *, head_dim=128, is_varlen=False, tile_copies=False, keep_artifacts=False
+    kernel_class, arch="sm_90a", *, head_dim=128, is_varlen=False, tile_copies=True, keep_artifacts=False
 ):  # fmt: skip
     """``kernel_class`` (one of the per-chunk gradient kernels) compiled on any machine for ``arch``
     (``tile_copies``: :data:`ENV_TILE_COPIES`); bound to its class, a variant's compile function for the compile
@@ -127,7 +126,7 @@ def compiled(name: str, kernel_class, device, head_dim: int, is_varlen: bool):
     from cula import runtime
 
     arch = runtime.device_arch(device)
-    copies = tile_copies(kernel_class.tile_copies_default)
+    copies = tile_copies()
     return runtime.get_or_compile(
         (name, head_dim, is_varlen, copies, arch),
         lambda: compile_gradients(kernel_class, arch, head_dim=head_dim, is_varlen=is_varlen, tile_copies=copies),
@@ -152,14 +151,13 @@ class ScalarGateChunkBwdSm90:
     """The kernel (module docstring)."""
 
     per_key_gate = False  # g and dg [B, T, H]; the per-key kernels' carry a key mode
-    tile_copies_default = False  # ENV_TILE_COPIES unset: element by element (its GPU A/B not yet run)
 
     @classmethod
     def fake_args(cls, head_dim: int) -> tuple:
         """The kernel's arguments as fake tensors, for a compile on any machine (:func:`fake_args`)."""
         return fake_args(head_dim, cls.per_key_gate)
 
-    def __init__(self, head_dim: int, is_varlen: bool, tile_copies: bool = False):
+    def __init__(self, head_dim: int, is_varlen: bool, tile_copies: bool = True):
         assert head_dim in (64, 128), head_dim
         self.D = head_dim
         self.C = CHUNK
