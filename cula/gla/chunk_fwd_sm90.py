@@ -81,9 +81,10 @@ class ValueChainGates(kda.KeyChainGates):
 
 
 class GLAChunkFwdSm90(kda.KDAChunkFwdSm90):
-    """GLA on KDA's kernel (module docstring); ``config.delta_rule`` is False, the split passes uncached. In the
-    backward's state walks the prep role builds R as ever and the intra step, making no P, releases it and the
-    q | k | g stage (as in the later split passes)."""
+    """GLA on KDA's kernel (module docstring); ``config.delta_rule`` is False, the split passes uncached. The prep
+    role makes no K 2^G (no pass reads it without the delta rule), and R only where the scores are made; elsewhere
+    (the later split passes, the backward's state walks) the intra step, making no P, still takes the R and
+    q | k | g stages and releases them, so that the rings keep one protocol."""
 
     split_values = False
     gate_floor = GATE_FLOOR
@@ -92,6 +93,8 @@ class GLAChunkFwdSm90(kda.KDAChunkFwdSm90):
         assert not config.delta_rule and config.intra == "none", config
         super().__init__(config, gate_in_kernel=False)
         self.makes_scores = config.mode == "full" and config.walk == "output"
+        # R only for the scores (the steep chunks' direct scores read q and k as loaded)
+        self.makes_r = self.makes_scores
 
     # ---------------------------------------------------------------- host side
     def gate_host(self, t, gate_args, tile_qk, tile_v):

@@ -209,6 +209,10 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
         self.makes_p = config.walk != "states"
         # Q 2^G: for the output's S^T Q~^T, or the state-gradient walk's update (no pass without output reads it else)
         self.makes_q_tile = config.make_o or self.reverse_delta
+        # K 2^G: for the delta rule's S^T K~^T, or the state-gradient walk's update with it
+        self.makes_k_tile = config.delta_rule
+        # R: for the intra step's A and P (a subclass whose intra step makes neither in some pass clears it there)
+        self.makes_r = True
 
     def role_layout(self) -> RoleLayout:
         R = WarpGroupRole
@@ -414,7 +418,8 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
                 if t < D:
                     gp.wd[seq.n, chunk, seq.hv, t] = gs.sDec[t, slot]
             # R_j = k_j 2^(G_r - G_j), r the reference token of j's half; |j - r| <= 16 keeps it in range
-            self.build_r_tile(gs, sK3, t)
+            if cutlass.const_expr(self.makes_r):
+                self.build_r_tile(gs, sK3, t)
             cute.arch.fence_proxy("async.shared", space="cta")
             rings.r.producer_commit(r_p)
             r_p.advance()
@@ -769,7 +774,8 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
                             else:
                                 kd = kx[e] * cute.math.exp2(gl[0, e] - g2[jj][0, e], fastmath=True)
                         kd2[e, 0] = kd
-                    cute.local_tile(sKG, (1, 2), (j, p)).store(kg2.load().to(bf16))
+                    if cutlass.const_expr(self.makes_k_tile):
+                        cute.local_tile(sKG, (1, 2), (j, p)).store(kg2.load().to(bf16))
                     cute.local_tile(sKD, (2, 1), (p, j)).store(kd2.load().to(bf16))
                     if cutlass.const_expr(self.makes_q_tile):
                         qx = q2[jj].load().to(f32)
