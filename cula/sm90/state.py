@@ -5,6 +5,8 @@ global memory (``[N, HV, K, V]``, or its transposed view for ``state_v_first`` s
 import cutlass
 import cutlass.cute as cute
 
+from cula.sm90 import mma
+
 
 @cute.jit
 def init_state(acc_s, cST, mH0, n, hv, row0, start: cutlass.Constexpr):
@@ -40,7 +42,16 @@ def store_state(acc_s, cST, mHt, n, hv, row0):
 @cute.jit
 def store_checkpoint(acc_s, cST, mW, row, hv, row0):
     """``acc_s`` rounded to bf16 into ``mW[row, hv]`` indexed (V, K): the backward's per-chunk checkpoints, stored as
-    the accumulator holds S^T."""
-    for i in cutlass.range_constexpr(cute.size(acc_s)):
-        rf, kf = cST[i]
-        mW[row, hv, row0 + rf, kf] = acc_s[i].to(cutlass.BFloat16)
+    the accumulator holds S^T. Each of the thread's two rows through one row address, its adjacent column pairs as
+    one 4-byte store each (per element, the addresses and 2-byte stores were a sixth of a state walk's
+    instructions)."""
+    pair = cute.make_rmem_tensor(cute.make_layout(2), cutlass.BFloat16)
+    for rr in cutlass.range_constexpr(2):
+        rf, _ = cST[mma.acc_col_element(0, rr)]
+        dst = mW[row, hv, row0 + rf, None]
+        for kp in cutlass.range_constexpr(cute.size(acc_s) // 4):
+            e = mma.acc_col_element(2 * kp, rr)
+            _, kf = cST[e]
+            pair[0] = acc_s[e].to(cutlass.BFloat16)
+            pair[1] = acc_s[e + 1].to(cutlass.BFloat16)
+            cute.autovec_copy(pair, cute.local_tile(dst, (2,), (kf // 2,)))
