@@ -71,22 +71,22 @@ def cubin_registers(cubin: bytes) -> list[int]:
     return regs
 
 
-def cuobjdump() -> str | None:
-    """The ``cuobjdump`` on PATH, else the one triton ships."""
-    exe = shutil.which("cuobjdump")
+def cuda_tool(name: str) -> str | None:
+    """CUDA's binary tool ``name`` (``cuobjdump``, ``nvdisasm``) on PATH, else the one triton ships."""
+    exe = shutil.which(name)
     if exe:
         return exe
     try:
         import triton
     except ImportError:
         return None
-    bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
     return str(bundled) if bundled.exists() else None
 
 
 def sass_of(cubin: bytes) -> str | None:
     """The disassembled machine code of a cubin, or None without a ``cuobjdump``."""
-    exe = cuobjdump()
+    exe = cuda_tool("cuobjdump")
     if exe is None or not cubin:
         return None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
