@@ -20,7 +20,11 @@ S^T and dS'^T the checkpoints, stored (V, K); dA = scale (dO V^T) on j <= i < va
 Three warpgroups, one output each (dq, dk, dv); warp 0 issues the six TMA loads (q, k, v, do tiles (C, D); the
 checkpoints (D, D)) on one mbarrier while the first D threads scan the gates from global memory, one key channel each.
 Once all three outputs are made, q * dq and k * dk go to shared memory over the tiles no product reads any more (S and
-dS', V and dO), and the same D threads scan them into dg.
+dS', V and dO), and the same D threads scan them into dg. ``balanced`` (opt-in, not yet run on a GPU) shares out the
+two epilogues that leave most threads waiting: sum_v (S * dS') per key is made by warpgroups 1 and 2 in parts while
+the gate scan runs (instead of by the dv warpgroup alone after its product, the others waiting at the next barrier),
+and dg's suffix sums by all threads, each a segment of the rows (its segment's sum, then the later segments' through
+shared memory), instead of D threads walking all C rows.
 
 Shapes: q, k, v, do, dq, dk, dv [B, T, H, D] bf16; g, dg [B, T, H, D] fp32 (g the natural-log gate; gates below
 the floor take no gradient); the checkpoints [rows, H, D, D] bf16 (S^T); ``chunks`` [rows, 2] int32 as
@@ -69,6 +73,7 @@ class Smem(NamedTuple):
     col_warps: cute.Tensor  # (4, D): sum_j (k * dk^inter)_j per warp of the dk warpgroup
     col_state: cute.Tensor  # (D,): 2^G_L sum_v (S * dS')
     steep: cute.Tensor  # (1,) int32
+    parts: cute.Tensor  # ``balanced``: (threads,) fp32, the epilogues' partial sums per key; else None
 
 
 @cute.jit
@@ -103,9 +108,10 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
 
     per_key_gate = True
 
-    def __init__(self, head_dim: int, is_varlen: bool, tile_copies: bool = True):
+    def __init__(self, head_dim: int, is_varlen: bool, tile_copies: bool = True, balanced: bool = False):
         super().__init__(head_dim, is_varlen, tile_copies)
         self.threads = 128 * WARPGROUPS
+        self.balanced = balanced
 
     # ---------------------------------------------------------------- host side
     @cute.jit
@@ -127,6 +133,8 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
             "sColState": cute.struct.MemRange[f32, D],
             "sSteep": cute.struct.MemRange[cutlass.Int32, 4],
         }
+        if cutlass.const_expr(self.balanced):
+            fields["sParts"] = cute.struct.MemRange[f32, self.threads]
         self.launch_with(p, fields, chunks.shape[0], q.shape[2], stream)
 
     # ---------------------------------------------------------------- device side
@@ -144,12 +152,15 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
 
         sQ, sK, sV, sDO, sS, sDS = self.loaded_tiles(st, p)
         sQL, sKR, sKF = (self.token_tile(p, field) for field in (st.sQL, st.sKR, st.sKF))
+        parts = None
+        if cutlass.const_expr(self.balanced):
+            parts = st.sParts.get_tensor(cute.make_layout(self.threads))
         sm = Smem(
             sQ[None, None, 0], sK[None, None, 0], sV[None, None, 0], sDO[None, None, 0], sS[None, None, 0],
             sDS[None, None, 0], sQL[None, None, 0], sKR[None, None, 0], sKF[None, None, 0],
             fp32_over(st.sQL, C * C), st.sGates.get_tensor(cute.make_layout(C * D)), fp32_over(st.sS, C * D),
             fp32_over(st.sV, C * D), st.sColWarps.get_tensor(cute.make_layout((4, D), stride=(D, 1))),
-            st.sColState.get_tensor(cute.make_layout(D)), st.sSteep.get_tensor(cute.make_layout(4)),
+            st.sColState.get_tensor(cute.make_layout(D)), st.sSteep.get_tensor(cute.make_layout(4)), parts,
         )  # fmt: skip
         loads = pipeline.tma_ring(st.ring, 1, 4 * C * D * 2 + 2 * D * D * 2, 4 * WARPGROUPS)
         if tidx == 0:
@@ -162,6 +173,9 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
             if tidx < D:
                 self.scan_gates(t, sm, valid, tidx, b, t0, h)
             self.await_tokens(loads, (sQ, sK, sV, sDO), valid, tidx)
+            if cutlass.const_expr(self.balanced):
+                if tidx >= 128:  # warpgroups 1 and 2, idle while the scan runs
+                    self.column_state_parts(sm, tidx - 128)
             cute.arch.sync_threads()  # the gates, the steep flag and the zeroed rows
             steep = sm.steep[0]
             self.gated_tiles(sm, steep, tidx)
@@ -176,7 +190,9 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
             else:
                 self.make_dv(p, sm, steep, valid, wtid, b, t0, h)
             cute.arch.sync_threads()  # q * dq and k * dk in shared memory
-            if tidx < D:
+            if cutlass.const_expr(self.balanced):
+                self.gate_gradient_segments(t, sm, valid, tidx, b, t0, h)
+            elif tidx < D:
                 self.gate_gradient(t, sm, valid, tidx, b, t0, h)
 
     @cute.jit
@@ -369,8 +385,12 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
         self.store_rows(acc, cTD, p.t.dv, valid, b, t0, h)
         if wtid < D:
             x = cutlass.Float32(0.0)
-            for v in cutlass.range(D, unroll=8):
-                x = x + sm.s[v, wtid].to(cutlass.Float32) * sm.ds[v, wtid].to(cutlass.Float32)
+            if cutlass.const_expr(self.balanced):
+                for part in cutlass.range_constexpr(256 // D):
+                    x = x + sm.parts[part * D + wtid]
+            else:
+                for v in cutlass.range(D, unroll=8):
+                    x = x + sm.s[v, wtid].to(cutlass.Float32) * sm.ds[v, wtid].to(cutlass.Float32)
             sm.col_state[wtid] = x * cute.math.exp2(self.gate_at(sm, C - 1, wtid), fastmath=True)
         cute.arch.barrier(barrier_id=Barrier.GRADS_MADE, number_of_threads=self.threads)
 
@@ -435,6 +455,59 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
         else:
             for rb in cutlass.range_constexpr(C // batch):
                 run = self.gate_gradient_rows(t, sm, valid, key, b, t0, h, C - batch * (rb + 1), raw, run, constant)
+
+    @cute.jit
+    def column_state_parts(self, sm, i):
+        """``balanced``, thread ``i`` of warpgroups 1 and 2: sum_v (S * dS') of key channel i % D over part i // D
+        of the value rows (256 / D parts) to ``sm.parts``; ordered for the dv warpgroup by the barrier after the
+        scan."""
+        D = self.D
+        rows = D // (256 // D)
+        key, part = i % D, i // D
+        x = cutlass.Float32(0.0)
+        for j in cutlass.range(rows, unroll=8):
+            v = part * rows + j
+            x = x + sm.s[v, key].to(cutlass.Float32) * sm.ds[v, key].to(cutlass.Float32)
+        sm.parts[part * D + key] = x
+
+    @cute.jit
+    def gate_gradient_segments(self, t, sm, valid, tidx, b, t0, h):
+        """``balanced``: :meth:`gate_gradient` by every thread, thread tidx on key channel tidx % D and segment
+        tidx // D of the rows (threads / D segments of ceil(C D / threads) rows): its raw gates loaded first, its
+        segment's sum to ``sm.parts``, then, past a barrier, its rows walked from the sum of the later segments."""
+        C, D = self.C, self.D
+        f32 = cutlass.Float32
+        segments = self.threads // D
+        span = -(-C // segments)
+        key, seg = tidx % D, tidx // D
+        first = seg * span
+        raw = cute.make_rmem_tensor(cute.make_layout(span), f32)
+        for i in cutlass.range_constexpr(span):
+            raw[i] = t.g[b, t0 + cutlass.min(first + i, valid - 1), h, key]
+        own = f32(0.0)
+        for i in cutlass.range_constexpr(span):
+            r = first + i
+            if r < C:
+                own = own + (sm.x_q[swizzled(r, key, D)] - sm.x_k[swizzled(r, key, D)])
+        sm.parts[tidx] = own
+        constant = sm.col_state[key]
+        for w in cutlass.range_constexpr(4):
+            constant = constant + sm.col_warps[w, key]
+        cute.arch.sync_threads()  # every segment's sum
+        run = f32(0.0)
+        for later in cutlass.range_constexpr(1, segments):
+            if seg + later < segments:
+                run = run + sm.parts[(seg + later) * D + key]
+        for rev in cutlass.range_constexpr(span):
+            i = span - 1 - rev
+            r = first + i
+            if r < C:
+                run = run + (sm.x_q[swizzled(r, key, D)] - sm.x_k[swizzled(r, key, D)])
+                if r < valid:
+                    x = run + constant
+                    if raw[i] < f32(GATE_FLOOR):
+                        x = f32(0.0)
+                    t.dg[b, t0 + r, h, key] = x
 
     @cute.jit
     def gate_gradient_rows(self, t, sm, valid, key, b, t0, h, r0, raw, run, constant):
