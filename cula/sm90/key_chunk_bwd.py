@@ -47,6 +47,7 @@ from cula.sm90.scalar_chunk_bwd import Params, ScalarGateChunkBwdSm90, Tensors
 WARPGROUPS = 3  # dq, dk, dv
 SAFE_SPAN = 108.0  # log2: as the forward's two-reference operands (cula.gla.chunk_fwd_sm90.SAFE_SPAN)
 GATE_BATCH = 32  # raw gates loaded at once by gate_gradient: 64 spill at D = 128
+PART_THREADS = 256  # ``balanced``: warpgroups 1 and 2, which make the column state's parts during the gate scan
 _LOG2E = math.log2(math.e)
 ROW = "row"  # an exponent's term: the accumulator element's own row (KeyGateChunkBwdSm90.exponent)
 
@@ -174,8 +175,8 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
                 self.scan_gates(t, sm, valid, tidx, b, t0, h)
             self.await_tokens(loads, (sQ, sK, sV, sDO), valid, tidx)
             if cutlass.const_expr(self.balanced):
-                if tidx >= 128:  # warpgroups 1 and 2, idle while the scan runs
-                    self.column_state_parts(sm, tidx - 128)
+                if tidx >= self.threads - PART_THREADS:  # idle while warpgroup 0 scans
+                    self.column_state_parts(sm, tidx - (self.threads - PART_THREADS))
             cute.arch.sync_threads()  # the gates, the steep flag and the zeroed rows
             steep = sm.steep[0]
             self.gated_tiles(sm, steep, tidx)
@@ -386,7 +387,7 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
         if wtid < D:
             x = cutlass.Float32(0.0)
             if cutlass.const_expr(self.balanced):
-                for part in cutlass.range_constexpr(256 // D):
+                for part in cutlass.range_constexpr(PART_THREADS // D):
                     x = x + sm.parts[part * D + wtid]
             else:
                 for v in cutlass.range(D, unroll=8):
@@ -458,11 +459,11 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
 
     @cute.jit
     def column_state_parts(self, sm, i):
-        """``balanced``, thread ``i`` of warpgroups 1 and 2: sum_v (S * dS') of key channel i % D over part i // D
-        of the value rows (256 / D parts) to ``sm.parts``; ordered for the dv warpgroup by the barrier after the
-        scan."""
+        """``balanced``, thread ``i`` of the :data:`PART_THREADS`: sum_v (S * dS') of key channel i % D over part
+        i // D of the value rows (PART_THREADS / D parts) to ``sm.parts``; ordered for the dv warpgroup by the
+        barrier after the scan."""
         D = self.D
-        rows = D // (256 // D)
+        rows = D // (PART_THREADS // D)
         key, part = i % D, i // D
         x = cutlass.Float32(0.0)
         for j in cutlass.range(rows, unroll=8):
