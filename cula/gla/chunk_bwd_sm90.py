@@ -32,7 +32,8 @@ ENV_GRADIENT_KERNEL = "CULA_KEY_GRADIENT_KERNEL"
 ENV_BALANCED = "CULA_GLA_GRADIENT_BALANCED"
 
 
-# the kernel of passes 3 and 4, compiled on any machine: (arch, *, head_dim, is_varlen, tile_copies, keep_artifacts)
+# the kernel of passes 3 and 4, compiled on any machine: (arch, *, head_dim, is_varlen, tile_copies, keep_artifacts,
+# balanced)
 compile_key_chunk_gradients_sm90 = functools.partial(scalar_chunk_bwd.compile_gradients, KeyGateChunkBwdSm90)
 
 
