@@ -1,6 +1,6 @@
 """Time one op's SM90 entry in several source trees of cuLA, side by side on the same GPU, and compare their outputs.
 
-    python tools/ab_trees.py [--op gdn|kda|simple_gla] [--shapes 2x16384x64,8x2048x32,skewed10] [--split] [--l2norm]
+    python tools/ab_trees.py [--op gdn|kda|gla|simple_gla] [--shapes 2x16384x64,8x2048x32,skewed10] [--split] [--l2norm]
         [--gate-in-kernel] [--profile] [--seg auto,24,32] TREE [TREE ...]
 
 A tree is a folder holding a ``cula`` package: this checkout (``.``) or another revision extracted into the
@@ -40,6 +40,10 @@ if op == "gdn":
     from cula.gdn.chunk_fwd_sm90 import chunk_gated_delta_rule_fwd_sm90 as entry
 elif op == "kda":
     from cula.kda.chunk_fwd_sm90 import chunk_kda_fwd_sm90 as entry
+elif op == "gla":
+    from cula.gla.chunk_fwd_sm90 import chunk_gla_fwd_sm90
+    def entry(q, k, v, g, beta, **kw):  # no beta: the per-key gate g alone
+        return chunk_gla_fwd_sm90(q, k, v, g, **kw)
 else:
     from cula.lightning.chunk_fwd_sm90 import chunk_simple_gla_fwd_sm90
     def entry(q, k, v, g, beta, **kw):  # no beta: the per-token gate g alone
@@ -88,7 +92,7 @@ print(json.dumps(rows))
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--op", default="gdn", choices=["gdn", "kda", "simple_gla"])
+    p.add_argument("--op", default="gdn", choices=["gdn", "kda", "gla", "simple_gla"])
     p.add_argument("--shapes", default="2x16384x64,8x2048x32,1x8192x64", help="comma list of BxTxH")
     p.add_argument("--split", default="auto", choices=["auto", "on", "off"], help="the entry's split argument")
     p.add_argument("--l2norm", action="store_true", help="raw q / k normalised by the kernel (qk_l2norm)")

@@ -2,7 +2,7 @@
 PERF.md's backward rows.
 
     python tools/backward_pass_times.py [--op simple_gla|gdn|gla|kda] [--shapes 1x8192x64,2x16384x64]
-        [--gate g|g_gamma] [--skip-passes] [--skip-fla] [--profile FILE] [--host-profile FILE]
+        [--gate g|g_gamma] [--skip-passes] [--walks-only] [--skip-fla] [--profile FILE] [--host-profile FILE]
 
 For each B x T x H shape (D = 128, bf16, H = HV) it prints, as medians of CUDA-event timings over 10 calls: the two
 state walks, the per-chunk passes in PyTorch (``rows_backward``, KDA's with its bounded gate) and by their kernels
@@ -109,8 +109,8 @@ def walk_operands(op: str, args: dict) -> tuple:
     return kernel, gate, gate, None  # beta's slot carries the gate
 
 
-def passes(op: str, args: dict, do) -> dict:
-    """The backward's passes alone on ``args``."""
+def passes(op: str, args: dict, do, walks_only: bool = False) -> dict:
+    """The backward's passes alone on ``args`` (``walks_only``: the two walks, each alone and both side by side)."""
     from cula.ops import chunk_backward
     from cula.sm90 import walks
 
@@ -129,6 +129,13 @@ def passes(op: str, args: dict, do) -> dict:
                 )
             ),
         )
+    if walks_only:
+
+        def both():
+            return walks.both_walks(kernel, q, k, v, do, g, beta, scale, None, None, None, None, False)
+
+        times["walks side by side"] = report("walks side by side", median_ms(both))
+        return times
     times["per-chunk, PyTorch"] = report(
         "per-chunk, PyTorch",
         median_ms(
@@ -261,6 +268,7 @@ def main() -> None:
     parser.add_argument("--shapes", default="1x8192x64")
     parser.add_argument("--gate", choices=("g", "g_gamma"), default="g_gamma", help="simple GLA's gate")
     parser.add_argument("--skip-passes", action="store_true", help="only the whole step (no pass-by-pass timings)")
+    parser.add_argument("--walks-only", action="store_true", help="only the state walks (alone and side by side)")
     parser.add_argument("--skip-fla", action="store_true", help="no FLA column (its first call autotunes for minutes)")
     parser.add_argument("--profile", metavar="FILE", help="also append a torch.profiler table of one cuLA step here")
     parser.add_argument("--host-profile", metavar="FILE", help="also append a cProfile of 20 cuLA steps here")
@@ -270,6 +278,9 @@ def main() -> None:
         B, T, H = (int(x) for x in shape.split("x"))
         args, do = inputs(opts.op, B, T, H, opts.gate)
         print(f"{opts.op} {shape}", flush=True)
+        if opts.walks_only:
+            print(json.dumps({"op": opts.op, "shape": shape, **passes(opts.op, args, do, walks_only=True)}))
+            continue
         row = {"op": opts.op, "shape": shape, **({} if opts.skip_passes else passes(opts.op, args, do))}
         os.environ["CULA_CHUNK_GRADIENT_KERNEL"] = "1" if opts.op == "simple_gla" else "0"
         os.environ["CULA_DELTA_GRADIENT_KERNEL"] = "1" if opts.op == "gdn" else "0"
