@@ -204,8 +204,7 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
         C, D = self.C, self.D
         f32 = cutlass.Float32
         raw = cute.make_rmem_tensor(cute.make_layout(C), f32)
-        for r in cutlass.range_constexpr(C):
-            raw[r] = t.g[b, t0 + cutlass.min(r, valid - 1), h, key]
+        self.load_raw_gates(t, raw, 0, valid, b, t0, h, key)
         run = f32(0.0)
         g_first, g_ref = f32(0.0), f32(0.0)
         for r in cutlass.range_constexpr(C):
@@ -440,9 +439,7 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
         valid tokens (zero where the raw gate is below the floor)."""
         C = self.C
         f32 = cutlass.Float32
-        constant = sm.col_state[key]
-        for w in cutlass.range_constexpr(4):
-            constant = constant + sm.col_warps[w, key]
+        constant = self.gate_gradient_constant(sm, key)
         run = f32(0.0)
         # the raw gates (for the floor) loaded a batch ahead of its stores: read between the stores to dg, which may
         # alias them for the compiler, they made a chain of C dependent global round trips (all C at once spill); the
@@ -483,17 +480,14 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
         key, seg = tidx % D, tidx // D
         first = seg * span
         raw = cute.make_rmem_tensor(cute.make_layout(span), f32)
-        for i in cutlass.range_constexpr(span):
-            raw[i] = t.g[b, t0 + cutlass.min(first + i, valid - 1), h, key]
+        self.load_raw_gates(t, raw, first, valid, b, t0, h, key)
         own = f32(0.0)
         for i in cutlass.range_constexpr(span):
             r = first + i
             if r < C:
-                own = own + (sm.x_q[swizzled(r, key, D)] - sm.x_k[swizzled(r, key, D)])
+                own = own + self.gate_gradient_term(sm, r, key)
         sm.parts[tidx] = own
-        constant = sm.col_state[key]
-        for w in cutlass.range_constexpr(4):
-            constant = constant + sm.col_warps[w, key]
+        constant = self.gate_gradient_constant(sm, key)
         cute.arch.sync_threads()  # every segment's sum
         run = f32(0.0)
         for later in cutlass.range_constexpr(1, segments):
@@ -503,28 +497,47 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
             i = span - 1 - rev
             r = first + i
             if r < C:
-                run = run + (sm.x_q[swizzled(r, key, D)] - sm.x_k[swizzled(r, key, D)])
+                run = run + self.gate_gradient_term(sm, r, key)
                 if r < valid:
-                    x = run + constant
-                    if raw[i] < f32(GATE_FLOOR):
-                        x = f32(0.0)
-                    t.dg[b, t0 + r, h, key] = x
+                    self.store_gate_gradient(t, run + constant, raw[i], b, t0, r, h, key)
 
     @cute.jit
     def gate_gradient_rows(self, t, sm, valid, key, b, t0, h, r0, raw, run, constant):
         """:meth:`gate_gradient` on rows ``r0 ..`` (a batch, ``raw`` its registers), from the last; returns the
         running sum."""
-        f32 = cutlass.Float32
         batch = cute.size(raw)
-        for i in cutlass.range_constexpr(batch):
-            raw[i] = t.g[b, t0 + cutlass.min(r0 + i, valid - 1), h, key]
+        self.load_raw_gates(t, raw, r0, valid, b, t0, h, key)
         for rev in cutlass.range_constexpr(batch):
             i = batch - 1 - rev
             r = r0 + i
-            run = run + (sm.x_q[swizzled(r, key, self.D)] - sm.x_k[swizzled(r, key, self.D)])
+            run = run + self.gate_gradient_term(sm, r, key)
             if r < valid:
-                x = run + constant
-                if raw[i] < f32(GATE_FLOOR):
-                    x = f32(0.0)
-                t.dg[b, t0 + r, h, key] = x
+                self.store_gate_gradient(t, run + constant, raw[i], b, t0, r, h, key)
         return run
+
+    @cute.jit
+    def load_raw_gates(self, t, raw, r0, valid, b, t0, h, key):
+        """The raw gates of rows r0, r0 + 1, .. (as many as ``raw`` holds) on key channel ``key`` into ``raw``, each
+        row clamped into the chunk's valid tokens, so that every load is issued at once."""
+        for i in cutlass.range_constexpr(cute.size(raw)):
+            raw[i] = t.g[b, t0 + cutlass.min(r0 + i, valid - 1), h, key]
+
+    @cute.jit
+    def gate_gradient_constant(self, sm, key):
+        """dg's per-key constant: 2^G_L sum_v (S * dS') + sum_j (k * dk^inter)_j over the dk warpgroup's warps."""
+        constant = sm.col_state[key]
+        for w in cutlass.range_constexpr(4):
+            constant = constant + sm.col_warps[w, key]
+        return constant
+
+    @cute.jit
+    def gate_gradient_term(self, sm, r, key):
+        """Row r's term of dg's suffix sum on key channel ``key``: (q * dq - k * dk)[r, key]."""
+        return sm.x_q[swizzled(r, key, self.D)] - sm.x_k[swizzled(r, key, self.D)]
+
+    @cute.jit
+    def store_gate_gradient(self, t, x, raw, b, t0, r, h, key):
+        """dg[b, t0 + r, h, key] = ``x``, or 0 where the raw gate ``raw`` is below the floor (no gradient there)."""
+        if raw < cutlass.Float32(GATE_FLOOR):
+            x = cutlass.Float32(0.0)
+        t.dg[b, t0 + r, h, key] = x
