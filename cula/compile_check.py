@@ -84,15 +84,21 @@ def cuda_tool(name: str) -> str | None:
     return str(bundled) if bundled.exists() else None
 
 
-def sass_of(cubin: bytes) -> str | None:
-    """The disassembled machine code of a cubin, or None without a ``cuobjdump``."""
-    exe = cuda_tool("cuobjdump")
+def disassemble(cubin: bytes, tool: str, *flags: str) -> str | None:
+    """A cubin through CUDA's binary tool ``tool`` (:func:`cuda_tool`) with ``flags``: its output, or None without
+    the tool or the cubin."""
+    exe = cuda_tool(tool)
     if exe is None or not cubin:
         return None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([exe, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([exe, *flags, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def sass_of(cubin: bytes) -> str | None:
+    """The disassembled machine code of a cubin, or None without a ``cuobjdump``."""
+    return disassemble(cubin, "cuobjdump", "-sass")
 
 
 def sass_counts(sass: str, ptx: str) -> tuple[int, int]:

@@ -26,9 +26,7 @@ import csv
 import difflib
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 
 def run(op: str, mode: str, shape: str) -> None:
@@ -149,13 +147,10 @@ def lines(name: str, path: str, top: int) -> None:
     kernels = registered([name])
     if name not in kernels:
         sys.exit(f"no registered kernel {name!r}")
-    nvdisasm = compile_check.cuda_tool("nvdisasm")
-    if nvdisasm is None:
+    disassembly = compile_check.disassemble(artifacts(kernels[name], "sm_90a").CUBIN, "nvdisasm", "-g", "-c")
+    if disassembly is None:
         sys.exit("no nvdisasm here (nor triton's)")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(artifacts(kernels[name], "sm_90a").CUBIN)
-        f.flush()
-        listing = line_listing(subprocess.run([nvdisasm, "-g", "-c", f.name], capture_output=True, text=True).stdout)
+    listing = line_listing(disassembly)
     body, col, reasons = source_rows(path)
     where = align_lines([opcode(row[col["Source"]]) for row in body], listing)
     unmatched = sum(line.startswith("~") for line in where)
