@@ -13,9 +13,9 @@ max(g, floor) in log2 units (nothing added past the sequence end), per token or 
   "state_grads" from the last chunk, dV_new^T = dS'^T (K 2^(G_last - G))^T + dO^T P with P = bf16(scale tril(Q K^T
   gated)), Y'^T = dV_new^T Tinv and dS^T <- dS'^T 2^G_last + dO^T (scale Q 2^G) - (beta Y'^T) (K 2^G), every product's
   operands rounded to bf16, tokens past the end zero;
-- the SM100 simple GLA kernel's forward (cula.sm100.scalar_chunk_fwd): P~ = s (Q K^T)_ij 2^(G_i - G_j) where j <= i
-  and j is in the sequence, else 0; Q~ = bf16(s 2^G q); O = Q~ S + P~ V, rounded to bf16 where the token is in the
-  sequence.
+- the forward of a scalar-gate kernel without the delta rule (SM90's and SM100's simple GLA kernels): P~ = s (Q
+  K^T)_ij 2^(G_i - G_j) where j <= i and j is in the sequence, else 0; Q~ = bf16(s 2^G q); O = Q~ S + P~ V, rounded
+  to bf16 where the token is in the sequence; a split's correction pass adds Q~ S of the v = 0 walk to o.
 """
 
 import math
@@ -83,12 +83,18 @@ def launch(kernel, call, config, t, scale):
                         continue
                 else:
                     assert t.g.dim() == 3, "the forward emulated here is the scalar gate's"
+                    assert config.mode in ("full", "correction"), config.mode
                     G1 = G[:, 0]
-                    keep = (place[None, :] <= place[:, None]) & inside[None, :]
-                    decay = torch.exp2(torch.where(keep, G1[:, None] - G1[None, :], 0.0))
-                    P = bf16(torch.where(keep, scale * (q @ k.T) * decay, 0.0))
                     Q_op = bf16(q * (scale * torch.exp2(G1))[:, None])
-                    o = Q_op @ bf16(ST.T) + P @ V_op
+                    o = Q_op @ bf16(ST.T)
+                    if config.mode == "full":
+                        keep = (place[None, :] <= place[:, None]) & inside[None, :]
+                        decay = torch.exp2(torch.where(keep, G1[:, None] - G1[None, :], 0.0))
+                        P = bf16(torch.where(keep, scale * (q @ k.T) * decay, 0.0))
+                        o = o + P @ V_op
+                    else:  # the v = 0 walk from the given start, added to the first pass's output
+                        V_op = torch.zeros_like(V_op)
+                        o = o + t.o[b, tokens, hv].float()
                     t.o[b, tokens[inside], hv] = o[inside].to(t.o.dtype)
                 ST = ST * torch.exp2(G[-1])[None, :] + V_op.T @ K_op
             ht[ht_row, hv] = ST.T

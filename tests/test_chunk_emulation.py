@@ -270,3 +270,56 @@ def test_the_sm100_forward_host_path_matches_the_reference(monkeypatch, case):
         if e > s:
             assert rel_rmse(o[b, s:e], o_ref[b, s:e]) <= 0.005, (n, rel_rmse(o[b, s:e], o_ref[b, s:e]))
         assert rel_rmse(ht[n], ht_ref[n]) <= 0.005, n
+
+
+@pytest.mark.parametrize("pieced", [False, True])
+def test_a_split_simple_gla_call_matches_the_reference(monkeypatch, pieced):
+    """The SM90 simple GLA host path of a split call (cut every 16 chunks; the start chain, the gate's decay as the
+    transitions) with the kernel's launches emulated on the CPU: outputs and final states against the fp64 reference,
+    per sequence; with ``CULA_PIECED_CORRECTION=1`` the correction pass runs the later segments in pieces of 8
+    chunks."""
+    from launch_emulation import launch as emulated_launch
+
+    from cula.lightning.chunk_fwd_sm90 import ENV_PIECED, chunk_simple_gla_fwd_sm90
+    from cula.sm90 import entry
+
+    corrected = []
+
+    def launch(kernel, call, config, t, scale):
+        if config.mode == "correction":
+            corrected.append((t.starts.tolist(), t.ends.tolist()))
+        emulated_launch(kernel, call, config, t, scale)
+
+    monkeypatch.setattr(entry, "launch", launch)
+    props = type("Props", (), {"name": "NVIDIA H200", "multi_processor_count": 132})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    cula.runtime.forget_devices()
+    monkeypatch.setenv(ENV_PIECED, "1" if pieced else "0")
+    torch.manual_seed(5)
+    lengths = [0, 1, 130, 2200, 64]
+    offsets = [0, *itertools.accumulate(lengths)]
+    T, Hh, Dd = offsets[-1], 2, 64
+    q, k, v = (torch.randn(1, T, Hh, Dd).bfloat16() for _ in range(3))
+    g = F.logsigmoid(torch.randn(1, T, Hh) + 3.0)
+    g[0, 131 + 1500] = float("-inf")  # a reset inside a corrected segment
+    g_gamma = -torch.rand(Hh) * 0.1
+    h0 = torch.randn(len(lengths), Hh, Dd, Dd) * 0.1
+    cu = torch.tensor(offsets, dtype=torch.int32)
+    scale = Dd**-0.5
+    o = torch.full((1, T, Hh, Dd), float("nan")).bfloat16()
+    _, ht = chunk_simple_gla_fwd_sm90(
+        q, k, v, g, g_gamma, scale, h0, True, cu_seqlens=cu, cu_seqlens_cpu=cu, split=True, out=o
+    )
+    o_ref, ht_ref = cula.lightning.chunk_simple_gla(
+        q.double(), k.double(), v.double(), g=g.double(), g_gamma=g_gamma.double(), scale=scale,
+        initial_state=h0.double(), output_final_state=True, cu_seqlens=cu,
+    )  # fmt: skip
+    for n, (s, e) in enumerate(itertools.pairwise(offsets)):
+        if e > s:
+            assert rel_rmse(o[0, s:e], o_ref[0, s:e]) <= 0.005, (n, rel_rmse(o[0, s:e], o_ref[0, s:e]))
+        assert rel_rmse(ht[n], ht_ref[n]) <= 0.005, n
+    # the 2200-token sequence (from token 131) cut at 1024 and 2048 tokens: its later segments whole or in pieces
+    first = 131
+    segments = [[first + 1024, first + 2048], [first + 2048, first + 2200]]
+    pieces = [[first + 1024, first + 1536, first + 2048], [first + 1536, first + 2048, first + 2200]]
+    assert corrected == [tuple(pieces if pieced else segments)]

@@ -8,7 +8,15 @@ import torch
 import torch.nn.functional as F
 
 from cula.ops.delta_rule_ref import linear_attn_ref
-from cula.ops.segment_split import SplitCost, _walk, chunk_walk_ms, plan_segments, split_forward
+from cula.ops.segment_split import (
+    SplitCost,
+    _walk,
+    chunk_walk_ms,
+    correction_piece,
+    gate_decays,
+    plan_segments,
+    split_forward,
+)
 
 
 def reference_runner(q, k, v, g, beta, scale):
@@ -23,7 +31,7 @@ def reference_runner(q, k, v, g, beta, scale):
             vv = torch.zeros(*v[:, idx].shape[:-1], K, dtype=v.dtype)
             h0 = torch.eye(K).expand(len(starts), v.shape[2], K, K).contiguous()
         o, ht = linear_attn_ref(
-            q[:, idx], k[:, idx], vv, g=g[:, idx], beta=beta[:, idx], scale=scale,
+            q[:, idx], k[:, idx], vv, g=g[:, idx], beta=None if beta is None else beta[:, idx], scale=scale,
             initial_state=h0, output_final_state=True, cu_seqlens=cu,
         )  # fmt: skip
         if mode == "full":
@@ -64,6 +72,49 @@ def test_split_matches_unsplit(per_key, with_h0, aligned, empty):
     ht = split_forward(reference_runner(q, k, v, g, beta, K**-0.5), offsets, cuts, h0, out, True, aligned)
     torch.testing.assert_close(out, o_ref, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(ht, ht_ref, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("per_key", [False, True])
+@pytest.mark.parametrize("with_h0", [False, True])
+def test_pieced_correction_matches_unsplit(per_key, with_h0):
+    """Without the delta rule the correction pass may run each later segment in pieces, each from its segment's start
+    decayed by the gate up to the piece (a piece longer than what is left of its segment included); the outputs and
+    final states are the unsplit recurrence's, gates at the floor and -inf included."""
+    lengths = [1, 300, 64, 450, 0]
+    cuts = [[], [64, 128], [], [192], []]
+    offsets = [0] + torch.cumsum(torch.tensor(lengths), 0).tolist()
+    H, HV, K = 1, 2, 16
+    q, k, v, g, _ = make(offsets[-1], H, HV, K, per_key)
+    g[:, 200] = float("-inf")  # a reset inside the second sequence's last segment
+    h0 = torch.randn(len(lengths), HV, K, K, dtype=torch.float64) if with_h0 else None
+    cu = torch.tensor(offsets)
+    o_ref, ht_ref = linear_attn_ref(q, k, v, g=g, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    seen = []
+    runner = reference_runner(q, k, v, g, None, K**-0.5)
+
+    def run(mode, starts, ends, h0_, out_):
+        seen.append((mode, starts.tolist(), ends.tolist()))
+        return runner(mode, starts, ends, h0_, out_)
+
+    def decay(a, b):
+        return gate_decays(g, a, b).double()
+
+    out = torch.full_like(o_ref, float("nan"))
+    ht = split_forward(run, offsets, cuts, h0, out, True, piece=128, decay=decay)
+    torch.testing.assert_close(out, o_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ht, ht_ref, rtol=1e-6, atol=1e-6)
+    # the later segments [65, 129), [129, 301) and [557, 815) in pieces of at most 128 tokens
+    assert seen[-1] == ("correction", [65, 129, 257, 557, 685, 813], [129, 257, 301, 685, 813, 815])
+
+
+def test_correction_pieces_fill_about_two_waves():
+    # B1 T8192 H64 cut in two: the second half's 64 chunks in pieces of 16 (256 CTAs on 132 SMs)
+    assert correction_piece([0, 8192], [[4096]], 64, 132) == 16 * 64
+    # B1 T65536 H8 in 16 segments: 960 later chunks over 264 CTAs want about 30 each: 64 in three pieces of 22
+    assert correction_piece([0, 65536], [list(range(4096, 65536, 4096))], 8, 132) == 22 * 64
+    # never under 8 chunks; none where that is a whole segment already
+    assert correction_piece([0, 2048], [[1024]], 64, 132) == 8 * 64
+    assert correction_piece([0, 1024], [[512]], 64, 132) == 0
 
 
 def test_plan_segments():

@@ -13,6 +13,8 @@ decay is such a ``g_gamma``), summed on the host (:func:`token_gate`). Shapes as
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from cula import devices
@@ -20,6 +22,7 @@ from cula.ops import segment_split
 from cula.sm90 import entry, scalar_chunk_fwd
 
 SUPPORTED_DIMS = (64, 128)
+ENV_PIECED = "CULA_PIECED_CORRECTION"
 
 
 def supports(
@@ -53,8 +56,10 @@ def token_gate(g: torch.Tensor | None, g_gamma: torch.Tensor | None, v: torch.Te
 def split_cost(call: entry.ChunkCall) -> segment_split.SplitCost:
     """The split passes' costs: GDN's measured ones (no split pass of this kernel has been timed; its correction pass,
     without P and the update, costs less), uncached: the later passes carry no V (they need neither Tinv nor P); no
-    transition pass (the token gate's decay, made on the host)."""
-    return devices.times_for(call.q.device).kernels["gdn"].split._replace(cached=False, transition=0.0)
+    transition pass (the token gate's decay, made on the host). With ``CULA_PIECED_CORRECTION=1`` (not yet timed on
+    a GPU) the correction runs in pieces walked in parallel, each from its segment's start decayed by the gate."""
+    cost = devices.times_for(call.q.device).kernels["gdn"].split._replace(cached=False, transition=0.0)
+    return cost._replace(pieced=os.environ.get(ENV_PIECED) == "1")
 
 
 def compile_simple_gla_fwd_sm90(arch="sm_90a", **options):

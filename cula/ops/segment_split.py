@@ -30,6 +30,7 @@ from cula import runtime
 from cula.ops.gates import GATE_FLOOR
 
 CHUNK = 64
+MIN_PIECE_CHUNKS = 8
 # (mode, starts, ends, initial states or None, out) -> final states [len(starts), HV, K, K or V] fp32
 RangeRunner = Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]
 
@@ -43,7 +44,9 @@ class SplitCost(NamedTuple):
     sequence runs a faster kernel than the split passes do); what a split call costs once (its extra launches and
     allocations); each wave of CTAs a pass launches beyond its first (their prologues, empty ranges included); and
     the cost per chunk of a chain walked while the other SMs idle (``lone``: less contention; scaled up to 1 as the
-    CTAs walking the longest chains fill the SMs)."""
+    CTAs walking the longest chains fill the SMs); whether the correction pass runs ``pieced`` (a recurrence without
+    the delta rule: each later segment corrected in short pieces, each from its segment's start decayed by the gate,
+    so that its work spreads over the SMs instead of walking each segment in series)."""
 
     correction: float = 1.0
     transition: float = 1.0
@@ -53,6 +56,7 @@ class SplitCost(NamedTuple):
     fixed: float = 0.0
     wave: float = 0.0
     lone: float = 1.0
+    pieced: bool = False
 
     @classmethod
     def from_us(
@@ -67,6 +71,7 @@ class SplitCost(NamedTuple):
         fixed: float = 0.0,
         wave: float = 0.0,
         lone: float = 1.0,
+        pieced: bool = False,
     ) -> SplitCost:
         """The costs from measured microseconds (per chunk, per link and value head, once, per extra wave; ``first``
         defaults to a whole chunk), each divided by ``chunk_us``, an unsplit sequence's chunk; ``lone`` is already a
@@ -80,6 +85,7 @@ class SplitCost(NamedTuple):
             fixed / chunk_us,
             wave / chunk_us,
             lone,
+            pieced,
         )
 
 
@@ -118,16 +124,18 @@ def _split_walks(chunks: list[int], seg: int, HV: int, num_sms: int, cost: Split
         later += pieces[1:]
         middle += pieces[1:-1]
         links += len(pieces) - 1
-    launched = [len(first), len(first) if cost.cached else len(later)]
+    # a pieced correction's short CTAs are meant to come in waves: its work spread over the SMs
+    launched = [len(first)] + ([] if cost.pieced else [len(first) if cost.cached else len(later)])
     if middle:
         launched.append(len(first) if cost.cached else len(middle))
     extra_waves = sum(-(-n * HV // num_sms) - 1 for n in launched)
+    correction = math.ceil(sum(later) * HV / num_sms) if cost.pieced else _walk(later, HV, num_sms)
     return (
         cost.fixed
         + cost.wave * extra_waves
         + cost.link * links * HV
         + cost.first * _walk(first, HV, num_sms)
-        + cost.correction * _walk(later, HV, num_sms)
+        + cost.correction * correction
         + cost.transition * _walk(middle, HV, num_sms)
     )
 
@@ -202,11 +210,10 @@ def chain_starts_torch(local, trans, starts, offsets, rows) -> None:
                 state = torch.baddbmm(local[i], trans[t], state)
 
 
-def gate_transitions(g: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, K: int) -> torch.Tensor:
-    """What a "transition" pass returns for the token ranges ``[starts, ends)`` of a recurrence without the delta
-    rule (``g`` [1, T, HV] or, per key, [1, T, HV, K] fp32 natural-log gates on the flattened token axis): its v = 0
-    walk from S = I only decays the state, so a range's transition is diag(e^(its gates' sum per key)),
-    ``[ranges, HV, K, K]`` fp32. Each gate is taken as the kernels take it, at :data:`cula.ops.gates.GATE_FLOOR` or
+def gate_decays(g: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """The decay of a recurrence without the delta rule over each token range ``[starts, ends)`` (``g`` [1, T, HV]
+    or, per key, [1, T, HV, K] fp32 natural-log gates on the flattened token axis): e^(the range's gate sum),
+    ``[ranges, HV(, K)]`` fp32. Each gate is taken as the kernels take it, at :data:`cula.ops.gates.GATE_FLOOR` or
     above (NaN too). A sum is the difference of two running sums, each an fp64 sum over whole 64-token blocks plus an
     fp32 one within a block (an fp32 running sum over the whole axis would cancel on long sequences; an fp64 one
     would double the per-key gate's bytes)."""
@@ -222,10 +229,32 @@ def gate_transitions(g: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, 
         inside = within[b.clamp_max(within.shape[0] - 1), (r - 1).clamp_min(0)]
         return before[b] + torch.where((r > 0).view(-1, *[1] * (inside.dim() - 1)), inside, 0.0).double()
 
-    decay = (running(ends) - running(starts)).exp().float()
+    return (running(ends) - running(starts)).exp().float()
+
+
+def gate_transitions(g: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, K: int) -> torch.Tensor:
+    """What a "transition" pass returns for the token ranges ``[starts, ends)`` of a recurrence without the delta
+    rule (``g`` as :func:`gate_decays` takes it): its v = 0 walk from S = I only decays the state, so a range's
+    transition is diag(:func:`gate_decays`), ``[ranges, HV, K, K]`` fp32."""
+    decay = gate_decays(g, starts, ends)
     if decay.dim() == 2:  # one gate for every key
         decay = decay[..., None].expand(*decay.shape, K)
     return torch.diag_embed(decay)
+
+
+def correction_piece(offsets: list[int], cuts: list[list[int]], HV: int, num_sms: int) -> int:
+    """Tokens per piece of a pieced correction pass (:attr:`SplitCost.pieced`), or 0 where the segments themselves are
+    short enough: the later segments' chunks over about two waves of CTAs, at least :data:`MIN_PIECE_CHUNKS` chunks
+    each (every piece reads its start and writes its end state, 2 x K x V fp32, about a third of 8 chunks' q and o),
+    the longest segment cut into equal pieces."""
+    later = [-(-(e - s) // CHUNK) for n, s, e in segments(offsets, cuts) if s != offsets[n]]
+    if not later:
+        return 0
+    chunks = max(MIN_PIECE_CHUNKS, -(-sum(later) * HV // (2 * num_sms)))
+    if chunks >= max(later):
+        return 0
+    # the longest segment in equal pieces
+    return -(-max(later) // -(-max(later) // chunks)) * CHUNK
 
 
 def split_forward(
@@ -237,6 +266,8 @@ def split_forward(
     need_final_state: bool,
     aligned: bool = False,
     chain: ChainRunner = chain_starts_torch,
+    piece: int = 0,
+    decay: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
     """Run one op over sequences ``[offsets[n], offsets[n+1])`` of the flattened token axis, each cut at
     ``offsets[n] + cuts[n]``. ``initial_state`` is [N, HV, K, V] fp32 or None; ``out`` receives o. Returns the
@@ -245,9 +276,14 @@ def split_forward(
     The first pass runs each sequence's first segment from its initial state, so only the middle segments need a
     transition and only the later ones a correction; ``chain`` makes the later segments' starts between them. With
     ``aligned`` every pass gets every segment, in the same order (the ones a pass skips as empty ranges), so a runner
-    can hand a pass what the first one left for the same segment index. Host work per call is a fixed handful of
-    ops whatever the number of segments (the plan's device tables are made once per split)."""
-    plan = _split_plan(str(out.device), tuple(offsets), tuple(map(tuple, cuts)), aligned)
+    can hand a pass what the first one left for the same segment index. With ``piece`` (tokens, a multiple of
+    :data:`CHUNK`; not ``aligned``) the correction pass runs each later segment in pieces of that many tokens, each
+    from its segment's start times ``decay(from, to)`` (the decay over those token ranges, ``[ranges, HV(, K)]``:
+    :func:`gate_decays` of a recurrence without the delta rule, whose homogeneous part only decays). Host work per
+    call is a fixed handful of ops whatever the number of segments (the plan's device tables are made once per
+    split)."""
+    assert not (piece and aligned), "an aligned pass runs every segment whole"
+    plan = _split_plan(str(out.device), tuple(offsets), tuple(map(tuple, cuts)), aligned, piece)
     h0 = None
     if initial_state is not None:
         h0 = initial_state.new_zeros(plan.segments, *initial_state.shape[1:])
@@ -255,8 +291,12 @@ def split_forward(
     local = run("full", *plan.full, h0, out)
     trans = run("transition", *plan.transition, None, out) if plan.has_middle else None
     if plan.has_later:
-        starts = local.new_empty(plan.correction[0].numel(), *local.shape[1:])
+        starts = local.new_empty(plan.later, *local.shape[1:])
         chain(local, trans, starts, *plan.chain)
+        if piece:
+            piece_from, piece_segment = plan.pieces
+            decays = decay(piece_from, plan.correction[0])  # from the segment's start to the piece's
+            starts = starts.index_select(0, piece_segment) * decays.view(*decays.shape, *[1] * (4 - decays.dim()))
         hom = run("correction", *plan.correction, starts, out)
     if not need_final_state:
         return None
@@ -267,11 +307,14 @@ def split_forward(
 
 
 class _SplitPlan(NamedTuple):
-    """The device side of one split (int32 views of one tensor): each pass's (starts, ends) token ranges, the start
-    chain's (offsets, rows), each sequence's first and last segment, and the sequences that were cut with the
-    correction slot of their last segment."""
+    """The device side of one split (int32 views of one tensor): each pass's (starts, ends) token ranges (the
+    correction's: its pieces), the start chain's (offsets, rows), each sequence's first and last segment, the
+    sequences that were cut with the correction slot of their last segment (its last piece), and each correction
+    piece's (segment start, slot of its segment's start); ``later``: how many starts the chain makes (one per segment
+    when aligned)."""
 
     segments: int
+    later: int
     has_middle: bool
     has_later: bool
     full: tuple[torch.Tensor, torch.Tensor]
@@ -282,12 +325,13 @@ class _SplitPlan(NamedTuple):
     last: torch.Tensor
     split_seqs: torch.Tensor
     split_last: torch.Tensor
+    pieces: tuple[torch.Tensor, torch.Tensor]
 
 
 # Kept for the last few splits seen: a model's layers split their batch the same way, so the plan is made and copied
 # to the device once per split, not once per pass and call.
 @runtime.device_plan_cache(maxsize=16)
-def _split_plan(dev: str, offsets: tuple, cuts: tuple, aligned: bool) -> _SplitPlan:
+def _split_plan(dev: str, offsets: tuple, cuts: tuple, aligned: bool, piece: int) -> _SplitPlan:
     segs = segments(list(offsets), [list(c) for c in cuts])
     first = {n: i for i, (n, _, _) in reversed(list(enumerate(segs)))}
     last = {n: i for i, (n, _, _) in enumerate(segs)}
@@ -303,6 +347,17 @@ def _split_plan(dev: str, offsets: tuple, cuts: tuple, aligned: bool) -> _SplitP
     def slot(i, idx):
         return i if aligned else idx.index(i)
 
+    corrected = pairs(later_idx)  # the correction's ranges: the later segments, or their pieces
+    last_piece = {i: slot(i, later_idx) for i in later_idx}
+    piece_from, piece_segment = [], []
+    if piece:
+        corrected = []
+        for j, i in enumerate(later_idx):
+            _, s, e = segs[i]
+            corrected += [(a, min(a + piece, e)) for a in range(s, e, piece)]
+            piece_from += [s] * (len(corrected) - len(piece_from))
+            piece_segment += [j] * (len(corrected) - len(piece_segment))
+            last_piece[i] = len(corrected) - 1
     offs, rows = [0], []
     split_seqs, split_last = [], []
     for n, i0 in first.items():
@@ -312,12 +367,12 @@ def _split_plan(dev: str, offsets: tuple, cuts: tuple, aligned: bool) -> _SplitP
         rows += [(i, slot(i, mid_idx) if i != last[n] else -1, slot(i, later_idx)) for i in range(i0 + 1, last[n] + 1)]
         offs.append(len(rows))
         split_seqs.append(n)
-        split_last.append(slot(last[n], later_idx))
-    ranges = [pairs(range(len(segs))), pairs(mid_idx), pairs(later_idx)]
+        split_last.append(last_piece[last[n]])
+    ranges = [pairs(range(len(segs))), pairs(mid_idx), corrected]
     parts = [[s for s, _ in p] for p in ranges] + [[e for _, e in p] for p in ranges]
     N = len(offsets) - 1
     parts += [offs, [x for r in rows for x in r], [first[n] for n in range(N)], [last[n] for n in range(N)]]
-    parts += [split_seqs, split_last]
+    parts += [split_seqs, split_last, piece_from, piece_segment]
     flat = runtime.host_to_device(torch.tensor([x for p in parts for x in p], dtype=torch.int32), dev)
     views, at = [], 0
     for p in parts:
@@ -325,11 +380,13 @@ def _split_plan(dev: str, offsets: tuple, cuts: tuple, aligned: bool) -> _SplitP
         at += len(p)
     return _SplitPlan(
         len(segs),
+        len(segs) if aligned else len(later_idx),
         bool(mid_idx),
         bool(later_idx),
         (views[0], views[3]),
         (views[1], views[4]),
         (views[2], views[5]),
         (views[6], views[7].view(-1, 3)),
-        *views[8:],
+        *views[8:12],
+        (views[12], views[13]),
     )

@@ -281,7 +281,7 @@ def _planned(kernel: ChunkKernel, call: ChunkCall) -> tuple[torch.Tensor, torch.
 def _split(kernel: ChunkKernel, call: ChunkCall, plan: Plan, o: torch.Tensor, scale: float) -> torch.Tensor | None:
     """A split call: the passes of :func:`cula.ops.segment_split.split_forward` over the flattened token axis, each a
     launch over token ranges (with ``cached`` split costs the first pass saves each chunk's Tinv and P, and the
-    variant's further workspaces, for the later passes)."""
+    variant's further workspaces, for the later passes; with ``pieced`` ones the correction runs in pieces)."""
     B, T, H, K = call.q.shape
     HV = call.v.shape[2]
     flat = (call.q, call.k, call.v, call.g, call.beta, o)
@@ -292,7 +292,11 @@ def _split(kernel: ChunkKernel, call: ChunkCall, plan: Plan, o: torch.Tensor, sc
     h0 = call.initial_state
     if h0 is not None and call.state_v_first:
         h0 = h0.transpose(-1, -2)
-    cached = kernel.split_cost(call).cached
+    cost = kernel.split_cost(call)
+    cached, piece = cost.cached, 0
+    if cost.pieced:
+        assert kernel.gate_transition and call.gate is None, "pieces start from the activated gate's decay"
+        piece = segment_split.correction_piece(plan.offsets, plan.cuts, HV, runtime.sm_count(call.q.device))
     saved = {}
 
     def run(mode, starts, ends, h0_, out_):
@@ -317,8 +321,9 @@ def _split(kernel: ChunkKernel, call: ChunkCall, plan: Plan, o: torch.Tensor, sc
     # the start chain in one launch on a GPU (a PyTorch loop there costs two host ops per segment)
     chain = state_chain_sm90.chain_starts if call.q.is_cuda else segment_split.chain_starts_torch
     ht = segment_split.split_forward(
-        run, plan.offsets, plan.cuts, h0, flat[5], call.output_final_state, aligned=cached, chain=chain
-    )
+        run, plan.offsets, plan.cuts, h0, flat[5], call.output_final_state, aligned=cached, chain=chain,
+        piece=piece, decay=functools.partial(segment_split.gate_decays, flat[3]),
+    )  # fmt: skip
     if ht is not None and call.state_v_first:
         ht = ht.transpose(-1, -2).contiguous()
     if ht is not None and call.final_state_out is not None:
