@@ -280,7 +280,8 @@ def test_a_split_simple_gla_call_matches_the_reference(monkeypatch, pieced):
     chunks."""
     from launch_emulation import launch as emulated_launch
 
-    from cula.lightning.chunk_fwd_sm90 import ENV_PIECED, chunk_simple_gla_fwd_sm90
+    from cula.lightning.chunk_fwd_sm90 import chunk_simple_gla_fwd_sm90
+    from cula.ops.segment_split import ENV_PIECED
     from cula.sm90 import entry
 
     corrected = []

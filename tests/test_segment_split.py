@@ -13,7 +13,6 @@ from cula.ops.segment_split import (
     _walk,
     chunk_walk_ms,
     correction_piece,
-    gate_decays,
     plan_segments,
     split_forward,
 )
@@ -96,11 +95,8 @@ def test_pieced_correction_matches_unsplit(per_key, with_h0):
         seen.append((mode, starts.tolist(), ends.tolist()))
         return runner(mode, starts, ends, h0_, out_)
 
-    def decay(a, b):
-        return gate_decays(g, a, b).double()
-
     out = torch.full_like(o_ref, float("nan"))
-    ht = split_forward(run, offsets, cuts, h0, out, True, piece=128, decay=decay)
+    ht = split_forward(run, offsets, cuts, h0, out, True, piece=128, gate=g)
     torch.testing.assert_close(out, o_ref, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(ht, ht_ref, rtol=1e-6, atol=1e-6)
     # the later segments [65, 129), [129, 301) and [557, 815) in pieces of at most 128 tokens

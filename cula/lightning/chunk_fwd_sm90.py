@@ -13,8 +13,6 @@ decay is such a ``g_gamma``), summed on the host (:func:`token_gate`). Shapes as
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from cula import devices
@@ -22,7 +20,6 @@ from cula.ops import segment_split
 from cula.sm90 import entry, scalar_chunk_fwd
 
 SUPPORTED_DIMS = (64, 128)
-ENV_PIECED = "CULA_PIECED_CORRECTION"
 
 
 def supports(
@@ -59,7 +56,7 @@ def split_cost(call: entry.ChunkCall) -> segment_split.SplitCost:
     transition pass (the token gate's decay, made on the host). With ``CULA_PIECED_CORRECTION=1`` (not yet timed on
     a GPU) the correction runs in pieces walked in parallel, each from its segment's start decayed by the gate."""
     cost = devices.times_for(call.q.device).kernels["gdn"].split._replace(cached=False, transition=0.0)
-    return cost._replace(pieced=os.environ.get(ENV_PIECED) == "1")
+    return cost._replace(pieced=segment_split.pieced_asked())
 
 
 def compile_simple_gla_fwd_sm90(arch="sm_90a", **options):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -31,6 +32,9 @@ from cula.ops.gates import GATE_FLOOR
 
 CHUNK = 64
 MIN_PIECE_CHUNKS = 8
+# "1": kernels without the delta rule (simple GLA, GLA) run a split's correction pass pieced (SplitCost.pieced); not
+# yet timed on a GPU
+ENV_PIECED = "CULA_PIECED_CORRECTION"
 # (mode, starts, ends, initial states or None, out) -> final states [len(starts), HV, K, K or V] fp32
 RangeRunner = Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]
 
@@ -90,6 +94,11 @@ class SplitCost(NamedTuple):
 
 
 UNCACHED = SplitCost()  # every later pass makes each chunk again, at a first pass's cost
+
+
+def pieced_asked() -> bool:
+    """Whether the caller asked for the pieced correction pass (``CULA_PIECED_CORRECTION=1``)."""
+    return os.environ.get(ENV_PIECED) == "1"
 
 
 def _walk(segs: list[int], HV: int, num_sms: int) -> float:
@@ -210,10 +219,11 @@ def chain_starts_torch(local, trans, starts, offsets, rows) -> None:
                 state = torch.baddbmm(local[i], trans[t], state)
 
 
-def gate_decays(g: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """The decay of a recurrence without the delta rule over each token range ``[starts, ends)`` (``g`` [1, T, HV]
-    or, per key, [1, T, HV, K] fp32 natural-log gates on the flattened token axis): e^(the range's gate sum),
-    ``[ranges, HV(, K)]`` fp32. Each gate is taken as the kernels take it, at :data:`cula.ops.gates.GATE_FLOOR` or
+def gate_transitions(g: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, K: int) -> torch.Tensor:
+    """What a "transition" pass returns for the token ranges ``[starts, ends)`` of a recurrence without the delta
+    rule (``g`` [1, T, HV] or, per key, [1, T, HV, K] fp32 natural-log gates on the flattened token axis): its v = 0
+    walk from S = I only decays the state, so a range's transition is diag(e^(its gates' sum per key)),
+    ``[ranges, HV, K, K]`` fp32. Each gate is taken as the kernels take it, at :data:`cula.ops.gates.GATE_FLOOR` or
     above (NaN too). A sum is the difference of two running sums, each an fp64 sum over whole 64-token blocks plus an
     fp32 one within a block (an fp32 running sum over the whole axis would cancel on long sequences; an fp64 one
     would double the per-key gate's bytes)."""
@@ -229,14 +239,7 @@ def gate_decays(g: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor) -> to
         inside = within[b.clamp_max(within.shape[0] - 1), (r - 1).clamp_min(0)]
         return before[b] + torch.where((r > 0).view(-1, *[1] * (inside.dim() - 1)), inside, 0.0).double()
 
-    return (running(ends) - running(starts)).exp().float()
-
-
-def gate_transitions(g: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, K: int) -> torch.Tensor:
-    """What a "transition" pass returns for the token ranges ``[starts, ends)`` of a recurrence without the delta
-    rule (``g`` as :func:`gate_decays` takes it): its v = 0 walk from S = I only decays the state, so a range's
-    transition is diag(:func:`gate_decays`), ``[ranges, HV, K, K]`` fp32."""
-    decay = gate_decays(g, starts, ends)
+    decay = (running(ends) - running(starts)).exp().float()
     if decay.dim() == 2:  # one gate for every key
         decay = decay[..., None].expand(*decay.shape, K)
     return torch.diag_embed(decay)
@@ -267,7 +270,7 @@ def split_forward(
     aligned: bool = False,
     chain: ChainRunner = chain_starts_torch,
     piece: int = 0,
-    decay: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Run one op over sequences ``[offsets[n], offsets[n+1])`` of the flattened token axis, each cut at
     ``offsets[n] + cuts[n]``. ``initial_state`` is [N, HV, K, V] fp32 or None; ``out`` receives o. Returns the
@@ -278,8 +281,8 @@ def split_forward(
     ``aligned`` every pass gets every segment, in the same order (the ones a pass skips as empty ranges), so a runner
     can hand a pass what the first one left for the same segment index. With ``piece`` (tokens, a multiple of
     :data:`CHUNK`; not ``aligned``) the correction pass runs each later segment in pieces of that many tokens, each
-    from its segment's start times ``decay(from, to)`` (the decay over those token ranges, ``[ranges, HV(, K)]``:
-    :func:`gate_decays` of a recurrence without the delta rule, whose homogeneous part only decays). Host work per
+    from its segment's start decayed by ``gate`` up to the piece (a recurrence without the delta rule, whose
+    homogeneous part only decays; ``gate`` as :func:`gate_transitions` takes it, :func:`_piece_decays`). Host work per
     call is a fixed handful of ops whatever the number of segments (the plan's device tables are made once per
     split)."""
     assert not (piece and aligned), "an aligned pass runs every segment whole"
@@ -294,9 +297,8 @@ def split_forward(
         starts = local.new_empty(plan.later, *local.shape[1:])
         chain(local, trans, starts, *plan.chain)
         if piece:
-            piece_from, piece_segment = plan.pieces
-            decays = decay(piece_from, plan.correction[0])  # from the segment's start to the piece's
-            starts = starts.index_select(0, piece_segment) * decays.view(*decays.shape, *[1] * (4 - decays.dim()))
+            decays = _piece_decays(gate, plan)
+            starts = starts.index_select(0, plan.pieces.segment) * decays.view(*decays.shape, *[1] * (4 - decays.dim()))
         hom = run("correction", *plan.correction, starts, out)
     if not need_final_state:
         return None
@@ -310,8 +312,8 @@ class _SplitPlan(NamedTuple):
     """The device side of one split (int32 views of one tensor): each pass's (starts, ends) token ranges (the
     correction's: its pieces), the start chain's (offsets, rows), each sequence's first and last segment, the
     sequences that were cut with the correction slot of their last segment (its last piece), and each correction
-    piece's (segment start, slot of its segment's start); ``later``: how many starts the chain makes (one per segment
-    when aligned)."""
+    piece's tables (:class:`_Pieces`, or None); ``later``: how many starts the chain makes (one per segment when
+    aligned)."""
 
     segments: int
     later: int
@@ -325,7 +327,35 @@ class _SplitPlan(NamedTuple):
     last: torch.Tensor
     split_seqs: torch.Tensor
     split_last: torch.Tensor
-    pieces: tuple[torch.Tensor, torch.Tensor]
+    pieces: _Pieces | None
+
+
+class _Pieces(NamedTuple):
+    """A pieced correction's tables: the gate's tokens ``[lo, hi)`` summed in runs of ``run_lengths`` (each piece, and
+    the tokens between two later segments); each piece's run, its segment's first piece, and its segment's slot among
+    the chain's starts."""
+
+    lo: int
+    hi: int
+    run_lengths: torch.Tensor
+    run: torch.Tensor
+    first: torch.Tensor
+    segment: torch.Tensor
+
+
+# a piece's gate sum at or below this, or NaN, is a reset in fp32 (as the kernels' floored gates make it); finite, so
+# that differences of running sums stay exact
+_RESET_SUM = -1e4
+
+
+def _piece_decays(gate: torch.Tensor, plan: _SplitPlan) -> torch.Tensor:
+    """Each correction piece's decay from its segment's start, ``[pieces, HV(, K)]`` fp32: ``gate`` ([1, T, HV(, K)])
+    summed over each run of tokens in one pass, then over the pieces before each piece in its segment in fp64."""
+    p = plan.pieces
+    runs = torch.segment_reduce(gate[0, p.lo : p.hi], "sum", lengths=p.run_lengths, axis=0, unsafe=True)
+    sums = runs.index_select(0, p.run).double().nan_to_num(nan=_RESET_SUM).clamp_min(_RESET_SUM)
+    before = sums.cumsum(0) - sums  # the sum over every piece before, in any segment
+    return (before - before.index_select(0, p.first)).exp().float()
 
 
 # Kept for the last few splits seen: a model's layers split their batch the same way, so the plan is made and copied
@@ -349,15 +379,21 @@ def _split_plan(dev: str, offsets: tuple, cuts: tuple, aligned: bool, piece: int
 
     corrected = pairs(later_idx)  # the correction's ranges: the later segments, or their pieces
     last_piece = {i: slot(i, later_idx) for i in later_idx}
-    piece_from, piece_segment = [], []
-    if piece:
-        corrected = []
+    runs, piece_run, piece_first, piece_segment = [], [], [], []
+    if piece and later_idx:
+        corrected, at = [], segs[later_idx[0]][1]
         for j, i in enumerate(later_idx):
             _, s, e = segs[i]
-            corrected += [(a, min(a + piece, e)) for a in range(s, e, piece)]
-            piece_from += [s] * (len(corrected) - len(piece_from))
-            piece_segment += [j] * (len(corrected) - len(piece_segment))
-            last_piece[i] = len(corrected) - 1
+            if corrected:
+                runs.append(s - at)  # the tokens between two later segments
+            first_piece = len(corrected)
+            for a in range(s, e, piece):
+                piece_run.append(len(runs))
+                runs.append(min(a + piece, e) - a)
+                corrected.append((a, min(a + piece, e)))
+                piece_first.append(first_piece)
+                piece_segment.append(j)
+            last_piece[i], at = len(corrected) - 1, e
     offs, rows = [0], []
     split_seqs, split_last = [], []
     for n, i0 in first.items():
@@ -372,7 +408,7 @@ def _split_plan(dev: str, offsets: tuple, cuts: tuple, aligned: bool, piece: int
     parts = [[s for s, _ in p] for p in ranges] + [[e for _, e in p] for p in ranges]
     N = len(offsets) - 1
     parts += [offs, [x for r in rows for x in r], [first[n] for n in range(N)], [last[n] for n in range(N)]]
-    parts += [split_seqs, split_last, piece_from, piece_segment]
+    parts += [split_seqs, split_last, runs, piece_run, piece_first, piece_segment]
     flat = runtime.host_to_device(torch.tensor([x for p in parts for x in p], dtype=torch.int32), dev)
     views, at = [], 0
     for p in parts:
@@ -388,5 +424,5 @@ def _split_plan(dev: str, offsets: tuple, cuts: tuple, aligned: bool, piece: int
         (views[2], views[5]),
         (views[6], views[7].view(-1, 3)),
         *views[8:12],
-        (views[12], views[13]),
+        _Pieces(corrected[0][0], corrected[-1][1], *views[12:16]) if runs else None,
     )

@@ -322,7 +322,7 @@ def _split(kernel: ChunkKernel, call: ChunkCall, plan: Plan, o: torch.Tensor, sc
     chain = state_chain_sm90.chain_starts if call.q.is_cuda else segment_split.chain_starts_torch
     ht = segment_split.split_forward(
         run, plan.offsets, plan.cuts, h0, flat[5], call.output_final_state, aligned=cached, chain=chain,
-        piece=piece, decay=functools.partial(segment_split.gate_decays, flat[3]),
+        piece=piece, gate=flat[3],
     )  # fmt: skip
     if ht is not None and call.state_v_first:
         ht = ht.transpose(-1, -2).contiguous()
