@@ -216,20 +216,29 @@ def test_the_gla_kernels_safe_span_is_the_emulations():
     assert (SAFE_SPAN, GATE_FLOOR) == (emu.GLA_SAFE_SPAN, emu.GATE_FLOOR)
 
 
-@pytest.mark.parametrize("case", ["fixed", "varlen", "state_v_first", "pool"])
+@pytest.mark.parametrize("case", ["fixed", "varlen", "state_v_first", "pool", "split"])
 def test_the_sm100_forward_host_path_matches_the_reference(monkeypatch, case):
     """The SM100 simple GLA forward through its host path (cula.lightning.chunk_fwd_sm100: gate preparation, varlen
-    ranges, state layouts, a state pool read and written by slot, preallocated NaN-poisoned outputs) with the kernel's
-    launch emulated on the CPU (tests/launch_emulation.py): outputs and final states against the fp64 reference, per
-    sequence; pool rows not named untouched."""
+    ranges, state layouts, a state pool read and written by slot, preallocated NaN-poisoned outputs, a split sequence's
+    first and correction passes) with the kernel's launches emulated on the CPU (tests/launch_emulation.py): outputs
+    and final states against the fp64 reference, per sequence; pool rows not named untouched."""
     from launch_emulation import launch as emulated_launch
 
     from cula.lightning.chunk_fwd_sm100 import chunk_simple_gla_fwd_sm100
     from cula.sm90 import entry
 
-    monkeypatch.setattr(entry, "launch", emulated_launch)
+    modes = []
+
+    def launch(kernel, call, config, t, scale):
+        modes.append(config.mode)
+        emulated_launch(kernel, call, config, t, scale)
+
+    monkeypatch.setattr(entry, "launch", launch)
+    props = type("Props", (), {"name": "NVIDIA B200", "multi_processor_count": 148})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    cula.runtime.forget_devices()
     torch.manual_seed(4)
-    lengths = [0, 1, 130, 128, 300] if case != "fixed" else None
+    lengths = {"fixed": None, "split": [0, 1, 130, 2600, 64]}.get(case, [0, 1, 130, 128, 300])
     B, T = (2, 300) if lengths is None else (1, sum(lengths))
     N, Hh, Dd = (B if lengths is None else len(lengths)), 2, 128
     q, k, v = (torch.randn(B, T, Hh, Dd).bfloat16() for _ in range(3))
@@ -242,7 +251,7 @@ def test_the_sm100_forward_host_path_matches_the_reference(monkeypatch, case):
     cu = None if lengths is None else torch.tensor(offsets, dtype=torch.int32)
     scale = Dd**-0.5
     o = torch.full((B, T, Hh, Dd), float("nan")).bfloat16()
-    options = {"cu_seqlens": cu, "cu_seqlens_cpu": cu, "out": o}
+    options = {"cu_seqlens": cu, "cu_seqlens_cpu": cu, "out": o, "split": True if case == "split" else None}
     if case == "pool":
         slots = torch.tensor([5, 0, 3, 6, 1])
         pool = torch.randn(8, Hh, Dd, Dd) * 0.1
@@ -270,6 +279,8 @@ def test_the_sm100_forward_host_path_matches_the_reference(monkeypatch, case):
         if e > s:
             assert rel_rmse(o[b, s:e], o_ref[b, s:e]) <= 0.005, (n, rel_rmse(o[b, s:e], o_ref[b, s:e]))
         assert rel_rmse(ht[n], ht_ref[n]) <= 0.005, n
+    # the 2600-token sequence cut at 16 chunks of 128 tokens: a correction pass for its second segment
+    assert modes == (["full", "correction"] if case == "split" else ["full"])
 
 
 @pytest.mark.parametrize("pieced", [False, True])

@@ -1,8 +1,9 @@
 """Simple GLA and Lightning Attention chunked forward for SM100 (:class:`cula.sm100.scalar_chunk_fwd.
 ScalarGateChunkFwdSm100`: chunks of 128 tokens, tcgen05 MMAs, the state in tensor memory) and its place in the
 host path, which it shares with SM90 (:mod:`cula.sm90.entry`): the same gate preparation (:func:`cula.lightning.
-chunk_fwd_sm90.token_gate`), launch arguments and state pools. It walks every sequence whole (no split passes yet)
-and takes D = 128.
+chunk_fwd_sm90.token_gate`), launch arguments, state pools and split passes (a first pass and a correction pass of
+the kernel; the transitions the gate's decay, made on the host; cut at multiples of its 128-token chunk, where SM90's
+split costs expect a split to pay). It takes D = 128.
 
 Compiled for sm_100a and sm_103a on any machine; no Blackwell GPU has run it, so dispatch serves it only with
 ``CULA_UNTESTED_KERNELS=1``.
@@ -26,21 +27,27 @@ compile_simple_gla_fwd_sm100 = functools.partial(
     chunk_fwd_sm90.compile_simple_gla_fwd_sm90, kernel_class=ScalarGateChunkFwdSm100
 )
 
-SIMPLE_GLA_SM100 = entry.ChunkKernel("simple_gla_sm100", compile_simple_gla_fwd_sm100, delta_rule=False, chunk=CHUNK)
+SIMPLE_GLA_SM100 = entry.ChunkKernel(
+    "simple_gla_sm100",
+    compile_simple_gla_fwd_sm100,
+    split_cost=chunk_fwd_sm90.split_cost,
+    delta_rule=False,
+    chunk=CHUNK,
+    gate_transition=True,
+)
 
 
 def chunk_simple_gla_fwd_sm100(*args, **kwargs):
     """Simple GLA chunked forward on SM100: the arguments of :func:`cula.lightning.chunk_fwd_sm90.
-    chunk_simple_gla_fwd_sm90` but ``split`` (every sequence walked whole). Returns ``(o, final_state, the pool, or
-    None)``."""
-    return chunk_fwd_sm90.chunk_simple_gla_fwd_sm90(*args, split=False, kernel=SIMPLE_GLA_SM100, **kwargs)
+    chunk_simple_gla_fwd_sm90`. Returns ``(o, final_state, the pool, or None)``."""
+    return chunk_fwd_sm90.chunk_simple_gla_fwd_sm90(*args, kernel=SIMPLE_GLA_SM100, **kwargs)
 
 
 entry.register_checked(
     "simple_gla_chunk_fwd_sm100",
     compile_simple_gla_fwd_sm100,
     {
-        **entry.checked("", "[fixed length]", "[pool]", "[pool, read only]", *entry.WALK_CONFIGS),
+        **entry.checked("", "[fixed length]", "[pool]", "[pool, read only]", "[correction]", *entry.WALK_CONFIGS),
         "[state_v_first]": {"is_varlen": True, "has_initial_state": True, "state_v_first": True},
         "[states walk, fixed length, no start]": {"walk": "states"},
         "[states walk, state_v_first]": {

@@ -245,19 +245,19 @@ def gate_transitions(g: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, 
     return torch.diag_embed(decay)
 
 
-def correction_piece(offsets: list[int], cuts: list[list[int]], HV: int, num_sms: int) -> int:
+def correction_piece(offsets: list[int], cuts: list[list[int]], HV: int, num_sms: int, chunk: int = CHUNK) -> int:
     """Tokens per piece of a pieced correction pass (:attr:`SplitCost.pieced`), or 0 where the segments themselves are
-    short enough: the later segments' chunks over about two waves of CTAs, at least :data:`MIN_PIECE_CHUNKS` chunks
-    each (every piece reads its start and writes its end state, 2 x K x V fp32, about a third of 8 chunks' q and o),
-    the longest segment cut into equal pieces."""
-    later = [-(-(e - s) // CHUNK) for n, s, e in segments(offsets, cuts) if s != offsets[n]]
+    short enough: the later segments' chunks (of the kernel's ``chunk`` tokens) over about two waves of CTAs, at least
+    :data:`MIN_PIECE_CHUNKS` chunks each (every piece reads its start and writes its end state, 2 x K x V fp32, about
+    a third of 8 chunks' q and o), the longest segment cut into equal pieces."""
+    later = [-(-(e - s) // chunk) for n, s, e in segments(offsets, cuts) if s != offsets[n]]
     if not later:
         return 0
     chunks = max(MIN_PIECE_CHUNKS, -(-sum(later) * HV // (2 * num_sms)))
     if chunks >= max(later):
         return 0
     # the longest segment in equal pieces
-    return -(-max(later) // -(-max(later) // chunks)) * CHUNK
+    return -(-max(later) // -(-max(later) // chunks)) * chunk
 
 
 def split_forward(

@@ -30,6 +30,11 @@ P~, Q~ and K~ are done), ``state`` (state warpgroup -> MMA, released when S^T's 
 acquires it again before the next chunk and once more for the final state), ``o_acc`` (MMA -> output), ``gate``
 (gate warp -> scores and state).
 
+A split sequence (:mod:`cula.ops.segment_split`) runs a first pass over its segments as above and a correction pass
+(``mode="correction"``, V_new = 0) over the later ones from their chained starts: q loaded alone, no P~ and no
+update (the state only decays), O = Q~ S added to the first pass's output; the transitions are the gate's decay, made
+on the host.
+
 The backward's state walks (``ChunkFwdConfig.walk``, :mod:`cula.sm90.walks`): no P, no output; the state warpgroup
 stores a bf16 checkpoint of S^T per chunk to ``w`` before the chunk's update, and the scores warpgroup scales only
 the key tile: "states" walks (k, v) with K~ = 2^(G_last - G) k, "state_grads" walks the chunks from the last on
@@ -39,7 +44,8 @@ Shapes and launch arguments as the SM90 family's (:mod:`cula.sm90.chunk_fwd`): q
 D] bf16; g [B, T, HV] fp32 natural-log gate per token (simple GLA's g plus g_gamma); states [N, HV, K, V] fp32 (a
 transposed view for ``state_v_first``); varlen int32 ``starts`` / ``ends``; the walks' checkpoints ``w`` [rows, HV,
 V, K] bf16 (row :func:`cula.sm90.sequence.checkpoint_row` with C = 128); a state pool's ``slots``. D = 128.
-Configurations: :class:`cula.sm90.chunk_fwd.ChunkFwdConfig` with ``delta_rule=False`` and ``mode="full"``.
+Configurations: :class:`cula.sm90.chunk_fwd.ChunkFwdConfig` with ``delta_rule=False`` and ``mode`` "full" or
+"correction".
 """
 
 from __future__ import annotations
@@ -154,16 +160,22 @@ def _scale_row(tile, row, factor, keep):
 
 class ScalarGateChunkFwdSm100:
     """The kernel (module docstring); ``cfg`` a :class:`cula.sm90.chunk_fwd.ChunkFwdConfig` without the delta rule,
-    a full pass: the forward or one of the backward's state walks."""
+    the forward (a full pass, or a split's correction pass) or one of the backward's state walks."""
 
     def __init__(self, config: ChunkFwdConfig):
         assert config.head_dim == HEAD_DIM and not config.delta_rule, config
-        assert config.mode == "full" and config.intra == "none", config
+        assert config.mode in ("full", "correction") and config.intra == "none", config
         self.cfg = config
         self.C = CHUNK
         self.D = config.head_dim
-        # the tiles of the q | k | v stage each chunk loads: a walk reads no q (its key place is k, or q itself)
-        self.loaded_tiles = (0, 1, 2) if config.make_o else (1, 2)
+        # a correction pass (V_new = 0) makes no P~ and no update: O = Q~ S from its start, the state only decays
+        self.makes_scores = config.mode == "full" and config.make_o
+        self.updates_state = config.mode == "full"
+        # the tiles of the q | k | v stage each chunk loads: a walk reads no q (its key place is k, or q itself), a
+        # correction pass q alone
+        self.loaded_tiles = {(True, True): (0, 1, 2), (False, True): (1, 2), (True, False): (0,)}[
+            (config.make_o, self.updates_state)
+        ]
 
     # ---------------------------------------------------------------- host side
     @cute.jit
@@ -346,7 +358,7 @@ class ScalarGateChunkFwdSm100:
         producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         for _chunk in cutlass.range(seq.n_chunks, unroll=1):
             qkv.consumer_wait(consumer)
-            if cutlass.const_expr(self.cfg.make_o):
+            if cutlass.const_expr(self.makes_scores):
                 p_acc.producer_acquire(producer)
                 tmem.after_handoff()
                 # the operands' descriptors made where they are used: all of them live at once would not fit this
@@ -362,11 +374,13 @@ class ScalarGateChunkFwdSm100:
             if cutlass.const_expr(self.cfg.make_o):
                 qs_a, qs_b = mma.operands(p.mma_qs, sQ, smem.sS)
                 mma.gemm(p.mma_qs, acc.o, qs_a, qs_b, True)
-                pv_a, pv_b = mma.operands(p.mma_pv, smem.sP, sV_mn)
-                mma.gemm(p.mma_pv, acc.o, pv_a, pv_b, False)
+                if cutlass.const_expr(self.makes_scores):
+                    pv_a, pv_b = mma.operands(p.mma_pv, smem.sP, sV_mn)
+                    mma.gemm(p.mma_pv, acc.o, pv_a, pv_b, False)
                 o_acc.producer_commit(producer)
-            vk_a, vk_b = mma.operands(p.mma_state, sV_mn, sK_mn)
-            mma.gemm(p.mma_state, acc.s, vk_a, vk_b, False)
+            if cutlass.const_expr(self.updates_state):
+                vk_a, vk_b = mma.operands(p.mma_state, sV_mn, sK_mn)
+                mma.gemm(p.mma_state, acc.s, vk_a, vk_b, False)
             state.consumer_release(consumer)
             scores.consumer_release(consumer)
             qkv.consumer_release(consumer)
@@ -419,7 +433,7 @@ class ScalarGateChunkFwdSm100:
         """Thread ``tid`` owns token row i: P~_ij = s P_ij 2^(G_i - G_j) where j <= i and j is in the sequence, else
         0 (selects); then q_i and k_i scaled in place, k_i zeroed past the sequence end, as v_i in a varlen call
         (there the rows hold the next sequence's tokens). A walk makes no P~ and scales only the key tile: by
-        2^(G_last - G) ("states") or s 2^G ("state_grads"), zero past the end."""
+        2^(G_last - G) ("states") or s 2^G ("state_grads"), zero past the end; a correction pass only the q tile."""
         C = self.C
         f32 = cutlass.Float32
         rows = tmem.Rows(acc.p, C, tid)
@@ -438,7 +452,7 @@ class ScalarGateChunkFwdSm100:
             qkv.consumer_wait(consumer)  # uncounted: the MMA warp releases the stage
             scores.producer_acquire(producer)
             in_sequence = i < valid
-            if cutlass.const_expr(self.cfg.make_o):
+            if cutlass.const_expr(self.makes_scores):
                 p_acc.consumer_wait(consumer)
                 tmem.after_handoff()
                 G_i = smem.sG[i, slot]
@@ -452,11 +466,13 @@ class ScalarGateChunkFwdSm100:
                     tmem.store_row_bf16(smem.sP, i, blk * tmem.COLUMNS_PER_COPY, frag)
                 tmem.before_handoff()
                 p_acc.consumer_release(consumer)
+            if cutlass.const_expr(self.cfg.make_o):
                 _scale_row(smem.sQKV[None, None, 0, 0], i, smem.sFac[i, slot, 0], True)
-            _scale_row(smem.sQKV[None, None, 1, 0], i, smem.sFac[i, slot, key_factor], in_sequence)
-            if cutlass.const_expr(self.cfg.is_varlen):
-                if not in_sequence:
-                    _scale_row(smem.sQKV[None, None, 2, 0], i, f32(0.0), False)
+            if cutlass.const_expr(self.updates_state):
+                _scale_row(smem.sQKV[None, None, 1, 0], i, smem.sFac[i, slot, key_factor], in_sequence)
+                if cutlass.const_expr(self.cfg.is_varlen):
+                    if not in_sequence:
+                        _scale_row(smem.sQKV[None, None, 2, 0], i, f32(0.0), False)
             # generic-proxy writes that the tensor cores read next
             cute.arch.fence_proxy("async.shared", space="cta")
             scores.producer_commit(producer)
@@ -478,7 +494,7 @@ class ScalarGateChunkFwdSm100:
         for blk in cutlass.range_constexpr(D // cols):
             initial = tmem.fragment(rows)
             for e in cutlass.range_constexpr(cols):
-                if cutlass.const_expr(self.cfg.has_initial_state):
+                if cutlass.const_expr(self.cfg.start == "given"):
                     initial[e] = p.h0[seq.h0_row, seq.hv, blk * cols + e, v_row]
                 else:
                     initial[e] = f32(0.0)
@@ -525,13 +541,15 @@ class ScalarGateChunkFwdSm100:
 
     @cute.jit
     def output_role(self, p: Params, rings: Rings, acc: Accumulators, seq: Sequence, tid):
-        """Thread ``tid`` owns token row i of O: rounded to bf16 and stored where the token is in the sequence."""
+        """Thread ``tid`` owns token row i of O: rounded to bf16 and stored where the token is in the sequence; a
+        correction pass adds the first pass's output there (read from ``o`` before the store)."""
         C, D = self.C, self.D
         cols = tmem.COLUMNS_PER_COPY
         rows = tmem.Rows(acc.o, D, tid)
         i = rows.row()
         frag = tmem.fragment(rows)
         packed = cute.make_rmem_tensor(cute.make_layout((1, 8)), cutlass.BFloat16)
+        first_pass = cute.make_rmem_tensor(cute.make_layout((1, 8)), cutlass.BFloat16)
         gO = p.o[seq.b, None, seq.hv, None]
         o_acc = rings.o_acc
         consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -544,9 +562,14 @@ class ScalarGateChunkFwdSm100:
                 tmem.read(rows, blk, frag)
                 if in_sequence:
                     for part in cutlass.range_constexpr(cols // 8):
+                        out = cute.local_tile(gO, (1, 8), (token, blk * (cols // 8) + part))
+                        if cutlass.const_expr(self.cfg.mode == "correction"):
+                            cute.autovec_copy(out, first_pass)
+                            for e in cutlass.range_constexpr(8):
+                                frag[8 * part + e] = frag[8 * part + e] + first_pass[0, e].to(cutlass.Float32)
                         for e in cutlass.range_constexpr(8):
                             packed[0, e] = frag[8 * part + e].to(cutlass.BFloat16)
-                        cute.autovec_copy(packed, cute.local_tile(gO, (1, 8), (token, blk * (cols // 8) + part)))
+                        cute.autovec_copy(packed, out)
             tmem.before_handoff()
             o_acc.consumer_release(consumer)
             consumer.advance()

@@ -182,28 +182,30 @@ def plan_call(kernel: ChunkKernel, call: ChunkCall) -> Plan:
     planner = None
     if not call.split:
         planner = (call.v.shape[2], runtime.sm_count(call.q.device), kernel.split_cost(call))
-    plan = _cut_plan(offsets, planner)
+    plan = _cut_plan(offsets, planner, kernel.chunk)
     if plan.segments > MAX_SEQUENCES:
         return Plan(offsets, None)  # more segments than a launch grid has rows: walk each sequence whole
     return plan
 
 
 @functools.lru_cache(maxsize=256)
-def _cut_plan(offsets: tuple[int, ...], planner: tuple[int, int, segment_split.SplitCost] | None) -> Plan:
+def _cut_plan(
+    offsets: tuple[int, ...], planner: tuple[int, int, segment_split.SplitCost] | None, chunk: int = CHUNK
+) -> Plan:
     """The :class:`Plan` of sequences at ``offsets`` cut where ``planner`` (value heads, SMs, split costs) has
-    :func:`cula.ops.segment_split.plan_segments` cut them, or with ``planner`` None every 16 chunks (a forced split).
-    Made once per layout: a model's layers plan the same calls."""
+    :func:`cula.ops.segment_split.plan_segments` cut them, or with ``planner`` None every 16 chunks (a forced split),
+    at multiples of the kernel's ``chunk``. Made once per layout: a model's layers plan the same calls."""
     lengths = [e - s for s, e in zip(offsets[:-1], offsets[1:], strict=True)]
     if planner is None:
-        cuts = [range(CHUNK * 16, n, CHUNK * 16) for n in lengths]
+        cuts = [range(chunk * 16, n, chunk * 16) for n in lengths]
     else:
         heads, sms, cost = planner
-        cuts = segment_split.plan_segments(lengths, heads, sms, CHUNK, cost)
+        cuts = segment_split.plan_segments(lengths, heads, sms, chunk, cost)
     cuts = None if cuts is None else tuple(map(tuple, cuts))
     if cuts is None or not any(cuts):
         return Plan(offsets, None)  # nothing to cut
     pieces = [e - s for _, s, e in segment_split.segments(offsets, cuts)]
-    return Plan(offsets, cuts, len(pieces), -(-max(pieces) // CHUNK))
+    return Plan(offsets, cuts, len(pieces), -(-max(pieces) // chunk))
 
 
 def chunk_fwd(kernel: ChunkKernel, call: ChunkCall) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -296,7 +298,8 @@ def _split(kernel: ChunkKernel, call: ChunkCall, plan: Plan, o: torch.Tensor, sc
     cached, piece = cost.cached, 0
     if cost.pieced:
         assert kernel.gate_transition and call.gate is None, "pieces start from the activated gate's decay"
-        piece = segment_split.correction_piece(plan.offsets, plan.cuts, HV, runtime.sm_count(call.q.device))
+        sms = runtime.sm_count(call.q.device)
+        piece = segment_split.correction_piece(plan.offsets, plan.cuts, HV, sms, kernel.chunk)
     saved = {}
 
     def run(mode, starts, ends, h0_, out_):
