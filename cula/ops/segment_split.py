@@ -296,7 +296,7 @@ def split_forward(
     if plan.has_later:
         starts = local.new_empty(plan.later, *local.shape[1:])
         chain(local, trans, starts, *plan.chain)
-        if piece:
+        if plan.pieces is not None:
             decays = _piece_decays(gate, plan)
             starts = starts.index_select(0, plan.pieces.segment) * decays.view(*decays.shape, *[1] * (4 - decays.dim()))
         hom = run("correction", *plan.correction, starts, out)
@@ -331,15 +331,15 @@ class _SplitPlan(NamedTuple):
 
 
 class _Pieces(NamedTuple):
-    """A pieced correction's tables: the gate's tokens ``[lo, hi)`` summed in runs of ``run_lengths`` (each piece, and
-    the tokens between two later segments); each piece's run, its segment's first piece, and its segment's slot among
-    the chain's starts."""
+    """A pieced correction's tables: ``piece`` tokens; ``blocks`` (first token, count) of each later segment's pieces
+    before its last (equal, contiguous: the gate summed over them as one view); for each such piece, the index of its
+    segment's first one among them (``block_first``); for every piece, one plus the index of the piece before it among
+    them, 0 for a segment's first (``source``); each piece's segment slot among the chain's starts."""
 
-    lo: int
-    hi: int
-    run_lengths: torch.Tensor
-    run: torch.Tensor
-    first: torch.Tensor
+    piece: int
+    blocks: tuple[tuple[int, int], ...]
+    block_first: torch.Tensor
+    source: torch.Tensor
     segment: torch.Tensor
 
 
@@ -350,12 +350,16 @@ _RESET_SUM = -1e4
 
 def _piece_decays(gate: torch.Tensor, plan: _SplitPlan) -> torch.Tensor:
     """Each correction piece's decay from its segment's start, ``[pieces, HV(, K)]`` fp32: ``gate`` ([1, T, HV(, K)])
-    summed over each run of tokens in one pass, then over the pieces before each piece in its segment in fp64."""
+    summed over each piece before a segment's last (one reduction over a view per segment), then over the pieces
+    before each piece in its segment in fp64."""
     p = plan.pieces
-    runs = torch.segment_reduce(gate[0, p.lo : p.hi], "sum", lengths=p.run_lengths, axis=0, unsafe=True)
-    sums = runs.index_select(0, p.run).double().nan_to_num(nan=_RESET_SUM).clamp_min(_RESET_SUM)
-    before = sums.cumsum(0) - sums  # the sum over every piece before, in any segment
-    return (before - before.index_select(0, p.first)).exp().float()
+    rest = gate.shape[2:]
+    sums = torch.cat([gate[0, a : a + n * p.piece].view(n, p.piece, *rest).sum(1) for a, n in p.blocks])
+    sums = sums.double().nan_to_num(nan=_RESET_SUM).clamp_min(_RESET_SUM)
+    through = sums.cumsum(0)  # through each piece, over every block
+    within = through - (through - sums).index_select(0, p.block_first)
+    decays = torch.cat([within.new_zeros(1, *rest), within]).exp().float()
+    return decays.index_select(0, p.source)
 
 
 # Kept for the last few splits seen: a model's layers split their batch the same way, so the plan is made and copied
@@ -379,21 +383,20 @@ def _split_plan(dev: str, offsets: tuple, cuts: tuple, aligned: bool, piece: int
 
     corrected = pairs(later_idx)  # the correction's ranges: the later segments, or their pieces
     last_piece = {i: slot(i, later_idx) for i in later_idx}
-    runs, piece_run, piece_first, piece_segment = [], [], [], []
+    blocks, block_first, source, piece_segment = [], [], [], []
     if piece and later_idx:
-        corrected, at = [], segs[later_idx[0]][1]
+        corrected = []
         for j, i in enumerate(later_idx):
             _, s, e = segs[i]
-            if corrected:
-                runs.append(s - at)  # the tokens between two later segments
-            first_piece = len(corrected)
-            for a in range(s, e, piece):
-                piece_run.append(len(runs))
-                runs.append(min(a + piece, e) - a)
-                corrected.append((a, min(a + piece, e)))
-                piece_first.append(first_piece)
-                piece_segment.append(j)
-            last_piece[i], at = len(corrected) - 1, e
+            starts = list(range(s, e, piece))
+            if len(starts) > 1:
+                blocks.append((s, len(starts) - 1))
+            first_summed = len(block_first)
+            block_first += [first_summed] * (len(starts) - 1)
+            source += [0] + list(range(first_summed + 1, first_summed + len(starts)))
+            corrected += [(a, min(a + piece, e)) for a in starts]
+            piece_segment += [j] * len(starts)
+            last_piece[i] = len(corrected) - 1
     offs, rows = [0], []
     split_seqs, split_last = [], []
     for n, i0 in first.items():
@@ -408,7 +411,7 @@ def _split_plan(dev: str, offsets: tuple, cuts: tuple, aligned: bool, piece: int
     parts = [[s for s, _ in p] for p in ranges] + [[e for _, e in p] for p in ranges]
     N = len(offsets) - 1
     parts += [offs, [x for r in rows for x in r], [first[n] for n in range(N)], [last[n] for n in range(N)]]
-    parts += [split_seqs, split_last, runs, piece_run, piece_first, piece_segment]
+    parts += [split_seqs, split_last, block_first, source, piece_segment]
     flat = runtime.host_to_device(torch.tensor([x for p in parts for x in p], dtype=torch.int32), dev)
     views, at = [], 0
     for p in parts:
@@ -424,5 +427,5 @@ def _split_plan(dev: str, offsets: tuple, cuts: tuple, aligned: bool, piece: int
         (views[2], views[5]),
         (views[6], views[7].view(-1, 3)),
         *views[8:12],
-        _Pieces(corrected[0][0], corrected[-1][1], *views[12:16]) if runs else None,
+        _Pieces(piece, tuple(blocks), *views[12:15]) if blocks else None,
     )
