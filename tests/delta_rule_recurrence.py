@@ -193,21 +193,16 @@ def sequence_bounds(B, T, lengths=None):
     return [(0, s, e) for s, e in zip(offsets[:-1], offsets[1:], strict=True)]
 
 
-def gradient_passes_fixture(kernel_env: str, tile_copies: bool = True, extra: dict | None = None):
+def gradient_passes_fixture(kernel_env: str, tile_copies: bool = True):
     """A ``gradient_passes`` fixture for a variant whose per-chunk gradient kernel ``kernel_env`` switches ("0": PyTorch
     products, "1": the kernel): each test runs with the PyTorch passes, the kernel, and (``tile_copies``: a kernel that
-    has them) the kernel compiled with CULA_GRADIENT_TILE_COPIES=1 ("kernel tile copies"); ``extra``: further
-    variants, each a name and the environment it sets beside the tile copies. A test module binds it to that name."""
-    extra = extra or {}
-    params = ["pytorch", "kernel", "kernel tile copies"][: 3 if tile_copies else 2] + list(extra)
+    has them) the kernel compiled with CULA_GRADIENT_TILE_COPIES=1 ("kernel tile copies"). A test module binds it to
+    that name."""
 
-    @pytest.fixture(params=params)
+    @pytest.fixture(params=["pytorch", "kernel", "kernel tile copies"][: 3 if tile_copies else 2])
     def gradient_passes(request, monkeypatch):
         monkeypatch.setenv(kernel_env, "0" if request.param == "pytorch" else "1")
-        copies = request.param == "kernel tile copies" or request.param in extra
-        monkeypatch.setenv("CULA_GRADIENT_TILE_COPIES", "1" if copies else "0")
-        for name, value in extra.get(request.param, {}).items():
-            monkeypatch.setenv(name, value)
+        monkeypatch.setenv("CULA_GRADIENT_TILE_COPIES", "1" if request.param == "kernel tile copies" else "0")
         return request.param
 
     return gradient_passes

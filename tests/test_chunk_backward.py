@@ -840,37 +840,6 @@ def test_the_key_gradient_kernels_host_gives_the_rows_gradients(monkeypatch, len
     assert got[3][0, 3, 1].eq(0).all()
 
 
-@pytest.mark.parametrize("switch", ["1", "0", None])
-def test_the_balanced_gla_gradient_kernel_is_compiled_where_asked(monkeypatch, switch):
-    """CULA_GLA_GRADIENT_BALANCED=1 compiles GLA's per-chunk kernel with ``balanced`` (cached apart from the default
-    kernel); unset or "0", the default kernel."""
-    from cula.gla import chunk_bwd_sm90
-    from cula.sm90 import scalar_chunk_bwd
-
-    if switch is None:
-        monkeypatch.delenv(chunk_bwd_sm90.ENV_BALANCED, raising=False)
-    else:
-        monkeypatch.setenv(chunk_bwd_sm90.ENV_BALANCED, switch)
-    made = []
-
-    def record(key, build):
-        made.append((key, build()))
-        return emulated_key_gradient_kernel
-
-    monkeypatch.setattr(runtime, "device_arch", lambda device: "sm_90a")
-    monkeypatch.setattr(runtime, "get_or_compile", record)
-    monkeypatch.setattr(scalar_chunk_bwd, "compile_gradients", lambda kernel_class, arch, **kw: (kernel_class, kw))
-    B, T, H, D = 1, 64, 2, 16
-    index, rows, chunks = chunk_backward.chunk_rows([0, T], True)
-    q, k, v, do = (torch.randn(B, T, H, D) for _ in range(4))
-    g = F.logsigmoid(torch.randn(B, T, H, D) + 2.0)
-    S = torch.randn(rows, H, D, D)
-    chunk_bwd_sm90.key_chunk_gradients_sm90(q, k, v, do, g, S, S, chunks, 0.25, False)
-    ((key, (kernel_class, options)),) = made
-    assert kernel_class is chunk_bwd_sm90.KeyGateChunkBwdSm90
-    assert options["balanced"] is (switch == "1") and ("balanced", switch == "1") in key
-
-
 def test_the_forward_walk_runs_beside_the_reverse_one(monkeypatch):
     """``walks.both_walks`` launches the "states" walk on the side stream (``walks.side_by_side``), into outputs made
     before it, and the "state_grads" walk on the caller's stream before the block joins the two."""

@@ -24,9 +24,7 @@ def test_state_walks_store_the_plans_checkpoints(walk, D):
     check_state_walk(GLA_SM90, walk, D, per_key_gate=True)
 
 
-gradient_passes = gradient_passes_fixture(
-    "CULA_KEY_GRADIENT_KERNEL", extra={"kernel balanced": {"CULA_GLA_GRADIENT_BALANCED": "1"}}
-)
+gradient_passes = gradient_passes_fixture("CULA_KEY_GRADIENT_KERNEL")
 
 
 def gla_inputs(B, T, H, D, h0, N=None):

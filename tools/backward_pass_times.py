@@ -8,9 +8,9 @@ For each B x T x H shape (D = 128, bf16, H = HV) it prints, as medians of CUDA-e
 state walks, the per-chunk passes in PyTorch (``rows_backward``, KDA's with its bounded gate) and by their kernels
 (``CULA_CHUNK_GRADIENT_KERNEL``, ``CULA_DELTA_GRADIENT_KERNEL``, ``CULA_KEY_GRADIENT_KERNEL``,
 ``CULA_KDA_GRADIENT_KERNEL``), each kernel element by element (``CULA_GRADIENT_TILE_COPIES=0``, "per-chunk, kernel")
-and with tile copies (``=1``), GLA's also with its balanced epilogues (``CULA_GLA_GRADIENT_BALANCED=1``); then the
-whole forward + backward through the public op served by cuLA (``CULA_BACKEND=cute CULA_UNTESTED_KERNELS=1``, with
-those kernels; GLA's also with the balanced epilogues) and by FLA (where FLA runs it; its first call autotunes).
+and with tile copies (``=1``); then the whole forward + backward through the public op served by cuLA
+(``CULA_BACKEND=cute CULA_UNTESTED_KERNELS=1``, with those kernels) and by FLA (where FLA runs it; its first call
+autotunes).
 """
 
 import argparse
@@ -18,8 +18,6 @@ import contextlib
 import json
 import os
 import statistics
-
-BALANCED = "CULA_GLA_GRADIENT_BALANCED"  # cula.gla.chunk_bwd_sm90.ENV_BALANCED (read without importing cula here)
 
 
 def median_ms(fn, reps: int = 10) -> float:
@@ -146,18 +144,9 @@ def passes(op: str, args: dict, do, walks_only: bool = False) -> dict:
         ),
     )
     kernel_pass = per_chunk_kernel(op, q, k, v, do, g, beta, w, scale)
-    # each setting read per call (scalar_chunk_bwd.tile_copies, cula.gla.chunk_bwd_sm90.ENV_BALANCED)
-    variants = {
-        "per-chunk, kernel": {"CULA_GRADIENT_TILE_COPIES": "0"},
-        "per-chunk, kernel with tile copies": {"CULA_GRADIENT_TILE_COPIES": "1"},
-    }
-    if op == "gla":
-        variants["per-chunk, kernel with tile copies, balanced epilogues"] = {
-            "CULA_GRADIENT_TILE_COPIES": "1",
-            BALANCED: "1",
-        }
-    for label, settings in variants.items():
-        with environment(**settings):
+    variants = (("0", "per-chunk, kernel"), ("1", "per-chunk, kernel with tile copies"))
+    for copies, label in variants:
+        with environment(CULA_GRADIENT_TILE_COPIES=copies):  # read per call (scalar_chunk_bwd.tile_copies)
             times[label] = report(label, median_ms(kernel_pass))
     return times
 
@@ -288,10 +277,6 @@ def main() -> None:
         os.environ["CULA_KDA_GRADIENT_KERNEL"] = "1" if opts.op == "kda" else "0"
         cula_step = training_step(entry_point(opts.op), args, do, "cute")
         row["cuLA forward + backward"] = report("cuLA forward + backward", median_ms(cula_step, reps=5))
-        if opts.op == "gla":
-            label = "cuLA forward + backward, balanced epilogues"
-            with environment(**{BALANCED: "1"}):
-                row[label] = report(label, median_ms(cula_step, reps=5))
         if opts.profile:
             profile_table(cula_step, opts.profile, f"{opts.op} {shape}: cuLA forward + backward")
         if opts.host_profile:

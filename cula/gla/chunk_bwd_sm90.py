@@ -27,22 +27,17 @@ from cula.sm90.key_chunk_bwd import KeyGateChunkBwdSm90
 
 # "0": passes 3 and 4 by PyTorch products instead of the kernel
 ENV_GRADIENT_KERNEL = "CULA_KEY_GRADIENT_KERNEL"
-# "1": the kernel with its balanced epilogues (KeyGateChunkBwdSm90's ``balanced``; opt-in until its GPU tests and
-# A/B have run)
-ENV_BALANCED = "CULA_GLA_GRADIENT_BALANCED"
 
 
-# the kernel of passes 3 and 4, compiled on any machine: (arch, *, head_dim, is_varlen, tile_copies, keep_artifacts,
-# balanced)
+# the kernel of passes 3 and 4, compiled on any machine: (arch, *, head_dim, is_varlen, tile_copies, keep_artifacts)
 compile_key_chunk_gradients_sm90 = functools.partial(scalar_chunk_bwd.compile_gradients, KeyGateChunkBwdSm90)
 
 
 def key_chunk_gradients_sm90(q, k, v, do, gate, S, dS, chunks, scale, is_varlen):
     """Passes 3 and 4 by the kernel (:func:`cula.sm90.scalar_chunk_bwd.gradients`): ``(dq, dk, dv in q's dtype, dg
     fp32 [B, T, H, D], None)``, as :func:`cula.ops.chunk_backward.rows_backward` gives them."""
-    balanced = os.environ.get(ENV_BALANCED, "0") == "1"
     grads = scalar_chunk_bwd.gradients(
-        "gla_chunk_bwd", KeyGateChunkBwdSm90, q, k, v, do, gate, S, dS, chunks, scale, is_varlen, balanced=balanced
+        "gla_chunk_bwd", KeyGateChunkBwdSm90, q, k, v, do, gate, S, dS, chunks, scale, is_varlen
     )
     return *grads, None
 
@@ -80,11 +75,4 @@ entry.register_checked(
     "gla_chunk_bwd_sm90",
     compile_key_chunk_gradients_sm90,
     {"[element by element]": {"is_varlen": True, "tile_copies": False}},
-)
-entry.register_checked(
-    "gla_chunk_bwd_sm90",
-    compile_key_chunk_gradients_sm90,
-    {"[balanced]": {"is_varlen": True, "balanced": True}, "[D=64, balanced]": {"head_dim": 64, "balanced": True}},
-    expected_ptx=(*entry.SM90_PTX, "ldmatrix"),
-    sass_allowed={"[balanced]": (24, 0)},  # as the default's
 )

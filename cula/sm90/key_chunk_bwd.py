@@ -20,11 +20,11 @@ S^T and dS'^T the checkpoints, stored (V, K); dA = scale (dO V^T) on j <= i < va
 Three warpgroups, one output each (dq, dk, dv); warp 0 issues the six TMA loads (q, k, v, do tiles (C, D); the
 checkpoints (D, D)) on one mbarrier while the first D threads scan the gates from global memory, one key channel each.
 Once all three outputs are made, q * dq and k * dk go to shared memory over the tiles no product reads any more (S and
-dS', V and dO), and the same D threads scan them into dg. ``balanced`` (opt-in, not yet run on a GPU) shares out the
-two epilogues that leave most threads waiting: sum_v (S * dS') per key is made by warpgroups 1 and 2 in parts while
-the gate scan runs (instead of by the dv warpgroup alone after its product, the others waiting at the next barrier),
-and dg's suffix sums by all threads, each a segment of the rows (its segment's sum, then the later segments' through
-shared memory), instead of D threads walking all C rows.
+dS', V and dO), and every thread takes a part of dg's suffix sums: a segment of the rows of one key channel (its
+segment's sum, then the later segments' through shared memory). sum_v (S * dS') per key is made by warpgroups 1 and 2
+in parts while the first D threads scan the gates. (Made by the dv warpgroup alone after its product and scanned by
+D threads walking all C rows, these two epilogues left most threads waiting: the kernel took 1.44 ms against 1.31 at
+B1 T8192 H64 on an H100.)
 
 Shapes: q, k, v, do, dq, dk, dv [B, T, H, D] bf16; g, dg [B, T, H, D] fp32 (g the natural-log gate; gates below
 the floor take no gradient); the checkpoints [rows, H, D, D] bf16 (S^T); ``chunks`` [rows, 2] int32 as
@@ -46,8 +46,7 @@ from cula.sm90.scalar_chunk_bwd import Params, ScalarGateChunkBwdSm90, Tensors
 
 WARPGROUPS = 3  # dq, dk, dv
 SAFE_SPAN = 108.0  # log2: as the forward's two-reference operands (cula.gla.chunk_fwd_sm90.SAFE_SPAN)
-GATE_BATCH = 32  # raw gates loaded at once by gate_gradient: 64 spill at D = 128
-PART_THREADS = 256  # ``balanced``: warpgroups 1 and 2, which make the column state's parts during the gate scan
+PART_THREADS = 256  # warpgroups 1 and 2, which make the column state's parts during the gate scan
 _LOG2E = math.log2(math.e)
 ROW = "row"  # an exponent's term: the accumulator element's own row (KeyGateChunkBwdSm90.exponent)
 
@@ -74,7 +73,7 @@ class Smem(NamedTuple):
     col_warps: cute.Tensor  # (4, D): sum_j (k * dk^inter)_j per warp of the dk warpgroup
     col_state: cute.Tensor  # (D,): 2^G_L sum_v (S * dS')
     steep: cute.Tensor  # (1,) int32
-    parts: cute.Tensor  # ``balanced``: (threads,) fp32, the epilogues' partial sums per key; else None
+    parts: cute.Tensor  # (threads,) fp32, the epilogues' partial sums per key
 
 
 @cute.jit
@@ -109,10 +108,9 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
 
     per_key_gate = True
 
-    def __init__(self, head_dim: int, is_varlen: bool, tile_copies: bool = True, balanced: bool = False):
+    def __init__(self, head_dim: int, is_varlen: bool, tile_copies: bool = True):
         super().__init__(head_dim, is_varlen, tile_copies)
         self.threads = 128 * WARPGROUPS
-        self.balanced = balanced
 
     # ---------------------------------------------------------------- host side
     @cute.jit
@@ -133,9 +131,8 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
             "sColWarps": cute.struct.MemRange[f32, 4 * D],
             "sColState": cute.struct.MemRange[f32, D],
             "sSteep": cute.struct.MemRange[cutlass.Int32, 4],
+            "sParts": cute.struct.MemRange[f32, self.threads],
         }
-        if cutlass.const_expr(self.balanced):
-            fields["sParts"] = cute.struct.MemRange[f32, self.threads]
         self.launch_with(p, fields, chunks.shape[0], q.shape[2], stream)
 
     # ---------------------------------------------------------------- device side
@@ -153,9 +150,7 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
 
         sQ, sK, sV, sDO, sS, sDS = self.loaded_tiles(st, p)
         sQL, sKR, sKF = (self.token_tile(p, field) for field in (st.sQL, st.sKR, st.sKF))
-        parts = None
-        if cutlass.const_expr(self.balanced):
-            parts = st.sParts.get_tensor(cute.make_layout(self.threads))
+        parts = st.sParts.get_tensor(cute.make_layout(self.threads))
         sm = Smem(
             sQ[None, None, 0], sK[None, None, 0], sV[None, None, 0], sDO[None, None, 0], sS[None, None, 0],
             sDS[None, None, 0], sQL[None, None, 0], sKR[None, None, 0], sKF[None, None, 0],
@@ -174,9 +169,8 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
             if tidx < D:
                 self.scan_gates(t, sm, valid, tidx, b, t0, h)
             self.await_tokens(loads, (sQ, sK, sV, sDO), valid, tidx)
-            if cutlass.const_expr(self.balanced):
-                if tidx >= self.threads - PART_THREADS:  # idle while warpgroup 0 scans
-                    self.column_state_parts(sm, tidx - (self.threads - PART_THREADS))
+            if tidx >= self.threads - PART_THREADS:  # idle while warpgroup 0 scans
+                self.column_state_parts(sm, tidx - (self.threads - PART_THREADS))
             cute.arch.sync_threads()  # the gates, the steep flag and the zeroed rows
             steep = sm.steep[0]
             self.gated_tiles(sm, steep, tidx)
@@ -191,10 +185,7 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
             else:
                 self.make_dv(p, sm, steep, valid, wtid, b, t0, h)
             cute.arch.sync_threads()  # q * dq and k * dk in shared memory
-            if cutlass.const_expr(self.balanced):
-                self.gate_gradient_segments(t, sm, valid, tidx, b, t0, h)
-            elif tidx < D:
-                self.gate_gradient(t, sm, valid, tidx, b, t0, h)
+            self.gate_gradient(t, sm, valid, tidx, b, t0, h)
 
     @cute.jit
     def scan_gates(self, t, sm, valid, key, b, t0, h):
@@ -385,12 +376,8 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
         self.store_rows(acc, cTD, p.t.dv, valid, b, t0, h)
         if wtid < D:
             x = cutlass.Float32(0.0)
-            if cutlass.const_expr(self.balanced):
-                for part in cutlass.range_constexpr(PART_THREADS // D):
-                    x = x + sm.parts[part * D + wtid]
-            else:
-                for v in cutlass.range(D, unroll=8):
-                    x = x + sm.s[v, wtid].to(cutlass.Float32) * sm.ds[v, wtid].to(cutlass.Float32)
+            for part in cutlass.range_constexpr(PART_THREADS // D):
+                x = x + sm.parts[part * D + wtid]
             sm.col_state[wtid] = x * cute.math.exp2(self.gate_at(sm, C - 1, wtid), fastmath=True)
         cute.arch.barrier(barrier_id=Barrier.GRADS_MADE, number_of_threads=self.threads)
 
@@ -434,29 +421,8 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
             dst[swizzled(i, d, self.D)] = acc[e]
 
     @cute.jit
-    def gate_gradient(self, t, sm, valid, key, b, t0, h):
-        """One key channel per thread: dg_t = sum_{s >= t} (q * dq - k * dk)_s + the chunk's constant, stored for the
-        valid tokens (zero where the raw gate is below the floor)."""
-        C = self.C
-        f32 = cutlass.Float32
-        constant = self.gate_gradient_constant(sm, key)
-        run = f32(0.0)
-        # the raw gates (for the floor) loaded a batch ahead of its stores: read between the stores to dg, which may
-        # alias them for the compiler, they made a chain of C dependent global round trips (all C at once spill); the
-        # index is clamped as in the scan, so that every load of a batch is issued at once
-        batch = GATE_BATCH
-        assert C % batch == 0, (C, batch)
-        raw = cute.make_rmem_tensor(cute.make_layout(batch), f32)
-        if cutlass.const_expr(self.tile_copies):  # a loop over the batches: less code
-            for rb in cutlass.range(C // batch, unroll=1):
-                run = self.gate_gradient_rows(t, sm, valid, key, b, t0, h, C - batch * (rb + 1), raw, run, constant)
-        else:
-            for rb in cutlass.range_constexpr(C // batch):
-                run = self.gate_gradient_rows(t, sm, valid, key, b, t0, h, C - batch * (rb + 1), raw, run, constant)
-
-    @cute.jit
     def column_state_parts(self, sm, i):
-        """``balanced``, thread ``i`` of the :data:`PART_THREADS`: sum_v (S * dS') of key channel i % D over part
+        """Thread ``i`` of the :data:`PART_THREADS`: sum_v (S * dS') of key channel i % D over part
         i // D of the value rows (PART_THREADS / D parts) to ``sm.parts``; ordered for the dv warpgroup by the
         barrier after the scan."""
         D = self.D
@@ -469,10 +435,11 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
         sm.parts[part * D + key] = x
 
     @cute.jit
-    def gate_gradient_segments(self, t, sm, valid, tidx, b, t0, h):
-        """``balanced``: :meth:`gate_gradient` by every thread, thread tidx on key channel tidx % D and segment
-        tidx // D of the rows (threads / D segments of ceil(C D / threads) rows): its raw gates loaded first, its
-        segment's sum to ``sm.parts``, then, past a barrier, its rows walked from the sum of the later segments."""
+    def gate_gradient(self, t, sm, valid, tidx, b, t0, h):
+        """dg_t = sum_{s >= t} (q * dq - k * dk)_s + the chunk's constant, stored for the valid tokens (zero where the
+        raw gate is below the floor), by every thread: thread tidx on key channel tidx % D and segment tidx // D of
+        the rows (threads / D segments of ceil(C D / threads) rows): its raw gates loaded first, its segment's sum to
+        ``sm.parts``, then, past a barrier, its rows walked from the sum of the later segments."""
         C, D = self.C, self.D
         f32 = cutlass.Float32
         segments = self.threads // D
@@ -500,20 +467,6 @@ class KeyGateChunkBwdSm90(ScalarGateChunkBwdSm90):
                 run = run + self.gate_gradient_term(sm, r, key)
                 if r < valid:
                     self.store_gate_gradient(t, run + constant, raw[i], b, t0, r, h, key)
-
-    @cute.jit
-    def gate_gradient_rows(self, t, sm, valid, key, b, t0, h, r0, raw, run, constant):
-        """:meth:`gate_gradient` on rows ``r0 ..`` (a batch, ``raw`` its registers), from the last; returns the
-        running sum."""
-        batch = cute.size(raw)
-        self.load_raw_gates(t, raw, r0, valid, b, t0, h, key)
-        for rev in cutlass.range_constexpr(batch):
-            i = batch - 1 - rev
-            r = r0 + i
-            run = run + self.gate_gradient_term(sm, r, key)
-            if r < valid:
-                self.store_gate_gradient(t, run + constant, raw[i], b, t0, r, h, key)
-        return run
 
     @cute.jit
     def load_raw_gates(self, t, raw, r0, valid, b, t0, h, key):

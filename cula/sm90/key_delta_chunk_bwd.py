@@ -54,12 +54,13 @@ import cutlass.cute as cute
 from cula.sm90 import mma, pipeline, solve, tiles
 from cula.sm90.chunk_fwd import A_STRIDE
 from cula.sm90.delta_chunk_bwd import DeltaChunkBwdSm90
-from cula.sm90.key_chunk_bwd import GATE_BATCH, gate_pair, swizzled
+from cula.sm90.key_chunk_bwd import gate_pair, swizzled
 from cula.sm90.scalar_chunk_bwd import Params, Tensors
 
 WARPGROUPS = 3
 SLAB = 64  # value columns per CTA
 KEY_BLOCK = 64  # key columns per gradient accumulator of the score gradients (two live at once)
+GATE_BATCH = 32  # raw gates loaded at once by gate_gradient: 64 spill at D = 128
 # sRows columns: per token, the row sums dbeta adds up
 DA_KK, K_DBK, V_DBV = range(3)
 _LOG2E = math.log2(math.e)

@@ -109,41 +109,38 @@ def tile_copies() -> bool:
 
 
 def compile_gradients(
-    kernel_class, arch="sm_90a", *, head_dim=128, is_varlen=False, tile_copies=True, keep_artifacts=False, **options
+    kernel_class, arch="sm_90a", *, head_dim=128, is_varlen=False, tile_copies=True, keep_artifacts=False
 ):  # fmt: skip
     """``kernel_class`` (one of the per-chunk gradient kernels) compiled on any machine for ``arch``
-    (``tile_copies``: :data:`ENV_TILE_COPIES`; ``options``: the class's own constructor arguments); bound to its
-    class, a variant's compile function for the compile check."""
+    (``tile_copies``: :data:`ENV_TILE_COPIES`); bound to its class, a variant's compile function for the compile
+    check."""
     from cula import runtime
 
     args = kernel_class.fake_args(head_dim)
-    kernel = kernel_class(head_dim, is_varlen, tile_copies, **options)
-    return runtime.compile_kernel(kernel, args, arch, keep_artifacts)
+    return runtime.compile_kernel(kernel_class(head_dim, is_varlen, tile_copies), args, arch, keep_artifacts)
 
 
-def compiled(name: str, kernel_class, device, head_dim: int, is_varlen: bool, **options):
-    """``kernel_class`` compiled for ``device``'s architecture with its tile copies (:func:`tile_copies`) and
-    ``options`` (its own constructor arguments) on first use, then cached under ``name`` and all of those."""
+def compiled(name: str, kernel_class, device, head_dim: int, is_varlen: bool):
+    """``kernel_class`` compiled for ``device``'s architecture with its tile copies (:func:`tile_copies`) on first
+    use, then cached under ``name`` and those."""
     from cula import runtime
 
     arch = runtime.device_arch(device)
     copies = tile_copies()
     return runtime.get_or_compile(
-        (name, head_dim, is_varlen, copies, arch, *sorted(options.items())),
-        lambda: compile_gradients(
-            kernel_class, arch, head_dim=head_dim, is_varlen=is_varlen, tile_copies=copies, **options
-        ),
+        (name, head_dim, is_varlen, copies, arch),
+        lambda: compile_gradients(kernel_class, arch, head_dim=head_dim, is_varlen=is_varlen, tile_copies=copies),
     )
 
 
-def gradients(name: str, kernel_class, q, k, v, do, gate, S, dS, chunks, scale, is_varlen, **options) -> tuple:
-    """Passes 3 and 4 by ``kernel_class`` (compiled once per head dim, layout, architecture and ``options``, cached
-    under ``name``): ``(dq, dk, dv in q's dtype, the gate's gradient fp32 in the gate's shape)``, as
+def gradients(name: str, kernel_class, q, k, v, do, gate, S, dS, chunks, scale, is_varlen) -> tuple:
+    """Passes 3 and 4 by ``kernel_class`` (compiled once per head dim, layout and architecture, cached under
+    ``name``): ``(dq, dk, dv in q's dtype, the gate's gradient fp32 in the gate's shape)``, as
     :func:`cula.ops.chunk_backward.rows_backward` gives them; ``chunks`` the chunk rows as the kernel reads them
     (:class:`cula.ops.chunk_backward.ChunkRows`' ``kernel_rows``). The gate is [B, T, H] or, per key, [B, T, H, D]."""
     import torch
 
-    fn = compiled(name, kernel_class, q.device, q.shape[3], is_varlen, **options)
+    fn = compiled(name, kernel_class, q.device, q.shape[3], is_varlen)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dgate = torch.empty(gate.shape, dtype=torch.float32, device=q.device)
     fn(q, k, v, do, gate, S, dS, chunks, dq, dk, dv, dgate, float(scale))
