@@ -120,6 +120,8 @@ def test_plan_segments():
     # many heads or balanced batches: walking whole sequences is at least as fast
     assert plan_segments([8192], 64, 132) is None
     assert plan_segments([2048] * 8, 32, 132) is None
+    # with a pieced correction (its work spread over the SMs) one long sequence of many heads is cut in two
+    assert plan_segments([8192], 64, 132, cost=SplitCost(pieced=True)) == [[4096]]
     # a split's own cost (launches, allocations) counts once: larger than the walk it saves, no split
     assert plan_segments([65536], 8, 132, cost=SplitCost(fixed=1000.0)) is None
     assert plan_segments([65536], 8, 132, cost=SplitCost(fixed=100.0)) is not None
