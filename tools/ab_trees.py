@@ -1,10 +1,11 @@
 """Time one op's SM90 entry in several source trees of cuLA, side by side on the same GPU, and compare their outputs.
 
     python tools/ab_trees.py [--op gdn|kda|gla|simple_gla] [--shapes 2x16384x64,8x2048x32,skewed10] [--split] [--l2norm]
-        [--gate-in-kernel] [--profile] [--seg auto,24,32] TREE [TREE ...]
+        [--gate-in-kernel] [--profile] [--seg auto,24,32] TREE[@NAME=VALUE,...] [TREE[@...] ...]
 
 A tree is a folder holding a ``cula`` package: this checkout (``.``) or another revision extracted into the
-repository, for instance ``mkdir -p dev_trees/merge && git archive gdn-merge-registers cula | tar -x -C
+repository, optionally with environment settings for its process after an ``@`` (an opt-in switch against its
+default in one checkout: ``. .@CULA_PIECED_CORRECTION=1``), for instance ``mkdir -p dev_trees/merge && git archive gdn-merge-registers cula | tar -x -C
 dev_trees/merge`` (plain files travel with the working tree to the GPU machine; a ``git worktree`` would be a nested
 repository, sent without its files). Each tree runs in its own subprocess, in the order given, on inputs made from
 one seed, and times
@@ -20,6 +21,7 @@ neighbours: a skewed mix's long sequence of 128 chunks is in 4 pieces at 32).
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -109,7 +111,9 @@ def main() -> int:
     order = [*a.trees, a.trees[0]] if len(a.trees) > 1 else a.trees
     results = []
     with tempfile.TemporaryDirectory() as out_dir:
-        for i, tree in enumerate(order):
+        for i, spec in enumerate(order):
+            tree, _, settings = spec.partition("@")
+            env = {**os.environ, **dict(kv.split("=", 1) for kv in settings.split(",") if kv)}
             root = str(Path(tree).resolve())
             flags = ["1" if x else "0" for x in (a.l2norm, a.gate_in_kernel, a.profile)]
             args = [root, a.op, a.shapes, a.split, *flags, out_dir, str(i), a.seg]
@@ -118,10 +122,11 @@ def main() -> int:
                 capture_output=True,
                 text=True,
                 cwd=Path(__file__).resolve().parent.parent,
+                env=env,
             )
             if done.returncode != 0:
-                print(f"{tree}: failed\n{done.stderr[-3000:]}", flush=True)
-                results.append({"tree": tree, "rows": None})
+                print(f"{spec}: failed\n{done.stderr[-3000:]}", flush=True)
+                results.append({"tree": spec, "rows": None})
                 continue
             rows = json.loads(done.stdout.strip().splitlines()[-1])
             for row in rows:
@@ -131,8 +136,8 @@ def main() -> int:
                     o1, h1 = torch.load(f"{saved}.{i}.pt")
                     row["max_diff_o"] = (o1.float() - o0.float()).abs().max().item()
                     row["max_diff_state"] = (h1 - h0).abs().max().item()
-                print(f"{tree:40s} {row['shape']:14s} {row['ms']:.4f} ms  " + json.dumps(row), flush=True)
-            results.append({"tree": tree, "rows": rows})
+                print(f"{spec:40s} {row['shape']:14s} {row['ms']:.4f} ms  " + json.dumps(row), flush=True)
+            results.append({"tree": spec, "rows": rows})
     if a.out:
         Path(a.out).write_text(json.dumps(results, indent=1))
     return 0
