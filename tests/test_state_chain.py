@@ -20,13 +20,13 @@ def test_chain_kernel_matches_pytorch(D, aligned, cuts):
     from cula.ops.segment_split import _split_plan, chain_starts_torch
     from cula.ops.state_chain_sm90 import chain_starts
 
-    plan = _split_plan("cuda", OFFSETS, CUTS[cuts], aligned)
+    plan = _split_plan("cuda", OFFSETS, CUTS[cuts], aligned, 0)
     HV = 3
     local = torch.randn(plan.segments, HV, D, D, device="cuda")
     trans = None
     if plan.has_middle:
         trans = torch.randn(plan.transition[0].numel(), HV, D, D, device="cuda") / D**0.5
-    rows = plan.correction[0].numel()
+    rows = plan.later
     ref = torch.full((rows, HV, D, D), float("nan"), device="cuda")
     got = ref.clone()
     chain_starts_torch(local, trans, ref, *plan.chain)
