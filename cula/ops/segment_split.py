@@ -75,7 +75,6 @@ class SplitCost(NamedTuple):
         fixed: float = 0.0,
         wave: float = 0.0,
         lone: float = 1.0,
-        pieced: bool = False,
     ) -> SplitCost:
         """The costs from measured microseconds (per chunk, per link and value head, once, per extra wave; ``first``
         defaults to a whole chunk), each divided by ``chunk_us``, an unsplit sequence's chunk; ``lone`` is already a
@@ -89,7 +88,6 @@ class SplitCost(NamedTuple):
             fixed / chunk_us,
             wave / chunk_us,
             lone,
-            pieced,
         )
 
 
