@@ -76,15 +76,16 @@ def test_split_matches_unsplit(per_key, with_h0, aligned, empty):
 @pytest.mark.parametrize("per_key", [False, True])
 @pytest.mark.parametrize("with_h0", [False, True])
 def test_pieced_correction_matches_unsplit(per_key, with_h0):
-    """Without the delta rule the correction pass may run each later segment in pieces, each from its segment's start
-    decayed by the gate up to the piece (a piece longer than what is left of its segment included); the outputs and
-    final states are the unsplit recurrence's, gates at the floor and -inf included."""
+    """Without the delta rule the middle segments' transitions come from the gate (two of unequal length here) and the
+    correction pass may run each later segment in pieces, each from its segment's start decayed by the gate up to the
+    piece (a piece longer than what is left of its segment included); the outputs and final states are the unsplit
+    recurrence's, a -inf gate (a reset) inside a middle segment included."""
     lengths = [1, 300, 64, 450, 0]
-    cuts = [[], [64, 128], [], [192], []]
+    cuts = [[], [64, 128, 200], [], [192], []]
     offsets = [0] + torch.cumsum(torch.tensor(lengths), 0).tolist()
     H, HV, K = 1, 2, 16
     q, k, v, g, _ = make(offsets[-1], H, HV, K, per_key)
-    g[:, 200] = float("-inf")  # a reset inside the second sequence's last segment
+    g[:, 150] = float("-inf")  # a reset inside the second sequence's second middle segment
     h0 = torch.randn(len(lengths), HV, K, K, dtype=torch.float64) if with_h0 else None
     cu = torch.tensor(offsets)
     o_ref, ht_ref = linear_attn_ref(q, k, v, g=g, initial_state=h0, output_final_state=True, cu_seqlens=cu)
@@ -99,8 +100,10 @@ def test_pieced_correction_matches_unsplit(per_key, with_h0):
     ht = split_forward(run, offsets, cuts, h0, out, True, piece=128, gate=g)
     torch.testing.assert_close(out, o_ref, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(ht, ht_ref, rtol=1e-6, atol=1e-6)
-    # the later segments [65, 129), [129, 301) and [557, 815) in pieces of at most 128 tokens
-    assert seen[-1] == ("correction", [65, 129, 257, 557, 685, 813], [129, 257, 301, 685, 813, 815])
+    # the full and correction passes only; the later segments [65, 129), [129, 201), [201, 301) and [557, 815) in
+    # pieces of at most 128 tokens
+    assert [m for m, *_ in seen] == ["full", "correction"]
+    assert seen[-1] == ("correction", [65, 129, 201, 557, 685, 813], [129, 201, 301, 685, 813, 815])
 
 
 def test_correction_pieces_fill_about_two_waves():

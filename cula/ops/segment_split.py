@@ -28,7 +28,6 @@ from typing import NamedTuple
 import torch
 
 from cula import runtime
-from cula.ops.gates import GATE_FLOOR
 
 CHUNK = 64
 MIN_PIECE_CHUNKS = 8
@@ -217,32 +216,6 @@ def chain_starts_torch(local, trans, starts, offsets, rows) -> None:
                 state = torch.baddbmm(local[i], trans[t], state)
 
 
-def gate_transitions(g: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, K: int) -> torch.Tensor:
-    """What a "transition" pass returns for the token ranges ``[starts, ends)`` of a recurrence without the delta
-    rule (``g`` [1, T, HV] or, per key, [1, T, HV, K] fp32 natural-log gates on the flattened token axis): its v = 0
-    walk from S = I only decays the state, so a range's transition is diag(e^(its gates' sum per key)),
-    ``[ranges, HV, K, K]`` fp32. Each gate is taken as the kernels take it, at :data:`cula.ops.gates.GATE_FLOOR` or
-    above (NaN too). A sum is the difference of two running sums, each an fp64 sum over whole 64-token blocks plus an
-    fp32 one within a block (an fp32 running sum over the whole axis would cancel on long sequences; an fp64 one
-    would double the per-key gate's bytes)."""
-    # no tensor made from a host value: its copy would wait for the device (and break a CUDA graph's capture)
-    gate = g[0].nan_to_num(nan=GATE_FLOOR, neginf=GATE_FLOOR).clamp_min(GATE_FLOOR)  # [T, HV(, K)]
-    T, block = gate.shape[0], CHUNK
-    blocks = torch.cat([gate, gate.new_zeros(-T % block, *gate.shape[1:])]).view(-1, block, *gate.shape[1:])
-    within = blocks.cumsum(1)  # the running sum inside each block, fp32
-    before = torch.cat([blocks.new_zeros(1, *gate.shape[1:], dtype=torch.float64), within[:, -1].double().cumsum(0)])
-
-    def running(t: torch.Tensor) -> torch.Tensor:  # the sum of the gates before token t, [ranges, HV(, K)]
-        b, r = t.long() // block, t.long() % block
-        inside = within[b.clamp_max(within.shape[0] - 1), (r - 1).clamp_min(0)]
-        return before[b] + torch.where((r > 0).view(-1, *[1] * (inside.dim() - 1)), inside, 0.0).double()
-
-    decay = (running(ends) - running(starts)).exp().float()
-    if decay.dim() == 2:  # one gate for every key
-        decay = decay[..., None].expand(*decay.shape, K)
-    return torch.diag_embed(decay)
-
-
 def correction_piece(offsets: list[int], cuts: list[list[int]], HV: int, num_sms: int, chunk: int = CHUNK) -> int:
     """Tokens per piece of a pieced correction pass (:attr:`SplitCost.pieced`), or 0 where the segments themselves are
     short enough: the later segments' chunks (of the kernel's ``chunk`` tokens) over about two waves of CTAs, at least
@@ -277,20 +250,23 @@ def split_forward(
     The first pass runs each sequence's first segment from its initial state, so only the middle segments need a
     transition and only the later ones a correction; ``chain`` makes the later segments' starts between them. With
     ``aligned`` every pass gets every segment, in the same order (the ones a pass skips as empty ranges), so a runner
-    can hand a pass what the first one left for the same segment index. With ``piece`` (tokens, a multiple of
-    :data:`CHUNK`; not ``aligned``) the correction pass runs each later segment in pieces of that many tokens, each
-    from its segment's start decayed by ``gate`` up to the piece (a recurrence without the delta rule, whose
-    homogeneous part only decays; ``gate`` as :func:`gate_transitions` takes it, :func:`_piece_decays`). Host work per
-    call is a fixed handful of ops whatever the number of segments (the plan's device tables are made once per
-    split)."""
-    assert not (piece and aligned), "an aligned pass runs every segment whole"
+    can hand a pass what the first one left for the same segment index. ``gate``: the activated gate of a recurrence
+    without the delta rule ([1, T, HV] or, per key, [1, T, HV, K] fp32 natural-log gates on the flattened token
+    axis), whose v = 0 walk only decays the state: the middle segments' transitions are then its decays
+    (:func:`_gate_transitions`), no "transition" pass runs, and with ``piece`` (tokens, a multiple of :data:`CHUNK`;
+    not ``aligned``) the correction pass runs each later segment in pieces of that many tokens, each from its
+    segment's start decayed up to the piece (:func:`_piece_decays`). Host work per call is a fixed handful of ops and
+    one per sequence with middle segments or pieces (the plan's device tables are made once per split)."""
+    assert not (piece and (aligned or gate is None)), "pieces run uncached, from the gate's decays"
     plan = _split_plan(str(out.device), tuple(offsets), tuple(map(tuple, cuts)), aligned, piece)
     h0 = None
     if initial_state is not None:
         h0 = initial_state.new_zeros(plan.segments, *initial_state.shape[1:])
         h0.index_add_(0, plan.first, initial_state)  # onto zeros: a copy (index_copy_ wants int64)
     local = run("full", *plan.full, h0, out)
-    trans = run("transition", *plan.transition, None, out) if plan.has_middle else None
+    trans = None
+    if plan.has_middle:
+        trans = run("transition", *plan.transition, None, out) if gate is None else _gate_transitions(gate, plan, local)
     if plan.has_later:
         starts = local.new_empty(plan.later, *local.shape[1:])
         chain(local, trans, starts, *plan.chain)
@@ -326,6 +302,8 @@ class _SplitPlan(NamedTuple):
     split_seqs: torch.Tensor
     split_last: torch.Tensor
     pieces: _Pieces | None
+    # the middle segments as runs of equal contiguous ones, (first token, count, tokens each), in their order
+    middles: tuple[tuple[int, int, int], ...]
 
 
 class _Pieces(NamedTuple):
@@ -346,14 +324,33 @@ class _Pieces(NamedTuple):
 _RESET_SUM = -1e4
 
 
+def _range_sums(gate: torch.Tensor, runs) -> torch.Tensor:
+    """``gate`` ([1, T, HV(, K)]) summed over each of the equal contiguous ranges of ``runs`` ((first token, count,
+    tokens each)), in fp64, a sum with a NaN or at or below :data:`_RESET_SUM` taken as that: one reduction over a view
+    per run, reading those tokens once."""
+    rest = gate.shape[2:]
+    sums = torch.cat([gate[0, a : a + n * length].view(n, length, *rest).sum(1) for a, n, length in runs])
+    return sums.double().nan_to_num(nan=_RESET_SUM).clamp_min(_RESET_SUM)
+
+
+def _gate_transitions(gate: torch.Tensor, plan: _SplitPlan, local: torch.Tensor) -> torch.Tensor:
+    """What a "transition" pass returns for the middle segments of a recurrence without the delta rule: its v = 0 walk
+    from S = I only decays the state, so a segment's transition is diag(e^(its gates' sum per key)), ``[segments, HV,
+    K, K]`` in the dtype of ``local`` (the first pass's states, fp32 from the kernels). The kernels take each gate at
+    :data:`cula.ops.gates.GATE_FLOOR` or above (NaN too): a sum that passes it is a reset either way."""
+    decay = _range_sums(gate, plan.middles).exp().to(local.dtype)
+    if decay.dim() == 2:  # one gate for every key
+        decay = decay[..., None].expand(*decay.shape, local.shape[-2])
+    return torch.diag_embed(decay)
+
+
 def _piece_decays(gate: torch.Tensor, plan: _SplitPlan) -> torch.Tensor:
     """Each correction piece's decay from its segment's start, ``[pieces, HV(, K)]`` fp32: ``gate`` ([1, T, HV(, K)])
     summed over each piece before a segment's last (one reduction over a view per segment), then over the pieces
     before each piece in its segment in fp64."""
     p = plan.pieces
     rest = gate.shape[2:]
-    sums = torch.cat([gate[0, a : a + n * p.piece].view(n, p.piece, *rest).sum(1) for a, n in p.blocks])
-    sums = sums.double().nan_to_num(nan=_RESET_SUM).clamp_min(_RESET_SUM)
+    sums = _range_sums(gate, [(a, n, p.piece) for a, n in p.blocks])
     through = sums.cumsum(0)  # through each piece, over every block
     within = through - (through - sums).index_select(0, p.block_first)
     decays = torch.cat([within.new_zeros(1, *rest), within]).exp().float()
@@ -395,6 +392,13 @@ def _split_plan(dev: str, offsets: tuple, cuts: tuple, aligned: bool, piece: int
             corrected += [(a, min(a + piece, e)) for a in starts]
             piece_segment += [j] * len(starts)
             last_piece[i] = len(corrected) - 1
+    middles = []
+    for i in mid_idx:
+        _, s, e = segs[i]
+        if middles and middles[-1][0] + middles[-1][1] * middles[-1][2] == s and middles[-1][2] == e - s:
+            middles[-1][1] += 1
+        else:
+            middles.append([s, 1, e - s])
     offs, rows = [0], []
     split_seqs, split_last = [], []
     for n, i0 in first.items():
@@ -426,4 +430,5 @@ def _split_plan(dev: str, offsets: tuple, cuts: tuple, aligned: bool, piece: int
         (views[6], views[7].view(-1, 3)),
         *views[8:12],
         _Pieces(piece, tuple(blocks), *views[12:15]) if blocks else None,
+        tuple(map(tuple, middles)),
     )

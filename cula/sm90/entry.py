@@ -86,10 +86,10 @@ class ChunkKernel:
     - ``options(call)``: its compile-time options beyond :class:`ChunkFwdConfig` (part of the cache key).
     - ``delta_rule``: its recurrence (:attr:`ChunkFwdConfig.delta_rule`), in every launch's config.
     - ``chunk``: its chunk size (the state walks' checkpoint rows, :mod:`cula.sm90.walks`).
-    - ``gate_transition``: a split's transitions are made on the host from the gate
-      (:func:`cula.ops.segment_split.gate_transitions`) instead of by a "transition" pass: true for a kernel without
-      the delta rule that reads its gate activated (fp32 natural log, per token or per token and key), where a
-      range's transition is the gate's decay over the range, a diagonal."""
+    - ``gate_transition``: a split's transitions are made on the host from the gate (``gate`` of
+      :func:`cula.ops.segment_split.split_forward`) instead of by a "transition" pass: true for a kernel without the
+      delta rule that reads its gate activated (fp32 natural log, per token or per token and key), where a range's
+      transition is the gate's decay over the range, a diagonal."""
 
     name: str
     compile: Callable[..., Any]
@@ -296,15 +296,15 @@ def _split(kernel: ChunkKernel, call: ChunkCall, plan: Plan, o: torch.Tensor, sc
         h0 = h0.transpose(-1, -2)
     cost = kernel.split_cost(call)
     cached, piece = cost.cached, 0
-    if cost.pieced:
-        assert kernel.gate_transition and call.gate is None, "pieces start from the activated gate's decay"
+    # the activated gate of a kernel without the delta rule: the transitions (and a pieced correction's starts)
+    # are its decays
+    gate = flat[3] if kernel.gate_transition and call.gate is None else None
+    if cost.pieced and gate is not None:
         sms = runtime.sm_count(call.q.device)
         piece = segment_split.correction_piece(plan.offsets, plan.cuts, HV, sms, kernel.chunk)
     saved = {}
 
     def run(mode, starts, ends, h0_, out_):
-        if mode == "transition" and kernel.gate_transition and call.gate is None:
-            return segment_split.gate_transitions(flat[3], starts, ends, K)
         Vd = K if mode == "transition" else call.v.shape[3]
         ht_ = torch.empty(starts.numel(), HV, K, Vd, dtype=torch.float32, device=call.q.device)
         intra = "none"
@@ -325,7 +325,7 @@ def _split(kernel: ChunkKernel, call: ChunkCall, plan: Plan, o: torch.Tensor, sc
     chain = state_chain_sm90.chain_starts if call.q.is_cuda else segment_split.chain_starts_torch
     ht = segment_split.split_forward(
         run, plan.offsets, plan.cuts, h0, flat[5], call.output_final_state, aligned=cached, chain=chain,
-        piece=piece, gate=flat[3],
+        piece=piece, gate=gate,
     )  # fmt: skip
     if ht is not None and call.state_v_first:
         ht = ht.transpose(-1, -2).contiguous()
