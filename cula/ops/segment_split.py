@@ -257,7 +257,8 @@ def split_forward(
     not ``aligned``) the correction pass runs each later segment in pieces of that many tokens, each from its
     segment's start decayed up to the piece (:func:`_piece_decays`). Host work per call is a fixed handful of ops and
     one per sequence with middle segments or pieces (the plan's device tables are made once per split)."""
-    assert not (piece and (aligned or gate is None)), "pieces run uncached, from the gate's decays"
+    assert gate is None or not aligned, "the gate's transitions are indexed as uncached passes index them"
+    assert not piece or gate is not None, "pieces start from the gate's decays"
     plan = _split_plan(str(out.device), tuple(offsets), tuple(map(tuple, cuts)), aligned, piece)
     h0 = None
     if initial_state is not None:
