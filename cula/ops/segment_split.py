@@ -308,13 +308,13 @@ class _SplitPlan(NamedTuple):
 
 
 class _Pieces(NamedTuple):
-    """A pieced correction's tables: ``piece`` tokens; ``blocks`` (first token, count) of each later segment's pieces
-    before its last (equal, contiguous: the gate summed over them as one view); for each such piece, the index of its
-    segment's first one among them (``block_first``); for every piece, one plus the index of the piece before it among
-    them, 0 for a segment's first (``source``); each piece's segment slot among the chain's starts."""
+    """A pieced correction's tables: ``blocks`` (first token, count, tokens each) of each later segment's pieces before
+    its last (equal, contiguous: the gate summed over them as one view, as :class:`_SplitPlan`'s ``middles``); for each
+    such piece, the index of its segment's first one among them (``block_first``); for every piece, one plus the index
+    of the piece before it among them, 0 for a segment's first (``source``); each piece's segment slot among the
+    chain's starts."""
 
-    piece: int
-    blocks: tuple[tuple[int, int], ...]
+    blocks: tuple[tuple[int, int, int], ...]
     block_first: torch.Tensor
     source: torch.Tensor
     segment: torch.Tensor
@@ -351,7 +351,7 @@ def _piece_decays(gate: torch.Tensor, plan: _SplitPlan) -> torch.Tensor:
     before each piece in its segment in fp64."""
     p = plan.pieces
     rest = gate.shape[2:]
-    sums = _range_sums(gate, [(a, n, p.piece) for a, n in p.blocks])
+    sums = _range_sums(gate, p.blocks)
     through = sums.cumsum(0)  # through each piece, over every block
     within = through - (through - sums).index_select(0, p.block_first)
     decays = torch.cat([within.new_zeros(1, *rest), within]).exp().float()
@@ -386,7 +386,7 @@ def _split_plan(dev: str, offsets: tuple, cuts: tuple, aligned: bool, piece: int
             _, s, e = segs[i]
             starts = list(range(s, e, piece))
             if len(starts) > 1:
-                blocks.append((s, len(starts) - 1))
+                blocks.append((s, len(starts) - 1, piece))
             first_summed = len(block_first)
             block_first += [first_summed] * (len(starts) - 1)
             source += [0] + list(range(first_summed + 1, first_summed + len(starts)))
@@ -430,6 +430,6 @@ def _split_plan(dev: str, offsets: tuple, cuts: tuple, aligned: bool, piece: int
         (views[2], views[5]),
         (views[6], views[7].view(-1, 3)),
         *views[8:12],
-        _Pieces(piece, tuple(blocks), *views[12:15]) if blocks else None,
+        _Pieces(tuple(blocks), *views[12:15]) if blocks else None,
         tuple(map(tuple, middles)),
     )
