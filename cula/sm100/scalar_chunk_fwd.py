@@ -171,11 +171,9 @@ class ScalarGateChunkFwdSm100:
         # a correction pass (V_new = 0) makes no P~ and no update: O = Q~ S from its start, the state only decays
         self.makes_scores = config.mode == "full" and config.make_o
         self.updates_state = config.mode == "full"
-        # the tiles of the q | k | v stage each chunk loads: a walk reads no q (its key place is k, or q itself), a
-        # correction pass q alone
-        self.loaded_tiles = {(True, True): (0, 1, 2), (False, True): (1, 2), (True, False): (0,)}[
-            (config.make_o, self.updates_state)
-        ]
+        # the tiles of the q | k | v stage each chunk loads: q for the output (a walk's key place is k, or q itself),
+        # k and v for the update (a correction pass makes none)
+        self.loaded_tiles = ((0,) if config.make_o else ()) + ((1, 2) if self.updates_state else ())
 
     # ---------------------------------------------------------------- host side
     @cute.jit
