@@ -283,16 +283,13 @@ def test_the_sm100_forward_host_path_matches_the_reference(monkeypatch, case):
     assert modes == (["full", "correction"] if case == "split" else ["full"])
 
 
-@pytest.mark.parametrize("pieced", [False, True])
-def test_a_split_simple_gla_call_matches_the_reference(monkeypatch, pieced):
+def test_a_split_simple_gla_call_matches_the_reference(monkeypatch):
     """The SM90 simple GLA host path of a split call (cut every 16 chunks; the start chain, the gate's decay as the
     transitions) with the kernel's launches emulated on the CPU: outputs and final states against the fp64 reference,
-    per sequence; with ``CULA_PIECED_CORRECTION=1`` the correction pass runs the later segments in pieces of 8
-    chunks."""
+    per sequence."""
     from launch_emulation import launch as emulated_launch
 
     from cula.lightning.chunk_fwd_sm90 import chunk_simple_gla_fwd_sm90
-    from cula.ops.segment_split import ENV_PIECED
     from cula.sm90 import entry
 
     corrected = []
@@ -306,7 +303,6 @@ def test_a_split_simple_gla_call_matches_the_reference(monkeypatch, pieced):
     props = type("Props", (), {"name": "NVIDIA H200", "multi_processor_count": 132})()
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
     cula.runtime.forget_devices()
-    monkeypatch.setenv(ENV_PIECED, "1" if pieced else "0")
     torch.manual_seed(5)
     lengths = [0, 1, 130, 2200, 64]
     offsets = [0, *itertools.accumulate(lengths)]
@@ -330,8 +326,6 @@ def test_a_split_simple_gla_call_matches_the_reference(monkeypatch, pieced):
         if e > s:
             assert rel_rmse(o[0, s:e], o_ref[0, s:e]) <= 0.005, (n, rel_rmse(o[0, s:e], o_ref[0, s:e]))
         assert rel_rmse(ht[n], ht_ref[n]) <= 0.005, n
-    # the 2200-token sequence (from token 131) cut at 1024 and 2048 tokens: its later segments whole or in pieces
+    # the 2200-token sequence (from token 131) cut at 1024 and 2048 tokens: its later segments corrected
     first = 131
-    segments = [[first + 1024, first + 2048], [first + 2048, first + 2200]]
-    pieces = [[first + 1024, first + 1536, first + 2048], [first + 1536, first + 2048, first + 2200]]
-    assert corrected == [tuple(pieces if pieced else segments)]
+    assert corrected == [([first + 1024, first + 2048], [first + 2048, first + 2200])]

@@ -12,7 +12,6 @@ from cula.ops.segment_split import (
     SplitCost,
     _walk,
     chunk_walk_ms,
-    correction_piece,
     plan_segments,
     split_forward,
 )
@@ -75,11 +74,10 @@ def test_split_matches_unsplit(per_key, with_h0, aligned, empty):
 
 @pytest.mark.parametrize("per_key", [False, True])
 @pytest.mark.parametrize("with_h0", [False, True])
-def test_pieced_correction_matches_unsplit(per_key, with_h0):
-    """Without the delta rule the middle segments' transitions come from the gate (two of unequal length here) and the
-    correction pass may run each later segment in pieces, each from its segment's start decayed by the gate up to the
-    piece (a piece longer than what is left of its segment included); the outputs and final states are the unsplit
-    recurrence's, a -inf gate (a reset) inside a middle segment included."""
+def test_gate_transitions_match_unsplit(per_key, with_h0):
+    """Without the delta rule the middle segments' transitions come from the gate (two of unequal length here): no
+    transition pass runs, and the outputs and final states are the unsplit recurrence's, a -inf gate (a reset) inside
+    a middle segment included."""
     lengths = [1, 300, 64, 450, 0]
     cuts = [[], [64, 128, 200], [], [192], []]
     offsets = [0] + torch.cumsum(torch.tensor(lengths), 0).tolist()
@@ -97,23 +95,12 @@ def test_pieced_correction_matches_unsplit(per_key, with_h0):
         return runner(mode, starts, ends, h0_, out_)
 
     out = torch.full_like(o_ref, float("nan"))
-    ht = split_forward(run, offsets, cuts, h0, out, True, piece=128, gate=g)
+    ht = split_forward(run, offsets, cuts, h0, out, True, gate=g)
     torch.testing.assert_close(out, o_ref, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(ht, ht_ref, rtol=1e-6, atol=1e-6)
-    # the full and correction passes only; the later segments [65, 129), [129, 201), [201, 301) and [557, 815) in
-    # pieces of at most 128 tokens
+    # the full and correction passes only, the correction over the later segments
     assert [m for m, *_ in seen] == ["full", "correction"]
-    assert seen[-1] == ("correction", [65, 129, 201, 557, 685, 813], [129, 201, 301, 685, 813, 815])
-
-
-def test_correction_pieces_fill_about_two_waves():
-    # B1 T8192 H64 cut in two: the second half's 64 chunks in pieces of 16 (256 CTAs on 132 SMs)
-    assert correction_piece([0, 8192], [[4096]], 64, 132) == 16 * 64
-    # B1 T65536 H8 in 16 segments: 960 later chunks over 264 CTAs want about 30 each: 64 in three pieces of 22
-    assert correction_piece([0, 65536], [list(range(4096, 65536, 4096))], 8, 132) == 22 * 64
-    # never under 8 chunks; none where that is a whole segment already
-    assert correction_piece([0, 2048], [[1024]], 64, 132) == 8 * 64
-    assert correction_piece([0, 1024], [[512]], 64, 132) == 0
+    assert seen[-1] == ("correction", [65, 129, 201, 557], [129, 201, 301, 815])
 
 
 def test_plan_segments():
@@ -123,8 +110,6 @@ def test_plan_segments():
     # many heads or balanced batches: walking whole sequences is at least as fast
     assert plan_segments([8192], 64, 132) is None
     assert plan_segments([2048] * 8, 32, 132) is None
-    # with a pieced correction (its work spread over the SMs) one long sequence of many heads is cut in two
-    assert plan_segments([8192], 64, 132, cost=SplitCost(pieced=True)) == [[4096]]
     # a split's own cost (launches, allocations) counts once: larger than the walk it saves, no split
     assert plan_segments([65536], 8, 132, cost=SplitCost(fixed=1000.0)) is None
     assert plan_segments([65536], 8, 132, cost=SplitCost(fixed=100.0)) is not None

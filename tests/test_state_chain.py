@@ -20,7 +20,7 @@ def test_chain_kernel_matches_pytorch(D, aligned, cuts):
     from cula.ops.segment_split import _split_plan, chain_starts_torch
     from cula.ops.state_chain_sm90 import chain_starts
 
-    plan = _split_plan("cuda", OFFSETS, CUTS[cuts], aligned, 0)
+    plan = _split_plan("cuda", OFFSETS, CUTS[cuts], aligned)
     HV = 3
     local = torch.randn(plan.segments, HV, D, D, device="cuda")
     trans = None

@@ -5,7 +5,7 @@
 
 A tree is a folder holding a ``cula`` package: this checkout (``.``) or another revision extracted into the
 repository, optionally with environment settings for its process after an ``@`` (an opt-in switch against its
-default in one checkout: ``. .@CULA_PIECED_CORRECTION=1``), for instance ``mkdir -p dev_trees/merge && git archive gdn-merge-registers cula | tar -x -C
+default in one checkout: ``. .@NAME=1``), for instance ``mkdir -p dev_trees/merge && git archive gdn-merge-registers cula | tar -x -C
 dev_trees/merge`` (plain files travel with the working tree to the GPU machine; a ``git worktree`` would be a nested
 repository, sent without its files). Each tree runs in its own subprocess, in the order given, on inputs made from
 one seed, and times
@@ -58,6 +58,9 @@ for shape, seg in ((s, c) for s in shapes.split(",") for c in segs.split(",")):
     segment_split.plan_segments = planner if seg == "auto" else (
         lambda lengths, *_a, n=int(seg) * segment_split.CHUNK, **_k: [list(range(n, m, n)) for m in lengths]
     )
+    cut_plans = getattr(sys.modules.get("cula.sm90.entry"), "_cut_plan", None)
+    if cut_plans is not None:  # the plans are cached per layout: made again under this planner
+        cut_plans.cache_clear()
     name = shape if seg == "auto" else f"{shape}/seg{seg}"
     mix = re.fullmatch(r"(uniform|random|skewed)(\d+)", shape)
     cu = None

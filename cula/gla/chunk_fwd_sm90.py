@@ -270,10 +270,9 @@ def compile_gla_fwd_sm90(arch="sm_90a", *, beta_fp32=True, state_v_first=False, 
 
 def split_cost(call: entry.ChunkCall) -> segment_split.SplitCost:
     """The split passes' costs on the call's GPU (:func:`cula.devices.times_for`), uncached: the kernel saves no
-    intra-chunk matrices (its later passes make none); no transition pass (the gate's decay, made on the host); the
-    correction pieced with ``CULA_PIECED_CORRECTION=1`` (not yet timed on a GPU)."""
+    intra-chunk matrices (its later passes make none); no transition pass (the gate's decay, made on the host)."""
     cost = devices.times_for(call.q.device).kernels["gla"].split
-    return cost._replace(cached=False, transition=0.0, pieced=segment_split.pieced_asked())
+    return cost._replace(cached=False, transition=0.0)
 
 
 GLA_SM90 = entry.ChunkKernel(

@@ -53,10 +53,8 @@ def token_gate(g: torch.Tensor | None, g_gamma: torch.Tensor | None, v: torch.Te
 def split_cost(call: entry.ChunkCall) -> segment_split.SplitCost:
     """The split passes' costs: GDN's measured ones (no split pass of this kernel has been timed; its correction pass,
     without P and the update, costs less), uncached: the later passes carry no V (they need neither Tinv nor P); no
-    transition pass (the token gate's decay, made on the host). With ``CULA_PIECED_CORRECTION=1`` (not yet timed on
-    a GPU) the correction runs in pieces walked in parallel, each from its segment's start decayed by the gate."""
-    cost = devices.times_for(call.q.device).kernels["gdn"].split._replace(cached=False, transition=0.0)
-    return cost._replace(pieced=segment_split.pieced_asked())
+    transition pass (the token gate's decay, made on the host)."""
+    return devices.times_for(call.q.device).kernels["gdn"].split._replace(cached=False, transition=0.0)
 
 
 def compile_simple_gla_fwd_sm90(arch="sm_90a", **options):

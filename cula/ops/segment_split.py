@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -30,10 +29,6 @@ import torch
 from cula import runtime
 
 CHUNK = 64
-MIN_PIECE_CHUNKS = 8
-# "1": kernels without the delta rule (simple GLA, GLA) run a split's correction pass pieced (SplitCost.pieced); not
-# yet timed on a GPU
-ENV_PIECED = "CULA_PIECED_CORRECTION"
 # (mode, starts, ends, initial states or None, out) -> final states [len(starts), HV, K, K or V] fp32
 RangeRunner = Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]
 
@@ -47,9 +42,7 @@ class SplitCost(NamedTuple):
     sequence runs a faster kernel than the split passes do); what a split call costs once (its extra launches and
     allocations); each wave of CTAs a pass launches beyond its first (their prologues, empty ranges included); and
     the cost per chunk of a chain walked while the other SMs idle (``lone``: less contention; scaled up to 1 as the
-    CTAs walking the longest chains fill the SMs); whether the correction pass runs ``pieced`` (a recurrence without
-    the delta rule: each later segment corrected in short pieces, each from its segment's start decayed by the gate,
-    so that its work spreads over the SMs instead of walking each segment in series)."""
+    CTAs walking the longest chains fill the SMs)."""
 
     correction: float = 1.0
     transition: float = 1.0
@@ -59,7 +52,6 @@ class SplitCost(NamedTuple):
     fixed: float = 0.0
     wave: float = 0.0
     lone: float = 1.0
-    pieced: bool = False
 
     @classmethod
     def from_us(
@@ -91,11 +83,6 @@ class SplitCost(NamedTuple):
 
 
 UNCACHED = SplitCost()  # every later pass makes each chunk again, at a first pass's cost
-
-
-def pieced_asked() -> bool:
-    """Whether the caller asked for the pieced correction pass (``CULA_PIECED_CORRECTION=1``)."""
-    return os.environ.get(ENV_PIECED) == "1"
 
 
 def _walk(segs: list[int], HV: int, num_sms: int) -> float:
@@ -130,18 +117,16 @@ def _split_walks(chunks: list[int], seg: int, HV: int, num_sms: int, cost: Split
         later += pieces[1:]
         middle += pieces[1:-1]
         links += len(pieces) - 1
-    # a pieced correction's short CTAs are meant to come in waves: its work spread over the SMs
-    launched = [len(first)] + ([] if cost.pieced else [len(first) if cost.cached else len(later)])
+    launched = [len(first), len(first) if cost.cached else len(later)]
     if middle:
         launched.append(len(first) if cost.cached else len(middle))
     extra_waves = sum(-(-n * HV // num_sms) - 1 for n in launched)
-    correction = math.ceil(sum(later) * HV / num_sms) if cost.pieced else _walk(later, HV, num_sms)
     return (
         cost.fixed
         + cost.wave * extra_waves
         + cost.link * links * HV
         + cost.first * _walk(first, HV, num_sms)
-        + cost.correction * correction
+        + cost.correction * _walk(later, HV, num_sms)
         + cost.transition * _walk(middle, HV, num_sms)
     )
 
@@ -216,21 +201,6 @@ def chain_starts_torch(local, trans, starts, offsets, rows) -> None:
                 state = torch.baddbmm(local[i], trans[t], state)
 
 
-def correction_piece(offsets: list[int], cuts: list[list[int]], HV: int, num_sms: int, chunk: int = CHUNK) -> int:
-    """Tokens per piece of a pieced correction pass (:attr:`SplitCost.pieced`), or 0 where the segments themselves are
-    short enough: the later segments' chunks (of the kernel's ``chunk`` tokens) over about two waves of CTAs, at least
-    :data:`MIN_PIECE_CHUNKS` chunks each (every piece reads its start and writes its end state, 2 x K x V fp32, about
-    a third of 8 chunks' q and o), the longest segment cut into equal pieces."""
-    later = [-(-(e - s) // chunk) for n, s, e in segments(offsets, cuts) if s != offsets[n]]
-    if not later:
-        return 0
-    chunks = max(MIN_PIECE_CHUNKS, -(-sum(later) * HV // (2 * num_sms)))
-    if chunks >= max(later):
-        return 0
-    # the longest segment in equal pieces
-    return -(-max(later) // -(-max(later) // chunks)) * chunk
-
-
 def split_forward(
     run: RangeRunner,
     offsets: list[int],
@@ -240,7 +210,6 @@ def split_forward(
     need_final_state: bool,
     aligned: bool = False,
     chain: ChainRunner = chain_starts_torch,
-    piece: int = 0,
     gate: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Run one op over sequences ``[offsets[n], offsets[n+1])`` of the flattened token axis, each cut at
@@ -253,13 +222,10 @@ def split_forward(
     can hand a pass what the first one left for the same segment index. ``gate``: the activated gate of a recurrence
     without the delta rule ([1, T, HV] or, per key, [1, T, HV, K] fp32 natural-log gates on the flattened token
     axis), whose v = 0 walk only decays the state: the middle segments' transitions are then its decays
-    (:func:`_gate_transitions`), no "transition" pass runs, and with ``piece`` (tokens, a multiple of :data:`CHUNK`;
-    not ``aligned``) the correction pass runs each later segment in pieces of that many tokens, each from its
-    segment's start decayed up to the piece (:func:`_piece_decays`). Host work per call is a fixed handful of ops and
-    one per sequence with middle segments or pieces (the plan's device tables are made once per split)."""
+    (:func:`_gate_transitions`) and no "transition" pass runs. Host work per call is a fixed handful of ops and one
+    per run of equal middle segments (the plan's device tables are made once per split)."""
     assert gate is None or not aligned, "the gate's transitions are indexed as uncached passes index them"
-    assert not piece or gate is not None, "pieces start from the gate's decays"
-    plan = _split_plan(str(out.device), tuple(offsets), tuple(map(tuple, cuts)), aligned, piece)
+    plan = _split_plan(str(out.device), tuple(offsets), tuple(map(tuple, cuts)), aligned)
     h0 = None
     if initial_state is not None:
         h0 = initial_state.new_zeros(plan.segments, *initial_state.shape[1:])
@@ -271,9 +237,6 @@ def split_forward(
     if plan.has_later:
         starts = local.new_empty(plan.later, *local.shape[1:])
         chain(local, trans, starts, *plan.chain)
-        if plan.pieces is not None:
-            decays = _piece_decays(gate, plan)
-            starts = starts.index_select(0, plan.pieces.segment) * decays.view(*decays.shape, *[1] * (4 - decays.dim()))
         hom = run("correction", *plan.correction, starts, out)
     if not need_final_state:
         return None
@@ -284,11 +247,9 @@ def split_forward(
 
 
 class _SplitPlan(NamedTuple):
-    """The device side of one split (int32 views of one tensor): each pass's (starts, ends) token ranges (the
-    correction's: its pieces), the start chain's (offsets, rows), each sequence's first and last segment, the
-    sequences that were cut with the correction slot of their last segment (its last piece), and each correction
-    piece's tables (:class:`_Pieces`, or None); ``later``: how many starts the chain makes (one per segment when
-    aligned)."""
+    """The device side of one split (int32 views of one tensor): each pass's (starts, ends) token ranges, the start
+    chain's (offsets, rows), each sequence's first and last segment, the sequences that were cut with the correction
+    slot of their last segment; ``later``: how many starts the chain makes (one per segment when aligned)."""
 
     segments: int
     later: int
@@ -302,26 +263,11 @@ class _SplitPlan(NamedTuple):
     last: torch.Tensor
     split_seqs: torch.Tensor
     split_last: torch.Tensor
-    pieces: _Pieces | None
     # the middle segments as runs of equal contiguous ones, (first token, count, tokens each), in their order
     middles: tuple[tuple[int, int, int], ...]
 
 
-class _Pieces(NamedTuple):
-    """A pieced correction's tables: ``blocks`` (first token, count, tokens each) of each later segment's pieces before
-    its last (equal, contiguous: the gate summed over them as one view, as :class:`_SplitPlan`'s ``middles``); for each
-    such piece, the index of its segment's first one among them (``block_first``); for every piece, one plus the index
-    of the piece before it among them, 0 for a segment's first (``source``); each piece's segment slot among the
-    chain's starts."""
-
-    blocks: tuple[tuple[int, int, int], ...]
-    block_first: torch.Tensor
-    source: torch.Tensor
-    segment: torch.Tensor
-
-
-# a piece's gate sum at or below this, or NaN, is a reset in fp32 (as the kernels' floored gates make it); finite, so
-# that differences of running sums stay exact
+# a segment's gate sum at or below this, or NaN, is a reset in fp32 (as the kernels' floored gates make it)
 _RESET_SUM = -1e4
 
 
@@ -345,23 +291,10 @@ def _gate_transitions(gate: torch.Tensor, plan: _SplitPlan, local: torch.Tensor)
     return torch.diag_embed(decay)
 
 
-def _piece_decays(gate: torch.Tensor, plan: _SplitPlan) -> torch.Tensor:
-    """Each correction piece's decay from its segment's start, ``[pieces, HV(, K)]`` fp32: ``gate`` ([1, T, HV(, K)])
-    summed over each piece before a segment's last (one reduction over a view per segment), then over the pieces
-    before each piece in its segment in fp64."""
-    p = plan.pieces
-    rest = gate.shape[2:]
-    sums = _range_sums(gate, p.blocks)
-    through = sums.cumsum(0)  # through each piece, over every block
-    within = through - (through - sums).index_select(0, p.block_first)
-    decays = torch.cat([within.new_zeros(1, *rest), within]).exp().float()
-    return decays.index_select(0, p.source)
-
-
 # Kept for the last few splits seen: a model's layers split their batch the same way, so the plan is made and copied
 # to the device once per split, not once per pass and call.
 @runtime.device_plan_cache(maxsize=16)
-def _split_plan(dev: str, offsets: tuple, cuts: tuple, aligned: bool, piece: int) -> _SplitPlan:
+def _split_plan(dev: str, offsets: tuple, cuts: tuple, aligned: bool) -> _SplitPlan:
     segs = segments(list(offsets), [list(c) for c in cuts])
     first = {n: i for i, (n, _, _) in reversed(list(enumerate(segs)))}
     last = {n: i for i, (n, _, _) in enumerate(segs)}
@@ -377,22 +310,6 @@ def _split_plan(dev: str, offsets: tuple, cuts: tuple, aligned: bool, piece: int
     def slot(i, idx):
         return i if aligned else idx.index(i)
 
-    corrected = pairs(later_idx)  # the correction's ranges: the later segments, or their pieces
-    last_piece = {i: slot(i, later_idx) for i in later_idx}
-    blocks, block_first, source, piece_segment = [], [], [], []
-    if piece and later_idx:
-        corrected = []
-        for j, i in enumerate(later_idx):
-            _, s, e = segs[i]
-            starts = list(range(s, e, piece))
-            if len(starts) > 1:
-                blocks.append((s, len(starts) - 1, piece))
-            first_summed = len(block_first)
-            block_first += [first_summed] * (len(starts) - 1)
-            source += [0] + list(range(first_summed + 1, first_summed + len(starts)))
-            corrected += [(a, min(a + piece, e)) for a in starts]
-            piece_segment += [j] * len(starts)
-            last_piece[i] = len(corrected) - 1
     middles = []
     for i in mid_idx:
         _, s, e = segs[i]
@@ -409,12 +326,12 @@ def _split_plan(dev: str, offsets: tuple, cuts: tuple, aligned: bool, piece: int
         rows += [(i, slot(i, mid_idx) if i != last[n] else -1, slot(i, later_idx)) for i in range(i0 + 1, last[n] + 1)]
         offs.append(len(rows))
         split_seqs.append(n)
-        split_last.append(last_piece[last[n]])
-    ranges = [pairs(range(len(segs))), pairs(mid_idx), corrected]
+        split_last.append(slot(last[n], later_idx))
+    ranges = [pairs(range(len(segs))), pairs(mid_idx), pairs(later_idx)]
     parts = [[s for s, _ in p] for p in ranges] + [[e for _, e in p] for p in ranges]
     N = len(offsets) - 1
     parts += [offs, [x for r in rows for x in r], [first[n] for n in range(N)], [last[n] for n in range(N)]]
-    parts += [split_seqs, split_last, block_first, source, piece_segment]
+    parts += [split_seqs, split_last]
     flat = runtime.host_to_device(torch.tensor([x for p in parts for x in p], dtype=torch.int32), dev)
     views, at = [], 0
     for p in parts:
@@ -430,6 +347,5 @@ def _split_plan(dev: str, offsets: tuple, cuts: tuple, aligned: bool, piece: int
         (views[2], views[5]),
         (views[6], views[7].view(-1, 3)),
         *views[8:12],
-        _Pieces(tuple(blocks), *views[12:15]) if blocks else None,
         tuple(map(tuple, middles)),
     )

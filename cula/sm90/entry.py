@@ -283,7 +283,7 @@ def _planned(kernel: ChunkKernel, call: ChunkCall) -> tuple[torch.Tensor, torch.
 def _split(kernel: ChunkKernel, call: ChunkCall, plan: Plan, o: torch.Tensor, scale: float) -> torch.Tensor | None:
     """A split call: the passes of :func:`cula.ops.segment_split.split_forward` over the flattened token axis, each a
     launch over token ranges (with ``cached`` split costs the first pass saves each chunk's Tinv and P, and the
-    variant's further workspaces, for the later passes; with ``pieced`` ones the correction runs in pieces)."""
+    variant's further workspaces, for the later passes)."""
     B, T, H, K = call.q.shape
     HV = call.v.shape[2]
     flat = (call.q, call.k, call.v, call.g, call.beta, o)
@@ -295,13 +295,9 @@ def _split(kernel: ChunkKernel, call: ChunkCall, plan: Plan, o: torch.Tensor, sc
     if h0 is not None and call.state_v_first:
         h0 = h0.transpose(-1, -2)
     cost = kernel.split_cost(call)
-    cached, piece = cost.cached, 0
-    # the activated gate of a kernel without the delta rule: the transitions (and a pieced correction's starts)
-    # are its decays
+    cached = cost.cached
+    # the activated gate of a kernel without the delta rule: the transitions are its decays
     gate = flat[3] if kernel.gate_transition and call.gate is None else None
-    if cost.pieced and gate is not None:
-        sms = runtime.sm_count(call.q.device)
-        piece = segment_split.correction_piece(plan.offsets, plan.cuts, HV, sms, kernel.chunk)
     saved = {}
 
     def run(mode, starts, ends, h0_, out_):
@@ -325,7 +321,7 @@ def _split(kernel: ChunkKernel, call: ChunkCall, plan: Plan, o: torch.Tensor, sc
     chain = state_chain_sm90.chain_starts if call.q.is_cuda else segment_split.chain_starts_torch
     ht = segment_split.split_forward(
         run, plan.offsets, plan.cuts, h0, flat[5], call.output_final_state, aligned=cached, chain=chain,
-        piece=piece, gate=gate,
+        gate=gate,
     )  # fmt: skip
     if ht is not None and call.state_v_first:
         ht = ht.transpose(-1, -2).contiguous()
