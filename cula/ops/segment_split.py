@@ -34,15 +34,16 @@ RangeRunner = Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor | None, to
 
 
 class SplitCost(NamedTuple):
-    """A kernel's split passes, in units of a chunk of an unsplit sequence: the correction and transition passes' cost
-    per chunk; a link of the start chain (one small product per segment, in series) per value head (the chain
-    launch's time grows with the heads); whether the later passes are ``cached`` (the first pass saves each chunk's
-    intra-chunk matrices to a workspace, the later passes load them; the kernel's ``intra`` option; they then launch a
-    CTA for every segment, empty where they skip it); the first pass's cost per chunk (more than 1 where an unsplit
-    sequence runs a faster kernel than the split passes do); what a split call costs once (its extra launches and
-    allocations); each wave of CTAs a pass launches beyond its first (their prologues, empty ranges included); and
-    the cost per chunk of a chain walked while the other SMs idle (``lone``: less contention; scaled up to 1 as the
-    CTAs walking the longest chains fill the SMs)."""
+    """A kernel's split passes, in units of a chunk of an unsplit sequence: the correction and transition passes'
+    cost per chunk (a transition of 0: no transition pass, the gate gives the transitions); a link of the start
+    chain (one small product per segment, in series) per value head (the chain launch's time grows with the heads);
+    whether the later passes are ``cached`` (the first pass saves each chunk's intra-chunk matrices to a workspace,
+    the later passes load them; the kernel's ``intra`` option; they then launch a CTA for every segment, empty where
+    they skip it); the first pass's cost per chunk (more than 1 where an unsplit sequence runs a faster kernel than
+    the split passes do); what a split call costs once (its extra launches and allocations); each wave of CTAs a
+    pass launches beyond its first (their prologues, empty ranges included); and the cost per chunk of a chain
+    walked while the other SMs idle (``lone``: less contention; scaled up to 1 as the CTAs walking the longest
+    chains fill the SMs)."""
 
     correction: float = 1.0
     transition: float = 1.0
@@ -118,7 +119,7 @@ def _split_walks(chunks: list[int], seg: int, HV: int, num_sms: int, cost: Split
         middle += pieces[1:-1]
         links += len(pieces) - 1
     launched = [len(first), len(first) if cost.cached else len(later)]
-    if middle:
+    if middle and cost.transition:  # none launched where the gate gives the transitions
         launched.append(len(first) if cost.cached else len(middle))
     extra_waves = sum(-(-n * HV // num_sms) - 1 for n in launched)
     return (
@@ -273,8 +274,8 @@ _RESET_SUM = -1e4
 
 def _range_sums(gate: torch.Tensor, runs) -> torch.Tensor:
     """``gate`` ([1, T, HV(, K)]) summed over each of the equal contiguous ranges of ``runs`` ((first token, count,
-    tokens each)), in fp64, a sum with a NaN or at or below :data:`_RESET_SUM` taken as that: one reduction over a view
-    per run, reading those tokens once."""
+    tokens each)), summed in the gate's dtype and returned in fp64, a sum with a NaN or at or below :data:`_RESET_SUM`
+    taken as that: one reduction over a view per run, reading those tokens once."""
     rest = gate.shape[2:]
     sums = torch.cat([gate[0, a : a + n * length].view(n, length, *rest).sum(1) for a, n, length in runs])
     return sums.double().nan_to_num(nan=_RESET_SUM).clamp_min(_RESET_SUM)
