@@ -14,7 +14,8 @@ largest absolute difference of the others' (o and final state). Trees are timed 
 end, so drift between calls shows. A shape is B x T x H, or one of the benchmark's varlen mixes at H = 32 by kind and
 count: ``uniform10``, ``random20``, ``skewed10`` (N = 10 over T = 16384, N = 20 over T = 32768; ``random`` draws its
 lengths from ``random.Random(0)``). ``--profile`` adds each call's CUDA kernel times (``torch.profiler``, mean of 5
-calls): what a split call spends outside the chunk kernel. ``--seg`` times each shape once per entry: ``auto`` as the
+calls): what a split call spends outside the chunk kernel; and the host's time to issue one call (``host_ms``, 20
+calls unwaited: near ``ms``, the call is bound by its host path). ``--seg`` times each shape once per entry: ``auto`` as the
 planner cuts, a number N cuts every sequence longer than N chunks every N chunks (the planner's choice against its
 neighbours: a skewed mix's long sequence of 128 chunks is in 4 pieces at 32).
 """
@@ -90,6 +91,14 @@ for shape, seg in ((s, c) for s in shapes.split(",") for c in segs.split(",")):
             torch.cuda.synchronize()
         times = {e.key[:70]: e.device_time_total / 5e3 for e in prof.key_averages() if e.device_time_total > 0}
         row["kernels_ms"] = dict(sorted(times.items(), key=lambda kv: -kv[1])[:6])
+        # the host's time to issue a call (its launches queue up unwaited): near "ms", the call is host-bound
+        import time
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            run()
+        row["host_ms"] = (time.perf_counter() - t0) / 20 * 1e3
+        torch.cuda.synchronize()
     rows.append(row)
 print(json.dumps(rows))
 """
@@ -104,7 +113,9 @@ def main() -> int:
     p.add_argument(
         "--gate-in-kernel", action="store_true", help="kda: a raw bf16 gate activated by the kernel, bf16 beta"
     )
-    p.add_argument("--profile", action="store_true", help="add each call's CUDA kernel times (torch.profiler)")
+    p.add_argument(
+        "--profile", action="store_true", help="add each call's CUDA kernel times (torch.profiler) and host time"
+    )
     p.add_argument("--seg", default="auto", help="comma list: auto (the planner's cuts) or a cut length in chunks")
     p.add_argument("--out", default=None, help="write the table as JSON here")
     p.add_argument("trees", nargs="+")
