@@ -173,3 +173,20 @@ def test_split_cost_from_microseconds():
     cost = SplitCost.from_us(4.0, 2.0, 1.0, 0.5, cached=True, fixed=20.0, wave=8.0, lone=0.9)
     assert cost == SplitCost(0.5, 0.25, 0.125, True, 1.0, 5.0, 2.0, 0.9)
     assert SplitCost.from_us(4.0, 2.0, 1.0, 0.5, first=6.0).first == 1.5
+
+
+def test_the_torch_chain_takes_diagonal_transitions():
+    """A diagonal transition (per-key decays, [HV, K]) links the starts as the full map diag(d) does."""
+    from cula.ops.segment_split import chain_starts_torch
+
+    HV, K, V = 2, 4, 3
+    local = torch.randn(3, HV, K, V, dtype=torch.float64)
+    decay = torch.rand(1, HV, K, dtype=torch.float64)
+    offsets = torch.tensor([0, 3])
+    rows = torch.tensor([[0, -1, -1], [1, 0, 0], [2, -1, 1]])
+    got = torch.full((2, HV, K, V), float("nan"), dtype=torch.float64)
+    want = got.clone()
+    chain_starts_torch(local, decay, got, offsets, rows)
+    chain_starts_torch(local, torch.diag_embed(decay), want, offsets, rows)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-15)
+    torch.testing.assert_close(got[1], local[1] + decay[0][..., None] * local[0], rtol=0, atol=1e-15)

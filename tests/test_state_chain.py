@@ -1,5 +1,6 @@
 """The split start chain on the GPU (cula.ops.state_chain_sm90) against the PyTorch chain, on plans with several
-chains of different lengths, a sequence left whole, and chains without middle segments (no transitions at all)."""
+chains of different lengths, a sequence left whole, and chains without middle segments (no transitions at all);
+with full (K x K) transitions, and with diagonal ones (per-key decays: a recurrence without the delta rule)."""
 
 import pytest
 import torch
@@ -16,7 +17,8 @@ CUTS = {"several": ((), (64, 128, 320, 512), (128,), (), (64, 192)), "no middle"
 @pytest.mark.parametrize("cuts", CUTS)
 @pytest.mark.parametrize("aligned", [False, True])
 @pytest.mark.parametrize("D", [64, 128])
-def test_chain_kernel_matches_pytorch(D, aligned, cuts):
+@pytest.mark.parametrize("diagonal", [False, True])
+def test_chain_kernel_matches_pytorch(diagonal, D, aligned, cuts):
     from cula.ops.segment_split import _split_plan, chain_starts_torch
     from cula.ops.state_chain_sm90 import chain_starts
 
@@ -25,7 +27,8 @@ def test_chain_kernel_matches_pytorch(D, aligned, cuts):
     local = torch.randn(plan.segments, HV, D, D, device="cuda")
     trans = None
     if plan.has_middle:
-        trans = torch.randn(plan.transition[0].numel(), HV, D, D, device="cuda") / D**0.5
+        n = plan.transition[0].numel()
+        trans = torch.rand(n, HV, D, device="cuda") if diagonal else torch.randn(n, HV, D, D, device="cuda") / D**0.5
     rows = plan.later
     ref = torch.full((rows, HV, D, D), float("nan"), device="cuda")
     got = ref.clone()

@@ -192,13 +192,16 @@ ChainRunner = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.T
 def chain_starts_torch(local, trans, starts, offsets, rows) -> None:
     """The start chain in PyTorch (the CPU's; :mod:`cula.ops.state_chain_sm90` is the GPU's): ``offsets`` [chains + 1]
     into ``rows`` [R, 3]; a chain's first row names the local state of its first segment, each further row one later
-    segment (local index, transition index or -1 for the chain's last segment, slot in ``starts``)."""
+    segment (local index, transition index or -1 for the chain's last segment, slot in ``starts``); ``trans`` holds
+    [K, K] maps, or per-key decays [K] (a diagonal map)."""
     offsets, rows = offsets.tolist(), rows.tolist()
     for c in range(len(offsets) - 1):
         state = local[rows[offsets[c]][0]]
         for i, t, slot in rows[offsets[c] + 1 : offsets[c + 1]]:
             starts[slot] = state
-            if t >= 0:
+            if t >= 0 and trans.dim() == 3:
+                state = torch.addcmul(local[i], trans[t][..., None], state)
+            elif t >= 0:
                 state = torch.baddbmm(local[i], trans[t], state)
 
 
@@ -282,14 +285,15 @@ def _range_sums(gate: torch.Tensor, runs) -> torch.Tensor:
 
 
 def _gate_transitions(gate: torch.Tensor, plan: _SplitPlan, local: torch.Tensor) -> torch.Tensor:
-    """What a "transition" pass returns for the middle segments of a recurrence without the delta rule: its v = 0 walk
-    from S = I only decays the state, so a segment's transition is diag(e^(its gates' sum per key)), ``[segments, HV,
-    K, K]`` in the dtype of ``local`` (the first pass's states, fp32 from the kernels). The kernels take each gate at
-    :data:`cula.ops.gates.GATE_FLOOR` or above (NaN too): a sum that passes it is a reset either way."""
+    """What a "transition" pass returns for the middle segments of a recurrence without the delta rule, as the diagonal
+    the start chain takes: its v = 0 walk from S = I only decays the state, so a segment's transition is diag(e^(its
+    gates' sum per key)), here its diagonal ``[middle segments, HV, K]`` in the dtype of ``local`` (the first pass's states,
+    fp32 from the kernels). The kernels take each gate at :data:`cula.ops.gates.GATE_FLOOR` or above (NaN too): a sum
+    that passes it is a reset either way."""
     decay = _range_sums(gate, plan.middles).exp().to(local.dtype)
     if decay.dim() == 2:  # one gate for every key
-        decay = decay[..., None].expand(*decay.shape, local.shape[-2])
-    return torch.diag_embed(decay)
+        decay = decay[..., None].expand(*decay.shape, local.shape[-2]).contiguous()
+    return decay
 
 
 # Kept for the last few splits seen: a model's layers split their batch the same way, so the plan is made and copied
