@@ -220,6 +220,8 @@ CASES: dict[str, Callable[[], tuple[Callable, dict]]] = {
     "lightning B1 T8192 H64": lambda: lightning(1, 8192, 64),
     "kda B1 T8192 H64": lambda: kda(1, 8192, 64),
     "gla B1 T8192 H64": lambda: gla(1, 8192, 64),
+    "simple_gla B1 T65536 H8": lambda: simple_gla(1, 65536, 8),
+    "gla B1 T65536 H8": lambda: gla(1, 65536, 8),
     "gdn decode N=1 H32": lambda: gdn_decode(1),
     "gdn decode N=256 H32": lambda: gdn_decode(256),
     "kda decode N=32 H32": lambda: kda_decode(32),

@@ -271,26 +271,18 @@ class _SplitPlan(NamedTuple):
     middles: tuple[tuple[int, int, int], ...]
 
 
-# a segment's gate sum at or below this, or NaN, is a reset in fp32 (as the kernels' floored gates make it)
-_RESET_SUM = -1e4
-
-
-def _range_sums(gate: torch.Tensor, runs) -> torch.Tensor:
-    """``gate`` ([1, T, HV(, K)]) summed over each of the equal contiguous ranges of ``runs`` ((first token, count,
-    tokens each)), summed in the gate's dtype and returned in fp64, a sum with a NaN or at or below :data:`_RESET_SUM`
-    taken as that: one reduction over a view per run, reading those tokens once."""
-    rest = gate.shape[2:]
-    sums = torch.cat([gate[0, a : a + n * length].view(n, length, *rest).sum(1) for a, n, length in runs])
-    return sums.double().nan_to_num(nan=_RESET_SUM).clamp_min(_RESET_SUM)
-
-
 def _gate_transitions(gate: torch.Tensor, plan: _SplitPlan, local: torch.Tensor) -> torch.Tensor:
     """What a "transition" pass returns for the middle segments of a recurrence without the delta rule, as the diagonal
     the start chain takes: its v = 0 walk from S = I only decays the state, so a segment's transition is diag(e^(its
-    gates' sum per key)), here its diagonal ``[middle segments, HV, K]`` in the dtype of ``local`` (the first pass's states,
-    fp32 from the kernels). The kernels take each gate at :data:`cula.ops.gates.GATE_FLOOR` or above (NaN too): a sum
-    that passes it is a reset either way."""
-    decay = _range_sums(gate, plan.middles).exp().to(local.dtype)
+    gates' sum per key)), here its diagonal ``[middle segments, HV, K]`` in the dtype of ``local`` (the first pass's
+    states, fp32 from the kernels). ``gate`` ([1, T, HV(, K)]) is summed over each run of equal contiguous middle
+    segments (``plan.middles``) by one reduction over a view, reading those tokens once. The kernels take each gate at
+    :data:`cula.ops.gates.GATE_FLOOR` or above, NaN included: a segment with a NaN gate is a reset (decay 0), as is
+    one whose sum underflows e^x in fp32."""
+    rest = gate.shape[2:]
+    sums = [gate[0, a : a + n * length].view(n, length, *rest).sum(1) for a, n, length in plan.middles]
+    sums = sums[0] if len(sums) == 1 else torch.cat(sums)
+    decay = sums.nan_to_num(nan=-math.inf).exp().to(local.dtype)
     if decay.dim() == 2:  # one gate for every key
         decay = decay[..., None].expand(*decay.shape, local.shape[-2]).contiguous()
     return decay
