@@ -276,9 +276,10 @@ def _gate_transitions(gate: torch.Tensor, plan: _SplitPlan, local: torch.Tensor)
     the start chain takes: its v = 0 walk from S = I only decays the state, so a segment's transition is diag(e^(its
     gates' sum per key)), here its diagonal ``[middle segments, HV, K]`` in the dtype of ``local`` (the first pass's
     states, fp32 from the kernels). ``gate`` ([1, T, HV(, K)]) is summed over each run of equal contiguous middle
-    segments (``plan.middles``) by one reduction over a view, reading those tokens once. The kernels take each gate at
-    :data:`cula.ops.gates.GATE_FLOOR` or above, NaN included: a segment with a NaN gate is a reset (decay 0), as is
-    one whose sum underflows e^x in fp32."""
+    segments (``plan.middles``) by one reduction over a view, reading those tokens once. A segment whose sum underflows
+    e^x in fp32 (a -inf gate included) is a reset (decay 0), and so is one with a NaN gate, as GLA's kernel floors a
+    NaN gate (``fmax``); the scalar-gate kernel does not (a NaN gate makes its state NaN), so there a split call and an
+    unsplit one differ after a NaN gate."""
     rest = gate.shape[2:]
     sums = [gate[0, a : a + n * length].view(n, length, *rest).sum(1) for a, n, length in plan.middles]
     sums = sums[0] if len(sums) == 1 else torch.cat(sums)
