@@ -4,20 +4,19 @@
         [--gate-in-kernel] [--profile] [--seg auto,24,32] TREE[@NAME=VALUE,...] [TREE[@...] ...]
 
 A tree is a folder holding a ``cula`` package: this checkout (``.``) or another revision extracted into the
-repository, optionally with environment settings for its process after an ``@`` (an opt-in switch against its
-default in one checkout: ``. .@NAME=1``), for instance ``mkdir -p dev_trees/merge && git archive gdn-merge-registers cula | tar -x -C
-dev_trees/merge`` (plain files travel with the working tree to the GPU machine; a ``git worktree`` would be a nested
-repository, sent without its files). Each tree runs in its own subprocess, in the order given, on inputs made from
-one seed, and times
-the op's public SM90 entry with ``triton.testing.do_bench``; the first tree's outputs are the reference for the
-largest absolute difference of the others' (o and final state). Trees are timed in turn, the first again at the
-end, so drift between calls shows. A shape is B x T x H, or one of the benchmark's varlen mixes at H = 32 by kind and
-count: ``uniform10``, ``random20``, ``skewed10`` (N = 10 over T = 16384, N = 20 over T = 32768; ``random`` draws its
-lengths from ``random.Random(0)``). ``--profile`` adds each call's CUDA kernel times (``torch.profiler``, mean of 5
-calls): what a split call spends outside the chunk kernel; and the host's time to issue one call (``host_ms``, 20
-calls unwaited: near ``ms``, the call is bound by its host path). ``--seg`` times each shape once per entry: ``auto`` as the
-planner cuts, a number N cuts every sequence longer than N chunks every N chunks (the planner's choice against its
-neighbours: a skewed mix's long sequence of 128 chunks is in 4 pieces at 32).
+repository, optionally with environment settings for its process after an ``@`` (an opt-in switch against its default
+in one checkout: ``. .@NAME=1``), for instance ``mkdir -p dev_trees/merge && git archive gdn-merge-registers cula |
+tar -x -C dev_trees/merge`` (plain files travel with the working tree to the GPU machine; a ``git worktree`` would be
+a nested repository, sent without its files). Each tree runs in its own subprocess, in the order given, on inputs made
+from one seed, and times the op's public SM90 entry with ``triton.testing.do_bench``; the first tree's outputs are the
+reference for the largest absolute difference of the others' (o and final state). Trees are timed in turn, the first
+again at the end, so drift between calls shows. A shape is B x T x H, or one of the benchmark's varlen mixes at H = 32
+by kind and count: ``uniform10``, ``random20``, ``skewed10`` (N = 10 over T = 16384, N = 20 over T = 32768; ``random``
+draws its lengths from ``random.Random(0)``). ``--profile`` adds each call's CUDA kernel times (``torch.profiler``,
+mean of 5 calls): what a split call spends outside the chunk kernel; and the host's time to issue one call
+(``host_ms``, 20 calls unwaited: near ``ms``, the call is bound by its host path). ``--seg`` times each shape once per
+entry: ``auto`` as the planner cuts, a number N cuts every sequence longer than N chunks every N chunks (the planner's
+choice against its neighbours: a skewed mix's long sequence of 128 chunks is in 4 pieces at 32).
 """
 
 import argparse
@@ -29,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 WORKER = r"""
-import json, sys, torch
+import json, sys, time, torch
 from triton.testing import do_bench
 tree, op, shapes, split, l2norm, layer_gate, profile, out_dir, tag, segs = sys.argv[1:11]
 sys.path.insert(0, tree)
@@ -92,7 +91,6 @@ for shape, seg in ((s, c) for s in shapes.split(",") for c in segs.split(",")):
         times = {e.key[:70]: e.device_time_total / 5e3 for e in prof.key_averages() if e.device_time_total > 0}
         row["kernels_ms"] = dict(sorted(times.items(), key=lambda kv: -kv[1])[:6])
         # the host's time to issue a call (its launches queue up unwaited): near "ms", the call is host-bound
-        import time
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(20):
