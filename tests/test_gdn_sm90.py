@@ -48,6 +48,19 @@ def test_varlen(state_v_first):
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("split", [False, True])
+def test_value_blocks(monkeypatch, split):
+    """Each value head walked by two CTAs of 64 value columns (CULA_VALUE_BLOCKS=2), GVA, varlen with empty and
+    one-token sequences, initial states; a split call's cached passes keep one CTA per head."""
+    from cula.sm90 import entry
+
+    monkeypatch.setenv(entry.ENV_VALUE_BLOCKS, "2")
+    cu = [0, 0, 1, 2, 72, 72, 136, 265, 266, 266] if not split else [0, 1, 1500, 1500, 2701]
+    run_case(1, cu[-1], 2, 4, cu=cu, h0=True, split=split)
+
+
+@pytest.mark.gpu
+@needs_sm90
 def test_split_sequences():
     """Long sequences cut every 1024 tokens (cula.ops.segment_split): three kernel passes, starts chained."""
     run_case(2, 2100, 1, 2, split=True)

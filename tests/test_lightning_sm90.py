@@ -131,3 +131,22 @@ def test_gates_far_below_zero(monkeypatch, split):
     torch.cuda.synchronize()
     o_ref, ht_ref = reference(q, k, v, g, None, 128**-0.5, h0, cu_t.long(), monkeypatch)
     assert_matches(o, ht, o_ref, ht_ref, cu)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(B=2, T=1000, H=3),
+        dict(B=1, T=466, H=2, cu=[0, 0, 1, 101, 165, 165, 466], h0=True, state_v_first=True),
+        dict(B=1, T=3000, H=2, cu=[0, 2500, 3000], h0=True, split=True),
+        dict(B=1, T=300, H=3, gate="g_gamma", h0=True),
+    ],
+    ids=["fixed", "varlen_state_v_first", "split", "g_gamma"],
+)
+def test_value_blocks(monkeypatch, case):
+    """Each value head walked by two CTAs of 64 value columns (CULA_VALUE_BLOCKS=2): the split call's correction
+    pass too."""
+    from cula.sm90 import entry
+
+    monkeypatch.setenv(entry.ENV_VALUE_BLOCKS, "2")
+    run_case(monkeypatch, **case)

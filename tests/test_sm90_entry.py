@@ -525,3 +525,62 @@ def test_a_launch_compiles_the_variant_for_its_call(variant, beta_fp32, monkeypa
     fake_beta, fake_h0 = built["fake"][4], built["fake"][6]
     assert fake_beta.element_type == (cutlass.Float32 if beta_fp32 else cutlass.BFloat16)
     assert fake_h0.stride[-1] != 1  # V-first storage: K is the contiguous mode, not V
+
+
+@pytest.mark.parametrize("variant", ["simple_gla", "gdn"])
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("asked", [False, True])
+def test_value_blocks_are_opt_in_and_kept_off_the_cached_passes(monkeypatch, variant, split, asked):
+    """With CULA_VALUE_BLOCKS=2 a D = 128 launch of the kernels that can splits each value head over two CTAs: every
+    launch of simple GLA (its split passes carry no workspace), GDN's unsplit launch, not GDN's cached split passes
+    (their Tinv | P workspace has one writer per head). Without it, or at D = 64, one CTA per head."""
+    from cula.gdn.chunk_fwd_sm90 import GDN_SM90
+    from cula.lightning.chunk_fwd_sm90 import SIMPLE_GLA_SM90
+
+    kernel = {"simple_gla": SIMPLE_GLA_SM90, "gdn": GDN_SM90}[variant]
+    configs = []
+    monkeypatch.setattr(entry, "launch", lambda kernel, call, config, t, scale: configs.append(config))
+    props = type("P", (), {"multi_processor_count": 132, "name": "NVIDIA H200"})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: props)
+    if asked:
+        monkeypatch.setenv(entry.ENV_VALUE_BLOCKS, "2")
+    for D in (128, 64):
+        configs.clear()
+        q, k, v, g, beta = inputs(1, 2100, 2, 2, per_key=False, D=D)
+        entry.chunk_fwd(kernel, entry.ChunkCall(q, k, v, g, beta, split=split))
+        assert configs
+        cached = split and variant == "gdn"
+        for config in configs:
+            assert config.value_blocks == (2 if asked and D == 128 and not cached else 1), config
+
+
+def test_value_blocks_double_the_heads_the_split_planner_sees(monkeypatch):
+    """B1 T8192 H64 on 132 SMs: 64 CTAs leave half the SMs idle, and the planner cuts each sequence in two; as 128
+    CTAs of half a head each, it walks them whole."""
+    from cula.lightning.chunk_fwd_sm90 import SIMPLE_GLA_SM90
+
+    props = type("P", (), {"multi_processor_count": 132, "name": "NVIDIA H200"})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: props)
+    q = torch.empty(1, 8192, 64, 128, device="meta", dtype=torch.bfloat16)
+    call = entry.ChunkCall(q, q, q, torch.empty(1, 8192, 64, device="meta"), None)
+    assert entry.plan_call(SIMPLE_GLA_SM90, call).segments == 2
+    monkeypatch.setenv(entry.ENV_VALUE_BLOCKS, "2")
+    assert entry.plan_call(SIMPLE_GLA_SM90, call).cuts is None
+
+
+def test_value_blocks_are_refused_where_a_kernel_cannot_take_them():
+    """Two value blocks need D = 128, no intra-chunk workspace and the forward's walk, and a kernel whose load warp
+    takes the CTA's block (GLA's and KDA's do not)."""
+    from cula.gla.chunk_fwd_sm90 import GLAChunkFwdSm90
+    from cula.sm90.chunk_fwd import ChunkFwdConfig
+
+    for bad in (
+        {"head_dim": 64},
+        {"is_varlen": True, "intra": "save"},
+        {"walk": "states"},
+        {"head_dim": 128, "value_blocks": 4},
+    ):
+        with pytest.raises(AssertionError):
+            ChunkFwdConfig(**{"value_blocks": 2, **bad})
+    with pytest.raises(AssertionError):
+        GLAChunkFwdSm90(ChunkFwdConfig(value_blocks=2, delta_rule=False))

@@ -46,6 +46,7 @@ GDN_SM90 = entry.ChunkKernel(
     "gdn",
     compile_gdn_fwd_sm90,
     split_cost=split_cost,
+    splits_values=True,
 )
 
 
@@ -59,7 +60,9 @@ entry.register_checked(
     "gdn_chunk_fwd_sm90",
     compile_gdn_fwd_sm90,
     {
-        **entry.checked(*entry.DELTA_CONFIGS, *entry.WALK_CONFIGS, "[D=64, state-gradient walk]"),
+        **entry.checked(
+            *entry.DELTA_CONFIGS, *entry.WALK_CONFIGS, "[D=64, state-gradient walk]", *entry.VALUE_BLOCK_CONFIGS
+        ),
         "[D=64, qk_l2norm, intra load, correction]": {
             "head_dim": 64,
             "is_varlen": True,

@@ -69,6 +69,7 @@ SIMPLE_GLA_SM90 = entry.ChunkKernel(
     split_cost=split_cost,
     delta_rule=False,
     gate_transition=True,
+    splits_values=True,
 )
 
 
@@ -117,5 +118,6 @@ entry.register_checked(
         *entry.WALK_CONFIGS,
         "[D=64, state-gradient walk]",
         "[D=64, correction]",
+        *entry.VALUE_BLOCK_CONFIGS,
     ),  # fmt: skip
 )

@@ -79,6 +79,10 @@ class ChunkFwdConfig:
     # the pool's storage ("bfloat16": an engine's bf16 pool, read and written by slot; the math stays fp32)
     state_dtype: str = "float32"
     walk: str = "output"
+    # CTAs per value head, each walking the sequence for D / value_blocks of the value columns (FLA's BV blocks):
+    # twice the CTAs for a call with fewer heads than SMs, without a split's extra passes; each CTA makes the same
+    # intra-chunk matrices (its q and k tiles are read twice, the second time mostly from L2)
+    value_blocks: int = 1
 
     def __post_init__(self):
         assert self.mode in MODES and (self.mode == "full" or self.is_varlen), self
@@ -92,6 +96,9 @@ class ChunkFwdConfig:
         assert self.walk in WALKS, self
         assert self.walk == "output" or (
             self.mode == "full" and self.intra == "none" and not self.qk_l2norm and self.state_slots == "none"
+        ), self
+        assert self.value_blocks == 1 or (
+            self.value_blocks == 2 and self.head_dim == 128 and self.intra == "none" and self.walk == "output"
         ), self
 
     @property
@@ -190,6 +197,7 @@ class Sequence(NamedTuple):
     h: cutlass.Int32  # q / k head
     h0_row: object  # the initial state's row: n, or its slot in a state pool
     ht_row: object  # the final state's row: n, or its slot in a pool updated in place
+    vb: cutlass.Int32  # the CTA's block of value columns (ChunkFwdConfig.value_blocks)
 
 
 class Smem(NamedTuple):
@@ -237,18 +245,22 @@ class ChunkFwdSm90:
     # a correction pass without the delta rule carries V_new = 0 (v = 0): its state only decays and its output is
     # S^T Q~^T's alone, so it has no intra work and no update (a gate that can run it so sets this)
     zero_values = False
+    # the gate's load warp takes each CTA's block of value columns (ChunkFwdConfig.value_blocks)
+    splits_values = False
 
     def __init__(self, config: ChunkFwdConfig):
         assert config.head_dim in (64, 128), config.head_dim
+        assert config.value_blocks == 1 or self.splits_values, config
         self.cfg = config
         self.C = CHUNK
         self.D = config.head_dim
+        self.Dv = config.head_dim // config.value_blocks  # value columns per CTA
         self.layout = self.role_layout()
         self.threads = self.layout.threads
         self.state_wgs = self.layout.count(WarpGroupRole.STATE)
-        # 64-row blocks of S^T: with as many state warpgroups, warpgroup w holds block w; with more (an intra step
-        # split across two warpgroups at D = 64) the others repeat block 0 without writing it
-        self.row_blocks = self.D // 64
+        # the CTA's 64-row blocks of S^T: with as many state warpgroups, warpgroup w holds block w; with more (an
+        # intra step split across two warpgroups at D = 64) the others repeat block 0 without writing it
+        self.row_blocks = self.Dv // 64
         self.repeats_rows = self.state_wgs > self.row_blocks
 
     # ---------------------------------------------------------------- hooks
@@ -322,22 +334,24 @@ class ChunkFwdSm90:
     # ---------------------------------------------------------------- host side
     @cute.jit
     def launch(self, t: ChunkTensors, scale, gate_args, stream):
-        """Build the tiles, atoms and shared-memory plan, then launch one CTA per (value head, sequence)."""
-        C, D = self.C, self.D
+        """Build the tiles, atoms and shared-memory plan, then launch one CTA per (value block, value head,
+        sequence)."""
+        C, D, Dv = self.C, self.D, self.Dv
         cfg = self.cfg
         tile_qk, tile_qk_mn = tiles.token_tiles(C, D, 2, self.qk_stages)
-        tile_v, tile_v_mn = tiles.token_tiles(C, D, self.v_stages)
-        tile_o, tile_o_mn = tiles.token_tiles(C, D, self.o_stages)
+        tile_v, tile_v_mn = tiles.token_tiles(C, Dv, self.v_stages)
+        tile_o, tile_o_mn = tiles.token_tiles(C, Dv, self.o_stages)
         tile_tp, tile_tp_mn = tiles.token_tiles(C, C, 2, self.tp_stages)
 
-        one_tile = cute.slice_(tile_v, (None, None, 0))
+        qk_tile = cute.slice_(tile_qk, (None, None, 0, 0))
+        v_tile = cute.slice_(tile_v, (None, None, 0))
         load = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q = Tma(*cpasync.make_tiled_tma_atom(load, tiles.tma_view(t.q), one_tile, (C, D)))
-        tma_k = Tma(*cpasync.make_tiled_tma_atom(load, tiles.tma_view(t.k), one_tile, (C, D)))
+        tma_q = Tma(*cpasync.make_tiled_tma_atom(load, tiles.tma_view(t.q), qk_tile, (C, D)))
+        tma_k = Tma(*cpasync.make_tiled_tma_atom(load, tiles.tma_view(t.k), qk_tile, (C, D)))
         v_src = t.o if cutlass.const_expr(cfg.v_from == "o") else t.v
-        tma_v = Tma(*cpasync.make_tiled_tma_atom(load, tiles.tma_view(v_src), one_tile, (C, D)))
+        tma_v = Tma(*cpasync.make_tiled_tma_atom(load, tiles.tma_view(v_src), v_tile, (C, Dv)))
         store = cpasync.CopyBulkTensorTileS2GOp()
-        tma_o = Tma(*cpasync.make_tiled_tma_atom(store, tiles.tma_view(t.o), one_tile, (C, D)))
+        tma_o = Tma(*cpasync.make_tiled_tma_atom(store, tiles.tma_view(t.o), v_tile, (C, Dv)))
         tma_w = tma_q
         if cutlass.const_expr(cfg.intra != "none"):
             w_op = store if cfg.intra == "save" else load
@@ -365,7 +379,10 @@ class ChunkFwdSm90:
         HV = t.v.shape[2]
         N = t.starts.shape[0] if cutlass.const_expr(cfg.is_varlen) else t.q.shape[0]
         self.kernel(Params(common, gate_params)).launch(
-            grid=(HV, N, 1), block=(self.threads, 1, 1), smem=self.storage.size_in_bytes(), stream=stream
+            grid=(HV * cfg.value_blocks, N, 1),
+            block=(self.threads, 1, 1),
+            smem=self.storage.size_in_bytes(),
+            stream=stream,
         )
 
     # ---------------------------------------------------------------- device side
@@ -374,6 +391,9 @@ class ChunkFwdSm90:
         c = p.common
         tidx, _, _ = cute.arch.thread_idx()
         hv, n, _ = cute.arch.block_idx()
+        vb = 0
+        if cutlass.const_expr(self.cfg.value_blocks > 1):
+            hv, vb = hv // self.cfg.value_blocks, hv % self.cfg.value_blocks
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         HV = c.beta.shape[2]
         b, tok0, seqlen, n_chunks = sequence.sequence_bounds(n, c.T, c.starts, c.ends, self.cfg.is_varlen, self.C)
@@ -382,7 +402,7 @@ class ChunkFwdSm90:
             h0_row = c.slots[n]
             if cutlass.const_expr(self.cfg.state_slots == "read_write"):
                 ht_row = h0_row
-        seq = Sequence(b, tok0, seqlen, n_chunks, n, hv, hv // (HV // c.H), h0_row, ht_row)
+        seq = Sequence(b, tok0, seqlen, n_chunks, n, hv, hv // (HV // c.H), h0_row, ht_row, vb)
 
         st = cutlass.memory.SmemAllocator().allocate(self.storage)
         sQK = st.sQK.get_tensor(c.tile_qk.outer, swizzle=c.tile_qk.inner)
@@ -437,10 +457,11 @@ class ChunkFwdSm90:
             writes = swg == 0
         chain = StateChain(c.mma_cc, c.mma_state, stid % 128, row_block, C, self.split_values)
         acc_s, cST = chain.new_state(D)
-        state.init_state(acc_s, cST, c.h0, seq.h0_row, seq.hv, 64 * row_block, cfg.start)
+        row0 = seq.vb * self.Dv + 64 * row_block  # the warpgroup's first value column in the head
+        state.init_state(acc_s, cST, c.h0, seq.h0_row, seq.hv, row0, cfg.start)
         cCC = chain.token_coordinates()
         state_threads = self.layout.threads_of(WarpGroupRole.STATE)
-        tOs, tOg = tiles.tma_chunk_tiles(c.o.atom, c.o.tensor[None, None, seq.hv, seq.b], seq.tok0, smem.sO)
+        tOs, tOg = tiles.tma_chunk_tiles(c.o.atom, c.o.tensor[None, None, seq.hv, seq.b], seq.tok0, smem.sO, seq.vb)
         stager = OutputStager(
             c.o.atom, tOs, tOg, smem.sO, smem.sO_mn, c.mma_cc, stid % 128, row_block, swarp == 0, self.o_stages,
             state_threads,
@@ -457,7 +478,7 @@ class ChunkFwdSm90:
             pos = self.chunk_position(chunk, seq)
             if cutlass.const_expr(cfg.walk != "output"):
                 if writes:
-                    state.store_checkpoint(acc_s, cST, c.w_plain, checkpoint0 + pos, seq.hv, 64 * row_block)
+                    state.store_checkpoint(acc_s, cST, c.w_plain, checkpoint0 + pos, seq.hv, row0)
             if cutlass.const_expr(cfg.make_o and self.o_stages == 1):
                 stager.free()  # ordered for the others by the intra step's barriers, or this one
                 if cutlass.const_expr(tp_ring):
@@ -529,6 +550,6 @@ class ChunkFwdSm90:
                 # forward's O and the state-gradient walk's dO^T P read it)
                 cute.arch.barrier(barrier_id=Barrier.STATE, number_of_threads=state_threads)
         if cutlass.const_expr(cfg.make_o):
-            stager.finish(c.o_plain, seq.b, seq.hv, seq.tok0, seq.seqlen, seq.n_chunks, stid)
+            stager.finish(c.o_plain, seq.b, seq.hv, seq.vb * self.Dv, seq.tok0, seq.seqlen, seq.n_chunks, stid)
         if writes:
-            state.store_state(acc_s, cST, c.ht, seq.ht_row, seq.hv, 64 * row_block)
+            state.store_state(acc_s, cST, c.ht, seq.ht_row, seq.hv, row0)

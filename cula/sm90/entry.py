@@ -7,6 +7,7 @@ launch through :func:`launch` (compile once per set of compile-time constants, t
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -19,6 +20,9 @@ from cula.sm90.chunk_fwd import CHUNK, ChunkFwdConfig
 
 # CUDA's limit on a launch grid's y (and z) size: the chunk kernels run sequence n as grid row n
 MAX_SEQUENCES = 65535
+# opt-in, not yet timed on a GPU: "2" runs each value head of a kernel that can (``ChunkKernel.splits_values``, D =
+# 128) as two CTAs of 64 value columns each (ChunkFwdConfig.value_blocks); the split planner then sees twice the heads
+ENV_VALUE_BLOCKS = "CULA_VALUE_BLOCKS"
 _DUMMY: dict = {}
 
 
@@ -89,7 +93,9 @@ class ChunkKernel:
     - ``gate_transition``: a split's transitions are made on the host from the gate (``gate`` of
       :func:`cula.ops.segment_split.split_forward`) instead of by a "transition" pass: true for a kernel without the
       delta rule that reads its gate activated (fp32 natural log, per token or per token and key), where a range's
-      transition is the gate's decay over the range, a diagonal."""
+      transition is the gate's decay over the range, a diagonal.
+    - ``splits_values``: the kernel can walk a value head as two CTAs of half the value columns each
+      (:attr:`ChunkFwdConfig.value_blocks`)."""
 
     name: str
     compile: Callable[..., Any]
@@ -100,6 +106,14 @@ class ChunkKernel:
     delta_rule: bool = True
     chunk: int = CHUNK
     gate_transition: bool = False
+    splits_values: bool = False
+
+
+def value_blocks(kernel: ChunkKernel, call: ChunkCall) -> int:
+    """CTAs per value head for ``call``'s launches (:attr:`ChunkFwdConfig.value_blocks`): two where the kernel can
+    and :data:`ENV_VALUE_BLOCKS` asks for them at D = 128, else one."""
+    wanted = os.environ.get(ENV_VALUE_BLOCKS, "1") == "2"
+    return 2 if wanted and kernel.splits_values and call.q.shape[3] == call.v.shape[3] == 128 else 1
 
 
 def cached_zeros(device, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -181,7 +195,8 @@ def plan_call(kernel: ChunkKernel, call: ChunkCall) -> Plan:
         return Plan(offsets, None)  # a pool's states are read and written by the one launch
     planner = None
     if not call.split:
-        planner = (call.v.shape[2], runtime.sm_count(call.q.device), kernel.split_cost(call))
+        ctas_per_head = value_blocks(kernel, call)
+        planner = (call.v.shape[2] * ctas_per_head, runtime.sm_count(call.q.device), kernel.split_cost(call))
     plan = _cut_plan(offsets, planner, kernel.chunk)
     if plan.segments > MAX_SEQUENCES:
         return Plan(offsets, None)  # more segments than a launch grid has rows: walk each sequence whole
@@ -271,7 +286,7 @@ def _planned(kernel: ChunkKernel, call: ChunkCall) -> tuple[torch.Tensor, torch.
     state_dtype = "bfloat16" if state_slots != "none" and h0.dtype == torch.bfloat16 else "float32"
     config = ChunkFwdConfig(
         K, starts is not None, h0 is not None, qk_l2norm=call.qk_l2norm, delta_rule=kernel.delta_rule,
-        state_slots=state_slots, state_dtype=state_dtype,
+        state_slots=state_slots, state_dtype=state_dtype, value_blocks=value_blocks(kernel, call),
     )  # fmt: skip
     tensors = LaunchTensors(call.q, call.k, call.v, call.g, call.beta, o, h0, ht, starts, ends, slots=slots)
     launch(kernel, call, config, tensors, scale)
@@ -296,6 +311,8 @@ def _split(kernel: ChunkKernel, call: ChunkCall, plan: Plan, o: torch.Tensor, sc
         h0 = h0.transpose(-1, -2)
     cost = kernel.split_cost(call)
     cached = cost.cached
+    # the cached passes' workspace of Tinv and P is written by one CTA per head
+    blocks = 1 if cached else value_blocks(kernel, call)
     # the activated gate of a kernel without the delta rule: the transitions are its decays
     gate = flat[3] if kernel.gate_transition and call.gate is None else None
     saved = {}
@@ -312,7 +329,9 @@ def _split(kernel: ChunkKernel, call: ChunkCall, plan: Plan, o: torch.Tensor, sc
                 saved["w"] = torch.empty(shape, dtype=torch.bfloat16, device=call.q.device)
                 if kernel.workspaces is not None:
                     saved["more"] = kernel.workspaces(starts.numel(), plan.longest, HV, K, call.q.device)
-        config = ChunkFwdConfig(K, True, h0_ is not None, mode, intra, call.qk_l2norm, kernel.delta_rule)
+        config = ChunkFwdConfig(
+            K, True, h0_ is not None, mode, intra, call.qk_l2norm, kernel.delta_rule, value_blocks=blocks
+        )
         tensors = LaunchTensors(*flat[:6], h0_, ht_, starts, ends, saved.get("w"), saved.get("more"))
         launch(kernel, flat_call, config, tensors, scale)
         return ht_
@@ -480,7 +499,12 @@ CONFIGS = {
     "[state-gradient walk]": {"is_varlen": True, "has_initial_state": True, "walk": "state_grads"},
     "[state-gradient walk, fixed length]": {"walk": "state_grads"},
     "[D=64, state-gradient walk]": {"head_dim": 64, "is_varlen": True, "walk": "state_grads"},
+    "[value blocks]": {"is_varlen": True, "has_initial_state": True, "value_blocks": 2},
+    "[value blocks, fixed length]": {"value_blocks": 2},
+    "[value blocks, correction]": {"is_varlen": True, "mode": "correction", "value_blocks": 2},
 }  # fmt: skip
+# A kernel that can split a value head over two CTAs (ChunkKernel.splits_values) is checked so too
+VALUE_BLOCK_CONFIGS = ("[value blocks]", "[value blocks, fixed length]", "[value blocks, correction]")
 # The delta-rule kernels' (GDN's, KDA's) set: every mode, intra pass and the q/k norm
 DELTA_CONFIGS = (
     "", "[fixed length]", "[pool]", "[bf16 pool]", "[qk_l2norm]", "[D=64]", "[transition]", "[correction]",

@@ -68,15 +68,15 @@ class OutputStager:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def finish(self, mO, b, hv, tok0, seqlen, n_chunks, tid):
-        """The last chunk (rows past the sequence end masked) by the state threads (``tid``), then every store
-        waited for."""
+    def finish(self, mO, b, hv, col0, tok0, seqlen, n_chunks, tid):
+        """The last chunk (rows past the sequence end masked; the tile's columns from ``col0`` of the head) by the
+        state threads (``tid``), then every store waited for."""
         if n_chunks > 0:
             last = n_chunks - 1
             C, D = cute.size(self.sO, mode=[0]), cute.size(self.sO, mode=[1])
             store_o_rows(
-                self.sO[None, None, last % self.stages], mO, b, hv, tok0 + last * C, seqlen - last * C, tid, C, D,
-                self.threads,
+                self.sO[None, None, last % self.stages], mO, b, hv, col0, tok0 + last * C, seqlen - last * C, tid, C,
+                D, self.threads,
             )  # fmt: skip
         if self.leader:
             cute.arch.cp_async_bulk_wait_group(0)
@@ -84,10 +84,11 @@ class OutputStager:
 
 @cute.jit
 def store_o_rows(
-    sO, mO, b, hv, tok, rows, tid, C: cutlass.Constexpr, D: cutlass.Constexpr, num_threads: cutlass.Constexpr
+    sO, mO, b, hv, col0, tok, rows, tid, C: cutlass.Constexpr, D: cutlass.Constexpr, num_threads: cutlass.Constexpr
 ):  # fmt: skip
-    """A (C x D) bf16 output tile staged token-major in ``sO`` to tokens ``[tok, tok + rows)`` of ``mO[b, :, hv]``:
-    16-byte coalesced stores by ``num_threads`` threads, rows past ``rows`` masked."""
+    """A (C x D) bf16 output tile staged token-major in ``sO`` to tokens ``[tok, tok + rows)`` and columns
+    ``[col0, col0 + D)`` of ``mO[b, :, hv]``: 16-byte coalesced stores by ``num_threads`` threads, rows past ``rows``
+    masked."""
     vec = 8
     per_row = D // vec
     for it in cutlass.range_constexpr(C * per_row // num_threads):
@@ -96,7 +97,7 @@ def store_o_rows(
         c0 = (idx % per_row) * vec
         if r < rows:
             src = cute.local_tile(sO, (1, vec), (r, c0 // vec))
-            dst = cute.local_tile(mO[b, tok + r, hv, None], (vec,), (c0 // vec,))
+            dst = cute.local_tile(mO[b, tok + r, hv, None], (vec,), ((col0 + c0) // vec,))
             frag = cute.make_rmem_tensor(cute.make_layout((1, vec)), cutlass.BFloat16)
             cute.autovec_copy(src, frag)
             cute.autovec_copy(cute.make_tensor(frag.iterator, cute.make_layout(vec)), dst)

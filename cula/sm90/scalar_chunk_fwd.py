@@ -153,6 +153,7 @@ class ScalarGateChunkFwdSm90(ChunkFwdSm90):
     zeroes_v_tail = True  # Y = beta (V - ...) and simple GLA's V_new = V meet zero factors past the sequence end
     tp_stages = 2
     o_stages = 2
+    splits_values = True
 
     def __init__(self, config):
         # a correction pass without the delta rule: no intra role, only the q tile of each q | k stage loaded
@@ -173,7 +174,7 @@ class ScalarGateChunkFwdSm90(ChunkFwdSm90):
     def role_layout(self) -> RoleLayout:
         R = WarpGroupRole
         intra = () if self.k_only or self.zero_values else (R.INTRA,)
-        roles = (R.PRODUCER, *intra) + (R.STATE,) * (self.D // 64)
+        roles = (R.PRODUCER, *intra) + (R.STATE,) * (self.Dv // 64)
         # the state warpgroups peak at ~189 registers at D = 128
         return RoleLayout.make(roles, {R.PRODUCER: 24, R.INTRA: 104})
 
@@ -222,7 +223,7 @@ class ScalarGateChunkFwdSm90(ChunkFwdSm90):
         norm = None
         if cutlass.const_expr(cfg.qk_l2norm):
             norm = pipeline.thread_ring(st.ring_norm, self.qk_stages, 64, 32)
-        v = pipeline.tma_ring(st.ring_v, self.v_stages, C * D * 2, state_warps)
+        v = pipeline.tma_ring(st.ring_v, self.v_stages, C * self.Dv * 2, state_warps)  # the CTA's value columns
         if cutlass.const_expr(self.intra_idle):
             tp_bytes = (1 + int(cfg.make_o)) * C * C * 2
             tp = pipeline.tma_ring(st.ring_tp, self.tp_stages, tp_bytes, state_warps)
@@ -256,7 +257,7 @@ class ScalarGateChunkFwdSm90(ChunkFwdSm90):
         tKs, tKg = tiles.tma_chunk_tiles(
             c.k.atom, c.k.tensor[None, None, seq.h, seq.b], seq.tok0, smem.sQK[None, None, 1, None]
         )
-        tVs, tVg = tiles.tma_chunk_tiles(c.v.atom, c.v.tensor[None, None, seq.hv, seq.b], seq.tok0, smem.sV)
+        tVs, tVg = tiles.tma_chunk_tiles(c.v.atom, c.v.tensor[None, None, seq.hv, seq.b], seq.tok0, smem.sV, seq.vb)
         tWs, tWg = tiles.tma_chunk_tiles(
             c.w.atom, c.w.tensor[None, None, seq.hv, seq.n], 0, cute.group_modes(smem.sTP, 2, 4)
         )
