@@ -226,10 +226,16 @@ def test_plans_are_kept_per_layout_and_split_costs(launches):
         return entry.plan_call(kernel, entry.ChunkCall(q, k, v, g, beta, cu_seqlens=cu, split=split))
 
     forced = plan(kernel_with(), [1, 2499, 1596], split=True)
-    assert forced == ((0, 1, 2500, 4096), ((), (1024, 2048), (1024,)), 6, 16)
+    assert forced == ((0, 1, 2500, 4096), ((), (1024, 2048), (1024,)), 6, 16, 1)
     assert plan(kernel_with(), [1, 2499, 1596], split=True) is forced
-    assert plan(kernel_with(), [1, 1999, 2096], split=True) == ((0, 1, 2000, 4096), ((), (1024,), (1024, 2048)), 6, 16)
-    assert plan(kernel_with(), [1, 999, 96], split=True) == ((0, 1, 1000, 1096), None, 0, 0)  # nothing to cut
+    assert plan(kernel_with(), [1, 1999, 2096], split=True) == (
+        (0, 1, 2000, 4096),
+        ((), (1024,), (1024, 2048)),
+        6,
+        16,
+        1,
+    )
+    assert plan(kernel_with(), [1, 999, 96], split=True) == ((0, 1, 1000, 1096), None, 0, 0, 1)  # nothing to cut
     planned = plan(kernel_with(UNCACHED), [65536])
     assert planned.cuts and plan(kernel_with(UNCACHED), [65536]) is planned
     assert plan(kernel_with(SplitCost(fixed=1e4)), [65536]).cuts is None  # costlier split passes: planned again
@@ -529,11 +535,12 @@ def test_a_launch_compiles_the_variant_for_its_call(variant, beta_fp32, monkeypa
 
 @pytest.mark.parametrize("variant", ["simple_gla", "gdn"])
 @pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("asked", [False, True])
-def test_value_blocks_are_opt_in_and_kept_off_the_cached_passes(monkeypatch, variant, split, asked):
-    """With CULA_VALUE_BLOCKS=2 a D = 128 launch of the kernels that can splits each value head over two CTAs: every
-    launch of simple GLA (its split passes carry no workspace), GDN's unsplit launch, not GDN's cached split passes
-    (their Tinv | P workspace has one writer per head). Without it, or at D = 64, one CTA per head."""
+@pytest.mark.parametrize("asked", [None, "1", "2"])
+def test_value_blocks_as_asked_or_chosen_and_kept_off_the_cached_passes(monkeypatch, variant, split, asked):
+    """CULA_VALUE_BLOCKS=2: every D = 128 launch of the kernels that can split a value head over two CTAs does so,
+    simple GLA's split passes too (they carry no workspace), GDN's cached split passes not (their Tinv | P workspace
+    has one writer per head); "1": none. Unset: simple GLA's where twice the CTAs fit one wave and walk whole (here
+    the unsplit call), GDN's never. D = 64: one CTA per head always."""
     from cula.gdn.chunk_fwd_sm90 import GDN_SM90
     from cula.lightning.chunk_fwd_sm90 import SIMPLE_GLA_SM90
 
@@ -542,30 +549,49 @@ def test_value_blocks_are_opt_in_and_kept_off_the_cached_passes(monkeypatch, var
     monkeypatch.setattr(entry, "launch", lambda kernel, call, config, t, scale: configs.append(config))
     props = type("P", (), {"multi_processor_count": 132, "name": "NVIDIA H200"})
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: props)
-    if asked:
-        monkeypatch.setenv(entry.ENV_VALUE_BLOCKS, "2")
+    if asked is not None:
+        monkeypatch.setenv(entry.ENV_VALUE_BLOCKS, asked)
+    expected = {
+        "2": 1 if split and variant == "gdn" else 2,
+        "1": 1,
+        None: 2 if variant == "simple_gla" and not split else 1,
+    }[asked]
     for D in (128, 64):
         configs.clear()
         q, k, v, g, beta = inputs(1, 2100, 2, 2, per_key=False, D=D)
         entry.chunk_fwd(kernel, entry.ChunkCall(q, k, v, g, beta, split=split))
-        assert configs
-        cached = split and variant == "gdn"
-        for config in configs:
-            assert config.value_blocks == (2 if asked and D == 128 and not cached else 1), config
+        assert configs and ({c.mode for c in configs} != {"full"}) == split
+        assert {c.value_blocks for c in configs} == {expected if D == 128 else 1}, configs
 
 
-def test_value_blocks_double_the_heads_the_split_planner_sees(monkeypatch):
-    """B1 T8192 H64 on 132 SMs: 64 CTAs leave half the SMs idle, and the planner cuts each sequence in two; as 128
-    CTAs of half a head each, it walks them whole."""
+@pytest.mark.parametrize(
+    "variant, shape, asked, blocks, segments",
+    [
+        ("simple_gla", (1, 8192, 64), None, 2, 0),  # 128 CTAs walk whole instead of a cut in two
+        ("simple_gla", (1, 8192, 64), "1", 1, 2),
+        ("simple_gla", (2, 16384, 64), None, 1, 0),  # 256 CTAs would take two waves
+        ("simple_gla", (1, 65536, 8), None, 1, 16),  # 16 CTAs would still be cut: today's split
+        ("simple_gla", (1, 65536, 8), "2", 2, 8),  # as asked: the planner sees twice the heads
+        ("gdn", (1, 8192, 64), None, 1, 2),
+        ("gdn", (1, 8192, 64), "2", 2, 0),
+    ],
+)
+def test_value_blocks_where_twice_the_ctas_fit_one_wave_and_walk_whole(
+    monkeypatch, variant, shape, asked, blocks, segments
+):
+    """The planner's choice on 132 SMs (meta tensors: no data)."""
+    from cula.gdn.chunk_fwd_sm90 import GDN_SM90
     from cula.lightning.chunk_fwd_sm90 import SIMPLE_GLA_SM90
 
+    kernel = {"simple_gla": SIMPLE_GLA_SM90, "gdn": GDN_SM90}[variant]
     props = type("P", (), {"multi_processor_count": 132, "name": "NVIDIA H200"})
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: props)
-    q = torch.empty(1, 8192, 64, 128, device="meta", dtype=torch.bfloat16)
-    call = entry.ChunkCall(q, q, q, torch.empty(1, 8192, 64, device="meta"), None)
-    assert entry.plan_call(SIMPLE_GLA_SM90, call).segments == 2
-    monkeypatch.setenv(entry.ENV_VALUE_BLOCKS, "2")
-    assert entry.plan_call(SIMPLE_GLA_SM90, call).cuts is None
+    if asked is not None:
+        monkeypatch.setenv(entry.ENV_VALUE_BLOCKS, asked)
+    q = torch.empty(*shape, 128, device="meta", dtype=torch.bfloat16)
+    call = entry.ChunkCall(q, q, q, torch.empty(*shape, device="meta"), torch.empty(*shape, device="meta"))
+    plan = entry.plan_call(kernel, call)
+    assert (plan.value_blocks, plan.segments) == (blocks, segments), plan
 
 
 def test_value_blocks_are_refused_where_a_kernel_cannot_take_them():

@@ -69,7 +69,7 @@ SIMPLE_GLA_SM90 = entry.ChunkKernel(
     split_cost=split_cost,
     delta_rule=False,
     gate_transition=True,
-    splits_values=True,
+    splits_values="where they pay",
 )
 
 

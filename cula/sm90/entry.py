@@ -20,8 +20,8 @@ from cula.sm90.chunk_fwd import CHUNK, ChunkFwdConfig
 
 # CUDA's limit on a launch grid's y (and z) size: the chunk kernels run sequence n as grid row n
 MAX_SEQUENCES = 65535
-# opt-in, not yet timed on a GPU: "2" runs each value head of a kernel that can (``ChunkKernel.splits_values``, D =
-# 128) as two CTAs of 64 value columns each (ChunkFwdConfig.value_blocks); the split planner then sees twice the heads
+# "2" runs each D = 128 value head of a kernel that can (``ChunkKernel.splits_values``) as two CTAs of 64 value
+# columns each (ChunkFwdConfig.value_blocks) in every call, "1" never; unset, where :func:`plan_call` chooses them
 ENV_VALUE_BLOCKS = "CULA_VALUE_BLOCKS"
 _DUMMY: dict = {}
 
@@ -94,8 +94,9 @@ class ChunkKernel:
       :func:`cula.ops.segment_split.split_forward`) instead of by a "transition" pass: true for a kernel without the
       delta rule that reads its gate activated (fp32 natural log, per token or per token and key), where a range's
       transition is the gate's decay over the range, a diagonal.
-    - ``splits_values``: the kernel can walk a value head as two CTAs of half the value columns each
-      (:attr:`ChunkFwdConfig.value_blocks`)."""
+    - ``splits_values``: whether the kernel walks a value head as two CTAs of half the value columns each
+      (:attr:`ChunkFwdConfig.value_blocks`): "never"; "when asked" (:data:`ENV_VALUE_BLOCKS`: GPU-timed, its GPU tests
+      not yet run); "where they pay" (also unasked, where :func:`plan_call` finds them faster)."""
 
     name: str
     compile: Callable[..., Any]
@@ -106,14 +107,21 @@ class ChunkKernel:
     delta_rule: bool = True
     chunk: int = CHUNK
     gate_transition: bool = False
-    splits_values: bool = False
+    splits_values: str = "never"
+
+    def __post_init__(self):
+        assert self.splits_values in ("never", "when asked", "where they pay"), self.splits_values
 
 
-def value_blocks(kernel: ChunkKernel, call: ChunkCall) -> int:
-    """CTAs per value head for ``call``'s launches (:attr:`ChunkFwdConfig.value_blocks`): two where the kernel can
-    and :data:`ENV_VALUE_BLOCKS` asks for them at D = 128, else one."""
-    wanted = os.environ.get(ENV_VALUE_BLOCKS, "1") == "2"
-    return 2 if wanted and kernel.splits_values and call.q.shape[3] == call.v.shape[3] == 128 else 1
+def asked_value_blocks(kernel: ChunkKernel, call: ChunkCall) -> int | None:
+    """CTAs per value head as :data:`ENV_VALUE_BLOCKS` sets them (1 where the kernel cannot split a head, or D is
+    not 128), or None where :func:`plan_call` chooses."""
+    if kernel.splits_values == "never" or not call.q.shape[3] == call.v.shape[3] == 128:
+        return 1
+    asked = os.environ.get(ENV_VALUE_BLOCKS, "")
+    if asked in ("1", "2"):
+        return int(asked)
+    return None if kernel.splits_values == "where they pay" else 1
 
 
 def cached_zeros(device, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -162,12 +170,13 @@ def launch(kernel: ChunkKernel, call: ChunkCall, config: ChunkFwdConfig, t: Laun
 class Plan(NamedTuple):
     """How a call runs: its sequences' token offsets in the flattened token axis, and the cut points of each (None:
     every sequence walked whole by one launch); when cut, how many segments that makes and the chunks of the longest
-    (the split passes' workspace rows)."""
+    (the split passes' workspace rows); the CTAs per value head (:attr:`ChunkFwdConfig.value_blocks`)."""
 
     offsets: tuple[int, ...]
     cuts: tuple[tuple[int, ...], ...] | None
     segments: int = 0
     longest: int = 0
+    value_blocks: int = 1
 
 
 def call_offsets(B: int, T: int, cu_seqlens, cu_seqlens_cpu) -> list[int]:
@@ -187,29 +196,46 @@ def token_ranges(cu_seqlens) -> tuple[torch.Tensor | None, torch.Tensor | None]:
 
 
 def plan_call(kernel: ChunkKernel, call: ChunkCall) -> Plan:
-    """The call's offsets (from ``cu_seqlens_cpu``, else read from ``cu_seqlens`` once per tensor) and its split
-    (forced, or where :func:`cula.ops.segment_split.plan_segments` expects it to be faster)."""
+    """The call's offsets (from ``cu_seqlens_cpu``, else read from ``cu_seqlens`` once per tensor), its split (forced,
+    or where :func:`cula.ops.segment_split.plan_segments` expects it to be faster) and its value blocks (as asked, or
+    two where twice the CTAs still fit one wave and then walk every sequence whole: an H100 timed simple GLA at
+    B1 T8192 H64 0.231 ms so against 0.325 split in two, and 0.889 against 0.731 at B2 T16384 H64, two waves)."""
     B, T = call.q.shape[:2]
     offsets = tuple(call_offsets(B, T, call.cu_seqlens, call.cu_seqlens_cpu))
-    if call.split is False or call.state_slots is not None or call.inplace:
+    if call.state_slots is not None or call.inplace:
         return Plan(offsets, None)  # a pool's states are read and written by the one launch
-    planner = None
-    if not call.split:
-        ctas_per_head = value_blocks(kernel, call)
-        planner = (call.v.shape[2] * ctas_per_head, runtime.sm_count(call.q.device), kernel.split_cost(call))
-    plan = _cut_plan(offsets, planner, kernel.chunk)
+    blocks = asked_value_blocks(kernel, call)
+    HV = call.v.shape[2]
+    if blocks is None:
+        fits = 2 * HV * (len(offsets) - 1) <= runtime.sm_count(call.q.device)
+        if fits and (call.split is False or _plan(kernel, call, offsets, HV, 2).cuts is None):
+            return Plan(offsets, None, value_blocks=2)
+        blocks = 1
+    if call.split is False:
+        return Plan(offsets, None, value_blocks=blocks)
+    return _plan(kernel, call, offsets, HV, blocks)
+
+
+def _plan(kernel: ChunkKernel, call: ChunkCall, offsets: tuple[int, ...], HV: int, blocks: int) -> Plan:
+    """The split of a call not forced off, with ``blocks`` CTAs per value head."""
+    planner = None if call.split else (HV * blocks, runtime.sm_count(call.q.device), kernel.split_cost(call))
+    plan = _cut_plan(offsets, planner, kernel.chunk, blocks)
     if plan.segments > MAX_SEQUENCES:
-        return Plan(offsets, None)  # more segments than a launch grid has rows: walk each sequence whole
+        return Plan(offsets, None, value_blocks=blocks)  # more segments than a grid has rows: each walked whole
     return plan
 
 
 @functools.lru_cache(maxsize=256)
 def _cut_plan(
-    offsets: tuple[int, ...], planner: tuple[int, int, segment_split.SplitCost] | None, chunk: int = CHUNK
+    offsets: tuple[int, ...],
+    planner: tuple[int, int, segment_split.SplitCost] | None,
+    chunk: int = CHUNK,
+    value_blocks: int = 1,
 ) -> Plan:
-    """The :class:`Plan` of sequences at ``offsets`` cut where ``planner`` (value heads, SMs, split costs) has
+    """The :class:`Plan` of sequences at ``offsets`` cut where ``planner`` (CTAs per sequence, SMs, split costs) has
     :func:`cula.ops.segment_split.plan_segments` cut them, or with ``planner`` None every 16 chunks (a forced split),
-    at multiples of the kernel's ``chunk``. Made once per layout: a model's layers plan the same calls."""
+    at multiples of the kernel's ``chunk``, with ``value_blocks`` CTAs per value head. Made once per layout: a
+    model's layers plan the same calls."""
     lengths = [e - s for s, e in zip(offsets[:-1], offsets[1:], strict=True)]
     if planner is None:
         cuts = [range(chunk * 16, n, chunk * 16) for n in lengths]
@@ -218,9 +244,9 @@ def _cut_plan(
         cuts = segment_split.plan_segments(lengths, heads, sms, chunk, cost)
     cuts = None if cuts is None else tuple(map(tuple, cuts))
     if cuts is None or not any(cuts):
-        return Plan(offsets, None)  # nothing to cut
+        return Plan(offsets, None, value_blocks=value_blocks)  # nothing to cut
     pieces = [e - s for _, s, e in segment_split.segments(offsets, cuts)]
-    return Plan(offsets, cuts, len(pieces), -(-max(pieces) // chunk))
+    return Plan(offsets, cuts, len(pieces), -(-max(pieces) // chunk), value_blocks)
 
 
 def chunk_fwd(kernel: ChunkKernel, call: ChunkCall) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -286,7 +312,7 @@ def _planned(kernel: ChunkKernel, call: ChunkCall) -> tuple[torch.Tensor, torch.
     state_dtype = "bfloat16" if state_slots != "none" and h0.dtype == torch.bfloat16 else "float32"
     config = ChunkFwdConfig(
         K, starts is not None, h0 is not None, qk_l2norm=call.qk_l2norm, delta_rule=kernel.delta_rule,
-        state_slots=state_slots, state_dtype=state_dtype, value_blocks=value_blocks(kernel, call),
+        state_slots=state_slots, state_dtype=state_dtype, value_blocks=plan.value_blocks,
     )  # fmt: skip
     tensors = LaunchTensors(call.q, call.k, call.v, call.g, call.beta, o, h0, ht, starts, ends, slots=slots)
     launch(kernel, call, config, tensors, scale)
@@ -312,7 +338,7 @@ def _split(kernel: ChunkKernel, call: ChunkCall, plan: Plan, o: torch.Tensor, sc
     cost = kernel.split_cost(call)
     cached = cost.cached
     # the cached passes' workspace of Tinv and P is written by one CTA per head
-    blocks = 1 if cached else value_blocks(kernel, call)
+    blocks = 1 if cached else plan.value_blocks
     # the activated gate of a kernel without the delta rule: the transitions are its decays
     gate = flat[3] if kernel.gate_transition and call.gate is None else None
     saved = {}
