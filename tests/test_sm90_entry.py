@@ -596,7 +596,7 @@ def test_value_blocks_where_twice_the_ctas_fit_one_wave_and_walk_whole(
 
 def test_value_blocks_are_refused_where_a_kernel_cannot_take_them():
     """Two value blocks need D = 128, no intra-chunk workspace and the forward's walk, and a kernel whose load warp
-    takes the CTA's block (GLA's and KDA's do not)."""
+    takes the CTA's block (GLA's, KDA's and SM100's do not)."""
     from cula.gla.chunk_fwd_sm90 import GLAChunkFwdSm90
     from cula.sm90.chunk_fwd import ChunkFwdConfig
 
@@ -610,3 +610,7 @@ def test_value_blocks_are_refused_where_a_kernel_cannot_take_them():
             ChunkFwdConfig(**{"value_blocks": 2, **bad})
     with pytest.raises(AssertionError):
         GLAChunkFwdSm90(ChunkFwdConfig(value_blocks=2, delta_rule=False))
+    from cula.sm100.scalar_chunk_fwd import ScalarGateChunkFwdSm100
+
+    with pytest.raises(AssertionError):
+        ScalarGateChunkFwdSm100(ChunkFwdConfig(value_blocks=2, delta_rule=False))

@@ -165,6 +165,7 @@ class ScalarGateChunkFwdSm100:
     def __init__(self, config: ChunkFwdConfig):
         assert config.head_dim == HEAD_DIM and not config.delta_rule, config
         assert config.mode in ("full", "correction") and config.intra == "none", config
+        assert config.value_blocks == 1, config  # one CTA walks a value head's every column
         self.cfg = config
         self.C = CHUNK
         self.D = config.head_dim
