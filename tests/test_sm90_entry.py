@@ -599,6 +599,7 @@ def test_value_blocks_are_refused_where_a_kernel_cannot_take_them():
     takes the CTA's block (GLA's, KDA's and SM100's do not)."""
     from cula.gla.chunk_fwd_sm90 import GLAChunkFwdSm90
     from cula.sm90.chunk_fwd import ChunkFwdConfig
+    from cula.sm100.scalar_chunk_fwd import ScalarGateChunkFwdSm100
 
     for bad in (
         {"head_dim": 64},
@@ -610,7 +611,5 @@ def test_value_blocks_are_refused_where_a_kernel_cannot_take_them():
             ChunkFwdConfig(**{"value_blocks": 2, **bad})
     with pytest.raises(AssertionError):
         GLAChunkFwdSm90(ChunkFwdConfig(value_blocks=2, delta_rule=False))
-    from cula.sm100.scalar_chunk_fwd import ScalarGateChunkFwdSm100
-
     with pytest.raises(AssertionError):
         ScalarGateChunkFwdSm100(ChunkFwdConfig(value_blocks=2, delta_rule=False))
