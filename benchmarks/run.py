@@ -249,6 +249,7 @@ def run_gpu_case(
     """One row on the GPU: cuLA and FLA (and ``peer`` on forward rows) timed on the same seeded inputs, their
     agreement, their errors against the fp32 reference, and the floor at ``peaks``."""
     import cula
+    from cula.sm90 import entry as sm90_entry
 
     row = Row(case.op, case.name, mode)
     cula_fn, fla_target = entry_points(case.op)
@@ -278,8 +279,11 @@ def run_gpu_case(
         o_fla = None
         row.notes.append(f"FLA failed: {type(error).__name__}: {str(error)[:200]}")
     try:
+        sm90_entry.forget_last_plan()
         o_cula, s_cula = cula_fn(**args)
         row.cula_backend = cula.last_decision(cula_fn).backend
+        if sm90_entry.last_plan() is not None:  # an SM90 chunk kernel ran it: how
+            row.notes.append(sm90_entry.describe(sm90_entry.last_plan()))
         row.cula_ms = bench_median(row, "cula", step(cula_fn))
         row.cula_host_ms = host_issue_ms(step(cula_fn))
         if row.cula_host_ms > 0.8 * row.cula_ms:

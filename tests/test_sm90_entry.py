@@ -613,3 +613,25 @@ def test_value_blocks_are_refused_where_a_kernel_cannot_take_them():
         GLAChunkFwdSm90(ChunkFwdConfig(value_blocks=2, delta_rule=False))
     with pytest.raises(AssertionError):
         ScalarGateChunkFwdSm100(ChunkFwdConfig(value_blocks=2, delta_rule=False))
+
+
+def test_the_last_plan_says_how_this_threads_call_ran(launches):
+    """entry.last_plan(): the plan of the thread's latest chunk forward, None after forget_last_plan() and in another
+    thread; describe() words it for the benchmark's notes."""
+    import threading
+
+    q, k, v, g, beta = inputs(1, 2100, 1, 2, False)
+    entry.forget_last_plan()
+    assert entry.last_plan() is None
+    entry.chunk_fwd(kernel_with(), entry.ChunkCall(q, k, v, g, beta, split=True))
+    plan = entry.last_plan()
+    assert plan is not None and plan.cuts == ((1024, 2048),)
+    assert entry.describe(plan) == "1 of 1 sequences cut, 3 segments"
+    seen = []
+    worker = threading.Thread(target=lambda: seen.append(entry.last_plan()))
+    worker.start()
+    worker.join()
+    assert seen == [None]
+    entry.chunk_fwd(kernel_with(), entry.ChunkCall(q, k, v, g, beta, split=False))
+    assert entry.describe(entry.last_plan()) == "sequences walked whole"
+    assert entry.describe(entry.Plan((0, 64), None, value_blocks=2)) == "sequences walked whole, 2 CTAs per value head"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -24,6 +25,7 @@ MAX_SEQUENCES = 65535
 # columns each (ChunkFwdConfig.value_blocks) in every call, "1" never; unset, where :func:`plan_call` chooses them
 ENV_VALUE_BLOCKS = "CULA_VALUE_BLOCKS"
 _DUMMY: dict = {}
+_LAST_PLAN = threading.local()  # each thread's latest planned call: what last_plan() returns
 
 
 class ChunkCall(NamedTuple):
@@ -179,6 +181,26 @@ class Plan(NamedTuple):
     value_blocks: int = 1
 
 
+def last_plan() -> Plan | None:
+    """The plan of this thread's latest SM90 chunk forward that launched (None before the first): how it ran."""
+    return getattr(_LAST_PLAN, "plan", None)
+
+
+def forget_last_plan() -> None:
+    """:func:`last_plan` None until this thread's next planned call (for a caller that asks how its own call ran)."""
+    _LAST_PLAN.plan = None
+
+
+def describe(plan: Plan) -> str:
+    """``plan`` in a few words, for a benchmark row: how many launches walk how many pieces with how many CTAs per
+    value head."""
+    blocks = f", {plan.value_blocks} CTAs per value head" if plan.value_blocks > 1 else ""
+    if plan.cuts is None:
+        return f"sequences walked whole{blocks}"
+    cut = sum(1 for c in plan.cuts if c)
+    return f"{cut} of {len(plan.cuts)} sequences cut, {plan.segments} segments{blocks}"
+
+
 def call_offsets(B: int, T: int, cu_seqlens, cu_seqlens_cpu) -> list[int]:
     """A call's sequences as token offsets in the flattened batch: B rows of T tokens, or the varlen offsets (from
     ``cu_seqlens_cpu``, else read from ``cu_seqlens`` once per tensor)."""
@@ -295,6 +317,7 @@ def _planned(kernel: ChunkKernel, call: ChunkCall) -> tuple[torch.Tensor, torch.
     N = B if call.cu_seqlens is None else call.cu_seqlens.numel() - 1
     o = call.out if call.out is not None else torch.empty(B, T, HV, V, dtype=call.v.dtype, device=call.v.device)
     plan = plan_call(kernel, call)
+    _LAST_PLAN.plan = plan
     if plan.cuts is not None:
         return o, _split(kernel, call, plan, o, scale)
     state_shape = (N, HV, V, K) if call.state_v_first else (N, HV, K, V)
