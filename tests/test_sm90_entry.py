@@ -151,6 +151,31 @@ def test_a_gated_split_without_the_delta_rule_takes_its_transitions_from_the_gat
             assert rel_rmse(outs[True][0][0, s:e], outs[False][0][0, s:e]) < 5e-3, n
 
 
+def test_a_nan_gate_in_a_middle_range_turns_the_split_call_nan_where_one_walk_does(launches):
+    """A per-token gate of NaN (which the scalar-gate kernel carries into its state, as the launches' stand-in here
+    does) inside a middle range of a split sequence: the split call's outputs are those of one walk before it and NaN
+    from it on, and its final state is NaN, as one walk's."""
+    kernel = entry.ChunkKernel("test", None, delta_rule=False, gate_transition=True)
+    torch.manual_seed(5)
+    cu = [0, 3100, 3300]  # the first sequence cut every 1024 tokens: [1024, 2048) is a middle range
+    q, k, v, g, _ = inputs(1, 3300, 2, 2, False)
+    g = g * 1e-3
+    g[0, 1500, 1] = float("nan")
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    outs = {}
+    for split in (True, False):
+        o, ht = entry_for(kernel)(q, k, v, g, g, 32**-0.5, None, True, cu_t, False, split=split, cu_seqlens_cpu=cu_t)
+        outs[split] = (o.float(), ht)
+    for split in (True, False):
+        o, ht = outs[split]
+        assert torch.isfinite(o[0, :1500]).all() and torch.isnan(o[0, 1500:3100, 1]).all(), split
+        assert torch.isfinite(o[0, 1500:, 0]).all() and torch.isfinite(o[0, 3100:]).all(), split
+        assert torch.isnan(ht[0, 1]).all() and torch.isfinite(ht[0, 0]).all() and torch.isfinite(ht[1]).all(), split
+    from delta_rule_recurrence import rel_rmse
+
+    assert rel_rmse(outs[True][0][0, :1500], outs[False][0][0, :1500]) < 5e-3
+
+
 def test_a_wrong_correction_pass_fails(monkeypatch):
     def no_correction(kernel, call, config, t, scale):
         if config.mode != "correction":

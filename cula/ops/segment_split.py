@@ -277,13 +277,16 @@ def _gate_transitions(gate: torch.Tensor, plan: _SplitPlan, local: torch.Tensor)
     gates' sum per key)), here its diagonal ``[middle segments, HV, K]`` in the dtype of ``local`` (the first pass's
     states, fp32 from the kernels). ``gate`` ([1, T, HV(, K)]) is summed over each run of equal contiguous middle
     segments (``plan.middles``) by one reduction over a view, reading those tokens once. A segment whose sum underflows
-    e^x in fp32 (a -inf gate included) is a reset (decay 0), and so is one with a NaN gate, as GLA's kernel floors a
-    NaN gate (``fmax``); the scalar-gate kernel does not (a NaN gate makes its state NaN), so there a split call and an
-    unsplit one differ after a NaN gate."""
+    e^x in fp32 (a -inf gate included) is a reset (decay 0). A NaN gate follows the kernel: GLA's floors it to a reset
+    (``fmax``), so its segment's decay is 0 as well; the scalar-gate kernel carries it (its state turns NaN), and so does
+    its decay here, unchanged: the segment's local end state is NaN already, and so is every later start, as an unsplit
+    walk's state."""
     rest = gate.shape[2:]
     sums = [gate[0, a : a + n * length].view(n, length, *rest).sum(1) for a, n, length in plan.middles]
     sums = sums[0] if len(sums) == 1 else torch.cat(sums)
-    decay = sums.nan_to_num(nan=-math.inf).exp().to(local.dtype)
+    if sums.dim() == 3:  # GLA's per-key gate
+        sums = sums.nan_to_num(nan=-math.inf)
+    decay = sums.exp().to(local.dtype)
     if decay.dim() == 2:  # one gate for every key
         decay = decay[..., None].expand(*decay.shape, local.shape[-2]).contiguous()
     return decay
