@@ -57,6 +57,7 @@ def test_value_blocks(monkeypatch, split):
     monkeypatch.setenv(entry.ENV_VALUE_BLOCKS, "2")
     cu = [0, 0, 1, 2, 72, 72, 136, 265, 266, 266] if not split else [0, 1, 1500, 1500, 2701]
     run_case(1, cu[-1], 2, 4, cu=cu, h0=True, split=split)
+    assert entry.last_plan().value_blocks == (1 if split else 2)
 
 
 @pytest.mark.gpu

@@ -150,3 +150,4 @@ def test_value_blocks(monkeypatch, case):
 
     monkeypatch.setenv(entry.ENV_VALUE_BLOCKS, "2")
     run_case(monkeypatch, **case)
+    assert entry.last_plan().value_blocks == 2

@@ -599,6 +599,7 @@ def test_value_blocks_as_asked_or_chosen_and_kept_off_the_cached_passes(monkeypa
         ("simple_gla", (1, 65536, 8), "2", 2, 8),  # as asked: the planner sees twice the heads
         ("gdn", (1, 8192, 64), None, 1, 2),
         ("gdn", (1, 8192, 64), "2", 2, 0),
+        ("gdn", (1, 65536, 8), "2", 1, 16),  # still cut: its cached passes take one CTA per head, cut for them
     ],
 )
 def test_value_blocks_where_twice_the_ctas_fit_one_wave_and_walk_whole(

@@ -62,7 +62,11 @@ entry.register_checked(
     compile_gdn_fwd_sm90,
     {
         **entry.checked(
-            *entry.DELTA_CONFIGS, *entry.WALK_CONFIGS, "[D=64, state-gradient walk]", *entry.VALUE_BLOCK_CONFIGS
+            *entry.DELTA_CONFIGS,
+            *entry.WALK_CONFIGS,
+            "[D=64, state-gradient walk]",
+            *entry.VALUE_BLOCK_CONFIGS,
+            "[value blocks, qk_l2norm]",
         ),
         "[D=64, qk_l2norm, intra load, correction]": {
             "head_dim": 64,

@@ -22,7 +22,8 @@ from cula.sm90.chunk_fwd import CHUNK, ChunkFwdConfig
 # CUDA's limit on a launch grid's y (and z) size: the chunk kernels run sequence n as grid row n
 MAX_SEQUENCES = 65535
 # "2" runs each D = 128 value head of a kernel that can (``ChunkKernel.splits_values``) as two CTAs of 64 value
-# columns each (ChunkFwdConfig.value_blocks) in every call, "1" never; unset, where :func:`plan_call` chooses them
+# columns each (ChunkFwdConfig.value_blocks) in every launch that can take them (not a pool's, nor a cached split
+# pass), "1" never; unset (or any other value), where :func:`plan_call` chooses them
 ENV_VALUE_BLOCKS = "CULA_VALUE_BLOCKS"
 _DUMMY: dict = {}
 _LAST_PLAN = threading.local()  # each thread's latest planned call: what last_plan() returns
@@ -182,7 +183,8 @@ class Plan(NamedTuple):
 
 
 def last_plan() -> Plan | None:
-    """The plan of this thread's latest SM90 chunk forward that launched (None before the first): how it ran."""
+    """The plan of this thread's latest chunk forward through :func:`chunk_fwd` whose launches were made (None before
+    the first): how it ran."""
     return getattr(_LAST_PLAN, "plan", None)
 
 
@@ -235,7 +237,11 @@ def plan_call(kernel: ChunkKernel, call: ChunkCall) -> Plan:
         blocks = 1
     if call.split is False:
         return Plan(offsets, None, value_blocks=blocks)
-    return _plan(kernel, call, offsets, HV, blocks)
+    plan = _plan(kernel, call, offsets, HV, blocks)
+    if plan.cuts is not None and blocks > 1 and kernel.split_cost(call).cached:
+        # the cached passes' Tinv | P workspace has one writer per head: cut for one CTA per head
+        plan = _plan(kernel, call, offsets, HV, 1)
+    return plan
 
 
 def _plan(kernel: ChunkKernel, call: ChunkCall, offsets: tuple[int, ...], HV: int, blocks: int) -> Plan:
@@ -317,9 +323,10 @@ def _planned(kernel: ChunkKernel, call: ChunkCall) -> tuple[torch.Tensor, torch.
     N = B if call.cu_seqlens is None else call.cu_seqlens.numel() - 1
     o = call.out if call.out is not None else torch.empty(B, T, HV, V, dtype=call.v.dtype, device=call.v.device)
     plan = plan_call(kernel, call)
-    _LAST_PLAN.plan = plan
     if plan.cuts is not None:
-        return o, _split(kernel, call, plan, o, scale)
+        ht = _split(kernel, call, plan, o, scale)
+        _LAST_PLAN.plan = plan
+        return o, ht
     state_shape = (N, HV, V, K) if call.state_v_first else (N, HV, K, V)
     ht = call.initial_state if call.inplace else call.final_state_out
     if ht is None:
@@ -339,6 +346,7 @@ def _planned(kernel: ChunkKernel, call: ChunkCall) -> tuple[torch.Tensor, torch.
     )  # fmt: skip
     tensors = LaunchTensors(call.q, call.k, call.v, call.g, call.beta, o, h0, ht, starts, ends, slots=slots)
     launch(kernel, call, config, tensors, scale)
+    _LAST_PLAN.plan = plan
     if call.inplace:
         return o, call.initial_state
     return o, (ht if call.output_final_state else None)
@@ -360,8 +368,7 @@ def _split(kernel: ChunkKernel, call: ChunkCall, plan: Plan, o: torch.Tensor, sc
         h0 = h0.transpose(-1, -2)
     cost = kernel.split_cost(call)
     cached = cost.cached
-    # the cached passes' workspace of Tinv and P is written by one CTA per head
-    blocks = 1 if cached else plan.value_blocks
+    assert not (cached and plan.value_blocks > 1), plan  # plan_call cuts a cached kernel's call for one CTA per head
     # the activated gate of a kernel without the delta rule: the transitions are its decays
     gate = flat[3] if kernel.gate_transition and call.gate is None else None
     saved = {}
@@ -379,7 +386,7 @@ def _split(kernel: ChunkKernel, call: ChunkCall, plan: Plan, o: torch.Tensor, sc
                 if kernel.workspaces is not None:
                     saved["more"] = kernel.workspaces(starts.numel(), plan.longest, HV, K, call.q.device)
         config = ChunkFwdConfig(
-            K, True, h0_ is not None, mode, intra, call.qk_l2norm, kernel.delta_rule, value_blocks=blocks
+            K, True, h0_ is not None, mode, intra, call.qk_l2norm, kernel.delta_rule, value_blocks=plan.value_blocks
         )
         tensors = LaunchTensors(*flat[:6], h0_, ht_, starts, ends, saved.get("w"), saved.get("more"))
         launch(kernel, flat_call, config, tensors, scale)
@@ -551,6 +558,7 @@ CONFIGS = {
     "[value blocks]": {"is_varlen": True, "has_initial_state": True, "value_blocks": 2},
     "[value blocks, fixed length]": {"value_blocks": 2},
     "[value blocks, correction]": {"is_varlen": True, "mode": "correction", "value_blocks": 2},
+    "[value blocks, qk_l2norm]": {"is_varlen": True, "has_initial_state": True, "qk_l2norm": True, "value_blocks": 2},
 }  # fmt: skip
 # A kernel that can split a value head over two CTAs (ChunkKernel.splits_values) is checked so too
 VALUE_BLOCK_CONFIGS = ("[value blocks]", "[value blocks, fixed length]", "[value blocks, correction]")
