@@ -101,3 +101,22 @@ def test_public_entry_point(monkeypatch):
     assert cula.last_decision(cula.gla.chunk_gla).backend == "cute"
     o_ref, ht_ref = reference(q, k, v, g, 128**-0.5, None, None, monkeypatch)
     assert_matches(o, ht, o_ref, ht_ref)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(B=2, T=1000, H=2, gates="steep"),
+        dict(B=1, T=466, H=2, gates="resets", cu=[0, 0, 1, 101, 165, 165, 466], h0=True, state_v_first=True),
+        dict(B=1, T=5101, H=2, gates="layer", cu=[0, 1, 2500, 2500, 5101], h0=True, split=True),
+    ],
+    ids=["fixed", "varlen_state_v_first", "split"],
+)
+def test_value_blocks(monkeypatch, case):
+    """Each value head walked by two CTAs of 64 value columns (CULA_VALUE_BLOCKS=2; both state warpgroups hold the
+    CTA's rows): the split call's passes too."""
+    from cula.sm90 import entry
+
+    monkeypatch.setenv(entry.ENV_VALUE_BLOCKS, "2")
+    run_case(monkeypatch, **case)
+    assert entry.last_plan().value_blocks == 2

@@ -79,6 +79,21 @@ def test_varlen(state_v_first):
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("split", [False, True])
+def test_value_blocks(monkeypatch, split):
+    """Each value head walked by two CTAs of 64 value columns (CULA_VALUE_BLOCKS=2; both state warpgroups hold the
+    CTA's rows), GVA, varlen with empty and one-token sequences, initial states; a split call's cached passes keep
+    one CTA per head."""
+    from cula.sm90 import entry
+
+    monkeypatch.setenv(entry.ENV_VALUE_BLOCKS, "2")
+    cu = [0, 0, 1, 65, 65, 300, 700, 700] if not split else [0, 1, 1500, 1500, 2701]
+    run_case(1, cu[-1], 1, 2, cu=cu, h0=True, split=split)
+    assert entry.last_plan().value_blocks == (1 if split else 2)
+
+
+@pytest.mark.gpu
+@needs_sm90
 def test_public_api_with_in_kernel_options(monkeypatch):
     B, T, H, HV, D = 1, 150, 2, 4, 128
     dev = "cuda"

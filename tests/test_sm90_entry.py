@@ -600,6 +600,10 @@ def test_value_blocks_as_asked_or_chosen_and_kept_off_the_cached_passes(monkeypa
         ("gdn", (1, 8192, 64), None, 1, 2),
         ("gdn", (1, 8192, 64), "2", 2, 0),
         ("gdn", (1, 65536, 8), "2", 1, 16),  # still cut: its cached passes take one CTA per head, cut for them
+        ("gla", (1, 8192, 64), None, 1, 2),
+        ("gla", (1, 8192, 64), "2", 2, 0),
+        ("kda", (1, 8192, 64), None, 1, 2),
+        ("kda", (1, 8192, 64), "2", 2, 0),
     ],
 )
 def test_value_blocks_where_twice_the_ctas_fit_one_wave_and_walk_whole(
@@ -607,9 +611,11 @@ def test_value_blocks_where_twice_the_ctas_fit_one_wave_and_walk_whole(
 ):
     """The planner's choice on 132 SMs (meta tensors: no data)."""
     from cula.gdn.chunk_fwd_sm90 import GDN_SM90
+    from cula.gla.chunk_fwd_sm90 import GLA_SM90
+    from cula.kda.chunk_fwd_sm90 import KDA_SM90
     from cula.lightning.chunk_fwd_sm90 import SIMPLE_GLA_SM90
 
-    kernel = {"simple_gla": SIMPLE_GLA_SM90, "gdn": GDN_SM90}[variant]
+    kernel = {"simple_gla": SIMPLE_GLA_SM90, "gdn": GDN_SM90, "gla": GLA_SM90, "kda": KDA_SM90}[variant]
     props = type("P", (), {"multi_processor_count": 132, "name": "NVIDIA H200"})
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: props)
     if asked is not None:
@@ -622,9 +628,8 @@ def test_value_blocks_where_twice_the_ctas_fit_one_wave_and_walk_whole(
 
 def test_value_blocks_are_refused_where_a_kernel_cannot_take_them():
     """Two value blocks need D = 128, no intra-chunk workspace and the forward's walk, and a kernel whose load warp
-    takes the CTA's block (GLA's, KDA's and SM100's do not)."""
-    from cula.gla.chunk_fwd_sm90 import GLAChunkFwdSm90
-    from cula.sm90.chunk_fwd import ChunkFwdConfig
+    takes the CTA's block (the skeleton alone and SM100's do not)."""
+    from cula.sm90.chunk_fwd import ChunkFwdConfig, ChunkFwdSm90
     from cula.sm100.scalar_chunk_fwd import ScalarGateChunkFwdSm100
 
     for bad in (
@@ -636,7 +641,7 @@ def test_value_blocks_are_refused_where_a_kernel_cannot_take_them():
         with pytest.raises(AssertionError):
             ChunkFwdConfig(**{"value_blocks": 2, **bad})
     with pytest.raises(AssertionError):
-        GLAChunkFwdSm90(ChunkFwdConfig(value_blocks=2, delta_rule=False))
+        ChunkFwdSm90(ChunkFwdConfig(value_blocks=2, delta_rule=False))
     with pytest.raises(AssertionError):
         ScalarGateChunkFwdSm100(ChunkFwdConfig(value_blocks=2, delta_rule=False))
 

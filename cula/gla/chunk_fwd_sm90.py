@@ -282,6 +282,7 @@ GLA_SM90 = entry.ChunkKernel(
     split_cost=split_cost,
     delta_rule=False,
     gate_transition=True,
+    splits_values="when asked",  # not yet timed on a GPU
 )
 
 
@@ -316,5 +317,6 @@ entry.register_checked(
         "[D=64, correction]",
         *entry.WALK_CONFIGS,
         "[D=64, states walk]",
+        *entry.VALUE_BLOCK_CONFIGS,
     ),  # fmt: skip
 )

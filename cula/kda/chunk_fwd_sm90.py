@@ -183,6 +183,8 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
     # bf16 rounding there costs about 2e-3 relative error in the state)
     split_values = True
     zeroes_v_tail = True  # Y = beta (V - ...) with beta = 0 past the sequence end: V must be finite there
+    # two value blocks: both state warpgroups hold the CTA's 64 value rows (as at D = 64; the second writes none)
+    splits_values = True
     # a floor on the natural-log gate (None: the gate as given, >= -5 by FLA's safe_gate)
     gate_floor = None
 
@@ -310,14 +312,14 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
         )
 
     def make_rings(self, st, c):
-        C, D = self.C, self.D
+        C = self.C
         cfg = self.cfg
         math_threads = self.layout.threads_of(WarpGroupRole.STATE)
         math_warps = math_threads // 32
         prep = self.prep_threads
         # q | k | g: read by the prep role (scan, R, B tiles) unless it feeds, and by the intra step
         qkg = pipeline.tma_ring(st.ring_qkg, 1, self.qkg_bytes, prep // 32 + math_warps)
-        v = pipeline.tma_ring(st.ring_v, self.v_stages, C * D * 2, math_warps)
+        v = pipeline.tma_ring(st.ring_v, self.v_stages, C * self.Dv * 2, math_warps)  # the CTA's value columns
         r = pipeline.thread_ring(st.ring_r, 1, prep, math_threads)
         b = pipeline.thread_ring(st.ring_b, 1, prep, math_threads)
         b_load = tp = b
@@ -514,7 +516,7 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
             c.k.atom, c.k.tensor[None, None, seq.h, seq.b], seq.tok0, smem.sQK[None, None, 1, None]
         )
         tGs, tGg = tiles.tma_chunk_tiles(gp.g.atom, gp.g.tensor[None, None, seq.hv, seq.b], seq.tok0, gs.sGin3)
-        tVs, tVg = tiles.tma_chunk_tiles(c.v.atom, c.v.tensor[None, None, seq.hv, seq.b], seq.tok0, smem.sV)
+        tVs, tVg = tiles.tma_chunk_tiles(c.v.atom, c.v.tensor[None, None, seq.hv, seq.b], seq.tok0, smem.sV, seq.vb)
         return tQs, tQg, tKs, tKg, tGs, tGg, tVs, tVg
 
     @cute.jit
@@ -1032,6 +1034,7 @@ KDA_SM90 = entry.ChunkKernel(
     split_cost=split_cost,
     workspaces=split_workspaces,
     options=lambda call: {"gate_in_kernel": call.gate is not None},
+    splits_values="when asked",  # not yet timed on a GPU
 )
 
 
@@ -1055,7 +1058,11 @@ entry.register_checked(
     compile_kda_fwd_sm90,
     {
         **entry.checked(
-            *entry.DELTA_CONFIGS, *entry.WALK_CONFIGS, "[D=64, states walk]", "[D=64, state-gradient walk]"
+            *entry.DELTA_CONFIGS,
+            *entry.WALK_CONFIGS,
+            "[D=64, states walk]",
+            "[D=64, state-gradient walk]",
+            *entry.VALUE_BLOCK_CONFIGS,
         ),
         "[gate in kernel]": {"is_varlen": True, "has_initial_state": True, "gate_in_kernel": True},
         "[gate in kernel, D=64, qk_l2norm]": {"head_dim": 64, "gate_in_kernel": True, "qk_l2norm": True},
@@ -1081,6 +1088,9 @@ entry.register_checked(
         "[D=64]": (120, 0),
         "[correction]": (28, 0),
         "[fixed length]": (6, 0),
+        "[value blocks]": (14, 0),
+        "[value blocks, fixed length]": (6, 0),
+        "[value blocks, correction]": (28, 0),
         "[pool]": (30, 0),
         "[bf16 pool]": (30, 0),
         "[gate in kernel, D=64, qk_l2norm]": (66, 0),
