@@ -16,7 +16,9 @@ draws its lengths from ``random.Random(0)``). ``--profile`` adds each call's CUD
 mean of 5 calls): what a split call spends outside the chunk kernel; and the host's time to issue one call
 (``host_ms``, 20 calls unwaited: near ``ms``, the call is bound by its host path). ``--seg`` times each shape once per
 entry: ``auto`` as the planner cuts, a number N cuts every sequence longer than N chunks every N chunks (the planner's
-choice against its neighbours: a skewed mix's long sequence of 128 chunks is in 4 pieces at 32).
+choice against its neighbours: a skewed mix's long sequence of 128 chunks is in 4 pieces at 32). A cut call runs one
+CTA per value head unless ``CULA_VALUE_BLOCKS=2`` is in the tree's settings (``TREE@CULA_VALUE_BLOCKS=2``), which
+times value blocks where the planner would not choose them.
 """
 
 import argparse
