@@ -30,14 +30,14 @@ import tempfile
 from pathlib import Path
 
 WORKER = r"""
-import json, sys, time, torch
+import json, sys, torch
 from triton.testing import do_bench
 tree, op, shapes, split, l2norm, layer_gate, profile, out_dir, tag, segs = sys.argv[1:11]
 sys.path.insert(0, tree)
 import random, re
 import cula
 assert cula.__file__.startswith(tree.rstrip("/")), cula.__file__
-from benchmarks.run import varlen_lengths
+from benchmarks.run import host_issue_ms, varlen_lengths
 sys.path.append("tools")  # the inputs' helper from this checkout (the working directory), whatever the tree holds
 from chunk_inputs import chunk_inputs
 if op == "gdn":
@@ -93,12 +93,7 @@ for shape, seg in ((s, c) for s in shapes.split(",") for c in segs.split(",")):
         times = {e.key[:70]: e.device_time_total / 5e3 for e in prof.key_averages() if e.device_time_total > 0}
         row["kernels_ms"] = dict(sorted(times.items(), key=lambda kv: -kv[1])[:6])
         # the host's time to issue a call (its launches queue up unwaited): near "ms", the call is host-bound
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(20):
-            run()
-        row["host_ms"] = (time.perf_counter() - t0) / 20 * 1e3
-        torch.cuda.synchronize()
+        row["host_ms"] = host_issue_ms(run)
     rows.append(row)
 print(json.dumps(rows))
 """
