@@ -634,9 +634,10 @@ def test_dispatch_by_compute_capability(monkeypatch, cc, opt_in):
 
 
 def test_the_sm100_simple_gla_kernel_says_what_it_declines(monkeypatch):
-    """On a faked B200 with the opt-in: head dims other than 128, a training call FLA can serve (FLA's backward is
-    the faster) and a fp16 call go to FLA, each with the SM100 kernel's reason; a D = 128 inference call is served by
-    it, and so is a training call when FLA is not there (its state walks in chunks of 128, then PyTorch rows)."""
+    """On a faked B200 with the opt-in: head dims other than 64 and 128, a training call FLA can serve (FLA's
+    backward is the faster) and a fp16 call go to FLA, each with the SM100 kernel's reason; D = 64 and 128 inference
+    calls are served by it, and so is a training call when FLA is not there (its state walks in chunks of 128, then
+    PyTorch rows)."""
     FakeCuda(monkeypatch, (10, 0), sms=148, name="NVIDIA B200")
     monkeypatch.setattr(dispatch, "fla_function", lambda target: None)
     monkeypatch.setenv(dispatch.ENV_UNTESTED, "1")
@@ -647,9 +648,10 @@ def test_the_sm100_simple_gla_kernel_says_what_it_declines(monkeypatch):
         k, v = (torch.randn(1, 70, 2, D, dtype=dtype) for _ in range(2))
         return {"q": q, "k": k, "v": v, "g": -torch.rand(1, 70, 2)}
 
-    assert cula.explain(fn, **call()).reason == "lightning.chunk_fwd_sm100 on sm_100"
+    for D in (64, 128):
+        assert cula.explain(fn, **call(D=D)).reason == "lightning.chunk_fwd_sm100 on sm_100"
     cases = {
-        "head dims K=64, V=64 not supported (supported: K = V = 128)": call(D=64),
+        "head dims K=32, V=32 not supported (supported: K = V = 64 or 128)": call(D=32),
         "inputs require grad, and FLA's backward is faster than the kernel's": call(grad=True),
         "q, k, v must be bfloat16": call(dtype=torch.float16),
     }

@@ -373,11 +373,12 @@ def test_chunk_rows_hold_every_token_once_in_order(fixed_length, chunk):
         assert rows <= index.shape[0]
 
 
+@pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("lengths", [[0, 1, 130, 128, 300], None], ids=["varlen", "fixed"])
-def test_the_sm100_backward_host_path_gives_the_reference_gradients(monkeypatch, lengths):
+def test_the_sm100_backward_host_path_gives_the_reference_gradients(monkeypatch, lengths, D):
     """Simple GLA's backward with the SM100 kernel's walks (cula.lightning.chunk_bwd_sm90 with SIMPLE_GLA_SM100:
     chunk rows and checkpoints of 128 tokens), the walks' launch emulated on the CPU: every gradient against the fp64
-    reference's autograd, per sequence."""
+    reference's autograd, per sequence, at both head dims."""
     from cula.lightning.chunk_bwd_sm90 import chunk_simple_gla_bwd_sm90
     from cula.lightning.chunk_fwd_sm100 import SIMPLE_GLA_SM100
     from cula.sm90 import walks
@@ -385,7 +386,7 @@ def test_the_sm100_backward_host_path_gives_the_reference_gradients(monkeypatch,
     monkeypatch.setattr(walks.entry, "launch", emulated_launch)
     torch.manual_seed(3)
     B, T = (1, sum(lengths)) if lengths else (2, 200)
-    N, H, D = (len(lengths) if lengths else B), 2, 128
+    N, H = (len(lengths) if lengths else B), 2
     q, k, v, do = (torch.randn(B, T, H, D).bfloat16() for _ in range(4))
     g = F.logsigmoid(torch.randn(B, T, H) + 3.0)
     h0, dht = torch.randn(N, H, D, D) * 0.1, torch.randn(N, H, D, D) * 0.1

@@ -30,6 +30,15 @@ def test_varlen_initial_state(monkeypatch, state_v_first):
     run_case(monkeypatch, 1, 530, 2, cu=cu, h0=True, state_v_first=state_v_first, arch="sm100")
 
 
+@pytest.mark.parametrize("T", [1, 129, 1000])
+def test_head_dim_64(monkeypatch, T):
+    """D = 64: the state update's M stays 128, its operand v followed by a tile of zeros (the state rows past V
+    unused); varlen with an initial state as well."""
+    run_case(monkeypatch, 2, T, 2, D=64, arch="sm100")
+    if T == 1000:
+        run_case(monkeypatch, 1, 530, 2, D=64, cu=[0, 0, 1, 101, 229, 229, 530], h0=True, arch="sm100")
+
+
 def test_gates_far_below_zero(monkeypatch):
     """Log gates of -inf, -1e30 and -300 give the reference's answer, finite everywhere."""
     from cula.lightning.chunk_fwd_sm100 import chunk_simple_gla_fwd_sm100

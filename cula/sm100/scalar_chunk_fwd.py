@@ -16,7 +16,13 @@ Four tcgen05 MMAs per chunk, every operand in shared memory, every accumulator i
 | P = Q K^T | C x C x K | q, K-major | k, K-major | P (columns 0-127) |
 | O = Q~ S | C x V x K | Q~, K-major | S^T bf16, K-major | O (128-255) |
 | O += P~ V | C x V x C | P~, K-major | v, MN-major | O |
-| S^T += V^T K~ | V x K x C | v, MN-major | K~, MN-major | S^T (256-383) |
+| S^T += V^T K~ | 128 x K x C | v, MN-major | K~, MN-major | S^T (128 + V ..) |
+
+At D = 64 the update's M is still 128: the state accumulator S^T has 128 rows, of which the V = 64 past the value
+columns stay zero, because the A operand (v read MN-major) is the v tile followed by a 64-column tile of zeros
+(written once, never loaded: in the K-major (C, 128) tile's byte order the first 64 columns of every row come first).
+tcgen05 has M = 64 as well, but its accumulator lies on half the TMEM lanes of each warp, so every role's row
+access would change; the zero rows cost the update twice the products at D = 64, the smallest of the four.
 
 Warp roles (:class:`cula.sm100.roles.WarpRole`): a TMA warp loads chunk c's q | k | v stage; the MMA warp issues
 the products; the gate warp scans the chunk's gates into a gate slot; the scores warpgroup turns P into P~ (masks as
@@ -43,7 +49,7 @@ the key tile: "states" walks (k, v) with K~ = 2^(G_last - G) k, "state_grads" wa
 Shapes and launch arguments as the SM90 family's (:mod:`cula.sm90.chunk_fwd`): q, k [B, T, H, D]; v, o [B, T, HV,
 D] bf16; g [B, T, HV] fp32 natural-log gate per token (simple GLA's g plus g_gamma); states [N, HV, K, V] fp32 (a
 transposed view for ``state_v_first``); varlen int32 ``starts`` / ``ends``; the walks' checkpoints ``w`` [rows, HV,
-V, K] bf16 (row :func:`cula.sm90.sequence.checkpoint_row` with C = 128); a state pool's ``slots``. D = 128.
+V, K] bf16 (row :func:`cula.sm90.sequence.checkpoint_row` with C = 128); a state pool's ``slots``. D = 64 or 128.
 Configurations: :class:`cula.sm90.chunk_fwd.ChunkFwdConfig` with ``delta_rule=False`` and ``mode`` "full" or
 "correction".
 """
@@ -67,9 +73,8 @@ from cula.sm100 import mma, tmem
 from cula.sm100.roles import THREADS, WARPGROUP, Barrier, WarpRole
 
 CHUNK = 128
-HEAD_DIM = 128
+HEAD_DIMS = (64, 128)
 GATE_SLOTS = 2
-TMEM_COLUMNS = 512  # P, O and S^T take 3 x 128; allocations are powers of two
 _LOG2E = math.log2(math.e)
 
 
@@ -99,15 +104,17 @@ class Params(NamedTuple):
     H: cutlass.Int32
     T: cutlass.Int32
     scale: cutlass.Float32
-    tile_qkv: object  # (C, D, q|k|v, 1 stage) K-major
-    tile_qkv_mn: object  # the same bytes as (D, C, q|k|v, 1) MN-major
+    tile_qkv: object  # (C, D, q|k|v[|zeros], 1 stage) K-major
+    tile_qkv_mn: object  # the same bytes as (D, C, q|k|v[|zeros], 1) MN-major
+    tile_v_mn: object  # v and the zeros after it (D < 128) as one (128, C) MN-major tile: the update's A operand
     tile_p: object  # (C, C) K-major
     tile_s: object  # (V, K) K-major
 
 
 class Smem(NamedTuple):
-    sQKV: cute.Tensor  # (C, D, q|k|v, 1)
-    sQKV_mn: cute.Tensor  # (D, C, q|k|v, 1)
+    sQKV: cute.Tensor  # (C, D, q|k|v[|zeros], 1)
+    sQKV_mn: cute.Tensor  # (D, C, q|k|v[|zeros], 1)
+    sV_rows: cute.Tensor  # (128, C): v^T's rows, zero past D
     sP: cute.Tensor  # P~ (C, C)
     sS: cute.Tensor  # S^T bf16 (V, K)
     sG: cute.Tensor  # G (log2) per token and slot (C, GATE_SLOTS)
@@ -124,7 +131,7 @@ class Rings(NamedTuple):
 
 
 class Accumulators(NamedTuple):
-    """The TMEM accumulators, (MMA, 1, 1) fp32 tensors of (128 x 128)."""
+    """The TMEM accumulators, (MMA, 1, 1) fp32 tensors of (128 x C), (128 x V) and (128 x K)."""
 
     p: cute.Tensor
     o: cute.Tensor
@@ -163,7 +170,7 @@ class ScalarGateChunkFwdSm100:
     the forward (a full pass, or a split's correction pass) or one of the backward's state walks."""
 
     def __init__(self, config: ChunkFwdConfig):
-        assert config.head_dim == HEAD_DIM and not config.delta_rule, config
+        assert config.head_dim in HEAD_DIMS and not config.delta_rule, config
         assert config.mode in ("full", "correction") and config.intra == "none", config
         assert config.value_blocks == 1, config  # one CTA walks a value head's every column
         self.cfg = config
@@ -175,13 +182,18 @@ class ScalarGateChunkFwdSm100:
         # the tiles of the q | k | v stage each chunk loads: q for the output (a walk's key place is k, or q itself),
         # k and v for the update (a correction pass makes none)
         self.loaded_tiles = ((0,) if config.make_o else ()) + ((1, 2) if self.updates_state else ())
+        # the q | k | v stage's planes: a narrow head's v tile is followed by zeros up to the update's M
+        self.planes = 3 + (mma.M - self.D) // self.D
+        # P, O and S^T; an allocation is a power of two of at least 32 columns
+        self.tmem_columns = 1 << (self.C + 2 * self.D - 1).bit_length()
 
     # ---------------------------------------------------------------- host side
     @cute.jit
     def __call__(self, q, k, v, g, beta, o, h0, ht, starts, ends, w, slots, scale, stream):
         """The launch (arguments as the SM90 family's; ``beta`` is never read, ``w`` only by the walks)."""
         C, D = self.C, self.D
-        tile_qkv, tile_qkv_mn = tiles.token_tiles(C, D, 3, 1)
+        tile_qkv, tile_qkv_mn = tiles.token_tiles(C, D, self.planes, 1)
+        _, tile_v_mn = tiles.token_tiles(C, mma.M)
         tile_p, _ = tiles.token_tiles(C, C)
         tile_s, _ = tiles.token_tiles(D, D)
         one_tile = cute.slice_(tile_qkv, (None, None, 0, 0))
@@ -192,7 +204,7 @@ class ScalarGateChunkFwdSm100:
         params = Params(
             mma.tiled_mma("K", "K", C), mma.tiled_mma("K", "K", D), mma.tiled_mma("K", "MN", D), mma.tiled_mma("MN", "MN", D),
             tma_q, tma_k, tma_v, g, o, h0, ht, starts, ends, slots, w, q.shape[2], q.shape[1], scale,
-            tile_qkv, tile_qkv_mn, tile_p, tile_s,
+            tile_qkv, tile_qkv_mn, tile_v_mn, tile_p, tile_s,
         )  # fmt: skip
         f32, bf16 = cutlass.Float32, cutlass.BFloat16
         ring = cute.struct.MemRange[cutlass.Int64, 2]
@@ -268,9 +280,11 @@ class ScalarGateChunkFwdSm100:
 
         st = cutlass.utils.SmemAllocator().allocate(self.storage)
         sQKV = st.sQKV.get_tensor(p.tile_qkv.outer, swizzle=p.tile_qkv.inner)
+        sV = sQKV[None, None, 2, 0]
         smem = Smem(
             sQKV,
             tiles.mn_view(sQKV, p.tile_qkv_mn),
+            tiles.mn_view(sV, p.tile_v_mn),
             st.sP.get_tensor(p.tile_p.outer, swizzle=p.tile_p.inner),
             st.sS.get_tensor(p.tile_s.outer, swizzle=p.tile_s.inner),
             st.sG.get_tensor(cute.make_layout((C, GATE_SLOTS))),
@@ -280,6 +294,11 @@ class ScalarGateChunkFwdSm100:
         if warp == WarpRole.LOAD:
             for tma in (p.q, p.k, p.v):
                 cpasync.prefetch_descriptor(tma.atom)
+        if cutlass.const_expr(self.planes > 3):
+            # the zero rows of the update's A operand, for every chunk (TMA never writes them)
+            for plane in cutlass.range_constexpr(3, self.planes):
+                tiles.zero_rows_from(sQKV[None, None, plane, 0], 0, tidx, THREADS)
+            cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -288,7 +307,7 @@ class ScalarGateChunkFwdSm100:
             barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=Barrier.TMEM_ALLOC, num_threads=THREADS),
             allocator_warp_id=WarpRole.MMA,
         )
-        tmem_alloc.allocate(TMEM_COLUMNS)
+        tmem_alloc.allocate(self.tmem_columns)
         tmem_alloc.wait_for_alloc()
         tmem_base = tmem_alloc.retrieve_ptr(cutlass.Float32)
         acc = self.accumulators(p, tmem_base)
@@ -316,7 +335,7 @@ class ScalarGateChunkFwdSm100:
             tmem_alloc.free(tmem_base)
 
     def accumulators(self, p: Params, tmem_base) -> Accumulators:
-        """P, O and S^T at TMEM columns 0, C and C + V."""
+        """P, O and S^T at TMEM columns 0, C and C + V (128 lanes each: S^T's rows past V are zero)."""
         C, D = self.C, self.D
         return Accumulators(
             mma.accumulator(p.mma_qk, C, tmem_base, 0),
@@ -352,6 +371,7 @@ class ScalarGateChunkFwdSm100:
         then the stage, the scores and the state released (commits that arrive when those products are done)."""
         sQ, sK = smem.sQKV[None, None, 0, 0], smem.sQKV[None, None, 1, 0]
         sK_mn, sV_mn = smem.sQKV_mn[None, None, 1, 0], smem.sQKV_mn[None, None, 2, 0]
+        sV_rows = smem.sV_rows
         qkv, p_acc, scores, state, o_acc = rings.qkv, rings.p_acc, rings.scores, rings.state, rings.o_acc
         consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
@@ -378,7 +398,7 @@ class ScalarGateChunkFwdSm100:
                     mma.gemm(p.mma_pv, acc.o, pv_a, pv_b, False)
                 o_acc.producer_commit(producer)
             if cutlass.const_expr(self.updates_state):
-                vk_a, vk_b = mma.operands(p.mma_state, sV_mn, sK_mn)
+                vk_a, vk_b = mma.operands(p.mma_state, sV_rows, sK_mn)
                 mma.gemm(p.mma_state, acc.s, vk_a, vk_b, False)
             state.consumer_release(consumer)
             scores.consumer_release(consumer)
@@ -484,19 +504,22 @@ class ScalarGateChunkFwdSm100:
     @cute.jit
     def state_role(self, p: Params, smem: Smem, rings: Rings, acc: Accumulators, seq: Sequence, tid):
         """Thread ``tid`` owns value row v of S^T: the initial state into TMEM; per chunk, once the previous update is
-        done, S^T rounded to its bf16 operand and decayed by 2^G_last in place; at the end the final state."""
+        done, S^T rounded to its bf16 operand and decayed by 2^G_last in place; at the end the final state. At D = 64
+        the rows past V (threads 64 ..) stay zero: they are decayed as the others, and neither read nor stored."""
         C, D = self.C, self.D
-        f32 = cutlass.Float32
         cols = tmem.COLUMNS_PER_COPY
         rows = tmem.Rows(acc.s, D, tid)
         v_row = rows.row()
+        in_state = self.in_state(v_row)
+        # (the global rows taken out here: a branch on in_state that reads p would carry all of p through it)
+        h0, ht = p.h0[seq.h0_row, seq.hv, None, None], p.ht[seq.ht_row, seq.hv, None, None]
         for blk in cutlass.range_constexpr(D // cols):
             initial = tmem.fragment(rows)
-            for e in cutlass.range_constexpr(cols):
-                if cutlass.const_expr(self.cfg.start == "given"):
-                    initial[e] = p.h0[seq.h0_row, seq.hv, blk * cols + e, v_row]
-                else:
-                    initial[e] = f32(0.0)
+            initial.fill(0.0)
+            if cutlass.const_expr(self.cfg.start == "given"):
+                if in_state:
+                    for e in cutlass.range_constexpr(cols):
+                        initial[e] = h0[blk * cols + e, v_row]
             tmem.write(rows, blk, initial)
         tmem.stores_done()
         tmem.before_handoff()
@@ -518,7 +541,8 @@ class ScalarGateChunkFwdSm100:
             for blk in cutlass.range_constexpr(D // cols):
                 block = tmem.fragment(rows)
                 tmem.read(rows, blk, block)
-                tmem.store_row_bf16(operand, v_row, blk * cols, block)
+                if in_state:
+                    tmem.store_row_bf16(operand, v_row, blk * cols, block)
                 for e in cutlass.range_constexpr(cols):
                     block[e] = block[e] * decay
                 tmem.write(rows, blk, block)
@@ -534,9 +558,18 @@ class ScalarGateChunkFwdSm100:
         for blk in cutlass.range_constexpr(D // cols):
             final = tmem.fragment(rows)
             tmem.read(rows, blk, final)
-            for e in cutlass.range_constexpr(cols):
-                p.ht[seq.ht_row, seq.hv, blk * cols + e, v_row] = final[e]
+            if in_state:
+                for e in cutlass.range_constexpr(cols):
+                    ht[blk * cols + e, v_row] = final[e]
         tmem.before_handoff()  # the last TMEM reads ordered before the barrier that lets the MMA warp free it
+
+    @cute.jit
+    def in_state(self, v_row):
+        """Whether row ``v_row`` of the state accumulator is a value row (at D = 64 the rows past V are the update's
+        zero padding)."""
+        if cutlass.const_expr(self.D == mma.M):
+            return True
+        return v_row < self.D
 
     @cute.jit
     def output_role(self, p: Params, rings: Rings, acc: Accumulators, seq: Sequence, tid):
