@@ -16,7 +16,7 @@ key (``diagonal``): a link is then S = d_i * S + L_i on each thread's own row, w
 Shapes: local [S, HV, K, V] fp32; trans [S_t, HV, K, K] fp32, or diagonal [S_t, HV, K]; starts (written) [S_c, HV,
 K, V] fp32; K = V = 64 or 128. The plan, int32: ``offsets`` [chains + 1] into ``rows`` [R, 3]; a chain's first row
 names the local index of its first segment, every further row one later segment as (local index, trans index or -1
-for the chain's last segment, slot in ``starts``). Runs on SM80 and later; compiled for sm_90a and sm_100a.
+for the chain's last segment, slot in ``starts``). Runs on SM80 and later; compiled for sm_90a, sm_100a and sm_103a.
 """
 
 import cutlass
@@ -133,8 +133,8 @@ def chain_starts(local: torch.Tensor, trans: torch.Tensor | None, starts: torch.
 for _diagonal in (False, True):
     runtime.register_kernel(
         "state_chain_diagonal" if _diagonal else "state_chain",
-        ["sm_90a", "sm_100a"],
+        ["sm_90a", "sm_100a", "sm_103a"],
         lambda arch, d=_diagonal: compile_state_chain(arch, diagonal=d),
-        ["fma.rn.f32", "ld.global.v", "st.global.v"],  # vector accesses: v4.b32 on sm_90a, v2.b64 on sm_100a
+        ["fma.rn.f32", "ld.global.v", "st.global.v"],  # vector accesses: v4.b32 on sm_90a, v2.b64 on sm_100a / sm_103a
         clean_sass=True,
     )

@@ -1,6 +1,6 @@
 """The launch of the token-by-token kernel (:mod:`cula.recurrent.kernel`) for a call that
-:mod:`cula.recurrent.plan` has accepted, its compilation, and its compile-checked configurations (sm_90a and
-sm_100a: the kernel is SIMT, nothing in it is specific to one of them). Imports the CuTe DSL."""
+:mod:`cula.recurrent.plan` has accepted, its compilation, and its compile-checked configurations (sm_90a, sm_100a and
+sm_103a: the kernel is SIMT, nothing in it is specific to one of them). Imports the CuTe DSL."""
 
 from __future__ import annotations
 
@@ -153,7 +153,7 @@ CHECKED_CONFIGS = {
 
 runtime.register_kernel(
     "recurrent_fwd",
-    ["sm_90a", "sm_100a"],
+    ["sm_90a", "sm_100a", "sm_103a"],
     lambda arch: compile_recurrent(arch, **CHECKED_CONFIGS["[gdn, pool, token slots, accepted]"]),
     ["ld.global.v4.b32", "st.global.v4.b32", "shfl.sync.bfly"],
     clean_sass=True,
@@ -162,7 +162,7 @@ for _suffix, _fields in CHECKED_CONFIGS.items():
     if _suffix != "[gdn, pool, token slots, accepted]":
         runtime.register_kernel(
             f"recurrent_fwd{_suffix}",
-            ["sm_90a", "sm_100a"],
+            ["sm_90a", "sm_100a", "sm_103a"],
             lambda arch, fields=_fields: compile_recurrent(arch, **fields),
             ["shfl.sync.bfly"],
             clean_sass=True,
