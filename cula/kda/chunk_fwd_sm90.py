@@ -184,7 +184,7 @@ class KDAChunkFwdSm90(ChunkFwdSm90):
     split_values = True
     zeroes_v_tail = True  # Y = beta (V - ...) with beta = 0 past the sequence end: V must be finite there
     # two value blocks: both state warpgroups hold the CTA's 64 value rows (as at D = 64; the second writes none)
-    splits_values = True
+    takes_value_blocks = True
     # a floor on the natural-log gate (None: the gate as given, >= -5 by FLA's safe_gate)
     gate_floor = None
 

@@ -246,11 +246,11 @@ class ChunkFwdSm90:
     # S^T Q~^T's alone, so it has no intra work and no update (a gate that can run it so sets this)
     zero_values = False
     # the gate's load warp takes each CTA's block of value columns (ChunkFwdConfig.value_blocks)
-    splits_values = False
+    takes_value_blocks = False
 
     def __init__(self, config: ChunkFwdConfig):
         assert config.head_dim in (64, 128), config.head_dim
-        assert config.value_blocks == 1 or self.splits_values, config
+        assert config.value_blocks == 1 or self.takes_value_blocks, config
         self.cfg = config
         self.C = CHUNK
         self.D = config.head_dim

@@ -153,7 +153,7 @@ class ScalarGateChunkFwdSm90(ChunkFwdSm90):
     zeroes_v_tail = True  # Y = beta (V - ...) and simple GLA's V_new = V meet zero factors past the sequence end
     tp_stages = 2
     o_stages = 2
-    splits_values = True
+    takes_value_blocks = True
 
     def __init__(self, config):
         # a correction pass without the delta rule: no intra role, only the q tile of each q | k stage loaded
