@@ -282,8 +282,9 @@ def run_gpu_case(
         sm90_entry.forget_last_plan()
         o_cula, s_cula = cula_fn(**args)
         row.cula_backend = cula.last_decision(cula_fn).backend
-        if sm90_entry.last_plan() is not None:  # a chunk kernel ran it: how
-            row.notes.append(sm90_entry.describe(sm90_entry.last_plan()))
+        plan = sm90_entry.last_plan()
+        if plan is not None:  # a chunk kernel ran it: how
+            row.notes.append(sm90_entry.describe(plan))
         row.cula_ms = bench_median(row, "cula", step(cula_fn))
         row.cula_host_ms = host_issue_ms(step(cula_fn))
         if row.cula_host_ms > 0.8 * row.cula_ms:

@@ -67,6 +67,12 @@ def entry_for(kernel):
     return fwd
 
 
+def pretend_h200(monkeypatch):
+    """The device's properties read as an H200's (132 SMs), for the planner's wave counts."""
+    props = type("P", (), {"multi_processor_count": 132, "name": "NVIDIA H200"})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: props)
+
+
 @pytest.fixture
 def launches(monkeypatch):
     """Every launch served by :func:`reference_launch`, its (mode, intra, tensors) recorded."""
@@ -77,11 +83,7 @@ def launches(monkeypatch):
         reference_launch(kernel, call, config, t, scale)
 
     monkeypatch.setattr(entry, "launch", launch)
-    monkeypatch.setattr(
-        torch.cuda,
-        "get_device_properties",
-        lambda d=None: type("P", (), {"multi_processor_count": 132, "name": "NVIDIA H200"}),
-    )
+    pretend_h200(monkeypatch)
     return seen
 
 
@@ -386,8 +388,7 @@ def test_the_simple_gla_kernel_launches_without_the_delta_rule(monkeypatch, spli
 
     configs = []
     monkeypatch.setattr(entry, "launch", lambda kernel, call, config, t, scale: configs.append(config))
-    props = type("P", (), {"multi_processor_count": 132, "name": "NVIDIA H200"})
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: props)
+    pretend_h200(monkeypatch)
     q, k, v, g, _ = inputs(1, 2100, 2, 2, per_key=False)
     chunk_simple_gla_fwd_sm90(q, k, v, g, None, None, None, False, None, False, None, split)
     assert configs and all(not c.delta_rule for c in configs)
@@ -572,8 +573,7 @@ def test_value_blocks_as_asked_or_chosen_and_kept_off_the_cached_passes(monkeypa
     kernel = {"simple_gla": SIMPLE_GLA_SM90, "gdn": GDN_SM90}[variant]
     configs = []
     monkeypatch.setattr(entry, "launch", lambda kernel, call, config, t, scale: configs.append(config))
-    props = type("P", (), {"multi_processor_count": 132, "name": "NVIDIA H200"})
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: props)
+    pretend_h200(monkeypatch)
     if asked is not None:
         monkeypatch.setenv(entry.ENV_VALUE_BLOCKS, asked)
     expected = {
@@ -616,8 +616,7 @@ def test_value_blocks_where_twice_the_ctas_fit_one_wave_and_walk_whole(
     from cula.lightning.chunk_fwd_sm90 import SIMPLE_GLA_SM90
 
     kernel = {"simple_gla": SIMPLE_GLA_SM90, "gdn": GDN_SM90, "gla": GLA_SM90, "kda": KDA_SM90}[variant]
-    props = type("P", (), {"multi_processor_count": 132, "name": "NVIDIA H200"})
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: props)
+    pretend_h200(monkeypatch)
     if asked is not None:
         monkeypatch.setenv(entry.ENV_VALUE_BLOCKS, asked)
     q = torch.empty(*shape, 128, device="meta", dtype=torch.bfloat16)

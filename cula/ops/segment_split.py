@@ -199,10 +199,11 @@ def chain_starts_torch(local, trans, starts, offsets, rows) -> None:
         state = local[rows[offsets[c]][0]]
         for i, t, slot in rows[offsets[c] + 1 : offsets[c + 1]]:
             starts[slot] = state
-            if t >= 0 and trans.dim() == 3:
-                state = torch.addcmul(local[i], trans[t][..., None], state)
-            elif t >= 0:
-                state = torch.baddbmm(local[i], trans[t], state)
+            if t >= 0:
+                if trans.dim() == 3:  # per-key decays
+                    state = torch.addcmul(local[i], trans[t][..., None], state)
+                else:
+                    state = torch.baddbmm(local[i], trans[t], state)
 
 
 def split_forward(
