@@ -565,8 +565,8 @@ def test_a_launch_compiles_the_variant_for_its_call(variant, beta_fp32, monkeypa
 def test_value_blocks_as_asked_or_chosen_and_kept_off_the_cached_passes(monkeypatch, variant, split, asked):
     """CULA_VALUE_BLOCKS=2: every D = 128 launch of the kernels that can split a value head over two CTAs does so,
     simple GLA's split passes too (they carry no workspace), GDN's cached split passes not (their Tinv | P workspace
-    has one writer per head); "1": none. Unset: simple GLA's where twice the CTAs fit one wave and walk whole (here
-    the unsplit call), GDN's never. D = 64: one CTA per head always."""
+    has one writer per head); "1": none. Unset: where twice the CTAs fit one wave and walk whole (here the unsplit
+    call). D = 64: one CTA per head always."""
     from cula.gdn.chunk_fwd_sm90 import GDN_SM90
     from cula.lightning.chunk_fwd_sm90 import SIMPLE_GLA_SM90
 
@@ -579,7 +579,7 @@ def test_value_blocks_as_asked_or_chosen_and_kept_off_the_cached_passes(monkeypa
     expected = {
         "2": 1 if split and variant == "gdn" else 2,
         "1": 1,
-        None: 2 if variant == "simple_gla" and not split else 1,
+        None: 1 if split else 2,
     }[asked]
     for D in (128, 64):
         configs.clear()
@@ -597,7 +597,9 @@ def test_value_blocks_as_asked_or_chosen_and_kept_off_the_cached_passes(monkeypa
         ("simple_gla", (2, 16384, 64), None, 1, 0),  # 256 CTAs would take two waves
         ("simple_gla", (1, 65536, 8), None, 1, 16),  # 16 CTAs would still be cut: today's split
         ("simple_gla", (1, 65536, 8), "2", 2, 8),  # as asked: the planner sees twice the heads
-        ("gdn", (1, 8192, 64), None, 1, 2),
+        ("gdn", (1, 8192, 64), None, 2, 0),
+        ("gdn", (1, 8192, 64), "1", 1, 2),
+        ("gdn", (2, 16384, 64), None, 1, 0),
         ("gdn", (1, 8192, 64), "2", 2, 0),
         ("gdn", (1, 65536, 8), "2", 1, 16),  # still cut: its cached passes take one CTA per head, cut for them
         ("gla", (1, 8192, 64), None, 1, 2),
