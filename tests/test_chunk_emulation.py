@@ -155,9 +155,9 @@ def test_kdas_halves_hold_to_the_safe_gate_bound_only():
     """KDA's two reference tokens: within bf16 error for gates >= -5 (FLA's safe_gate); past it the factors
     overflow bf16 (why the kernel serves only safe_gate calls)."""
     x, k, G = per_key_chunk(-5.0)
-    assert rel_rmse(emu.halves_scores(x, k, G), exact_scores(x, k, G)) <= 0.005
+    assert rel_rmse(emu.centred_scores(x, k, G), exact_scores(x, k, G)) <= 0.005
     x, k, G = per_key_chunk(-8.0)
-    assert not torch.isfinite(emu.halves_scores(x, k, G)).all()
+    assert not torch.isfinite(emu.centred_scores(x, k, G)).all()
 
 
 @pytest.mark.parametrize("low, spikes", [(-5.0, False), (-20.0, False), (-1.0, True)])
@@ -179,12 +179,18 @@ def gla_fp64(q, k, v, g, h0, scale):
     return o[0].transpose(0, 1), ht[0]
 
 
+# the SM90 GLA kernel (halves of 64-token chunks), the SM100 scheme (quarters of 128-token chunks, the gate factors in
+# bf16 operands; DESIGN.md)
+GLA_SCHEMES = {"sm90": {}, "sm100": {"chunk": 128, "blocks": 4, "gated_operands": True}}
+
+
+@pytest.mark.parametrize("scheme", GLA_SCHEMES)
 @pytest.mark.parametrize(
     "gates,steep",
     [("layer", "none"), ("-5", "none"), ("-20", "all"), ("spikes", "some"), ("-inf", "some")],
 )
-def test_the_gla_kernel_arithmetic_is_exact_for_any_gate(gates, steep):
-    """The GLA kernel's scheme (KDA's halves where a chunk's decay allows, each score directly where it does not)
+def test_the_gla_kernel_arithmetic_is_exact_for_any_gate(gates, steep, scheme):
+    """The GLA kernels' scheme (centred blocks where a chunk's decay allows, each score directly where it does not)
     within bf16 error of the fp64 recurrence, per sequence, from FLA's layer gates to -inf."""
     T, K = 300, 128
     gen = torch.Generator().manual_seed(7)
@@ -200,9 +206,9 @@ def test_the_gla_kernel_arithmetic_is_exact_for_any_gate(gates, steep):
         g[0, 100, :32] = -1e4 if gates == "spikes" else float("-inf")
         g[1, 250] = -300.0 if gates == "spikes" else float("-inf")
     scale = K**-0.5
-    o, ht, n_steep = emu.key_gate_forward(q, k, v, g, scale, h0)
+    o, ht, n_steep = emu.key_gate_forward(q, k, v, g, scale, h0, **GLA_SCHEMES[scheme])
     o_ref, ht_ref = gla_fp64(q, k, v, g, h0, scale)
-    chunks = H * -(-T // emu.CHUNK)
+    chunks = H * -(-T // GLA_SCHEMES[scheme].get("chunk", emu.CHUNK))
     assert {"none": n_steep == 0, "all": n_steep == chunks, "some": 0 < n_steep < chunks}[steep], n_steep
     assert torch.isfinite(o_ref).all()
     for h in range(H):

@@ -5,12 +5,14 @@ checked against the fp64 recurrence on a CPU, and a new scheme tried before it i
 - :func:`scalar_gate_forward`: the scalar-gate kernel (:mod:`cula.sm90.scalar_chunk_fwd`), with the delta rule (GDN)
   or without it (simple GLA, Lightning); with ``chunk=128, gated_operands=True`` the SM100 kernel
   (:mod:`cula.sm100.scalar_chunk_fwd`: the gate factors folded into bf16 copies of q and k).
-- :func:`halves_scores`: KDA's intra-chunk scores with a per-key gate, against two reference tokens (its kernel).
+- :func:`centred_scores`: the intra-chunk scores with a per-key gate by column blocks against their middle tokens:
+  KDA's kernel's two halves, or the SM100 GLA scheme's four quarters of a 128-token chunk.
 - :func:`block_scores`: the same scores by 16-token blocks whose operands never exceed the raw q and k (no bound on
   the gate).
 - :func:`direct_scores`: each score summed directly over the keys (exact for any gate).
 - :func:`gla_scores`, :func:`key_gate_forward`: the GLA kernel (:mod:`cula.gla.chunk_fwd_sm90`): KDA's halves where
-  no operand's exponent passes ``GLA_SAFE_SPAN``, else each score summed directly.
+  no operand's exponent passes ``GLA_SAFE_SPAN``, else each score summed directly; with ``chunk=128, blocks=4,
+  gated_operands=True`` the SM100 scheme planned in DESIGN.md.
 - :func:`delta_chunk_gradients`: the delta rule's per-chunk gradient kernel (:mod:`cula.sm90.delta_chunk_bwd`), stage
   by stage (batched chunk-heads, not one sequence).
 - :func:`key_chunk_gradients`: GLA's per-chunk gradient kernel (:mod:`cula.sm90.key_chunk_bwd`), its fast and steep
@@ -115,18 +117,19 @@ def split(x: torch.Tensor) -> torch.Tensor:
     return hi + bf16(x - hi)
 
 
-def halves_scores(x: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
-    """KDA's intra-chunk scores (x the chunk's q or k, k its keys, G their per-key cumulative gates in log2 units, all
-    [C, K]): sum_k x_ik k_jk 2^(G_ik - G_jk) for j <= i, as its kernel makes them: the columns in two 32-token
-    halves with reference tokens 16 and 48, L_i = x_i 2^(G_i - G_r) and R_j = k_j 2^(G_r - G_j) as bf16 operands
-    (rows before a half's block are zero against it). Finite only while every gate >= -5 (``safe_gate``)."""
+def centred_scores(x: torch.Tensor, k: torch.Tensor, G: torch.Tensor, blocks: int = 2) -> torch.Tensor:
+    """The intra-chunk scores with a per-key gate (x the chunk's q or k, k its keys, G their per-key cumulative gates in
+    log2 units, all [C, K]): sum_k x_ik k_jk 2^(G_ik - G_jk) for j <= i, with the columns in ``blocks`` blocks of C /
+    blocks tokens, each against its middle token r: L_i = x_i 2^(G_i - G_r) and R_j = k_j 2^(G_r - G_j) as bf16
+    operands (rows before a block are zero against it). KDA's kernel takes two halves of its 64-token chunk (finite
+    only while every gate >= -5, ``safe_gate``); the SM100 GLA scheme four quarters of 128 tokens."""
     C = x.shape[0]
-    half = C // 2
+    width = C // blocks
     out = torch.zeros(C, C, dtype=torch.float32, device=x.device)
-    for h in range(2):
-        r = h * half + half // 2
-        cols = slice(h * half, (h + 1) * half)
-        rows = torch.arange(C, device=x.device) >= h * half
+    for blk in range(blocks):
+        r = blk * width + width // 2
+        cols = slice(blk * width, (blk + 1) * width)
+        rows = torch.arange(C, device=x.device) >= blk * width
         left = torch.where(rows[:, None], x.float() * torch.exp2(G - G[r]), 0.0)
         right = k[cols].float() * torch.exp2(G[r] - G[cols])
         out[:, cols] = bf16(left) @ bf16(right).T
@@ -160,50 +163,74 @@ def block_scores(x: torch.Tensor, k: torch.Tensor, G: torch.Tensor, block: int =
     return out.tril()
 
 
-def gla_scores(x: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """The GLA kernel's intra-chunk scores (unscaled; x, k, G [C, K] as :func:`halves_scores`, G flat past the
-    sequence end): KDA's halves where no operand's exponent (G_start - G_r, G_r - G_end of each half) passes
-    GLA_SAFE_SPAN in any key channel, else every score summed directly in fp32 from bf16 x and k with factors <= 1.
-    Returns ``(scores, whether the chunk was steep)``."""
-    half = x.shape[0] // 2
-    widest = max(
-        float(
-            torch.maximum(G[h * half] - G[h * half + half // 2], G[h * half + half // 2] - G[h * half + half - 1]).max()
-        )
-        for h in range(2)
+def widest_span(G: torch.Tensor, blocks: int = 2) -> float:
+    """The widest exponent (log2 units) of :func:`centred_scores`' operands over the key channels of a chunk's G [C,
+    K]: G_start - G_r or G_r - G_end of a block."""
+    width = G.shape[0] // blocks
+    starts = range(0, G.shape[0], width)
+    return max(
+        float(torch.maximum(G[b] - G[b + width // 2], G[b + width // 2] - G[b + width - 1]).max()) for b in starts
     )
-    if widest <= GLA_SAFE_SPAN:
-        return halves_scores(x, k, G), False
+
+
+def gla_scores(x: torch.Tensor, k: torch.Tensor, G: torch.Tensor, blocks: int = 2) -> tuple[torch.Tensor, bool]:
+    """The GLA kernel's intra-chunk scores (unscaled; x, k, G [C, K] as :func:`centred_scores`, G flat past the
+    sequence end): by ``blocks`` centred blocks where no operand's exponent (:func:`widest_span`) passes GLA_SAFE_SPAN
+    in any key channel, else every score summed directly in fp32 from bf16 x and k with factors <= 1. Returns
+    ``(scores, whether the chunk was steep)``."""
+    if widest_span(G, blocks) <= GLA_SAFE_SPAN:
+        return centred_scores(x, k, G, blocks), False
     return direct_scores(x, k, G), True
 
 
 def key_gate_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, scale: float, h0: torch.Tensor | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    scale: float,
+    h0: torch.Tensor | None = None,
+    chunk: int = CHUNK,
+    blocks: int = 2,
+    gated_operands: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The GLA kernel on one sequence (g [H, T, K] natural-log per-key gate): ``(o [H, T, V] fp32, final state
     [H, K, V] fp32, the number of steep chunks)``. Per chunk: G = cumsum(max(g, floor)) log2(e) over the chunk's
     tokens; P = bf16(scale :func:`gla_scores`); O = scale (Q 2^G) S + P V and S <- 2^G_last S + (K 2^(G_last - G))^T
-    V with bf16 operands (Q 2^G, K 2^(G_last - G), the state, V, P) and fp32 accumulation."""
+    V with bf16 operands (Q 2^G, K 2^(G_last - G), the state, V, P) and fp32 accumulation.
+
+    ``chunk=128, blocks=4, gated_operands=True``: the SM100 scheme (DESIGN.md, SM100). Q~ = bf16(scale 2^G q) is made
+    from the raw q; the key tile already holds R (the scores' right operand, where the chunk is not steep), so K~ =
+    bf16(R_j 2^(G_last - G_r)) is R rounded a second time, and bf16(k 2^(G_last - G)) in a steep chunk."""
     H, T, K = q.shape
     V = v.shape[-1]
     S = torch.zeros(H, K, V, dtype=torch.float32, device=q.device) if h0 is None else h0.float().clone()
     o = torch.empty(H, T, V, dtype=torch.float32, device=q.device)
+    width = chunk // blocks
     steep = 0
-    for c0 in range(0, T, CHUNK):
-        c1 = min(c0 + CHUNK, T)
+    for c0 in range(0, T, chunk):
+        c1 = min(c0 + chunk, T)
         qc, kc, vc = bf16(q[:, c0:c1]), bf16(k[:, c0:c1]), bf16(v[:, c0:c1])
         G = torch.cumsum(g[:, c0:c1].float().clamp_min(GATE_FLOOR), dim=1) * LOG2E  # [H, L, K]
-        pad = CHUNK - (c1 - c0)  # the kernel's scan adds nothing past the sequence end
+        pad = chunk - (c1 - c0)  # the kernel's scan adds nothing past the sequence end
         G_full = torch.cat([G, G[:, -1:].expand(H, pad, K)], dim=1) if pad else G
+        G_last = G[:, -1:]  # [H, 1, K]
+        k_end = torch.empty_like(kc)  # the update's K 2^(G_last - G) operand
         for h in range(H):
             xq = torch.cat([qc[h], qc.new_zeros(pad, K)]) if pad else qc[h]
             xk = torch.cat([kc[h], kc.new_zeros(pad, K)]) if pad else kc[h]
-            scores, was_steep = gla_scores(xq, xk, G_full[h])
+            scores, was_steep = gla_scores(xq, xk, G_full[h], blocks)
             steep += was_steep
             P = bf16(scale * scores)[: c1 - c0, : c1 - c0]
-            o[h, c0:c1] = scale * (bf16(qc[h] * torch.exp2(G[h])) @ bf16(S[h])) + P @ vc[h]
-        G_last = G[:, -1:]  # [H, 1, K]
-        S = torch.exp2(G_last.transpose(1, 2)) * S + bf16(kc * torch.exp2(G_last - G)).transpose(1, 2) @ vc
+            k_end[h] = bf16(kc[h] * torch.exp2(G_last[h] - G[h]))
+            if gated_operands:
+                if not was_steep:
+                    ref = G_full[h][torch.arange(c1 - c0) // width * width + width // 2]  # G_r of each token's block
+                    k_end[h] = bf16(bf16(kc[h] * torch.exp2(ref - G[h])) * torch.exp2(G_last[h] - ref))
+                o[h, c0:c1] = bf16(scale * qc[h] * torch.exp2(G[h])) @ bf16(S[h]) + P @ vc[h]
+            else:
+                o[h, c0:c1] = scale * (bf16(qc[h] * torch.exp2(G[h])) @ bf16(S[h])) + P @ vc[h]
+        S = torch.exp2(G_last.transpose(1, 2)) * S + k_end.transpose(1, 2) @ vc
     return o, S, steep
 
 
