@@ -13,16 +13,18 @@ max(g, floor) in log2 units (nothing added past the sequence end), per token or 
   "state_grads" from the last chunk, dV_new^T = dS'^T (K 2^(G_last - G))^T + dO^T P with P = bf16(scale tril(Q K^T
   gated)), Y'^T = dV_new^T Tinv and dS^T <- dS'^T 2^G_last + dO^T (scale Q 2^G) - (beta Y'^T) (K 2^G), every product's
   operands rounded to bf16, tokens past the end zero;
-- the forward of a scalar-gate kernel without the delta rule (SM90's and SM100's simple GLA kernels): P~ = s (Q
-  K^T)_ij 2^(G_i - G_j) where j <= i and j is in the sequence, else 0; Q~ = bf16(s 2^G q); O = Q~ S + P~ V, rounded
-  to bf16 where the token is in the sequence; a split's correction pass adds Q~ S of the v = 0 walk to o.
+- the forward of a kernel without the delta rule (SM90's and SM100's simple GLA kernels, SM100's GLA kernel): P~ = s
+  (Q K^T)_ij 2^(G_i - G_j) where j <= i and j is in the sequence, else 0 (per key: the kernel's centred blocks or its
+  direct sum, ``chunk_emulation.gla_scores``, and K~ made over R where the chunk is not steep); Q~ = bf16(s 2^G q); O
+  = Q~ S + P~ V, rounded to bf16 where the token is in the sequence; a split's correction pass adds Q~ S of the v = 0
+  walk to o.
 """
 
 import math
 
 import torch
 
-from cula.ops.chunk_emulation import bf16
+from cula.ops.chunk_emulation import bf16, end_keys_from_right, gla_scores
 from cula.ops.gates import GATE_FLOOR
 
 LOG2E = math.log2(math.e)
@@ -46,7 +48,7 @@ def _chunk_gates(t, b, tokens, inside, hv):
 
 
 def launch(kernel, call, config, t, scale):
-    """One launch: writes o (the forward: SM100 simple GLA only), the walks' checkpoints ``t.w`` and the final
+    """One launch: writes o (the forward: SM100 simple GLA and GLA only), the walks' checkpoints ``t.w`` and the final
     states ``t.ht`` (a state pool's rows with ``config.state_slots``)."""
     C = kernel.chunk
     T, H, D = t.q.shape[1], t.q.shape[2], t.q.shape[3]
@@ -82,16 +84,22 @@ def launch(kernel, call, config, t, scale):
                         ST = _delta_walk_step(config, ST, q, k, V_op, beta, G, inside, scale)
                         continue
                 else:
-                    assert t.g.dim() == 3, "the forward emulated here is the scalar gate's"
                     assert config.mode in ("full", "correction"), config.mode
-                    G1 = G[:, 0]
-                    Q_op = bf16(q * (scale * torch.exp2(G1))[:, None])
+                    keep = (place[None, :] <= place[:, None]) & inside[None, :]
+                    if t.g.dim() == 3:
+                        G1 = G[:, 0]
+                        Q_op = bf16(q * (scale * torch.exp2(G1))[:, None])
+                        decay = torch.exp2(torch.where(keep, G1[:, None] - G1[None, :], 0.0))
+                        scores = scale * (q @ k.T) * decay
+                    else:  # the SM100 GLA kernel: centred blocks of 32 tokens, or steep and direct
+                        Q_op = bf16(q * scale * torch.exp2(G))
+                        scores, steep = gla_scores(q, k, G, blocks=4)
+                        scores = scale * scores
+                        if not steep:
+                            K_op = torch.where(inside[:, None], end_keys_from_right(k, G, blocks=4), 0.0)
                     o = Q_op @ bf16(ST.T)
                     if config.mode == "full":
-                        keep = (place[None, :] <= place[:, None]) & inside[None, :]
-                        decay = torch.exp2(torch.where(keep, G1[:, None] - G1[None, :], 0.0))
-                        P = bf16(torch.where(keep, scale * (q @ k.T) * decay, 0.0))
-                        o = o + P @ V_op
+                        o = o + bf16(torch.where(keep, scores, 0.0)) @ V_op
                     else:  # the v = 0 walk from the given start, added to the first pass's output
                         V_op = torch.zeros_like(V_op)
                         o = o + t.o[b, tokens, hv].float()

@@ -598,7 +598,7 @@ def test_offsets_cache_under_threads(monkeypatch):
 @pytest.mark.parametrize("cc", [(9, 0), (10, 0), (10, 3), (12, 0)])
 def test_dispatch_by_compute_capability(monkeypatch, cc, opt_in):
     """Each op with an SM90 kernel, on a faked GPU of each capability: the SM90 table serves 9.0. On 10.0 and 10.3
-    simple GLA and Lightning have an SM100 kernel that has never run on hardware: it serves the call only with
+    simple GLA, Lightning and GLA have SM100 kernels that have never run on hardware: each serves the call only with
     CULA_UNTESTED_KERNELS=1, and otherwise the call goes to FLA with that reason. The other ops (no SM100 kernel yet),
     and every op on 12.0, go to FLA and explain names the architecture."""
     FakeCuda(monkeypatch, cc)
@@ -613,21 +613,22 @@ def test_dispatch_by_compute_capability(monkeypatch, cc, opt_in):
         cula.lightning.chunk_lightning_attn: {**qkv, "layer_idx": 0, "num_layers": 2},
         cula.gla.chunk_gla: {**qkv, "g": -torch.rand(B, T, H, D)},
     }
-    sm100 = (cula.lightning.chunk_simple_gla, cula.lightning.chunk_lightning_attn)
+    sm100 = {
+        cula.lightning.chunk_simple_gla: "lightning.chunk_fwd_sm100",
+        cula.lightning.chunk_lightning_attn: "lightning.chunk_fwd_sm100",
+        cula.gla.chunk_gla: "gla.chunk_fwd_sm100",
+    }
     arch = f"sm_{cc[0]}{cc[1]}"
     for fn, args in calls.items():
         decision = cula.explain(fn, **args)
         if cc == (9, 0):
             assert decision.backend == "cute" and decision.reason.endswith("on sm_90"), decision
         elif cc[0] == 10 and fn in sm100 and opt_in:
-            assert (decision.backend, decision.reason) == ("cute", f"lightning.chunk_fwd_sm100 on {arch}"), decision
+            assert (decision.backend, decision.reason) == ("cute", f"{sm100[fn]} on {arch}"), decision
         elif cc[0] == 10 and fn in sm100:
             assert decision.backend == "fla", decision
             reason = dict(decision.rejected)["cute"]
-            assert (
-                reason
-                == f"lightning.chunk_fwd_sm100: compiled for {arch}, never run on one ({dispatch.ENV_UNTESTED}=1 serves it)"
-            )
+            assert reason == f"{sm100[fn]}: compiled for {arch}, never run on one ({dispatch.ENV_UNTESTED}=1 serves it)"
         else:
             assert decision.backend == "fla", decision
             assert dict(decision.rejected)["cute"] == f"no CuTe DSL kernel for {arch}"
@@ -660,6 +661,34 @@ def test_the_sm100_simple_gla_kernel_says_what_it_declines(monkeypatch):
         assert decision.backend == "fla" and reason in dict(decision.rejected)["cute"], decision
     monkeypatch.setattr(dispatch, "fla_function", lambda target: (_ for _ in ()).throw(ImportError("no fla")))
     assert cula.explain(fn, **call(grad=True)).reason == "lightning.chunk_fwd_sm100 on sm_100"
+
+
+def test_the_sm100_gla_kernel_says_what_it_declines(monkeypatch):
+    """On a faked B200 with the opt-in: D = 64 and 128 GLA inference calls are served by the SM100 kernel; head dims
+    other than those and fp16 go to FLA with its reason; a training call goes to FLA (the kernel is forward
+    only), or to the reference backend when FLA is not there."""
+    FakeCuda(monkeypatch, (10, 0), sms=148, name="NVIDIA B200")
+    monkeypatch.setattr(dispatch, "fla_function", lambda target: None)
+    monkeypatch.setenv(dispatch.ENV_UNTESTED, "1")
+    fn = cula.gla.chunk_gla
+
+    def call(D=128, dtype=torch.bfloat16, grad=False):
+        q = torch.randn(1, 70, 2, D, dtype=dtype, requires_grad=grad)
+        k, v = (torch.randn(1, 70, 2, D, dtype=dtype) for _ in range(2))
+        return {"q": q, "k": k, "v": v, "g": -torch.rand(1, 70, 2, D)}
+
+    for D in (64, 128):
+        assert cula.explain(fn, **call(D=D)).reason == "gla.chunk_fwd_sm100 on sm_100"
+    cases = {
+        "head dims K=32, V=32 not supported (supported: K = V = 64 or 128)": call(D=32),
+        "q, k, v must be bfloat16": call(dtype=torch.float16),
+    }
+    for reason, args in cases.items():
+        decision = cula.explain(fn, **args)
+        assert decision.backend == "fla" and reason in dict(decision.rejected)["cute"], decision
+    assert cula.explain(fn, **call(grad=True)).backend == "fla"
+    monkeypatch.setattr(dispatch, "fla_function", lambda target: (_ for _ in ()).throw(ImportError("no fla")))
+    assert cula.explain(fn, **call(grad=True)).backend == "torch"
 
 
 def test_the_kda_backward_yields_to_fla(monkeypatch):

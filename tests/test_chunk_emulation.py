@@ -2,6 +2,7 @@
 kernel with and without the delta rule, its gate floor, the two schemes for per-key-gate intra-chunk scores, and the
 SM100 scalar-gate kernel's tiling (chunks of 128, gate factors in bf16 operands)."""
 
+import functools
 import itertools
 
 import pytest
@@ -215,29 +216,37 @@ def test_the_gla_kernel_arithmetic_is_exact_for_any_gate(gates, steep, scheme):
         assert rel_rmse(o[h], o_ref[h]) <= 0.005 and rel_rmse(ht[h], ht_ref[h]) <= 0.005, h
 
 
-def test_the_gla_kernels_safe_span_is_the_emulations():
-    pytest.importorskip("cutlass")
-    from cula.gla.chunk_fwd_sm90 import GATE_FLOOR, SAFE_SPAN
-
-    assert (SAFE_SPAN, GATE_FLOOR) == (emu.GLA_SAFE_SPAN, emu.GATE_FLOOR)
+SM100_HOST_CASES = ["fixed", "varlen", "state_v_first", "pool", "split"]
 
 
-@pytest.mark.parametrize("case", ["fixed", "varlen", "state_v_first", "pool", "split"])
-def test_the_sm100_forward_host_path_matches_the_reference(monkeypatch, case):
-    """The SM100 simple GLA forward through its host path (cula.lightning.chunk_fwd_sm100: gate preparation, varlen
-    ranges, state layouts, a state pool read and written by slot, preallocated NaN-poisoned outputs, a split sequence's
-    first and correction passes) with the kernel's launches emulated on the CPU (tests/launch_emulation.py): outputs
-    and final states against the fp64 reference, per sequence; pool rows not named untouched."""
-    from launch_emulation import launch as emulated_launch
+@pytest.mark.parametrize(
+    "variant, case",
+    [*(("simple_gla", c) for c in SM100_HOST_CASES), *(("gla", c) for c in [*SM100_HOST_CASES, "steep"])],
+)
+def test_the_sm100_forward_host_path_matches_the_reference(monkeypatch, case, variant):
+    """The SM100 simple GLA and GLA forwards through their host path (cula.lightning.chunk_fwd_sm100,
+    cula.gla.chunk_fwd_sm100: gate preparation, varlen ranges, state layouts, a state pool read and written by slot,
+    preallocated NaN-poisoned outputs, a split sequence's first and correction passes; GLA's steep chunks, summed
+    directly) with the kernels' launches emulated on the CPU (tests/launch_emulation.py): outputs and final states
+    against the fp64 reference, per sequence; pool rows not named untouched."""
+    import launch_emulation
 
+    from cula.gla.chunk_fwd_sm100 import chunk_gla_fwd_sm100
     from cula.lightning.chunk_fwd_sm100 import chunk_simple_gla_fwd_sm100
     from cula.sm90 import entry
 
-    modes = []
+    modes, steep_chunks = [], []
+
+    def gla_scores(*args, **kwargs):
+        scores, steep = emu.gla_scores(*args, **kwargs)
+        steep_chunks.append(steep)
+        return scores, steep
+
+    monkeypatch.setattr(launch_emulation, "gla_scores", gla_scores)
 
     def launch(kernel, call, config, t, scale):
         modes.append(config.mode)
-        emulated_launch(kernel, call, config, t, scale)
+        launch_emulation.launch(kernel, call, config, t, scale)
 
     monkeypatch.setattr(entry, "launch", launch)
     props = type("Props", (), {"name": "NVIDIA B200", "multi_processor_count": 148})()
@@ -248,8 +257,17 @@ def test_the_sm100_forward_host_path_matches_the_reference(monkeypatch, case):
     B, T = (2, 300) if lengths is None else (1, sum(lengths))
     N, Hh, Dd = (B if lengths is None else len(lengths)), 2, 128
     q, k, v = (torch.randn(B, T, Hh, Dd).bfloat16() for _ in range(3))
-    g = F.logsigmoid(torch.randn(B, T, Hh) + 3.0)
-    g_gamma = -torch.rand(Hh) * 0.1 if case == "fixed" else None
+    if variant == "gla":
+        k = (k.float() * Dd**-0.5).bfloat16()
+        g = F.logsigmoid(torch.randn(B, T, Hh, Dd) * 4) / 16  # FLA's GLA layer: normalizer 16
+        if case == "steep":
+            g[0, 140, 0, :32] = -1e4
+            g[0, 300:310, 1] = -30.0
+        forward = functools.partial(chunk_gla_fwd_sm100, q, k, v, g)
+    else:
+        g = F.logsigmoid(torch.randn(B, T, Hh) + 3.0)
+        g_gamma = -torch.rand(Hh) * 0.1 if case == "fixed" else None
+        forward = functools.partial(chunk_simple_gla_fwd_sm100, q, k, v, g, g_gamma)
     h0 = torch.randn(N, Hh, Dd, Dd) * 0.1
     offsets = [b * T for b in range(B + 1)] if lengths is None else [0]
     for n in lengths or []:
@@ -263,23 +281,25 @@ def test_the_sm100_forward_host_path_matches_the_reference(monkeypatch, case):
         pool = torch.randn(8, Hh, Dd, Dd) * 0.1
         pool_before = pool.clone()
         h0 = pool[slots]
-        _, ht = chunk_simple_gla_fwd_sm100(
-            q, k, v, g, g_gamma, scale, pool, True, state_slots=slots, inplace=True, **options
-        )
+        forward(scale, pool, True, state_slots=slots, inplace=True, **options)
         ht = pool[slots]
         untouched = [r for r in range(8) if r not in slots.tolist()]
         assert torch.equal(pool[untouched], pool_before[untouched])
     elif case == "state_v_first":
-        _, ht = chunk_simple_gla_fwd_sm100(
-            q, k, v, g, g_gamma, scale, h0.transpose(-1, -2).contiguous(), True, state_v_first=True, **options
-        )
+        _, ht = forward(scale, h0.transpose(-1, -2).contiguous(), True, state_v_first=True, **options)
         ht = ht.transpose(-1, -2)
     else:
-        _, ht = chunk_simple_gla_fwd_sm100(q, k, v, g, g_gamma, scale, h0, True, **options)
-    o_ref, ht_ref = cula.lightning.chunk_simple_gla(
-        q.double(), k.double(), v.double(), g=g.double(), g_gamma=None if g_gamma is None else g_gamma.double(),
-        scale=scale, initial_state=h0.double(), output_final_state=True, cu_seqlens=cu,
-    )  # fmt: skip
+        _, ht = forward(scale, h0, True, **options)
+    if variant == "gla":
+        o_ref, ht_ref = cula.gla.chunk_gla(
+            q.double(), k.double(), v.double(), g.double(), scale=scale, initial_state=h0.double(),
+            output_final_state=True, cu_seqlens=cu,
+        )  # fmt: skip
+    else:
+        o_ref, ht_ref = cula.lightning.chunk_simple_gla(
+            q.double(), k.double(), v.double(), g=g.double(), g_gamma=None if g_gamma is None else g_gamma.double(),
+            scale=scale, initial_state=h0.double(), output_final_state=True, cu_seqlens=cu,
+        )  # fmt: skip
     bounds = [(b, 0, T) for b in range(B)] if lengths is None else [(0, s, e) for s, e in itertools.pairwise(offsets)]
     for n, (b, s, e) in enumerate(bounds):
         if e > s:
@@ -287,6 +307,8 @@ def test_the_sm100_forward_host_path_matches_the_reference(monkeypatch, case):
         assert rel_rmse(ht[n], ht_ref[n]) <= 0.005, n
     # the 2600-token sequence cut at 16 chunks of 128 tokens: a correction pass for its second segment
     assert modes == (["full", "correction"] if case == "split" else ["full"])
+    # GLA's chunks: the centred blocks, and in the steep case two chunks summed directly
+    assert sum(steep_chunks) == (2 if case == "steep" else 0) and (variant == "simple_gla") == (not steep_chunks)
 
 
 def test_a_split_simple_gla_call_matches_the_reference(monkeypatch):

@@ -2,6 +2,8 @@
 directly) against cuLA's reference backend in fp64, per sequence and over the call: FLA's layer gates (the halves),
 steep gates and -inf (the direct path), odd and varlen lengths with 0- and 1-token sequences, D = 64, state_v_first."""
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -40,9 +42,12 @@ def reference(q, k, v, g, scale, h0, cu, monkeypatch):
     return o, ht
 
 
-def run_case(monkeypatch, B, T, H, D=128, gates="layer", cu=None, h0=False, state_v_first=False, split=None):
-    from cula.gla.chunk_fwd_sm90 import chunk_gla_fwd_sm90, supports
-
+def run_case(
+    monkeypatch, B, T, H, D=128, gates="layer", cu=None, h0=False, state_v_first=False, split=None, arch="sm90"
+):
+    """One call of the ``arch`` kernel (SM90's or SM100's) on NaN-poisoned outputs, against the fp64 reference."""
+    module = importlib.import_module(f"cula.gla.chunk_fwd_{arch}")
+    forward, supports = getattr(module, f"chunk_gla_fwd_{arch}"), module.supports
     q, k, v, g = make_inputs(B, T, H, D, gates)
     N = B if cu is None else len(cu) - 1
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=q.device)
@@ -55,7 +60,7 @@ def run_case(monkeypatch, B, T, H, D=128, gates="layer", cu=None, h0=False, stat
     # NaN-poisoned outputs: every element the kernel should write must be written
     o_out = torch.full_like(v, float("nan"))
     ht_out = torch.full((N, H, D, D), float("nan"), device=q.device)
-    o, ht = chunk_gla_fwd_sm90(
+    o, ht = forward(
         q, k, v, g, scale, init_arg, True, cu_t, state_v_first, cu_cpu, split=split, out=o_out, final_state_out=ht_out
     )
     assert o is o_out and ht is ht_out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
@@ -119,25 +120,34 @@ for _major in (9, 10):
     RECURRENT.register_kernel(recurrent_kernel("gla.fused_recurrent", _recurrent_gates, _major))
 
 
-def _sm90_supports(args: dict[str, Any]) -> tuple[bool, str]:
-    declined = chunk_fwd_kernel_declines(args)
-    if declined:
-        return declined
-    from cula.gla import chunk_fwd_sm90  # imports the CuTe DSL: only on an SM90 device
+def _kernel_entry(arch: str):
+    """``(supports, run)`` of the chunk kernel in ``cula.gla.chunk_fwd_<arch>`` (imported at the first call: it
+    imports the CuTe DSL)."""
 
-    return chunk_fwd_sm90.supports(
-        args["q"], args["k"], args["v"], args["g"], args["initial_state"], args["cu_seqlens"]
-    )
+    def module():
+        return importlib.import_module(f"cula.gla.chunk_fwd_{arch}")
+
+    def supports(args: dict[str, Any]) -> tuple[bool, str]:
+        declined = chunk_fwd_kernel_declines(args)
+        if declined:
+            return declined
+        return module().supports(args["q"], args["k"], args["v"], args["g"], args["initial_state"], args["cu_seqlens"])
+
+    def run(args: dict[str, Any]):
+        from cula.sm90.entry import pool_fields
+
+        forward = getattr(module(), f"chunk_gla_fwd_{arch}")
+        return forward(
+            args["q"], args["k"], args["v"], args["g"], args["scale"], args["initial_state"],
+            args["output_final_state"], args["cu_seqlens"], args.get("state_v_first", False),
+            args.get("cu_seqlens_cpu"), **pool_fields(args),
+        )  # fmt: skip
+
+    return supports, run
 
 
-def _sm90_run(args: dict[str, Any]):
-    from cula.gla.chunk_fwd_sm90 import chunk_gla_fwd_sm90
-    from cula.sm90.entry import pool_fields
-
-    return chunk_gla_fwd_sm90(
-        args["q"], args["k"], args["v"], args["g"], args["scale"], args["initial_state"], args["output_final_state"],
-        args["cu_seqlens"], args.get("state_v_first", False), args.get("cu_seqlens_cpu"), **pool_fields(args),
-    )  # fmt: skip
+_sm90_supports, _sm90_run = _kernel_entry("sm90")
+_sm100_supports, _sm100_run = _kernel_entry("sm100")
 
 
 def _sm90_backward(args: dict[str, Any], residuals: list, grad_o, grad_final_state) -> dict[str, torch.Tensor]:
@@ -159,3 +169,5 @@ def _sm90_backward(args: dict[str, Any], residuals: list, grad_o, grad_final_sta
 # B1 T8192 H64 on an H100, PERF.md): it serves GLA's training calls
 SM90_BACKWARD = BackwardKernel(recomputing(_sm90_run), lambda args: [], _sm90_backward)
 CHUNK.register_kernel(CuteKernel("gla.chunk_fwd_sm90", 9, _sm90_supports, _sm90_run, backward=SM90_BACKWARD))
+# compiled for sm_100a / sm_103a only: no Blackwell GPU has run it; forward only (training calls go to FLA)
+CHUNK.register_kernel(CuteKernel("gla.chunk_fwd_sm100", 10, _sm100_supports, _sm100_run, hardware_tested=False))

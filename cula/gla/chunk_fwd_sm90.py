@@ -40,14 +40,12 @@ from cula import devices, runtime
 from cula.kda import chunk_fwd_sm90 as kda
 from cula.ops import segment_split
 from cula.ops.gates import GATE_FLOOR
+from cula.ops.gates import GLA_SAFE_SPAN as SAFE_SPAN
 from cula.sm90 import entry, mma
 from cula.sm90.chunk_fwd import ChainInputs, ChunkFwdConfig
 from cula.sm90.roles import Barrier, WarpGroupRole
 
 SUPPORTED_DIMS = (64, 128)
-# the largest exponent (log2 units) of a two-reference operand with which the scores stay exact up to bf16 rounding:
-# within 2^-108 a left factor flushed to zero (the fast exp2 flushes below 2^-126) drops less than 2^-18 of a score
-SAFE_SPAN = 108.0
 EXPONENT_CAP = 124.0  # above SAFE_SPAN, below bf16's largest exponent
 
 
@@ -247,9 +245,10 @@ class GLAChunkFwdSm90(kda.KDAChunkFwdSm90):
 
 
 # -------------------------------------------------------------------- host side
-def supports(q, k, v, g, initial_state=None, cu_seqlens=None) -> tuple[bool, str]:
-    """Whether :func:`chunk_gla_fwd_sm90` can serve these inputs, and why not."""
-    ok, why = entry.supports_qkv(q, k, v, None, initial_state, cu_seqlens, SUPPORTED_DIMS)
+def supports(q, k, v, g, initial_state=None, cu_seqlens=None, dims=SUPPORTED_DIMS, arch_major=9) -> tuple[bool, str]:
+    """Whether :func:`chunk_gla_fwd_sm90` can serve these inputs, and why not (``dims`` and ``arch_major``: the head
+    dims and GPU architecture of the kernel asked, SM90's by default)."""
+    ok, why = entry.supports_qkv(q, k, v, None, initial_state, cu_seqlens, dims, arch_major)
     if not ok:
         return ok, why
     if v.shape[2] != q.shape[2]:
@@ -289,19 +288,19 @@ GLA_SM90 = entry.ChunkKernel(
 
 def chunk_gla_fwd_sm90(
     q, k, v, g, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, state_v_first=False,
-    cu_seqlens_cpu=None, split=None, out=None, final_state_out=None, state_slots=None, inplace=False,
+    cu_seqlens_cpu=None, split=None, out=None, final_state_out=None, state_slots=None, inplace=False, kernel=GLA_SM90,
 ):  # fmt: skip
     """GLA chunked forward on SM90: q, k, v [B, T, H, D] bf16, g [B, T, H, D] per-key log gate; the rest as
     :class:`cula.sm90.entry.ChunkCall` (``split``: None lets the planner split long sequences; ``out`` /
     ``final_state_out``: preallocated outputs; ``state_slots`` / ``inplace``: a state pool). Returns ``(o,
-    final_state, the pool, or None)``."""
+    final_state, the pool, or None)``. ``kernel``: another architecture's kernel on the same host path (SM100's)."""
     unread_beta = torch.empty(v.shape[:3], dtype=torch.float32, device=v.device)
     call = entry.ChunkCall(
         q.contiguous(), k.contiguous(), v.contiguous(), g.float().contiguous(), unread_beta, scale, initial_state,
         output_final_state, cu_seqlens, state_v_first, out, final_state_out, cu_seqlens_cpu, split,
         state_slots=state_slots, inplace=inplace,
     )  # fmt: skip
-    return entry.chunk_fwd(GLA_SM90, call)
+    return entry.chunk_fwd(kernel, call)
 
 
 entry.register_checked(

@@ -30,12 +30,10 @@ import math
 
 import torch
 
-from cula.ops.gates import GATE_FLOOR
+from cula.ops.gates import GATE_FLOOR, GLA_SAFE_SPAN
 
 CHUNK = 64
 LOG2E = math.log2(math.e)
-# the widest exponent (log2 units) of KDA's two-reference operands with which the GLA kernel uses them
-GLA_SAFE_SPAN = 108.0
 
 
 def bf16(x: torch.Tensor) -> torch.Tensor:
@@ -183,6 +181,15 @@ def gla_scores(x: torch.Tensor, k: torch.Tensor, G: torch.Tensor, blocks: int = 
     return direct_scores(x, k, G), True
 
 
+def end_keys_from_right(k: torch.Tensor, G: torch.Tensor, blocks: int) -> torch.Tensor:
+    """The SM100 GLA kernel's update operand K~ in a chunk that is not steep (k, G [C, K] as :func:`centred_scores`):
+    made over the scores' right operand R_j = bf16(k_j 2^(G_r - G_j)) as bf16(R_j 2^(G_last - G_r)), r the middle
+    token of j's block."""
+    width = k.shape[0] // blocks
+    ref = G[torch.arange(k.shape[0], device=k.device) // width * width + width // 2]  # G_r of each token's block
+    return bf16(bf16(k * torch.exp2(ref - G)) * torch.exp2(G[-1] - ref))
+
+
 def key_gate_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -206,7 +213,6 @@ def key_gate_forward(
     V = v.shape[-1]
     S = torch.zeros(H, K, V, dtype=torch.float32, device=q.device) if h0 is None else h0.float().clone()
     o = torch.empty(H, T, V, dtype=torch.float32, device=q.device)
-    width = chunk // blocks
     steep = 0
     for c0 in range(0, T, chunk):
         c1 = min(c0 + chunk, T)
@@ -225,8 +231,7 @@ def key_gate_forward(
             k_end[h] = bf16(kc[h] * torch.exp2(G_last[h] - G[h]))
             if gated_operands:
                 if not was_steep:
-                    ref = G_full[h][torch.arange(c1 - c0) // width * width + width // 2]  # G_r of each token's block
-                    k_end[h] = bf16(bf16(kc[h] * torch.exp2(ref - G[h])) * torch.exp2(G_last[h] - ref))
+                    k_end[h] = end_keys_from_right(xk, G_full[h], blocks)[: c1 - c0]
                 o[h, c0:c1] = bf16(scale * qc[h] * torch.exp2(G[h])) @ bf16(S[h]) + P @ vc[h]
             else:
                 o[h, c0:c1] = scale * (bf16(qc[h] * torch.exp2(G[h])) @ bf16(S[h])) + P @ vc[h]

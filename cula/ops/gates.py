@@ -13,6 +13,11 @@ L2NORM_EPS = 1e-6
 # subnormal, so the floor changes no product, while -inf (a full state reset) would make the differences of a chunk's
 # cumulative gates NaN. A gate below it takes no gradient.
 GATE_FLOOR = -200.0
+# The widest exponent (log2 units) of the per-key-gate kernels' block operands (q_i 2^(G_i - G_r), k_j 2^(G_r - G_j)
+# against a reference token r) with which their scores stay exact up to bf16 rounding: within 2^-108 a left factor
+# flushed to zero (the fast exp2 flushes below 2^-126) drops less than 2^-18 of a score. A steeper chunk's scores are
+# summed directly.
+GLA_SAFE_SPAN = 108.0
 
 
 def to_compute(x: torch.Tensor) -> torch.Tensor:

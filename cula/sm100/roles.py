@@ -33,3 +33,4 @@ class Barrier(enum.IntEnum):
 
     TMEM_ALLOC = 1  # every thread: the TMEM address published by the MMA warp
     TMEM_FREE = 2  # every thread: all TMEM reads and writes done before the MMA warp frees it
+    WALK = 3  # the per-key gate's walk (the scores warpgroup): its steep test and a steep chunk's G grid

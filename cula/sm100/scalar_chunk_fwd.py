@@ -150,8 +150,23 @@ class Sequence(NamedTuple):
     ht_row: object
 
 
+def make_ring(kind, producers: int, consumers: int, barriers, stages: int = 1, **extra):
+    """A ``cutlass.pipeline`` hand-off of ``kind`` between ``producers`` and ``consumers`` threads, its barriers in
+    ``barriers``; made with ``defer_sync`` (the kernel fences and synchronises once for all of them). A side that is
+    the MMA warp or TMA counts one arrival (an elected commit or the transaction count), a side of threads one per
+    thread."""
+    return kind.create(
+        num_stages=stages,
+        producer_group=CooperativeGroup(Agent.Thread, producers),
+        consumer_group=CooperativeGroup(Agent.Thread, consumers),
+        barrier_storage=barriers.data_ptr(),
+        defer_sync=True,
+        **extra,
+    )
+
+
 @cute.jit
-def _scale_row(tile, row, factor, keep):
+def scale_row(tile, row, factor, keep):
     """Row ``row`` of the bf16 smem ``tile`` (rows x D) times ``factor`` in place, or set to zero where ``keep`` is
     False (not multiplied: the row may hold the next sequence's tokens, NaN included)."""
     frag = cute.make_rmem_tensor(cute.make_layout((1, 8)), cutlass.BFloat16)
@@ -186,11 +201,29 @@ class ScalarGateChunkFwdSm100:
         self.planes = 3 + (mma.M - self.D) // self.D
         # P, O and S^T; an allocation is a power of two of at least 32 columns
         self.tmem_columns = 1 << (self.C + 2 * self.D - 1).bit_length()
+        # the gate ring's producer (the gate warp) and consumers (the scores and state warpgroups)
+        self.gate_threads = (32, 2 * WARPGROUP)
 
     # ---------------------------------------------------------------- host side
     @cute.jit
     def __call__(self, q, k, v, g, beta, o, h0, ht, starts, ends, w, slots, scale, stream):
         """The launch (arguments as the SM90 family's; ``beta`` is never read, ``w`` only by the walks)."""
+        params, fields = self.host_params(q, k, v, g, o, h0, ht, starts, ends, w, slots, scale)
+        self.storage = cute.struct(type("Storage", (), {"__annotations__": fields}))
+        HV = v.shape[2]
+        N = starts.shape[0] if cutlass.const_expr(self.cfg.is_varlen) else q.shape[0]
+        # one CTA per SM (its shared memory allows no second): said to ptxas, which otherwise may cap registers at 64
+        # to fit two and spill
+        self.kernel(params).launch(
+            grid=(HV, N, 1),
+            block=(THREADS, 1, 1),
+            smem=self.storage.size_in_bytes(),
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    def host_params(self, q, k, v, g, o, h0, ht, starts, ends, w, slots, scale):
+        """The kernel's :class:`Params` and its shared-memory fields (name -> struct member)."""
         C, D = self.C, self.D
         tile_qkv, tile_qkv_mn = tiles.token_tiles(C, D, self.planes, 1)
         _, tile_v_mn = tiles.token_tiles(C, mma.M)
@@ -222,48 +255,23 @@ class ScalarGateChunkFwdSm100:
             "sP": cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_p)], 1024],
             "sS": cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_s)], 1024],
         }
-        self.storage = cute.struct(type("Storage", (), {"__annotations__": fields}))
-        HV = v.shape[2]
-        N = starts.shape[0] if cutlass.const_expr(self.cfg.is_varlen) else q.shape[0]
-        # one CTA per SM (its shared memory allows no second): said to ptxas, which otherwise may cap registers at 64
-        # to fit two and spill
-        self.kernel(params).launch(
-            grid=(HV, N, 1),
-            block=(THREADS, 1, 1),
-            smem=self.storage.size_in_bytes(),
-            stream=stream,
-            min_blocks_per_mp=1,
-        )
+        return params, fields
 
     # ---------------------------------------------------------------- device side
-    def make_rings(self, st):
-        """Every hand-off (module docstring); made with ``defer_sync``, fenced and synchronised by the caller. A
-        side that is the MMA warp or TMA counts one arrival (an elected commit or the transaction count), a side of
-        threads one per thread."""
-        C, D = self.C, self.D
-
-        def ring(kind, producers, consumers, barriers, stages=1, **extra):
-            return kind.create(
-                num_stages=stages,
-                producer_group=CooperativeGroup(Agent.Thread, producers),
-                consumer_group=CooperativeGroup(Agent.Thread, consumers),
-                barrier_storage=barriers.data_ptr(),
-                defer_sync=True,
-                **extra,
-            )
-
-        qkv_bytes = len(self.loaded_tiles) * C * D * 2
+    def make_rings(self, st) -> Rings:
+        """Every hand-off (module docstring); made with ``defer_sync``, fenced and synchronised by the caller."""
+        qkv_bytes = len(self.loaded_tiles) * self.C * self.D * 2
         return Rings(
-            qkv=ring(pipeline.PipelineTmaUmma, 1, 1, st.ring_qkv, tx_count=qkv_bytes),
-            p_acc=ring(pipeline.PipelineUmmaAsync, 1, WARPGROUP, st.ring_p_acc),
-            scores=ring(pipeline.PipelineAsyncUmma, WARPGROUP, 1, st.ring_scores),
-            state=ring(pipeline.PipelineAsyncUmma, WARPGROUP, 1, st.ring_state),
-            o_acc=ring(pipeline.PipelineUmmaAsync, 1, WARPGROUP, st.ring_o_acc),
-            gate=ring(pipeline.PipelineAsync, 32, 2 * WARPGROUP, st.ring_gate, GATE_SLOTS),
+            qkv=make_ring(pipeline.PipelineTmaUmma, 1, 1, st.ring_qkv, tx_count=qkv_bytes),
+            p_acc=make_ring(pipeline.PipelineUmmaAsync, 1, WARPGROUP, st.ring_p_acc),
+            scores=make_ring(pipeline.PipelineAsyncUmma, WARPGROUP, 1, st.ring_scores),
+            state=make_ring(pipeline.PipelineAsyncUmma, WARPGROUP, 1, st.ring_state),
+            o_acc=make_ring(pipeline.PipelineUmmaAsync, 1, WARPGROUP, st.ring_o_acc),
+            gate=make_ring(pipeline.PipelineAsync, *self.gate_threads, st.ring_gate, GATE_SLOTS),
         )
 
     @cute.kernel
-    def kernel(self, p: Params):
+    def kernel(self, p):  # Params, or a variant's extension of it
         C = self.C
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
@@ -279,17 +287,8 @@ class ScalarGateChunkFwdSm100:
         seq = Sequence(n, b, tok0, seqlen, n_chunks, hv, hv // (HV // p.H), h0_row, ht_row)
 
         st = cutlass.utils.SmemAllocator().allocate(self.storage)
-        sQKV = st.sQKV.get_tensor(p.tile_qkv.outer, swizzle=p.tile_qkv.inner)
-        sV = sQKV[None, None, 2, 0]
-        smem = Smem(
-            sQKV,
-            tiles.mn_view(sQKV, p.tile_qkv_mn),
-            tiles.mn_view(sV, p.tile_v_mn),
-            st.sP.get_tensor(p.tile_p.outer, swizzle=p.tile_p.inner),
-            st.sS.get_tensor(p.tile_s.outer, swizzle=p.tile_s.inner),
-            st.sG.get_tensor(cute.make_layout((C, GATE_SLOTS))),
-            st.sFac.get_tensor(cute.make_layout((C, GATE_SLOTS, 2))),
-        )
+        smem = self.make_smem(st, p)
+        sQKV = smem.sQKV
         rings = self.make_rings(st)
         if warp == WarpRole.LOAD:
             for tma in (p.q, p.k, p.v):
@@ -334,6 +333,20 @@ class ScalarGateChunkFwdSm100:
             tmem_alloc.relinquish_alloc_permit()
             tmem_alloc.free(tmem_base)
 
+    def make_smem(self, st, p: Params) -> Smem:
+        """The shared-memory tensors of the storage ``st`` (:meth:`host_params`' fields)."""
+        C = self.C
+        sQKV = st.sQKV.get_tensor(p.tile_qkv.outer, swizzle=p.tile_qkv.inner)
+        return Smem(
+            sQKV,
+            tiles.mn_view(sQKV, p.tile_qkv_mn),
+            tiles.mn_view(sQKV[None, None, 2, 0], p.tile_v_mn),
+            st.sP.get_tensor(p.tile_p.outer, swizzle=p.tile_p.inner),
+            st.sS.get_tensor(p.tile_s.outer, swizzle=p.tile_s.inner),
+            st.sG.get_tensor(cute.make_layout((C, GATE_SLOTS))),
+            st.sFac.get_tensor(cute.make_layout((C, GATE_SLOTS, 2))),
+        )
+
     def accumulators(self, p: Params, tmem_base) -> Accumulators:
         """P, O and S^T at TMEM columns 0, C and C + V (128 lanes each: S^T's rows past V are zero)."""
         C, D = self.C, self.D
@@ -370,8 +383,6 @@ class ScalarGateChunkFwdSm100:
         """Per chunk: P = Q K^T; once the scores and the state operand are ready, O = Q~ S + P~ V and S^T += V^T K~;
         then the stage, the scores and the state released (commits that arrive when those products are done)."""
         sQ, sK = smem.sQKV[None, None, 0, 0], smem.sQKV[None, None, 1, 0]
-        sK_mn, sV_mn = smem.sQKV_mn[None, None, 1, 0], smem.sQKV_mn[None, None, 2, 0]
-        sV_rows = smem.sV_rows
         qkv, p_acc, scores, state, o_acc = rings.qkv, rings.p_acc, rings.scores, rings.state, rings.o_acc
         consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
@@ -391,20 +402,30 @@ class ScalarGateChunkFwdSm100:
                 o_acc.producer_acquire(producer)
             tmem.after_handoff()
             if cutlass.const_expr(self.cfg.make_o):
-                qs_a, qs_b = mma.operands(p.mma_qs, sQ, smem.sS)
-                mma.gemm(p.mma_qs, acc.o, qs_a, qs_b, True)
-                if cutlass.const_expr(self.makes_scores):
-                    pv_a, pv_b = mma.operands(p.mma_pv, smem.sP, sV_mn)
-                    mma.gemm(p.mma_pv, acc.o, pv_a, pv_b, False)
+                self.issue_output(p, smem, acc)
                 o_acc.producer_commit(producer)
             if cutlass.const_expr(self.updates_state):
-                vk_a, vk_b = mma.operands(p.mma_state, sV_rows, sK_mn)
-                mma.gemm(p.mma_state, acc.s, vk_a, vk_b, False)
+                self.issue_update(p, smem, acc)
             state.consumer_release(consumer)
             scores.consumer_release(consumer)
             qkv.consumer_release(consumer)
             consumer.advance()
             producer.advance()
+
+    @cute.jit
+    def issue_output(self, p: Params, smem: Smem, acc: Accumulators):
+        """The chunk's O = Q~ S + P~ V (a correction pass: Q~ S), issued."""
+        qs_a, qs_b = mma.operands(p.mma_qs, smem.sQKV[None, None, 0, 0], smem.sS)
+        mma.gemm(p.mma_qs, acc.o, qs_a, qs_b, True)
+        if cutlass.const_expr(self.makes_scores):
+            pv_a, pv_b = mma.operands(p.mma_pv, smem.sP, smem.sQKV_mn[None, None, 2, 0])
+            mma.gemm(p.mma_pv, acc.o, pv_a, pv_b, False)
+
+    @cute.jit
+    def issue_update(self, p: Params, smem: Smem, acc: Accumulators):
+        """The chunk's S^T += V^T K~, issued."""
+        vk_a, vk_b = mma.operands(p.mma_state, smem.sV_rows, smem.sQKV_mn[None, None, 1, 0])
+        mma.gemm(p.mma_state, acc.s, vk_a, vk_b, False)
 
     @cute.jit
     def gate_warp(self, p: Params, smem: Smem, rings: Rings, seq: Sequence):
@@ -486,12 +507,12 @@ class ScalarGateChunkFwdSm100:
                 tmem.before_handoff()
                 p_acc.consumer_release(consumer)
             if cutlass.const_expr(self.cfg.make_o):
-                _scale_row(smem.sQKV[None, None, 0, 0], i, smem.sFac[i, slot, 0], True)
+                scale_row(smem.sQKV[None, None, 0, 0], i, smem.sFac[i, slot, 0], True)
             if cutlass.const_expr(self.updates_state):
-                _scale_row(smem.sQKV[None, None, 1, 0], i, smem.sFac[i, slot, key_factor], in_sequence)
+                scale_row(smem.sQKV[None, None, 1, 0], i, smem.sFac[i, slot, key_factor], in_sequence)
                 if cutlass.const_expr(self.cfg.is_varlen):
                     if not in_sequence:
-                        _scale_row(smem.sQKV[None, None, 2, 0], i, f32(0.0), False)
+                        scale_row(smem.sQKV[None, None, 2, 0], i, f32(0.0), False)
             # generic-proxy writes that the tensor cores read next
             cute.arch.fence_proxy("async.shared", space="cta")
             scores.producer_commit(producer)
@@ -531,7 +552,7 @@ class ScalarGateChunkFwdSm100:
             gate.consumer_wait(gate_pos)
             state.producer_acquire(producer)
             tmem.after_handoff()
-            decay = cute.math.exp2(smem.sG[C - 1, gate_pos.index], fastmath=True)
+            decay = self.chunk_decay(smem, gate_pos.index)
             # the forward's bf16 operand of Q~ S, or a walk's checkpoint of the state before the chunk's step
             operand = smem.sS
             if cutlass.const_expr(not self.cfg.make_o):
@@ -544,7 +565,7 @@ class ScalarGateChunkFwdSm100:
                 if in_state:
                     tmem.store_row_bf16(operand, v_row, blk * cols, block)
                 for e in cutlass.range_constexpr(cols):
-                    block[e] = block[e] * decay
+                    block[e] = block[e] * self.column_decay(decay, smem, gate_pos.index, blk * cols + e)
                 tmem.write(rows, blk, block)
             tmem.stores_done()
             tmem.before_handoff()
@@ -562,6 +583,14 @@ class ScalarGateChunkFwdSm100:
                 for e in cutlass.range_constexpr(cols):
                     ht[blk * cols + e, v_row] = final[e]
         tmem.before_handoff()  # the last TMEM reads ordered before the barrier that lets the MMA warp free it
+
+    def chunk_decay(self, smem: Smem, slot):
+        """The chunk's decay of the state, 2^G_last (gate slot ``slot``)."""
+        return cute.math.exp2(smem.sG[self.C - 1, slot], fastmath=True)
+
+    def column_decay(self, decay, smem: Smem, slot, column: int):
+        """The decay of S^T's column ``column`` (a key channel): the chunk's, the same for every key."""
+        return decay
 
     @cute.jit
     def in_state(self, v_row):

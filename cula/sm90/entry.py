@@ -474,12 +474,14 @@ def fake_args(
     raw_gate: bool = False,
     checkpoints: bool = False,
     config: ChunkFwdConfig | None = None,
+    gate_params: bool = True,
 ) -> tuple:
     """Fake arguments for compiling a chunk kernel, in its launch order ``q, k, v, g, beta, o, h0, ht, starts, ends,
     w, slots, scale[, a_log, dt_bias, lower_bound, wb, wd], stream``: q, k [B, T, H, D], v and o [B, T, HV, D] bf16; g
     [B, T, HV] fp32, or with ``per_key_gate`` [B, T, HV, D] (fp32, bf16 when ``raw_gate``: activated by the kernel)
-    followed by the gate's parameters (A_log [HV] and dt_bias [HV * D] fp32, lower_bound) and the B-tile workspaces
-    (wb [ranges, rows, HV, D] bf16, wd [ranges, chunks, HV, D] fp32); beta fp32 or bf16; the states (N, HV, K, V)
+    followed, with ``gate_params`` (the SM90 KDA kernel's, which GLA's inherits), by the gate's parameters (A_log
+    [HV] and dt_bias [HV * D] fp32, lower_bound) and the B-tile workspaces (wb [ranges, rows, HV, D] bf16, wd
+    [ranges, chunks, HV, D] fp32); beta fp32 or bf16; the states (N, HV, K, V)
     fp32, stored [N, HV, V, K] (K contiguous) with ``state_v_first``; int32 token ranges; the split passes' workspace
     [ranges, rows, HV, 64] bf16, or with ``checkpoints`` the state walks' [rows, HV, D, D] bf16; a state pool's int32
     rows. A bf16 pool (``config.state_dtype``) is h0, and ht too where the pool is written. Batch, length, head and
@@ -497,9 +499,9 @@ def fake_args(
         if per_key_gate
         else runtime.fake_tensor(f32, (B, T, HV), align=4)
     )
-    gate_params = ()
-    if per_key_gate:
-        gate_params = (
+    gate_args = ()
+    if per_key_gate and gate_params:
+        gate_args = (
             runtime.fake_tensor(f32, (sym(),), align=4),
             runtime.fake_tensor(f32, (sym(),), align=4),
             f32(-5.0),
@@ -522,7 +524,7 @@ def fake_args(
         runtime.fake_tensor(bf16, (sym(), HV, D, D) if checkpoints else (sym(), sym(), HV, 64)),
         runtime.fake_tensor(cutlass.Int32, (sym(),), align=4),
         f32(1.0),
-        *gate_params,
+        *gate_args,
         runtime.fake_stream(),
     )
 

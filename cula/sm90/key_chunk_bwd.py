@@ -41,11 +41,11 @@ import cutlass
 import cutlass.cute as cute
 
 from cula.ops.gates import GATE_FLOOR
+from cula.ops.gates import GLA_SAFE_SPAN as SAFE_SPAN
 from cula.sm90 import mma, pipeline, tiles
 from cula.sm90.scalar_chunk_bwd import Params, ScalarGateChunkBwdSm90, Tensors
 
 WARPGROUPS = 3  # dq, dk, dv
-SAFE_SPAN = 108.0  # log2: as the forward's two-reference operands (cula.gla.chunk_fwd_sm90.SAFE_SPAN)
 PART_THREADS = 256  # warpgroups 1 and 2, which make the column state's parts during the gate scan
 _LOG2E = math.log2(math.e)
 ROW = "row"  # an exponent's term: the accumulator element's own row (KeyGateChunkBwdSm90.exponent)

@@ -1,0 +1,73 @@
+"""GLA chunked forward for SM100 (:class:`cula.sm100.key_chunk_fwd.KeyGateChunkFwdSm100`: the scalar-gate SM100
+kernel's skeleton with a per-key gate, chunks of 128 tokens, exact for any gate) and its place in the host path, which
+it shares with SM90 (:func:`cula.gla.chunk_fwd_sm90.chunk_gla_fwd_sm90`): the same launch arguments but KDA's gate
+parameters, state pools and split passes (a first pass and a correction pass of the kernel; the transitions the gate's
+decay, made on the host; cut at multiples of its 128-token chunk). It takes D = 64 and 128; forward only (training
+calls go to FLA).
+
+Compiled for sm_100a and sm_103a on any machine; no Blackwell GPU has run it, so dispatch serves it only with
+``CULA_UNTESTED_KERNELS=1``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from cula import runtime
+from cula.gla import chunk_fwd_sm90
+from cula.sm90 import entry
+from cula.sm90.chunk_fwd import ChunkFwdConfig
+from cula.sm100.key_chunk_fwd import KeyGateChunkFwdSm100
+from cula.sm100.scalar_chunk_fwd import CHUNK, HEAD_DIMS
+
+ARCHS = ("sm_100a", "sm_103a")
+
+# Whether :func:`chunk_gla_fwd_sm100` can serve these inputs, and why not
+supports = functools.partial(chunk_fwd_sm90.supports, dims=HEAD_DIMS, arch_major=10)
+
+
+def compile_gla_fwd_sm100(arch="sm_100a", *, beta_fp32=True, state_v_first=False, keep_artifacts=False, **config):
+    """The kernel for ``config`` (:class:`cula.sm90.chunk_fwd.ChunkFwdConfig` fields; no delta rule, the forward),
+    compiled on any machine for ``arch``. Beta's slot is never read (fp32, as the host fills it)."""
+    cfg = ChunkFwdConfig(**{**config, "delta_rule": False})
+    fake = entry.fake_args(cfg.head_dim, beta_fp32, state_v_first, per_key_gate=True, config=cfg, gate_params=False)
+    return runtime.compile_kernel(KeyGateChunkFwdSm100(cfg), fake, arch, keep_artifacts)
+
+
+GLA_SM100 = entry.ChunkKernel(
+    "gla_sm100",
+    compile_gla_fwd_sm100,
+    split_cost=chunk_fwd_sm90.split_cost,
+    delta_rule=False,
+    chunk=CHUNK,
+    gate_transition=True,
+)
+
+
+def chunk_gla_fwd_sm100(*args, **kwargs):
+    """GLA chunked forward on SM100: the arguments of :func:`cula.gla.chunk_fwd_sm90.chunk_gla_fwd_sm90`. Returns
+    ``(o, final_state, the pool, or None)``."""
+    return chunk_fwd_sm90.chunk_gla_fwd_sm90(*args, kernel=GLA_SM100, **kwargs)
+
+
+entry.register_checked(
+    "gla_chunk_fwd_sm100",
+    compile_gla_fwd_sm100,
+    {
+        **entry.checked("", "[fixed length]", "[pool]", "[pool, read only]", "[correction]"),
+        **entry.checked("[D=64]", "[D=64, correction]"),
+        "[state_v_first]": {"is_varlen": True, "has_initial_state": True, "state_v_first": True},
+    },
+    # at the launch's 128 registers a thread ptxas keeps one or two words in local memory, stored in the prologue and
+    # read back in the roles (the count is of the instructions)
+    sass_allowed={
+        "": (16, 0),
+        "[fixed length]": (6, 0),
+        "[pool]": (16, 0),
+        "[pool, read only]": (6, 0),
+        "[D=64]": (19, 0),
+        "[state_v_first]": (16, 0),
+    },
+    archs=ARCHS,
+    expected_ptx=entry.SM100_PTX,
+)
