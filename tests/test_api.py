@@ -634,61 +634,50 @@ def test_dispatch_by_compute_capability(monkeypatch, cc, opt_in):
             assert dict(decision.rejected)["cute"] == f"no CuTe DSL kernel for {arch}"
 
 
-def test_the_sm100_simple_gla_kernel_says_what_it_declines(monkeypatch):
-    """On a faked B200 with the opt-in: head dims other than 64 and 128, a training call FLA can serve (FLA's
-    backward is the faster) and a fp16 call go to FLA, each with the SM100 kernel's reason; D = 64 and 128 inference
-    calls are served by it, and so is a training call when FLA is not there (its state walks in chunks of 128, then
-    PyTorch rows)."""
+@pytest.mark.parametrize(
+    "fn, kernel, per_key, training, training_without_fla",
+    [
+        (
+            cula.lightning.chunk_simple_gla,
+            "lightning.chunk_fwd_sm100",
+            False,
+            "inputs require grad, and FLA's backward is faster than the kernel's",
+            "cute",
+        ),
+        (cula.gla.chunk_gla, "gla.chunk_fwd_sm100", True, "the kernel has no backward (forward only)", "torch"),
+    ],
+)
+def test_the_sm100_chunk_kernels_say_what_they_decline(
+    monkeypatch, fn, kernel, per_key, training, training_without_fla
+):
+    """On a faked B200 with the opt-in: D = 64 and 128 inference calls are served by the SM100 kernel (simple GLA's,
+    GLA's); head dims other than those, a fp16 call and a training call go to FLA, each with the kernel's reason (simple
+    GLA: FLA's backward is the faster; GLA: the kernel is forward only). Without FLA a training call goes to simple
+    GLA's kernel (its state walks in chunks of 128, then PyTorch rows), GLA's to the reference backend."""
     FakeCuda(monkeypatch, (10, 0), sms=148, name="NVIDIA B200")
     monkeypatch.setattr(dispatch, "fla_function", lambda target: None)
     monkeypatch.setenv(dispatch.ENV_UNTESTED, "1")
-    fn = cula.lightning.chunk_simple_gla
 
     def call(D=128, dtype=torch.bfloat16, grad=False):
         q = torch.randn(1, 70, 2, D, dtype=dtype, requires_grad=grad)
         k, v = (torch.randn(1, 70, 2, D, dtype=dtype) for _ in range(2))
-        return {"q": q, "k": k, "v": v, "g": -torch.rand(1, 70, 2)}
+        return {"q": q, "k": k, "v": v, "g": -torch.rand(1, 70, 2, *((D,) if per_key else ()))}
 
     for D in (64, 128):
-        assert cula.explain(fn, **call(D=D)).reason == "lightning.chunk_fwd_sm100 on sm_100"
+        assert cula.explain(fn, **call(D=D)).reason == f"{kernel} on sm_100"
     cases = {
         "head dims K=32, V=32 not supported (supported: K = V = 64 or 128)": call(D=32),
-        "inputs require grad, and FLA's backward is faster than the kernel's": call(grad=True),
+        training: call(grad=True),
         "q, k, v must be bfloat16": call(dtype=torch.float16),
     }
     for reason, args in cases.items():
         decision = cula.explain(fn, **args)
         assert decision.backend == "fla" and reason in dict(decision.rejected)["cute"], decision
     monkeypatch.setattr(dispatch, "fla_function", lambda target: (_ for _ in ()).throw(ImportError("no fla")))
-    assert cula.explain(fn, **call(grad=True)).reason == "lightning.chunk_fwd_sm100 on sm_100"
-
-
-def test_the_sm100_gla_kernel_says_what_it_declines(monkeypatch):
-    """On a faked B200 with the opt-in: D = 64 and 128 GLA inference calls are served by the SM100 kernel; head dims
-    other than those and fp16 go to FLA with its reason; a training call goes to FLA (the kernel is forward
-    only), or to the reference backend when FLA is not there."""
-    FakeCuda(monkeypatch, (10, 0), sms=148, name="NVIDIA B200")
-    monkeypatch.setattr(dispatch, "fla_function", lambda target: None)
-    monkeypatch.setenv(dispatch.ENV_UNTESTED, "1")
-    fn = cula.gla.chunk_gla
-
-    def call(D=128, dtype=torch.bfloat16, grad=False):
-        q = torch.randn(1, 70, 2, D, dtype=dtype, requires_grad=grad)
-        k, v = (torch.randn(1, 70, 2, D, dtype=dtype) for _ in range(2))
-        return {"q": q, "k": k, "v": v, "g": -torch.rand(1, 70, 2, D)}
-
-    for D in (64, 128):
-        assert cula.explain(fn, **call(D=D)).reason == "gla.chunk_fwd_sm100 on sm_100"
-    cases = {
-        "head dims K=32, V=32 not supported (supported: K = V = 64 or 128)": call(D=32),
-        "q, k, v must be bfloat16": call(dtype=torch.float16),
-    }
-    for reason, args in cases.items():
-        decision = cula.explain(fn, **args)
-        assert decision.backend == "fla" and reason in dict(decision.rejected)["cute"], decision
-    assert cula.explain(fn, **call(grad=True)).backend == "fla"
-    monkeypatch.setattr(dispatch, "fla_function", lambda target: (_ for _ in ()).throw(ImportError("no fla")))
-    assert cula.explain(fn, **call(grad=True)).backend == "torch"
+    decision = cula.explain(fn, **call(grad=True))
+    assert decision.backend == training_without_fla, decision
+    if training_without_fla == "cute":
+        assert decision.reason == f"{kernel} on sm_100"
 
 
 def test_the_kda_backward_yields_to_fla(monkeypatch):

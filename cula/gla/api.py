@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import torch
 
 from cula import validation
 from cula.custom_ops import EntryOps
-from cula.dispatch import BackwardKernel, CuteKernel, Op, bind, call_args, chunk_fwd_kernel_declines, recomputing
+from cula.dispatch import BackwardKernel, CuteKernel, Op, bind, call_args, chunk_kernel_entry, recomputing
 from cula.gla import reference
 from cula.recurrent.plan import recurrent_kernel
 
@@ -121,29 +120,9 @@ for _major in (9, 10):
 
 
 def _kernel_entry(arch: str):
-    """``(supports, run)`` of the chunk kernel in ``cula.gla.chunk_fwd_<arch>`` (imported at the first call: it
-    imports the CuTe DSL)."""
-
-    def module():
-        return importlib.import_module(f"cula.gla.chunk_fwd_{arch}")
-
-    def supports(args: dict[str, Any]) -> tuple[bool, str]:
-        declined = chunk_fwd_kernel_declines(args)
-        if declined:
-            return declined
-        return module().supports(args["q"], args["k"], args["v"], args["g"], args["initial_state"], args["cu_seqlens"])
-
-    def run(args: dict[str, Any]):
-        from cula.sm90.entry import pool_fields
-
-        forward = getattr(module(), f"chunk_gla_fwd_{arch}")
-        return forward(
-            args["q"], args["k"], args["v"], args["g"], args["scale"], args["initial_state"],
-            args["output_final_state"], args["cu_seqlens"], args.get("state_v_first", False),
-            args.get("cu_seqlens_cpu"), **pool_fields(args),
-        )  # fmt: skip
-
-    return supports, run
+    """``(supports, run)`` of the chunk kernel in ``cula.gla.chunk_fwd_<arch>``."""
+    gate = lambda args: (args["g"],)  # noqa: E731
+    return chunk_kernel_entry(f"cula.gla.chunk_fwd_{arch}", f"chunk_gla_fwd_{arch}", gate, gate)
 
 
 _sm90_supports, _sm90_run = _kernel_entry("sm90")

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import functools
 
-from cula import runtime
 from cula.gla import chunk_fwd_sm90
 from cula.sm90 import entry
-from cula.sm90.chunk_fwd import ChunkFwdConfig
 from cula.sm100.key_chunk_fwd import KeyGateChunkFwdSm100
-from cula.sm100.scalar_chunk_fwd import CHUNK, HEAD_DIMS
+from cula.sm100.scalar_chunk_fwd import HEAD_DIMS, sm100_chunk_kernel
 
 ARCHS = ("sm_100a", "sm_103a")
 
@@ -26,29 +24,13 @@ ARCHS = ("sm_100a", "sm_103a")
 supports = functools.partial(chunk_fwd_sm90.supports, dims=HEAD_DIMS, arch_major=10)
 
 
-def compile_gla_fwd_sm100(arch="sm_100a", *, beta_fp32=True, state_v_first=False, keep_artifacts=False, **config):
-    """The kernel for ``config`` (:class:`cula.sm90.chunk_fwd.ChunkFwdConfig` fields; no delta rule, the forward),
-    compiled on any machine for ``arch``. Beta's slot is never read (fp32, as the host fills it)."""
-    cfg = ChunkFwdConfig(**{**config, "delta_rule": False})
-    fake = entry.fake_args(cfg.head_dim, beta_fp32, state_v_first, per_key_gate=True, config=cfg, gate_params=False)
-    return runtime.compile_kernel(KeyGateChunkFwdSm100(cfg), fake, arch, keep_artifacts)
+# The kernel for a config (ChunkFwdConfig fields; the forward), compiled on any machine for ``arch``
+compile_gla_fwd_sm100 = functools.partial(chunk_fwd_sm90.compile_gla_fwd_sm90, kernel_class=KeyGateChunkFwdSm100)
 
+GLA_SM100 = sm100_chunk_kernel("gla_sm100", compile_gla_fwd_sm100, chunk_fwd_sm90.split_cost)
 
-GLA_SM100 = entry.ChunkKernel(
-    "gla_sm100",
-    compile_gla_fwd_sm100,
-    split_cost=chunk_fwd_sm90.split_cost,
-    delta_rule=False,
-    chunk=CHUNK,
-    gate_transition=True,
-)
-
-
-def chunk_gla_fwd_sm100(*args, **kwargs):
-    """GLA chunked forward on SM100: the arguments of :func:`cula.gla.chunk_fwd_sm90.chunk_gla_fwd_sm90`. Returns
-    ``(o, final_state, the pool, or None)``."""
-    return chunk_fwd_sm90.chunk_gla_fwd_sm90(*args, kernel=GLA_SM100, **kwargs)
-
+# GLA chunked forward on SM100: the arguments of chunk_gla_fwd_sm90; returns (o, final_state, the pool, or None)
+chunk_gla_fwd_sm100 = functools.partial(chunk_fwd_sm90.chunk_gla_fwd_sm90, kernel=GLA_SM100)
 
 entry.register_checked(
     "gla_chunk_fwd_sm100",

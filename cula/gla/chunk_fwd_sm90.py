@@ -258,13 +258,19 @@ def supports(q, k, v, g, initial_state=None, cu_seqlens=None, dims=SUPPORTED_DIM
     return True, ""
 
 
-def compile_gla_fwd_sm90(arch="sm_90a", *, beta_fp32=True, state_v_first=False, keep_artifacts=False, **config):
+def compile_gla_fwd_sm90(
+    arch="sm_90a", *, beta_fp32=True, state_v_first=False, keep_artifacts=False, kernel_class=None, **config
+):  # fmt: skip
     """The GLA chunk kernel for ``config`` (:class:`cula.sm90.chunk_fwd.ChunkFwdConfig` fields; no delta rule,
-    intra "none"), compiled on any machine for ``arch``. Beta's slot is never read (fp32, as the host fills it)."""
+    intra "none"), compiled on any machine for ``arch``. Beta's slot is never read (fp32, as the host fills it).
+    ``kernel_class``: another architecture's kernel (SM100's), which takes no KDA gate parameters."""
     cfg = ChunkFwdConfig(**{**config, "delta_rule": False})
     walk = cfg.walk != "output"
-    fake = entry.fake_args(cfg.head_dim, beta_fp32, state_v_first, per_key_gate=True, checkpoints=walk, config=cfg)
-    return runtime.compile_kernel(GLAChunkFwdSm90(cfg), fake, arch, keep_artifacts)
+    fake = entry.fake_args(
+        cfg.head_dim, beta_fp32, state_v_first, per_key_gate=True, checkpoints=walk, config=cfg,
+        gate_params=kernel_class is None,
+    )  # fmt: skip
+    return runtime.compile_kernel((kernel_class or GLAChunkFwdSm90)(cfg), fake, arch, keep_artifacts)
 
 
 def split_cost(call: entry.ChunkCall) -> segment_split.SplitCost:

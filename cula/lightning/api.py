@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import torch
@@ -16,7 +15,7 @@ from cula.dispatch import (
     Op,
     bind,
     call_args,
-    chunk_fwd_kernel_declines,
+    chunk_kernel_entry,
     fla_gated_backward_ok,
     recomputing,
 )
@@ -245,31 +244,14 @@ def _lightning_g_gamma(device, num_heads: int, layer_idx: int, num_layers: int) 
 
 
 def _kernel_entry(arch: str):
-    """``(supports, run)`` of the chunk kernel in ``cula.lightning.chunk_fwd_<arch>`` (imported at the first call:
-    it imports the CuTe DSL)."""
-
-    def module():
-        return importlib.import_module(f"cula.lightning.chunk_fwd_{arch}")
-
-    def supports(args: dict[str, Any]) -> tuple[bool, str]:
-        declined = chunk_fwd_kernel_declines(args)
-        if declined:
-            return declined
-        g, g_gamma = args.get("g"), args.get("g_gamma")
-        return module().supports(args["q"], args["k"], args["v"], g, g_gamma, args["initial_state"], args["cu_seqlens"])
-
-    def run(args: dict[str, Any]):
-        from cula.sm90.entry import pool_fields
-
-        g, g_gamma = _chunk_gates(args)
-        forward = getattr(module(), f"chunk_simple_gla_fwd_{arch}")
-        return forward(
-            args["q"], args["k"], args["v"], g, g_gamma, args["scale"], args["initial_state"],
-            args["output_final_state"], args["cu_seqlens"], args.get("state_v_first", False),
-            args.get("cu_seqlens_cpu"), **pool_fields(args),
-        )  # fmt: skip
-
-    return supports, run
+    """``(supports, run)`` of the chunk kernel in ``cula.lightning.chunk_fwd_<arch>``: its checks take the gates as
+    given, its launch :func:`_chunk_gates`."""
+    return chunk_kernel_entry(
+        f"cula.lightning.chunk_fwd_{arch}",
+        f"chunk_simple_gla_fwd_{arch}",
+        lambda args: (args.get("g"), args.get("g_gamma")),
+        _chunk_gates,
+    )
 
 
 _sm90_supports, _sm90_run = _kernel_entry("sm90")

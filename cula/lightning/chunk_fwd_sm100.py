@@ -15,7 +15,7 @@ import functools
 
 from cula.lightning import chunk_fwd_sm90
 from cula.sm90 import entry
-from cula.sm100.scalar_chunk_fwd import CHUNK, HEAD_DIMS, ScalarGateChunkFwdSm100
+from cula.sm100.scalar_chunk_fwd import HEAD_DIMS, ScalarGateChunkFwdSm100, sm100_chunk_kernel
 
 ARCHS = ("sm_100a", "sm_103a")
 
@@ -27,21 +27,11 @@ compile_simple_gla_fwd_sm100 = functools.partial(
     chunk_fwd_sm90.compile_simple_gla_fwd_sm90, kernel_class=ScalarGateChunkFwdSm100
 )
 
-SIMPLE_GLA_SM100 = entry.ChunkKernel(
-    "simple_gla_sm100",
-    compile_simple_gla_fwd_sm100,
-    split_cost=chunk_fwd_sm90.split_cost,
-    delta_rule=False,
-    chunk=CHUNK,
-    gate_transition=True,
-)
+SIMPLE_GLA_SM100 = sm100_chunk_kernel("simple_gla_sm100", compile_simple_gla_fwd_sm100, chunk_fwd_sm90.split_cost)
 
-
-def chunk_simple_gla_fwd_sm100(*args, **kwargs):
-    """Simple GLA chunked forward on SM100: the arguments of :func:`cula.lightning.chunk_fwd_sm90.
-    chunk_simple_gla_fwd_sm90`. Returns ``(o, final_state, the pool, or None)``."""
-    return chunk_fwd_sm90.chunk_simple_gla_fwd_sm90(*args, kernel=SIMPLE_GLA_SM100, **kwargs)
-
+# Simple GLA chunked forward on SM100: the arguments of chunk_simple_gla_fwd_sm90; returns (o, final_state, the pool,
+# or None)
+chunk_simple_gla_fwd_sm100 = functools.partial(chunk_fwd_sm90.chunk_simple_gla_fwd_sm90, kernel=SIMPLE_GLA_SM100)
 
 entry.register_checked(
     "simple_gla_chunk_fwd_sm100",

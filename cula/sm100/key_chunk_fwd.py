@@ -152,40 +152,18 @@ class KeyGateChunkFwdSm100(ScalarGateChunkFwdSm100):
         return KeyAccumulators(*base, blocks, mma.accumulator(p.mma_qk, self.C, tmem_base, self.g_column))
 
     @cute.jit
-    def mma_warp(self, p: KeyParams, smem: KeySmem, rings: KeyRings, acc: KeyAccumulators, seq: Sequence):
-        """Per chunk: P's column blocks two at a time as the walk makes their operands (a steep chunk's are made and
-        then overwritten by the direct scores); once the scores and the state operand are ready, O = Q~ S + P~ V and
-        S^T += V^T K~; then the stage, the scores and the state released."""
+    def issue_scores(self, p: KeyParams, smem: KeySmem, rings: KeyRings, acc: KeyAccumulators, consumer):
+        """P's column blocks two at a time as the walk makes their operands, each pair's buffers released when its
+        products are done (in a steep chunk they read stale buffers, and the direct scores overwrite P)."""
         sK = smem.sQKV[None, None, 1, 0]
-        qkv, p_acc, scores, state, o_acc = rings.qkv, rings.p_acc, rings.scores, rings.state, rings.o_acc
-        consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        for _chunk in cutlass.range(seq.n_chunks, unroll=1):
-            qkv.consumer_wait(consumer)
-            if cutlass.const_expr(self.makes_scores):
-                p_acc.producer_acquire(producer)
-                for pair, blocks in ((0, rings.blocks_01), (1, rings.blocks_23)):
-                    blocks.consumer_wait(consumer)
-                    tmem.after_handoff()
-                    for J in (2 * pair, 2 * pair + 1):
-                        right = cute.local_tile(sK, (self.block, self.D), (J, 0))
-                        l_op, r_op = mma.operands(p.mma_block, smem.sL[None, None, J % 2], right)
-                        mma.gemm(p.mma_block, acc.p_blocks[J], l_op, r_op, True)
-                    blocks.consumer_release(consumer)
-                p_acc.producer_commit(producer)
-            scores.consumer_wait(consumer)
-            state.consumer_wait(consumer)
-            o_acc.producer_acquire(producer)
+        for pair, blocks in ((0, rings.blocks_01), (1, rings.blocks_23)):
+            blocks.consumer_wait(consumer)
             tmem.after_handoff()
-            self.issue_output(p, smem, acc)
-            o_acc.producer_commit(producer)
-            if cutlass.const_expr(self.updates_state):
-                self.issue_update(p, smem, acc)
-            state.consumer_release(consumer)
-            scores.consumer_release(consumer)
-            qkv.consumer_release(consumer)
-            consumer.advance()
-            producer.advance()
+            for J in (2 * pair, 2 * pair + 1):
+                right = cute.local_tile(sK, (self.block, self.D), (J, 0))
+                l_op, r_op = mma.operands(p.mma_block, smem.sL[None, None, J % 2], right)
+                mma.gemm(p.mma_block, acc.p_blocks[J], l_op, r_op, True)
+            blocks.consumer_release(consumer)
 
     @cute.jit
     def gate_warp(self, p: KeyParams, smem: KeySmem, rings: KeyRings, seq: Sequence):

@@ -66,7 +66,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.pipeline import Agent, CooperativeGroup
 
 from cula.ops.gates import GATE_FLOOR
-from cula.sm90 import sequence, tiles
+from cula.sm90 import entry, sequence, tiles
 from cula.sm90.chunk_fwd import ChunkFwdConfig
 from cula.sm90.scalar_gates import warp_scan_64
 from cula.sm100 import mma, tmem
@@ -76,6 +76,14 @@ CHUNK = 128
 HEAD_DIMS = (64, 128)
 GATE_SLOTS = 2
 _LOG2E = math.log2(math.e)
+
+
+def sm100_chunk_kernel(name: str, compile_fn, split_cost) -> entry.ChunkKernel:
+    """An SM100 kernel without the delta rule (this one, or :mod:`cula.sm100.key_chunk_fwd`) on the family's host
+    path (:mod:`cula.sm90.entry`): chunks of 128, a split's transitions the gate's decay, made on the host."""
+    return entry.ChunkKernel(
+        name, compile_fn, split_cost=split_cost, delta_rule=False, chunk=CHUNK, gate_transition=True
+    )
 
 
 class Tma(NamedTuple):
@@ -382,7 +390,6 @@ class ScalarGateChunkFwdSm100:
     def mma_warp(self, p: Params, smem: Smem, rings: Rings, acc: Accumulators, seq: Sequence):
         """Per chunk: P = Q K^T; once the scores and the state operand are ready, O = Q~ S + P~ V and S^T += V^T K~;
         then the stage, the scores and the state released (commits that arrive when those products are done)."""
-        sQ, sK = smem.sQKV[None, None, 0, 0], smem.sQKV[None, None, 1, 0]
         qkv, p_acc, scores, state, o_acc = rings.qkv, rings.p_acc, rings.scores, rings.state, rings.o_acc
         consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
@@ -390,11 +397,7 @@ class ScalarGateChunkFwdSm100:
             qkv.consumer_wait(consumer)
             if cutlass.const_expr(self.makes_scores):
                 p_acc.producer_acquire(producer)
-                tmem.after_handoff()
-                # the operands' descriptors made where they are used: all of them live at once would not fit this
-                # warp's registers
-                q_op, k_op = mma.operands(p.mma_qk, sQ, sK)
-                mma.gemm(p.mma_qk, acc.p, q_op, k_op, True)
+                self.issue_scores(p, smem, rings, acc, consumer)
                 p_acc.producer_commit(producer)
             scores.consumer_wait(consumer)
             state.consumer_wait(consumer)
@@ -411,6 +414,15 @@ class ScalarGateChunkFwdSm100:
             qkv.consumer_release(consumer)
             consumer.advance()
             producer.advance()
+
+    @cute.jit
+    def issue_scores(self, p: Params, smem: Smem, rings: Rings, acc: Accumulators, consumer):
+        """The chunk's P = Q K^T, issued (the caller commits; ``consumer``: the chunk's position in the rings)."""
+        tmem.after_handoff()
+        # the operands' descriptors made where they are used: all of them live at once would not fit this warp's
+        # registers
+        q_op, k_op = mma.operands(p.mma_qk, smem.sQKV[None, None, 0, 0], smem.sQKV[None, None, 1, 0])
+        mma.gemm(p.mma_qk, acc.p, q_op, k_op, True)
 
     @cute.jit
     def issue_output(self, p: Params, smem: Smem, acc: Accumulators):
