@@ -23,7 +23,6 @@ ARCHS = ("sm_100a", "sm_103a")
 # Whether :func:`chunk_gla_fwd_sm100` can serve these inputs, and why not
 supports = functools.partial(chunk_fwd_sm90.supports, dims=HEAD_DIMS, arch_major=10)
 
-
 # The kernel for a config (ChunkFwdConfig fields; the forward), compiled on any machine for ``arch``
 compile_gla_fwd_sm100 = functools.partial(chunk_fwd_sm90.compile_gla_fwd_sm90, kernel_class=KeyGateChunkFwdSm100)
 
