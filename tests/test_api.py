@@ -635,25 +635,17 @@ def test_dispatch_by_compute_capability(monkeypatch, cc, opt_in):
 
 
 @pytest.mark.parametrize(
-    "fn, kernel, per_key, training, training_without_fla",
+    "fn, kernel, per_key",
     [
-        (
-            cula.lightning.chunk_simple_gla,
-            "lightning.chunk_fwd_sm100",
-            False,
-            "inputs require grad, and FLA's backward is faster than the kernel's",
-            "cute",
-        ),
-        (cula.gla.chunk_gla, "gla.chunk_fwd_sm100", True, "the kernel has no backward (forward only)", "torch"),
+        (cula.lightning.chunk_simple_gla, "lightning.chunk_fwd_sm100", False),
+        (cula.gla.chunk_gla, "gla.chunk_fwd_sm100", True),
     ],
 )
-def test_the_sm100_chunk_kernels_say_what_they_decline(
-    monkeypatch, fn, kernel, per_key, training, training_without_fla
-):
+def test_the_sm100_chunk_kernels_say_what_they_decline(monkeypatch, fn, kernel, per_key):
     """On a faked B200 with the opt-in: D = 64 and 128 inference calls are served by the SM100 kernel (simple GLA's,
-    GLA's); head dims other than those, a fp16 call and a training call go to FLA, each with the kernel's reason (simple
-    GLA: FLA's backward is the faster; GLA: the kernel is forward only). Without FLA a training call goes to simple
-    GLA's kernel (its state walks in chunks of 128, then PyTorch rows), GLA's to the reference backend."""
+    GLA's); head dims other than those, a fp16 call and a training call FLA can serve (FLA's backward is the faster)
+    go to FLA, each with the kernel's reason; a training call is served by the kernel when FLA is not there (its state
+    walks in chunks of 128, then PyTorch rows)."""
     FakeCuda(monkeypatch, (10, 0), sms=148, name="NVIDIA B200")
     monkeypatch.setattr(dispatch, "fla_function", lambda target: None)
     monkeypatch.setenv(dispatch.ENV_UNTESTED, "1")
@@ -667,17 +659,14 @@ def test_the_sm100_chunk_kernels_say_what_they_decline(
         assert cula.explain(fn, **call(D=D)).reason == f"{kernel} on sm_100"
     cases = {
         "head dims K=32, V=32 not supported (supported: K = V = 64 or 128)": call(D=32),
-        training: call(grad=True),
+        "inputs require grad, and FLA's backward is faster than the kernel's": call(grad=True),
         "q, k, v must be bfloat16": call(dtype=torch.float16),
     }
     for reason, args in cases.items():
         decision = cula.explain(fn, **args)
         assert decision.backend == "fla" and reason in dict(decision.rejected)["cute"], decision
     monkeypatch.setattr(dispatch, "fla_function", lambda target: (_ for _ in ()).throw(ImportError("no fla")))
-    decision = cula.explain(fn, **call(grad=True))
-    assert decision.backend == training_without_fla, decision
-    if training_without_fla == "cute":
-        assert decision.reason == f"{kernel} on sm_100"
+    assert cula.explain(fn, **call(grad=True)).reason == f"{kernel} on sm_100"
 
 
 def test_the_kda_backward_yields_to_fla(monkeypatch):

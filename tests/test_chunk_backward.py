@@ -440,6 +440,36 @@ def test_the_gla_backward_host_path_gives_the_reference_gradients(monkeypatch, l
     assert_gradients_per_sequence(got, leaves, bounds, N)
 
 
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("lengths", [[0, 1, 130, 128, 300], None], ids=["varlen", "fixed"])
+def test_the_gla_sm100_backward_host_path_gives_the_reference_gradients(monkeypatch, lengths, D):
+    """GLA's backward with the SM100 kernel's walks (cula.gla.chunk_bwd_sm90 with GLA_SM100: chunk rows and
+    checkpoints of 128 tokens, the per-chunk gradients by rows_backward), the walks' launch emulated on the CPU:
+    every gradient against the fp64 reference's autograd, per sequence, at both head dims, gates steep in places."""
+    from cula.gla.chunk_bwd_sm90 import chunk_gla_bwd_sm90
+    from cula.gla.chunk_fwd_sm100 import GLA_SM100
+    from cula.sm90 import walks
+
+    monkeypatch.setattr(walks.entry, "launch", emulated_launch)
+    torch.manual_seed(6)
+    B, T = (1, sum(lengths)) if lengths else (2, 200)
+    N, H = (len(lengths) if lengths else B), 2
+    q, k, v, do = (torch.randn(B, T, H, D).bfloat16() for _ in range(4))
+    g = F.logsigmoid(torch.randn(B, T, H, D) + 2.0)
+    g[:, T // 2, :, :8] = -30.0
+    h0, dht = torch.randn(N, H, D, D) * 0.1, torch.randn(N, H, D, D) * 0.1
+    cu = None if lengths is None else torch.tensor(offsets_of(lengths), dtype=torch.int32)
+    scale = D**-0.5
+    got = chunk_gla_bwd_sm90(q, k, v, g, do, scale, h0, dht, cu, cu, False, GLA_SM100)
+
+    leaves = [x.double().requires_grad_() for x in (q, k, v, g, h0)]
+    o, ht = cula.gla.chunk_gla(
+        *leaves[:4], scale=scale, initial_state=leaves[4], output_final_state=True, cu_seqlens=cu
+    )  # fmt: skip
+    torch.autograd.backward([o, ht], [do.double(), dht.double()])
+    assert_gradients_per_sequence(got, leaves, sequence_bounds(B, T, lengths), N)
+
+
 def assert_gradients_per_sequence(got, leaves, bounds, N):
     """``got`` (dq, dk, dv, dg[, dh0]) against the ``leaves``' fp64 autograd gradients, per sequence (``bounds``:
     (batch row, first token, end) each): rel RMSE <= 0.008, dg's <= 0.02."""

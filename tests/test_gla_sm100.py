@@ -4,7 +4,7 @@ backend in fp64, per sequence and over the call, NaN-poisoned outputs. Only a Bl
 (the kernel is served only with CULA_UNTESTED_KERNELS=1)."""
 
 import pytest
-from delta_rule_recurrence import needs_sm100
+from delta_rule_recurrence import check_state_walk, needs_sm100
 from test_gla_sm90 import run_case
 
 cutlass = pytest.importorskip("cutlass")
@@ -36,3 +36,13 @@ def test_split_passes(monkeypatch, state_v_first):
     gate and the start chain, varlen with a 1-token sequence and initial states."""
     cu = [0, 4100, 4101, 9101]
     run_case(monkeypatch, 1, 9101, 2, cu=cu, h0=True, state_v_first=state_v_first, split=True, arch="sm100")
+
+
+@pytest.mark.parametrize("walk", ["states", "state_grads"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_state_walks_store_the_plans_checkpoints(walk, D):
+    """The backward's walks on the SM100 kernel (chunks of 128): each checkpoint and the final state within bf16
+    rounding of the plan's, per sequence, varlen with empty, one-token and odd sequences and a start state."""
+    from cula.gla.chunk_fwd_sm100 import GLA_SM100
+
+    check_state_walk(GLA_SM100, walk, D, per_key_gate=True)

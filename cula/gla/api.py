@@ -129,13 +129,14 @@ _sm90_supports, _sm90_run = _kernel_entry("sm90")
 _sm100_supports, _sm100_run = _kernel_entry("sm100")
 
 
-def _sm90_backward(args: dict[str, Any], residuals: list, grad_o, grad_final_state) -> dict[str, torch.Tensor]:
-    """Gradients of every floating tensor argument present (:mod:`cula.gla.chunk_bwd_sm90`)."""
+def _backward(args: dict[str, Any], grad_o, grad_final_state, walks_of) -> dict[str, torch.Tensor]:
+    """Gradients of every floating tensor argument present (:mod:`cula.gla.chunk_bwd_sm90`), the state walks by the
+    chunk kernel ``walks_of``."""
     from cula.gla.chunk_bwd_sm90 import chunk_gla_bwd_sm90
 
     dq, dk, dv, dg, dh0 = chunk_gla_bwd_sm90(
         args["q"], args["k"], args["v"], args["g"], grad_o, args["scale"], args["initial_state"], grad_final_state,
-        args["cu_seqlens"], args.get("cu_seqlens_cpu"), args.get("state_v_first", False),
+        args["cu_seqlens"], args.get("cu_seqlens_cpu"), args.get("state_v_first", False), walks_of,
     )  # fmt: skip
     grads = {"q": dq, "k": dk, "v": dv, "g": dg.to(args["g"].dtype)}
     if args["initial_state"] is not None:
@@ -143,10 +144,28 @@ def _sm90_backward(args: dict[str, Any], residuals: list, grad_o, grad_final_sta
     return grads
 
 
+def _sm90_backward(args: dict[str, Any], residuals: list, grad_o, grad_final_state) -> dict[str, torch.Tensor]:
+    from cula.gla.chunk_fwd_sm90 import GLA_SM90
+
+    return _backward(args, grad_o, grad_final_state, GLA_SM90)
+
+
+def _sm100_backward(args: dict[str, Any], residuals: list, grad_o, grad_final_state) -> dict[str, torch.Tensor]:
+    from cula.gla.chunk_fwd_sm100 import GLA_SM100
+
+    return _backward(args, grad_o, grad_final_state, GLA_SM100)
+
+
 # the kernel's state walks, then the per-chunk gradient kernel; its GPU tests passed on an H100
 # (tests/test_gla_sm90_backward.py), and its forward + backward beat FLA's side by side (3.30 against 6.94 ms at
 # B1 T8192 H64 on an H100, PERF.md): it serves GLA's training calls
 SM90_BACKWARD = BackwardKernel(recomputing(_sm90_run), lambda args: [], _sm90_backward)
 CHUNK.register_kernel(CuteKernel("gla.chunk_fwd_sm90", 9, _sm90_supports, _sm90_run, backward=SM90_BACKWARD))
-# compiled for sm_100a / sm_103a only: no Blackwell GPU has run it; forward only (training calls go to FLA)
-CHUNK.register_kernel(CuteKernel("gla.chunk_fwd_sm100", 10, _sm100_supports, _sm100_run, hardware_tested=False))
+# the SM100 kernel's state walks in chunks of 128, then the per-chunk gradients in PyTorch; compiled for sm_100a /
+# sm_103a only, like the forward: no Blackwell GPU has run either
+SM100_BACKWARD = BackwardKernel(
+    recomputing(_sm100_run), lambda args: [], _sm100_backward, hardware_tested=False, beats_fla=False
+)
+CHUNK.register_kernel(
+    CuteKernel("gla.chunk_fwd_sm100", 10, _sm100_supports, _sm100_run, backward=SM100_BACKWARD, hardware_tested=False)
+)

@@ -1,4 +1,4 @@
-"""GLA backward on SM90, the plan of :mod:`cula.ops.chunk_backward` with a per-key gate:
+"""GLA backward on SM90 (and with SM100's walks on SM100), the plan of :mod:`cula.ops.chunk_backward` with a per-key gate:
 
 1. the state at each chunk's start, and 2. the gradient of the state at each chunk's end: GLA's chunk kernel
    (:class:`cula.gla.chunk_fwd_sm90.GLAChunkFwdSm90`) walking the chunks without output (:func:`cula.sm90.walks.
@@ -25,7 +25,7 @@ from cula.gla.chunk_fwd_sm90 import GLA_SM90
 from cula.sm90 import entry, scalar_chunk_bwd, walks
 from cula.sm90.key_chunk_bwd import KeyGateChunkBwdSm90
 
-# "0": passes 3 and 4 by PyTorch products instead of the kernel
+# "0": passes 3 and 4 by PyTorch products instead of the kernel (the SM100 walks always take the PyTorch products)
 ENV_GRADIENT_KERNEL = "CULA_KEY_GRADIENT_KERNEL"
 
 
@@ -42,14 +42,18 @@ def key_chunk_gradients_sm90(q, k, v, do, gate, S, dS, chunks, scale, is_varlen)
     return *grads, None
 
 
-def chunk_gla_bwd_sm90(q, k, v, g, do, scale, initial_state, dht, cu_seqlens, cu_seqlens_cpu, state_v_first):
+def chunk_gla_bwd_sm90(
+    q, k, v, g, do, scale, initial_state, dht, cu_seqlens, cu_seqlens_cpu, state_v_first, kernel=GLA_SM90
+):
     """Gradients of GLA's chunked forward: ``(dq, dk, dv, dg fp32 [B, T, H, D], dh0 or None)``; ``dht`` the
-    gradient into the final state, or None."""
+    gradient into the final state, or None. ``kernel``: whose walks (SM90's, or SM100's
+    :data:`cula.gla.chunk_fwd_sm100.GLA_SM100`, chunks of 128); the per-chunk kernel of passes 3 and 4 is SM90's
+    only."""
     gate = g.float().contiguous()
     # beta's slot: an unread [B, T, H] tensor, as the forward passes
     unread_beta = torch.empty(v.shape[:3], dtype=torch.float32, device=v.device)
     rows = None
-    if os.environ.get(ENV_GRADIENT_KERNEL, "1") != "0":
+    if os.environ.get(ENV_GRADIENT_KERNEL, "1") != "0" and kernel is GLA_SM90:
 
         def rows(q, k, v, do, w, scale):
             return key_chunk_gradients_sm90(
@@ -57,7 +61,7 @@ def chunk_gla_bwd_sm90(q, k, v, g, do, scale, initial_state, dht, cu_seqlens, cu
             )
 
     dq, dk, dv, dg, _, dh0 = walks.walk_backward(
-        GLA_SM90,
+        kernel,
         q, k, v, do, gate, unread_beta, scale, initial_state, dht, cu_seqlens, cu_seqlens_cpu, state_v_first, rows,
     )  # fmt: skip
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg, dh0

@@ -35,8 +35,8 @@ entry.register_checked(
     "gla_chunk_fwd_sm100",
     compile_gla_fwd_sm100,
     {
-        **entry.checked("", "[fixed length]", "[pool]", "[pool, read only]", "[correction]"),
-        **entry.checked("[D=64]", "[D=64, correction]"),
+        **entry.checked("", "[fixed length]", "[pool]", "[pool, read only]", "[correction]", *entry.WALK_CONFIGS),
+        **entry.checked("[D=64]", "[D=64, correction]", "[D=64, states walk]", "[D=64, state-gradient walk]"),
         "[state_v_first]": {"is_varlen": True, "has_initial_state": True, "state_v_first": True},
     },
     # at the launch's 128 registers a thread ptxas keeps one or two words in local memory, stored in the prologue and
@@ -48,6 +48,8 @@ entry.register_checked(
         "[pool, read only]": (6, 0),
         "[D=64]": (19, 0),
         "[state_v_first]": (16, 0),
+        "[state-gradient walk]": (4, 0),
+        "[D=64, state-gradient walk]": (4, 0),
     },
     archs=ARCHS,
     expected_ptx=entry.SM100_PTX,

@@ -30,8 +30,9 @@ TMEM: P (columns 0-127), O (C ..), S^T (C + D ..), G^T (C + 2 D .., 128 columns;
 Shared memory: the q | k | v stage, the two left-operand buffers (P~ over them once P is done; G in fp32 in a steep
 chunk), S^T's bf16 operand, the decay slots.
 
-A split sequence runs the scalar kernel's correction pass: no P and no update, Q~ from the walk. Forward only (the
-backward's state walks are not built on this kernel). Shapes as :mod:`cula.sm100.scalar_chunk_fwd`, but g [B, T, H,
+A split sequence runs the scalar kernel's correction pass: no P and no update, Q~ from the walk. The backward's
+state walks (``ChunkFwdConfig.walk``) run as the scalar kernel's: no P and no output, the walk scaling only the key
+tile, by 2^(G_last - G) ("states") or s 2^G in the key place that holds q ("state_grads", from the last chunk). Shapes as :mod:`cula.sm100.scalar_chunk_fwd`, but g [B, T, H,
 D] fp32: the natural-log gate per key channel, one value head per q / k head. D = 64 or 128.
 """
 
@@ -45,7 +46,7 @@ import cutlass.cute as cute
 from cutlass import pipeline
 
 from cula.ops.gates import GATE_FLOOR, GLA_SAFE_SPAN
-from cula.sm90 import tiles
+from cula.sm90 import sequence, tiles
 from cula.sm90.chunk_fwd import ChunkFwdConfig
 from cula.sm100 import mma, tmem
 from cula.sm100.roles import WARP, WARPGROUP, Barrier
@@ -95,7 +96,6 @@ class KeyGateChunkFwdSm100(ScalarGateChunkFwdSm100):
     a full pass or a split's correction pass."""
 
     def __init__(self, config: ChunkFwdConfig):
-        assert config.walk == "output", config
         super().__init__(config)
         self.block = self.C // BLOCKS
         # P, O, S^T and G^T (lane k: key channel k, a column per token)
@@ -103,6 +103,8 @@ class KeyGateChunkFwdSm100(ScalarGateChunkFwdSm100):
         self.tmem_columns = 1 << (self.g_column + self.C - 1).bit_length()
         # the gate ring's producer and consumer: the scores warpgroup (the walk) and the state warpgroup
         self.gate_threads = (WARPGROUP, WARPGROUP)
+        # the backward's state walks scale the key tile: K~ ("states"), or s 2^G q in the key place ("state_grads")
+        self.walk_key_factor = "none" if not self.updates_state else ("start" if config.reverse else "end")
 
     # ---------------------------------------------------------------- host side
     def host_params(self, q, k, v, g, o, h0, ht, starts, ends, w, slots, scale):
@@ -199,8 +201,9 @@ class KeyGateChunkFwdSm100(ScalarGateChunkFwdSm100):
         if cutlass.const_expr(self.makes_scores):
             blocks_01.producer_acquire(ahead)
         for chunk in cutlass.range(seq.n_chunks, unroll=1):
-            valid = seq.seqlen - chunk * C
-            refs = self.scan_gates(gG, g_rows, seq.tok0 + chunk * C, valid, cutlass.min(key, D - 1))
+            pos = sequence.chunk_position(chunk, seq.n_chunks, self.cfg.reverse)
+            valid = seq.seqlen - pos * C
+            refs = self.scan_gates(gG, g_rows, seq.tok0 + pos * C, valid, cutlass.min(key, D - 1))
             gate.producer_acquire(gate_pos)
             if walks:
                 smem.sDec[key, gate_pos.index] = cute.math.exp2(refs[BLOCKS], fastmath=True)
@@ -228,7 +231,7 @@ class KeyGateChunkFwdSm100(ScalarGateChunkFwdSm100):
                 if steep:
                     self.direct_scores(smem, g_rows, acc, key, walks, tid)
                     if walks:
-                        self.walk_scaled(smem, g_rows, refs, key, valid, scale, True)
+                        self.walk_scaled(smem, g_rows, refs, key, valid, scale, True, "end")
                 else:
                     if walks:
                         self.walk_end_keys(smem, refs, key, valid)
@@ -237,7 +240,9 @@ class KeyGateChunkFwdSm100(ScalarGateChunkFwdSm100):
                 p_acc.consumer_release(consumer)
             else:
                 if walks:
-                    self.walk_scaled(smem, g_rows, refs, key, valid, scale, False)
+                    self.walk_scaled(smem, g_rows, refs, key, valid, scale, self.cfg.make_o, self.walk_key_factor)
+                if cutlass.const_expr(self.updates_state):
+                    self.zero_tail_values(smem, tid, valid)
             cute.arch.fence_proxy("async.shared", space="cta")
             scores.producer_commit(producer)
             consumer.advance()
@@ -338,9 +343,13 @@ class KeyGateChunkFwdSm100(ScalarGateChunkFwdSm100):
                 sK[t, key] = (sK[t, key].to(f32) * factor).to(bf16) if t < valid else bf16(0.0)
 
     @cute.jit
-    def walk_scaled(self, smem: KeySmem, g_rows, refs, key, valid, scale, end_keys: cutlass.Constexpr):
-        """Column ``key`` of Q~ = s 2^G q over the q tile, and with ``end_keys`` K~ = 2^(G_last - G) k over the raw k
-        tile (zero past the sequence end): a steep chunk's operands, and a correction pass's Q~."""
+    def walk_scaled(
+        self, smem: KeySmem, g_rows, refs, key, valid, scale, scale_q: cutlass.Constexpr, key_factor: cutlass.Constexpr
+    ):
+        """Column ``key`` of Q~ = s 2^G q over the q tile (``scale_q``), and of the raw key tile times 2^(G_last - G)
+        (``key_factor`` "end": a steep chunk's K~, the states walk's) or s 2^G ("start": the state-gradient walk,
+        whose key place holds q), zero past the sequence end ("none": left as it is). A correction pass takes Q~
+        alone, a walk the key tile alone."""
         C = self.C
         f32, bf16 = cutlass.Float32, cutlass.BFloat16
         cols = tmem.COLUMNS_PER_COPY
@@ -350,10 +359,14 @@ class KeyGateChunkFwdSm100(ScalarGateChunkFwdSm100):
             tmem.read(g_rows, blk, G)
             for e in cutlass.range_constexpr(cols):
                 t = blk * cols + e
-                sQ[t, key] = (sQ[t, key].to(f32) * scale * cute.math.exp2(G[e], fastmath=True)).to(bf16)
-                if cutlass.const_expr(end_keys):
-                    decay = cute.math.exp2(refs[BLOCKS] - G[e], fastmath=True)
-                    sK[t, key] = (sK[t, key].to(f32) * decay).to(bf16) if t < valid else bf16(0.0)
+                if cutlass.const_expr(scale_q):
+                    sQ[t, key] = (sQ[t, key].to(f32) * scale * cute.math.exp2(G[e], fastmath=True)).to(bf16)
+                if cutlass.const_expr(key_factor != "none"):
+                    if cutlass.const_expr(key_factor == "end"):
+                        factor = cute.math.exp2(refs[BLOCKS] - G[e], fastmath=True)
+                    else:
+                        factor = scale * cute.math.exp2(G[e], fastmath=True)
+                    sK[t, key] = (sK[t, key].to(f32) * factor).to(bf16) if t < valid else bf16(0.0)
 
     @cute.jit
     def direct_scores(self, smem: KeySmem, g_rows, acc: KeyAccumulators, key, walks, tid):
@@ -406,6 +419,11 @@ class KeyGateChunkFwdSm100(ScalarGateChunkFwdSm100):
                 j = blk * tmem.COLUMNS_PER_COPY + e
                 frag[e] = frag[e] * scale if j <= i and j < valid else f32(0.0)
             tmem.store_row_bf16(smem.sP, i, blk * tmem.COLUMNS_PER_COPY, frag)
+        self.zero_tail_values(smem, i, valid)
+
+    @cute.jit
+    def zero_tail_values(self, smem: KeySmem, i, valid):
+        """In a varlen call, v_i zeroed past the sequence end (the rows hold the next sequence's tokens) by thread i."""
         if cutlass.const_expr(self.cfg.is_varlen):
             if i >= valid:
-                scale_row(smem.sQKV[None, None, 2, 0], i, f32(0.0), False)
+                scale_row(smem.sQKV[None, None, 2, 0], i, cutlass.Float32(0.0), False)
