@@ -119,10 +119,14 @@ for _major in (9, 10):
     RECURRENT.register_kernel(recurrent_kernel("gla.fused_recurrent", _recurrent_gates, _major))
 
 
+def _gate(args: dict[str, Any]) -> tuple:
+    """A GLA call's gate arguments for its chunk kernel: the per-key g as given."""
+    return (args["g"],)
+
+
 def _kernel_entry(arch: str):
     """``(supports, run)`` of the chunk kernel in ``cula.gla.chunk_fwd_<arch>``."""
-    gate = lambda args: (args["g"],)  # noqa: E731
-    return chunk_kernel_entry(f"cula.gla.chunk_fwd_{arch}", f"chunk_gla_fwd_{arch}", gate, gate)
+    return chunk_kernel_entry(f"cula.gla.chunk_fwd_{arch}", f"chunk_gla_fwd_{arch}", _gate, _gate)
 
 
 _sm90_supports, _sm90_run = _kernel_entry("sm90")

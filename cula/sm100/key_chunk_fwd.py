@@ -183,11 +183,12 @@ class KeyGateChunkFwdSm100(ScalarGateChunkFwdSm100):
     def scores_role(self, p: KeyParams, smem: KeySmem, rings: KeyRings, acc: KeyAccumulators, seq: Sequence, tid):
         """The gate walk and the scores (module docstring). Per chunk: G per key channel into TMEM and its decay into
         a gate slot; in a full pass L^0, L^1 and R, then (their products done) L^2, L^3 and Q~, then (P done) K~ and
-        P~, or in a steep chunk P made directly, then Q~ and K~; in a correction pass Q~ alone."""
+        P~, or in a steep chunk P made directly, then Q~ and K~; in a correction pass Q~ alone, in a state walk the
+        key tile alone."""
         C, D = self.C, self.D
         g_rows = tmem.Rows(acc.g, C, tid)
-        key = tid  # the column walks' key channel (threads past D walk none)
-        walks = self.walks(tid)
+        key = tid  # the column walks' key channel (threads past D have none)
+        has_key = self.has_key_channel(tid)
         gG = p.g[seq.b, None, seq.h, None]
         scale = p.scale
         gate, qkv, scores, p_acc = rings.gate, rings.qkv, rings.scores, rings.p_acc
@@ -205,7 +206,7 @@ class KeyGateChunkFwdSm100(ScalarGateChunkFwdSm100):
             valid = seq.seqlen - pos * C
             refs = self.scan_gates(gG, g_rows, seq.tok0 + pos * C, valid, cutlass.min(key, D - 1))
             gate.producer_acquire(gate_pos)
-            if walks:
+            if has_key:
                 smem.sDec[key, gate_pos.index] = cute.math.exp2(refs[BLOCKS], fastmath=True)
             gate.producer_commit(gate_pos)
             gate_pos.advance()
@@ -214,7 +215,7 @@ class KeyGateChunkFwdSm100(ScalarGateChunkFwdSm100):
             if cutlass.const_expr(self.makes_scores):
                 steep = self.is_steep(smem, refs, tid)
                 if not steep:
-                    if walks:
+                    if has_key:
                         self.walk_left_blocks(smem, g_rows, refs, key, 0, scale, False)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 blocks_01.producer_commit(ahead)
@@ -222,24 +223,24 @@ class KeyGateChunkFwdSm100(ScalarGateChunkFwdSm100):
                 blocks_01.producer_acquire(ahead)  # L^0 and L^1 read
                 blocks_23.producer_acquire(producer)
                 if not steep:
-                    if walks:
+                    if has_key:
                         self.walk_left_blocks(smem, g_rows, refs, key, 1, scale, True)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 blocks_23.producer_commit(producer)
                 p_acc.consumer_wait(consumer)  # every block's product done: the buffers and R free
                 tmem.after_handoff()
                 if steep:
-                    self.direct_scores(smem, g_rows, acc, key, walks, tid)
-                    if walks:
+                    self.direct_scores(smem, g_rows, acc, key, has_key, tid)
+                    if has_key:
                         self.walk_scaled(smem, g_rows, refs, key, valid, scale, True, "end")
                 else:
-                    if walks:
+                    if has_key:
                         self.walk_end_keys(smem, refs, key, valid)
                 self.write_scores(smem, acc, tid, valid, scale)
                 tmem.before_handoff()
                 p_acc.consumer_release(consumer)
             else:
-                if walks:
+                if has_key:
                     self.walk_scaled(smem, g_rows, refs, key, valid, scale, self.cfg.make_o, self.walk_key_factor)
                 if cutlass.const_expr(self.updates_state):
                     self.zero_tail_values(smem, tid, valid)
@@ -252,8 +253,8 @@ class KeyGateChunkFwdSm100(ScalarGateChunkFwdSm100):
         scores.producer_tail(producer)
 
     @cute.jit
-    def walks(self, tid):
-        """Whether thread ``tid`` walks a key channel (at D = 64 the warpgroup's last two warps walk none)."""
+    def has_key_channel(self, tid):
+        """Whether thread ``tid`` owns a key channel (at D = 64 the warpgroup's last two warps own none)."""
         if cutlass.const_expr(self.D == WARPGROUP):
             return True
         return tid < self.D
@@ -369,9 +370,9 @@ class KeyGateChunkFwdSm100(ScalarGateChunkFwdSm100):
                     sK[t, key] = (sK[t, key].to(f32) * factor).to(bf16) if t < valid else bf16(0.0)
 
     @cute.jit
-    def direct_scores(self, smem: KeySmem, g_rows, acc: KeyAccumulators, key, walks, tid):
+    def direct_scores(self, smem: KeySmem, g_rows, acc: KeyAccumulators, key, has_key, tid):
         """A steep chunk's P into its TMEM columns: G written out as a (C, D) fp32 grid over the buffers (column
-        ``key`` by each walking thread), then thread ``tid`` sums row i = tid of P directly, P_ij = sum_k q_ik k_jk
+        ``key`` by each thread that owns one), then thread ``tid`` sums row i = tid of P directly, P_ij = sum_k q_ik k_jk
         2^(G_ik - G_jk) with the exponent capped at 0 (the entries past the diagonal, where it is positive, are
         masked by the scores' selects). The keys are walked from ``i`` on, so that a warp's threads read distinct
         banks of their rows."""
@@ -379,7 +380,7 @@ class KeyGateChunkFwdSm100(ScalarGateChunkFwdSm100):
         f32 = cutlass.Float32
         cols = tmem.COLUMNS_PER_COPY
         sQ, sK, grid = smem.sQKV[None, None, 0, 0], smem.sQKV[None, None, 1, 0], smem.sGrid
-        if walks:
+        if has_key:
             for blk in cutlass.range(C // cols, unroll=1):
                 G = tmem.fragment(g_rows)
                 tmem.read(g_rows, blk, G)
