@@ -85,20 +85,20 @@ def launch(kernel, call, config, t, scale):
                         continue
                 else:
                     assert config.mode in ("full", "correction"), config.mode
-                    keep = (place[None, :] <= place[:, None]) & inside[None, :]
-                    if t.g.dim() == 3:
-                        G1 = G[:, 0]
-                        Q_op = bf16(q * (scale * torch.exp2(G1))[:, None])
-                        decay = torch.exp2(torch.where(keep, G1[:, None] - G1[None, :], 0.0))
-                        scores = scale * (q @ k.T) * decay
-                    else:  # the SM100 GLA kernel: centred blocks of 32 tokens, or steep and direct
-                        Q_op = bf16(q * scale * torch.exp2(G))
-                        scores, steep = gla_scores(q, k, G, blocks=4)
-                        scores = scale * scores
-                        if not steep:
-                            K_op = torch.where(inside[:, None], end_keys_from_right(k, G, blocks=4), 0.0)
+                    per_key = t.g.dim() == 4  # the SM100 GLA kernel
+                    G1 = G[:, 0]
+                    Q_op = bf16(q * scale * torch.exp2(G)) if per_key else bf16(q * (scale * torch.exp2(G1))[:, None])
                     o = Q_op @ bf16(ST.T)
                     if config.mode == "full":
+                        keep = (place[None, :] <= place[:, None]) & inside[None, :]
+                        if per_key:  # centred blocks of 32 tokens, or steep and direct
+                            scores, steep = gla_scores(q, k, G, blocks=4)
+                            scores = scale * scores
+                            if not steep:
+                                K_op = torch.where(inside[:, None], end_keys_from_right(k, G, blocks=4), 0.0)
+                        else:
+                            decay = torch.exp2(torch.where(keep, G1[:, None] - G1[None, :], 0.0))
+                            scores = scale * (q @ k.T) * decay
                         o = o + bf16(torch.where(keep, scores, 0.0)) @ V_op
                     else:  # the v = 0 walk from the given start, added to the first pass's output
                         V_op = torch.zeros_like(V_op)

@@ -1,9 +1,9 @@
 """GLA chunked forward for SM100 (:class:`cula.sm100.key_chunk_fwd.KeyGateChunkFwdSm100`: the scalar-gate SM100
 kernel's skeleton with a per-key gate, chunks of 128 tokens, exact for any gate) and its place in the host path, which
-it shares with SM90 (:func:`cula.gla.chunk_fwd_sm90.chunk_gla_fwd_sm90`): the same launch arguments but KDA's gate
-parameters, state pools and split passes (a first pass and a correction pass of the kernel; the transitions the gate's
-decay, made on the host; cut at multiples of its 128-token chunk). It takes D = 64 and 128; forward only (training
-calls go to FLA).
+it shares with SM90 (:func:`cula.gla.chunk_fwd_sm90.chunk_gla_fwd_sm90`): the same launch arguments without the SM90
+kernel's KDA gate parameters, state pools and split passes (a first pass and a correction pass of the kernel; the
+transitions the gate's decay, made on the host; cut at multiples of its 128-token chunk). It takes D = 64 and 128.
+The backward's state walks run on it too (:func:`cula.gla.chunk_bwd_sm90.chunk_gla_bwd_sm90` with :data:`GLA_SM100`).
 
 Compiled for sm_100a and sm_103a on any machine; no Blackwell GPU has run it, so dispatch serves it only with
 ``CULA_UNTESTED_KERNELS=1``.

@@ -12,7 +12,7 @@ checked against the fp64 recurrence on a CPU, and a new scheme tried before it i
 - :func:`direct_scores`: each score summed directly over the keys (exact for any gate).
 - :func:`gla_scores`, :func:`key_gate_forward`: the GLA kernel (:mod:`cula.gla.chunk_fwd_sm90`): KDA's halves where
   no operand's exponent passes ``GLA_SAFE_SPAN``, else each score summed directly; with ``chunk=128, blocks=4,
-  gated_operands=True`` the SM100 scheme planned in DESIGN.md.
+  gated_operands=True`` the SM100 GLA kernel (:mod:`cula.sm100.key_chunk_fwd`).
 - :func:`delta_chunk_gradients`: the delta rule's per-chunk gradient kernel (:mod:`cula.sm90.delta_chunk_bwd`), stage
   by stage (batched chunk-heads, not one sequence).
 - :func:`key_chunk_gradients`: GLA's per-chunk gradient kernel (:mod:`cula.sm90.key_chunk_bwd`), its fast and steep
@@ -228,10 +228,11 @@ def key_gate_forward(
             scores, was_steep = gla_scores(xq, xk, G_full[h], blocks)
             steep += was_steep
             P = bf16(scale * scores)[: c1 - c0, : c1 - c0]
-            k_end[h] = bf16(kc[h] * torch.exp2(G_last[h] - G[h]))
+            if gated_operands and not was_steep:
+                k_end[h] = end_keys_from_right(xk, G_full[h], blocks)[: c1 - c0]
+            else:
+                k_end[h] = bf16(kc[h] * torch.exp2(G_last[h] - G[h]))
             if gated_operands:
-                if not was_steep:
-                    k_end[h] = end_keys_from_right(xk, G_full[h], blocks)[: c1 - c0]
                 o[h, c0:c1] = bf16(scale * qc[h] * torch.exp2(G[h])) @ bf16(S[h]) + P @ vc[h]
             else:
                 o[h, c0:c1] = scale * (bf16(qc[h] * torch.exp2(G[h])) @ bf16(S[h])) + P @ vc[h]

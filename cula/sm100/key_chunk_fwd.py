@@ -93,7 +93,7 @@ class KeyAccumulators(NamedTuple):
 
 class KeyGateChunkFwdSm100(ScalarGateChunkFwdSm100):
     """The kernel (module docstring); ``cfg`` a :class:`cula.sm90.chunk_fwd.ChunkFwdConfig` without the delta rule,
-    a full pass or a split's correction pass."""
+    the forward (a full pass, or a split's correction pass) or one of the backward's state walks."""
 
     def __init__(self, config: ChunkFwdConfig):
         super().__init__(config)
@@ -188,7 +188,7 @@ class KeyGateChunkFwdSm100(ScalarGateChunkFwdSm100):
         C, D = self.C, self.D
         g_rows = tmem.Rows(acc.g, C, tid)
         key = tid  # the column walks' key channel (threads past D have none)
-        has_key = self.has_key_channel(tid)
+        has_key = self.within_head(key)
         gG = p.g[seq.b, None, seq.h, None]
         scale = p.scale
         gate, qkv, scores, p_acc = rings.gate, rings.qkv, rings.scores, rings.p_acc
@@ -251,13 +251,6 @@ class KeyGateChunkFwdSm100(ScalarGateChunkFwdSm100):
         if cutlass.const_expr(self.makes_scores):
             blocks_23.producer_tail(producer.clone())  # (a tail advances the position it is given)
         scores.producer_tail(producer)
-
-    @cute.jit
-    def has_key_channel(self, tid):
-        """Whether thread ``tid`` owns a key channel (at D = 64 the warpgroup's last two warps own none)."""
-        if cutlass.const_expr(self.D == WARPGROUP):
-            return True
-        return tid < self.D
 
     @cute.jit
     def scan_gates(self, gG, g_rows, t0, valid, key):

@@ -543,7 +543,7 @@ class ScalarGateChunkFwdSm100:
         cols = tmem.COLUMNS_PER_COPY
         rows = tmem.Rows(acc.s, D, tid)
         v_row = rows.row()
-        in_state = self.in_state(v_row)
+        in_state = self.within_head(v_row)
         # (the global rows taken out here: a branch on in_state that reads p would carry all of p through it)
         h0, ht = p.h0[seq.h0_row, seq.hv, None, None], p.ht[seq.ht_row, seq.hv, None, None]
         for blk in cutlass.range_constexpr(D // cols):
@@ -605,12 +605,12 @@ class ScalarGateChunkFwdSm100:
         return decay
 
     @cute.jit
-    def in_state(self, v_row):
-        """Whether row ``v_row`` of the state accumulator is a value row (at D = 64 the rows past V are the update's
-        zero padding)."""
+    def within_head(self, lane):
+        """Whether ``lane`` of a role's 128 (a row of the state accumulator, a key channel of the GLA kernel's walk) is
+        one of the head's D: at D = 64 the lanes past it are padding (the state's rows past V the update's zeros)."""
         if cutlass.const_expr(self.D == mma.M):
             return True
-        return v_row < self.D
+        return lane < self.D
 
     @cute.jit
     def output_role(self, p: Params, rings: Rings, acc: Accumulators, seq: Sequence, tid):
