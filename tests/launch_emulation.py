@@ -17,14 +17,17 @@ max(g, floor) in log2 units (nothing added past the sequence end), per token or 
   (Q K^T)_ij 2^(G_i - G_j) where j <= i and j is in the sequence, else 0 (per key: the kernel's centred blocks or its
   direct sum, ``chunk_emulation.gla_scores``, and K~ made over R where the chunk is not steep); Q~ = bf16(s 2^G q); O
   = Q~ S + P~ V, rounded to bf16 where the token is in the sequence; a split's correction pass adds Q~ S of the v = 0
-  walk to o.
+  walk to o;
+- the forward of SM100's GDN kernel: Tinv the launch's ``w`` rows (made by the host path), Y = beta (V - 2^G K S) and
+  V_new = Tinv Y selected to zero past the end, Y and V_new as bf16 hi + lo operands; O = Q~ S + P~ V_new and the
+  update with 2^(G_last - G) V_new (hi + lo) against the raw keys.
 """
 
 import math
 
 import torch
 
-from cula.ops.chunk_emulation import bf16, end_keys_from_right, gla_scores
+from cula.ops.chunk_emulation import bf16, end_keys_from_right, gla_scores, split
 from cula.ops.gates import GATE_FLOOR
 
 LOG2E = math.log2(math.e)
@@ -83,6 +86,10 @@ def launch(kernel, call, config, t, scale):
                         beta = torch.where(inside, t.beta[b, tokens, hv].float(), 0.0)
                         ST = _delta_walk_step(config, ST, q, k, V_op, beta, G, inside, scale)
                         continue
+                elif kernel.delta_rule:  # the SM100 GDN forward
+                    o, ST = _delta_forward_step(t, b, tokens, hv, inside, q, k, V_op, G[:, 0], ST, scale)
+                    t.o[b, tokens[inside], hv] = o[inside].to(t.o.dtype)
+                    continue
                 else:
                     assert config.mode in ("full", "correction"), config.mode
                     per_key = t.g.dim() == 4  # the SM100 GLA kernel
@@ -129,3 +136,22 @@ def _delta_walk_step(config, ST, q, k, V_op, beta, G, inside, scale):
     Y = bf16(dV_new) @ bf16(Tinv)
     Q_start = bf16(scale * q * torch.exp2(G))
     return ST * torch.exp2(G_L)[None, :] + bf16(V_op).T @ Q_start - bf16(beta[None, :] * Y) @ K_start
+
+
+def _delta_forward_step(t, b, tokens, hv, inside, q, k, V_op, G, ST, scale):
+    """One chunk of the SM100 GDN forward (module docstring) on S^T (V x K), G the scalar gate's [C]: ``(o [C, V], the
+    next S^T)``."""
+    C = q.shape[0]
+    beta = torch.where(inside, t.beta[b, tokens, hv].float(), 0.0)
+    tinv = t.w[b, tokens, hv].float()  # the launch's inverses, a row per token
+    S_op = bf16(ST.T)
+    Y = torch.where(inside[:, None], beta[:, None] * (V_op - torch.exp2(G)[:, None] * (k @ S_op)), 0.0)
+    v_new = torch.where(inside[:, None], tinv @ split(Y), 0.0)
+    place = torch.arange(C)
+    keep = (place[None, :] <= place[:, None]) & inside[None, :]
+    decay = torch.exp2(torch.where(keep, G[:, None] - G[None, :], 0.0))
+    P = bf16(torch.where(keep, scale * (q @ k.T) * decay, 0.0))
+    o = bf16(scale * torch.exp2(G)[:, None] * q) @ S_op + P @ split(v_new)
+    to_end = torch.where(inside, torch.exp2(G[-1] - G), 0.0)
+    k = torch.where(inside[:, None], k, 0.0)  # zeroed past the end before the update
+    return o, ST * torch.exp2(G[-1]) + split(to_end[:, None] * v_new).T @ k

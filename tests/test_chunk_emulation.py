@@ -357,3 +357,69 @@ def test_a_split_simple_gla_call_matches_the_reference(monkeypatch):
     # the 2200-token sequence (from token 131) cut at 1024 and 2048 tokens: its later segments corrected
     first = 131
     assert corrected == [([first + 1024, first + 2048], [first + 2048, first + 2200])]
+
+
+@pytest.mark.parametrize("case", ["fixed", "varlen", "state_v_first", "pool", "qk_l2norm, GVA"])
+def test_the_sm100_gdn_forward_host_path_matches_the_reference(monkeypatch, case):
+    """The SM100 GDN forward through its host path (cula.gdn.chunk_fwd_sm100: q / k normalised there, each chunk's
+    Tinv solved into the launch's workspace, varlen ranges with 0- and 1-token sequences, state layouts, a state pool
+    read and written by slot, NaN-poisoned outputs) with the kernel's launch emulated on the CPU
+    (tests/launch_emulation.py): outputs and final states against the fp64 reference, per sequence; pool rows not
+    named untouched; every sequence walked whole by one launch."""
+    import launch_emulation
+
+    from cula.gdn.chunk_fwd_sm100 import chunk_gated_delta_rule_fwd_sm100
+    from cula.sm90 import entry
+
+    launches = []
+
+    def launch(kernel, call, config, t, scale):
+        launches.append(config)
+        launch_emulation.launch(kernel, call, config, t, scale)
+
+    monkeypatch.setattr(entry, "launch", launch)
+    torch.manual_seed(5)
+    lengths = None if case == "fixed" else [0, 1, 130, 128, 300]
+    B, T = (2, 300) if lengths is None else (1, sum(lengths))
+    Hh, HV, Dd = (1, 2, 128) if case == "qk_l2norm, GVA" else (2, 2, 128)
+    N = B if lengths is None else len(lengths)
+    l2norm = case == "qk_l2norm, GVA"
+    q, k = torch.randn(B, T, Hh, Dd), torch.randn(B, T, Hh, Dd)
+    if not l2norm:
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    q, k, v = q.bfloat16(), k.bfloat16(), torch.randn(B, T, HV, Dd).bfloat16()
+    g = F.logsigmoid(torch.randn(B, T, HV) + 3.0)
+    beta = torch.rand(B, T, HV)
+    h0 = torch.randn(N, HV, Dd, Dd) * 0.1
+    offsets = [b * T for b in range(B + 1)] if lengths is None else list(itertools.accumulate([0, *lengths]))
+    cu = None if lengths is None else torch.tensor(offsets, dtype=torch.int32)
+    scale = Dd**-0.5
+    o = torch.full((B, T, HV, Dd), float("nan")).bfloat16()
+    forward = functools.partial(
+        chunk_gated_delta_rule_fwd_sm100, q, k, v, g, beta, scale,
+        cu_seqlens=cu, cu_seqlens_cpu=cu, out=o, qk_l2norm=l2norm,
+    )  # fmt: skip
+    if case == "pool":
+        slots = torch.tensor([5, 0, 3, 6, 1])
+        pool = torch.randn(8, HV, Dd, Dd) * 0.1
+        pool_before = pool.clone()
+        h0 = pool[slots]
+        forward(pool, True, state_slots=slots, inplace=True)
+        ht = pool[slots]
+        untouched = [r for r in range(8) if r not in slots.tolist()]
+        assert torch.equal(pool[untouched], pool_before[untouched])
+    elif case == "state_v_first":
+        _, ht = forward(h0.transpose(-1, -2).contiguous(), True, state_v_first=True)
+        ht = ht.transpose(-1, -2)
+    else:
+        _, ht = forward(h0, True)
+    o_ref, ht_ref = cula.gdn.chunk_gated_delta_rule(
+        q.double(), k.double(), v.double(), g.double(), beta.double(), scale=scale, initial_state=h0.double(),
+        output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=l2norm,
+    )  # fmt: skip
+    bounds = [(b, 0, T) for b in range(B)] if lengths is None else [(0, s, e) for s, e in itertools.pairwise(offsets)]
+    for n, (b, s, e) in enumerate(bounds):
+        if e > s:
+            assert rel_rmse(o[b, s:e], o_ref[b, s:e]) <= 0.005, (n, rel_rmse(o[b, s:e], o_ref[b, s:e]))
+        assert rel_rmse(ht[n], ht_ref[n]) <= 0.005, (n, rel_rmse(ht[n], ht_ref[n]))
+    assert len(launches) == 1 and launches[0].mode == "full" and not launches[0].qk_l2norm

@@ -107,8 +107,8 @@ class KeyGateChunkFwdSm100(ScalarGateChunkFwdSm100):
         self.walk_key_factor = "none" if not self.updates_state else ("start" if config.reverse else "end")
 
     # ---------------------------------------------------------------- host side
-    def host_params(self, q, k, v, g, o, h0, ht, starts, ends, w, slots, scale):
-        params, fields = super().host_params(q, k, v, g, o, h0, ht, starts, ends, w, slots, scale)
+    def host_params(self, q, k, v, g, beta, o, h0, ht, starts, ends, w, slots, scale):
+        params, fields = super().host_params(q, k, v, g, beta, o, h0, ht, starts, ends, w, slots, scale)
         C, D = self.C, self.D
         tile_l, _ = tiles.token_tiles(C, D, 2)
         f32, bf16 = cutlass.Float32, cutlass.BFloat16

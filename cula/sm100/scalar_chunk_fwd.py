@@ -192,8 +192,10 @@ class ScalarGateChunkFwdSm100:
     """The kernel (module docstring); ``cfg`` a :class:`cula.sm90.chunk_fwd.ChunkFwdConfig` without the delta rule,
     the forward (a full pass, or a split's correction pass) or one of the backward's state walks."""
 
+    delta_rule = False  # a subclass's recurrence (cula.sm100.delta_chunk_fwd: GDN's)
+
     def __init__(self, config: ChunkFwdConfig):
-        assert config.head_dim in HEAD_DIMS and not config.delta_rule, config
+        assert config.head_dim in HEAD_DIMS and config.delta_rule == self.delta_rule, config
         assert config.mode in ("full", "correction") and config.intra == "none", config
         assert config.value_blocks == 1, config  # one CTA walks a value head's every column
         self.cfg = config
@@ -205,8 +207,12 @@ class ScalarGateChunkFwdSm100:
         # the tiles of the q | k | v stage each chunk loads: q for the output (a walk's key place is k, or q itself),
         # k and v for the update (a correction pass makes none)
         self.loaded_tiles = ((0,) if config.make_o else ()) + ((1, 2) if self.updates_state else ())
-        # the q | k | v stage's planes: a narrow head's v tile is followed by zeros up to the update's M
-        self.planes = 3 + (mma.M - self.D) // self.D
+        # the q | k | v stage's planes: those TMA fills, then at a narrow head zeros up to the update's M after v
+        self.loaded_planes = 3
+        self.planes = self.loaded_planes + (mma.M - self.D) // self.D
+        # the gate slots hold the factors s 2^G and 2^(G_last - G) beside G (a subclass short of shared memory makes
+        # them from G where it reads them)
+        self.gate_factors = True
         # P, O and S^T; an allocation is a power of two of at least 32 columns
         self.tmem_columns = 1 << (self.C + 2 * self.D - 1).bit_length()
         # the gate ring's producer (the gate warp) and consumers (the scores and state warpgroups)
@@ -216,7 +222,7 @@ class ScalarGateChunkFwdSm100:
     @cute.jit
     def __call__(self, q, k, v, g, beta, o, h0, ht, starts, ends, w, slots, scale, stream):
         """The launch (arguments as the SM90 family's; ``beta`` is never read, ``w`` only by the walks)."""
-        params, fields = self.host_params(q, k, v, g, o, h0, ht, starts, ends, w, slots, scale)
+        params, fields = self.host_params(q, k, v, g, beta, o, h0, ht, starts, ends, w, slots, scale)
         self.storage = cute.struct(type("Storage", (), {"__annotations__": fields}))
         HV = v.shape[2]
         N = starts.shape[0] if cutlass.const_expr(self.cfg.is_varlen) else q.shape[0]
@@ -230,7 +236,7 @@ class ScalarGateChunkFwdSm100:
             min_blocks_per_mp=1,
         )
 
-    def host_params(self, q, k, v, g, o, h0, ht, starts, ends, w, slots, scale):
+    def host_params(self, q, k, v, g, beta, o, h0, ht, starts, ends, w, slots, scale):
         """The kernel's :class:`Params` and its shared-memory fields (name -> struct member)."""
         C, D = self.C, self.D
         tile_qkv, tile_qkv_mn = tiles.token_tiles(C, D, self.planes, 1)
@@ -263,6 +269,8 @@ class ScalarGateChunkFwdSm100:
             "sP": cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_p)], 1024],
             "sS": cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(tile_s)], 1024],
         }
+        if not self.gate_factors:
+            del fields["sFac"]
         return params, fields
 
     # ---------------------------------------------------------------- device side
@@ -299,11 +307,11 @@ class ScalarGateChunkFwdSm100:
         sQKV = smem.sQKV
         rings = self.make_rings(st)
         if warp == WarpRole.LOAD:
-            for tma in (p.q, p.k, p.v):
+            for tma, _ in self.load_sources(p, seq):
                 cpasync.prefetch_descriptor(tma.atom)
-        if cutlass.const_expr(self.planes > 3):
+        if cutlass.const_expr(self.planes > self.loaded_planes):
             # the zero rows of the update's A operand, for every chunk (TMA never writes them)
-            for plane in cutlass.range_constexpr(3, self.planes):
+            for plane in cutlass.range_constexpr(self.loaded_planes, self.planes):
                 tiles.zero_rows_from(sQKV[None, None, plane, 0], 0, tidx, THREADS)
             cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.mbarrier_init_fence()
@@ -328,7 +336,7 @@ class ScalarGateChunkFwdSm100:
             self.gate_warp(p, smem, rings, seq)
         elif warp >= WarpRole.OUTPUT:
             if cutlass.const_expr(cfg.make_o):
-                self.output_role(p, rings, acc, seq, wg_tid)
+                self.output_role(p, smem, rings, acc, seq, wg_tid)
         elif warp >= WarpRole.STATE:
             self.state_role(p, smem, rings, acc, seq, wg_tid)
         elif warp >= WarpRole.SCORES:
@@ -368,7 +376,7 @@ class ScalarGateChunkFwdSm100:
     def load_warp(self, p: Params, smem: Smem, rings: Rings, seq: Sequence):
         """Chunk c's q, k and v tiles (a walk's k and v) into the stage once the products of chunk c - 1 are done
         with it."""
-        sources = ((p.q, seq.h), (p.k, seq.h), (p.v, seq.hv))
+        sources = self.load_sources(p, seq)
         parts = [
             tiles.tma_chunk_tiles(tma.atom, tma.tensor[None, None, head, seq.b], seq.tok0, smem.sQKV[None, None, which, None])
             for which, (tma, head) in enumerate(sources)
@@ -385,6 +393,10 @@ class ScalarGateChunkFwdSm100:
             pos.advance()
         # the last release arrives before the kernel exits (no arrive left in flight on a freed barrier)
         qkv.producer_tail(pos)
+
+    def load_sources(self, p: Params, seq: Sequence) -> tuple:
+        """The stage's planes as ``(TMA, head)`` in plane order: q and k of the q / k head, v of the value head."""
+        return ((p.q, seq.h), (p.k, seq.h), (p.v, seq.hv))
 
     @cute.jit
     def mma_warp(self, p: Params, smem: Smem, rings: Rings, acc: Accumulators, seq: Sequence):
@@ -473,10 +485,11 @@ class ScalarGateChunkFwdSm100:
             for m in cutlass.range_constexpr(C // 32):
                 t = lane + 32 * m
                 smem.sG[t, slot] = G[m]
-                smem.sFac[t, slot, 0] = p.scale * cute.math.exp2(G[m], fastmath=True)
-                smem.sFac[t, slot, 1] = (
-                    cute.math.exp2(G_last - G[m], fastmath=True) if t0 + 32 * m < seq.seqlen else f32(0.0)
-                )
+                if cutlass.const_expr(self.gate_factors):
+                    smem.sFac[t, slot, 0] = p.scale * cute.math.exp2(G[m], fastmath=True)
+                    smem.sFac[t, slot, 1] = (
+                        cute.math.exp2(G_last - G[m], fastmath=True) if t0 + 32 * m < seq.seqlen else f32(0.0)
+                    )
             gate.producer_commit(pos)
             pos.advance()
 
@@ -507,15 +520,7 @@ class ScalarGateChunkFwdSm100:
             if cutlass.const_expr(self.makes_scores):
                 p_acc.consumer_wait(consumer)
                 tmem.after_handoff()
-                G_i = smem.sG[i, slot]
-                for blk in cutlass.range_constexpr(C // tmem.COLUMNS_PER_COPY):
-                    tmem.read(rows, blk, frag)
-                    for e in cutlass.range_constexpr(tmem.COLUMNS_PER_COPY):
-                        j = blk * tmem.COLUMNS_PER_COPY + e
-                        keep = j <= i and j < valid
-                        decay = cute.math.exp2(G_i - smem.sG[j, slot] if keep else f32(0.0), fastmath=True)
-                        frag[e] = frag[e] * p.scale * decay if keep else f32(0.0)
-                    tmem.store_row_bf16(smem.sP, i, blk * tmem.COLUMNS_PER_COPY, frag)
+                self.gated_scores(p, smem, rows, frag, slot, valid)
                 tmem.before_handoff()
                 p_acc.consumer_release(consumer)
             if cutlass.const_expr(self.cfg.make_o):
@@ -533,6 +538,21 @@ class ScalarGateChunkFwdSm100:
             consumer.advance()
             producer.advance()
         scores.producer_tail(producer)
+
+    @cute.jit
+    def gated_scores(self, p: Params, smem: Smem, rows, frag, slot, valid):
+        """Row i of P~ (``rows``: this thread's of the P accumulator) into ``smem.sP``: P~_ij = s P_ij 2^(G_i - G_j)
+        where j <= i and j < ``valid`` (in the sequence), else 0 (selects); G from gate slot ``slot``."""
+        i = rows.row()
+        G_i = smem.sG[i, slot]
+        for blk in cutlass.range_constexpr(self.C // tmem.COLUMNS_PER_COPY):
+            tmem.read(rows, blk, frag)
+            for e in cutlass.range_constexpr(tmem.COLUMNS_PER_COPY):
+                j = blk * tmem.COLUMNS_PER_COPY + e
+                keep = j <= i and j < valid
+                decay = cute.math.exp2(G_i - smem.sG[j, slot] if keep else cutlass.Float32(0.0), fastmath=True)
+                frag[e] = frag[e] * p.scale * decay if keep else cutlass.Float32(0.0)
+            tmem.store_row_bf16(smem.sP, i, blk * tmem.COLUMNS_PER_COPY, frag)
 
     @cute.jit
     def state_role(self, p: Params, smem: Smem, rings: Rings, acc: Accumulators, seq: Sequence, tid):
@@ -613,16 +633,13 @@ class ScalarGateChunkFwdSm100:
         return lane < self.D
 
     @cute.jit
-    def output_role(self, p: Params, rings: Rings, acc: Accumulators, seq: Sequence, tid):
+    def output_role(self, p: Params, smem: Smem, rings: Rings, acc: Accumulators, seq: Sequence, tid):
         """Thread ``tid`` owns token row i of O: rounded to bf16 and stored where the token is in the sequence; a
         correction pass adds the first pass's output there (read from ``o`` before the store)."""
-        C, D = self.C, self.D
-        cols = tmem.COLUMNS_PER_COPY
-        rows = tmem.Rows(acc.o, D, tid)
+        C = self.C
+        rows = tmem.Rows(acc.o, self.D, tid)
         i = rows.row()
         frag = tmem.fragment(rows)
-        packed = cute.make_rmem_tensor(cute.make_layout((1, 8)), cutlass.BFloat16)
-        first_pass = cute.make_rmem_tensor(cute.make_layout((1, 8)), cutlass.BFloat16)
         gO = p.o[seq.b, None, seq.hv, None]
         o_acc = rings.o_acc
         consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -631,18 +648,27 @@ class ScalarGateChunkFwdSm100:
             in_sequence = i < seq.seqlen - chunk * C
             o_acc.consumer_wait(consumer)
             tmem.after_handoff()
-            for blk in cutlass.range_constexpr(D // cols):
-                tmem.read(rows, blk, frag)
-                if in_sequence:
-                    for part in cutlass.range_constexpr(cols // 8):
-                        out = cute.local_tile(gO, (1, 8), (token, blk * (cols // 8) + part))
-                        if cutlass.const_expr(self.cfg.mode == "correction"):
-                            cute.autovec_copy(out, first_pass)
-                            for e in cutlass.range_constexpr(8):
-                                frag[8 * part + e] = frag[8 * part + e] + first_pass[0, e].to(cutlass.Float32)
-                        for e in cutlass.range_constexpr(8):
-                            packed[0, e] = frag[8 * part + e].to(cutlass.BFloat16)
-                        cute.autovec_copy(packed, out)
+            self.store_output(rows, frag, gO, token, in_sequence)
             tmem.before_handoff()
             o_acc.consumer_release(consumer)
             consumer.advance()
+
+    @cute.jit
+    def store_output(self, rows, frag, gO, token, in_sequence):
+        """This thread's row of O (``rows``: its row of the accumulator) rounded to bf16 into row ``token`` of the
+        value head's output ``gO`` (T, V) where ``in_sequence``; a correction pass adds what is there first."""
+        cols = tmem.COLUMNS_PER_COPY
+        packed = cute.make_rmem_tensor(cute.make_layout((1, 8)), cutlass.BFloat16)
+        first_pass = cute.make_rmem_tensor(cute.make_layout((1, 8)), cutlass.BFloat16)
+        for blk in cutlass.range_constexpr(self.D // cols):
+            tmem.read(rows, blk, frag)
+            if in_sequence:
+                for part in cutlass.range_constexpr(cols // 8):
+                    out = cute.local_tile(gO, (1, 8), (token, blk * (cols // 8) + part))
+                    if cutlass.const_expr(self.cfg.mode == "correction"):
+                        cute.autovec_copy(out, first_pass)
+                        for e in cutlass.range_constexpr(8):
+                            frag[8 * part + e] = frag[8 * part + e] + first_pass[0, e].to(cutlass.Float32)
+                    for e in cutlass.range_constexpr(8):
+                        packed[0, e] = frag[8 * part + e].to(cutlass.BFloat16)
+                    cute.autovec_copy(packed, out)

@@ -87,3 +87,19 @@ def store_row_bf16(tile, row, col0, frag):
         for e in cutlass.range_constexpr(8):
             packed[0, e] = frag[8 * blk + e].to(cutlass.BFloat16)
         cute.autovec_copy(packed, cute.local_tile(tile, (1, 8), (row, col0 // 8 + blk)))
+
+
+@cute.jit
+def store_row_split(hi_tile, lo_tile, row, col0, frag):
+    """The fp32 values of ``frag`` (columns ``col0`` ..) as bf16 hi + lo pairs (hi = bf16(x), lo = bf16(x - hi): about
+    16 mantissa bits between them, summed by the products that read both) into row ``row`` of the swizzled smem
+    tiles ``hi_tile`` and ``lo_tile``, 16 bytes at a time."""
+    hi = cute.make_rmem_tensor(cute.make_layout((1, 8)), cutlass.BFloat16)
+    lo = cute.make_rmem_tensor(cute.make_layout((1, 8)), cutlass.BFloat16)
+    for blk in cutlass.range_constexpr(COLUMNS_PER_COPY // 8):
+        for e in cutlass.range_constexpr(8):
+            x = frag[8 * blk + e]
+            hi[0, e] = x.to(cutlass.BFloat16)
+            lo[0, e] = (x - hi[0, e].to(cutlass.Float32)).to(cutlass.BFloat16)
+        cute.autovec_copy(hi, cute.local_tile(hi_tile, (1, 8), (row, col0 // 8 + blk)))
+        cute.autovec_copy(lo, cute.local_tile(lo_tile, (1, 8), (row, col0 // 8 + blk)))

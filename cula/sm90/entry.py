@@ -99,7 +99,11 @@ class ChunkKernel:
       transition is the gate's decay over the range, a diagonal.
     - ``splits_values``: whether the kernel walks a value head as two CTAs of half the value columns each
       (:attr:`ChunkFwdConfig.value_blocks`): "never"; "when asked" (:data:`ENV_VALUE_BLOCKS`: GPU-timed, its GPU tests
-      not yet run); "where they pay" (also unasked, where :func:`plan_call` finds them faster)."""
+      not yet run); "where they pay" (also unasked, where :func:`plan_call` finds them faster).
+    - ``prepare(call)``: the call as the kernel takes it, before it is planned (SM100 GDN: q and k normalised, no
+      split).
+    - ``launch_inputs(call, tensors)``: a launch's tensors completed on the host before it (SM100 GDN: each chunk's
+      Tinv into ``w``)."""
 
     name: str
     compile: Callable[..., Any]
@@ -111,6 +115,8 @@ class ChunkKernel:
     chunk: int = CHUNK
     gate_transition: bool = False
     splits_values: str = "never"
+    prepare: Callable[[ChunkCall], ChunkCall] = lambda call: call
+    launch_inputs: Callable[[ChunkCall, LaunchTensors], LaunchTensors] = lambda call, tensors: tensors
 
     def __post_init__(self):
         assert self.splits_values in ("never", "when asked", "where they pay"), self.splits_values
@@ -279,6 +285,7 @@ def _cut_plan(
 
 def chunk_fwd(kernel: ChunkKernel, call: ChunkCall) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The call (:class:`ChunkCall`) planned and launched. Returns ``(o, final_state or None)``."""
+    call = kernel.prepare(call)
     if call.state_slots is not None:
         table = validation.host_indices(call.state_slots)  # read once per tensor, for validation already
         if table is not None and bool((table < 0).any()):
@@ -345,7 +352,7 @@ def _planned(kernel: ChunkKernel, call: ChunkCall) -> tuple[torch.Tensor, torch.
         state_slots=state_slots, state_dtype=state_dtype, value_blocks=plan.value_blocks,
     )  # fmt: skip
     tensors = LaunchTensors(call.q, call.k, call.v, call.g, call.beta, o, h0, ht, starts, ends, slots=slots)
-    launch(kernel, call, config, tensors, scale)
+    launch(kernel, call, config, kernel.launch_inputs(call, tensors), scale)
     _LAST_PLAN.plan = plan
     if call.inplace:
         return o, call.initial_state
@@ -389,7 +396,7 @@ def _split(kernel: ChunkKernel, call: ChunkCall, plan: Plan, o: torch.Tensor, sc
             K, True, h0_ is not None, mode, intra, call.qk_l2norm, kernel.delta_rule, value_blocks=plan.value_blocks
         )
         tensors = LaunchTensors(*flat[:6], h0_, ht_, starts, ends, saved.get("w"), saved.get("more"))
-        launch(kernel, flat_call, config, tensors, scale)
+        launch(kernel, flat_call, config, kernel.launch_inputs(flat_call, tensors), scale)
         return ht_
 
     # the start chain in one launch on a GPU (a PyTorch loop there costs two host ops per segment)
@@ -475,6 +482,7 @@ def fake_args(
     checkpoints: bool = False,
     config: ChunkFwdConfig | None = None,
     gate_params: bool = True,
+    workspace_columns: int = 64,
 ) -> tuple:
     """Fake arguments for compiling a chunk kernel, in its launch order ``q, k, v, g, beta, o, h0, ht, starts, ends,
     w, slots, scale[, a_log, dt_bias, lower_bound, wb, wd], stream``: q, k [B, T, H, D], v and o [B, T, HV, D] bf16; g
@@ -483,7 +491,8 @@ def fake_args(
     [HV] and dt_bias [HV * D] fp32, lower_bound) and the B-tile workspaces (wb [ranges, rows, HV, D] bf16, wd
     [ranges, chunks, HV, D] fp32); beta fp32 or bf16; the states (N, HV, K, V)
     fp32, stored [N, HV, V, K] (K contiguous) with ``state_v_first``; int32 token ranges; the split passes' workspace
-    [ranges, rows, HV, 64] bf16, or with ``checkpoints`` the state walks' [rows, HV, D, D] bf16; a state pool's int32
+    [ranges, rows, HV, ``workspace_columns``] bf16 (SM100 GDN's inverses: [B, T, HV, 128]), or with ``checkpoints``
+    the state walks' [rows, HV, D, D] bf16; a state pool's int32
     rows. A bf16 pool (``config.state_dtype``) is h0, and ht too where the pool is written. Batch, length, head and
     range counts symbolic."""
     import cutlass
@@ -521,7 +530,7 @@ def fake_args(
         runtime.fake_tensor(final, (N, HV, D, D), state_order),
         runtime.fake_tensor(cutlass.Int32, (n_ranges,), align=4),
         runtime.fake_tensor(cutlass.Int32, (n_ranges,), align=4),
-        runtime.fake_tensor(bf16, (sym(), HV, D, D) if checkpoints else (sym(), sym(), HV, 64)),
+        runtime.fake_tensor(bf16, (sym(), HV, D, D) if checkpoints else (sym(), sym(), HV, workspace_columns)),
         runtime.fake_tensor(cutlass.Int32, (sym(),), align=4),
         f32(1.0),
         *gate_args,

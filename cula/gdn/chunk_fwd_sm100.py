@@ -1,0 +1,108 @@
+"""Gated DeltaNet chunked forward for SM100 (:class:`cula.sm100.delta_chunk_fwd.DeltaChunkFwdSm100`: the SM100
+scalar-gate kernel with the delta rule, chunks of 128 tokens, the state in tensor memory) and its place in the host
+path, which it shares with SM90 (:mod:`cula.sm90.entry`): launch arguments, state pools, V-first states. What is
+GDN's own here: each chunk's Tinv, made on the host before the launch (:func:`chunk_inverses`), and q and k
+normalised there for ``use_qk_l2norm_in_kernel`` (the kernel has no norm role). Every sequence is walked whole by one
+CTA per value head (no split passes yet). D = 128.
+
+Compiled for sm_100a and sm_103a on any machine; no Blackwell GPU has run it, so dispatch serves it only with
+``CULA_UNTESTED_KERNELS=1``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cula import runtime
+from cula.ops.gates import GATE_FLOOR, l2norm
+from cula.sm90 import entry
+from cula.sm90.chunk_fwd import ChunkFwdConfig
+from cula.sm100.delta_chunk_fwd import HEAD_DIMS, DeltaChunkFwdSm100
+from cula.sm100.scalar_chunk_fwd import CHUNK
+
+ARCHS = ("sm_100a", "sm_103a")
+
+
+def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, **_) -> tuple[bool, str]:
+    """Whether :func:`chunk_gated_delta_rule_fwd_sm100` can serve these inputs, and why not."""
+    ok, why = entry.supports_qkv(q, k, v, beta, initial_state, cu_seqlens, HEAD_DIMS, arch_major=10)
+    if not ok:
+        return ok, why
+    if g is not None and (g.dtype != torch.float32 or g.shape != v.shape[:3]):
+        return False, "g must be float32 [B, T, HV]"
+    return True, ""
+
+
+def compile_gdn_fwd_sm100(arch="sm_100a", *, beta_fp32=True, state_v_first=False, keep_artifacts=False, **config):
+    """The kernel for ``config`` (:class:`cula.sm90.chunk_fwd.ChunkFwdConfig` fields; the delta rule, D = 128),
+    compiled on any machine for ``arch``; its ``w`` is the inverses, [B, T, HV, 128] bf16."""
+    cfg = ChunkFwdConfig(**config)
+    fake = entry.fake_args(
+        cfg.head_dim, beta_fp32, state_v_first, per_key_gate=False, config=cfg, workspace_columns=CHUNK
+    )
+    return runtime.compile_kernel(DeltaChunkFwdSm100(cfg), fake, arch, keep_artifacts)
+
+
+def prepare(call: entry.ChunkCall) -> entry.ChunkCall:
+    """The call as the kernel takes it: q and k L2-normalised (in fp32, rounded to bf16 as the SM90 kernel's norm warps
+    round its operands), every sequence walked whole."""
+    if call.qk_l2norm:
+        call = call._replace(q=l2norm(call.q.float()).to(call.q.dtype), k=l2norm(call.k.float()).to(call.k.dtype))
+    return call._replace(qk_l2norm=False, split=False)
+
+
+def chunk_inverses(call: entry.ChunkCall, t: entry.LaunchTensors) -> entry.LaunchTensors:
+    """The launch's ``w`` [B, T, HV, 128] bf16: token t's row of its chunk's Tinv = (I + A)^-1, A = strict_tril(beta_i
+    (k_i . k_j) e^(G_i - G_j)) with G the chunk's cumulative max(g, floor) (the kernel's gate), solved in fp32 and
+    rounded to bf16; columns past the sequence end zero. Chunks of 128 tokens from each sequence's start, every chunk
+    of the call solved at once (memory O(tokens x HV x 128))."""
+    B, T, H, K = t.q.shape
+    HV = t.v.shape[2]
+    dev = t.q.device
+    offsets = entry.call_offsets(B, T, call.cu_seqlens, call.cu_seqlens_cpu)
+    starts, ends = torch.tensor(offsets[:-1]), torch.tensor(offsets[1:])
+    chunks = (ends - starts + CHUNK - 1) // CHUNK
+    sequence = torch.repeat_interleave(torch.arange(len(chunks)), chunks)  # each chunk's
+    place = torch.arange(int(chunks.sum())) - (chunks.cumsum(0) - chunks)[sequence]  # its index in the sequence
+    first, ends = starts[sequence] + CHUNK * place, ends[sequence]  # in the flattened token axis
+    tokens = first[:, None] + torch.arange(CHUNK)
+    inside = runtime.host_to_device(tokens < ends[:, None], dev)  # [chunks, C]
+    tokens = runtime.host_to_device(tokens.clamp(max=B * T - 1), dev)
+    head_of = runtime.host_to_device(torch.arange(HV) // (HV // H), dev)
+    k = t.k.reshape(B * T, H, K)[tokens][:, :, head_of].float()  # [chunks, C, HV, K]
+    beta = torch.where(inside[..., None], t.beta.reshape(B * T, HV)[tokens].float(), 0.0)
+    g = torch.where(inside[..., None], t.g.reshape(B * T, HV)[tokens].float().clamp_min(GATE_FLOOR), 0.0)
+    G = g.cumsum(1).transpose(1, 2)  # [chunks, HV, C]
+    strict = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=dev).tril(-1)
+    # masks as selects: the factors above the diagonal may overflow
+    decay = torch.where(strict, torch.exp(torch.where(strict, G[..., :, None] - G[..., None, :], 0.0)), 0.0)
+    kk = torch.einsum("nihd,njhd->nhij", k, k)
+    eye = torch.eye(CHUNK, device=dev)
+    tinv = torch.linalg.solve_triangular(eye + beta.transpose(1, 2)[..., None] * kk * decay, eye, upper=False)
+    tinv = torch.where(inside[:, None, None, :], tinv, 0.0).to(torch.bfloat16)  # [chunks, HV, i, j]
+    w = torch.zeros(B * T, HV, CHUNK, dtype=torch.bfloat16, device=dev)
+    w[tokens[inside]] = tinv.transpose(1, 2)[inside]
+    return t._replace(w=w.view(B, T, HV, CHUNK))
+
+
+GDN_SM100 = entry.ChunkKernel(
+    "gdn_sm100", compile_gdn_fwd_sm100, chunk=CHUNK, prepare=prepare, launch_inputs=chunk_inverses
+)
+
+
+def chunk_gated_delta_rule_fwd_sm100(*args, **kwargs):
+    """GDN chunked forward on SM100: :class:`cula.sm90.entry.ChunkCall`'s fields (q, k, v, g, beta, scale, ... in
+    FLA's order), positionally or by name; no ``gate``. Returns ``(o, final_state or None)``."""
+    return entry.chunk_fwd(GDN_SM100, entry.ChunkCall(*args, **kwargs))
+
+
+entry.register_checked(
+    "gdn_chunk_fwd_sm100",
+    compile_gdn_fwd_sm100,
+    {
+        **entry.checked("", "[fixed length]", "[pool]", "[pool, read only]"),
+        "[state_v_first]": {"is_varlen": True, "has_initial_state": True, "state_v_first": True},
+    },
+    archs=ARCHS,
+    expected_ptx=entry.SM100_PTX,
+)
