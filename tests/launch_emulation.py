@@ -20,7 +20,8 @@ max(g, floor) in log2 units (nothing added past the sequence end), per token or 
   walk to o;
 - the forward of SM100's GDN kernel: Tinv the launch's ``w`` rows (made by the host path), Y = beta (V - 2^G K S) and
   V_new = Tinv Y selected to zero past the end, Y and V_new as bf16 hi + lo operands; O = Q~ S + P~ V_new and the
-  update with 2^(G_last - G) V_new (hi + lo) against the raw keys.
+  update with 2^(G_last - G) V_new (hi + lo) against the raw keys; a split's later passes with V = 0, the transition
+  pass from S = I without an output, the correction pass's output added to the first pass's.
 """
 
 import math
@@ -69,6 +70,8 @@ def launch(kernel, call, config, t, scale):
         for hv in range(HV):
             h = hv // (HV // H)
             ST = h0[h0_row, hv].float().T.clone() if config.has_initial_state else torch.zeros(D, D)
+            if config.start == "identity":  # a transition pass (the delta rule's)
+                ST = torch.eye(D)
             for chunk in range(n_chunks):
                 pos = n_chunks - 1 - chunk if config.reverse else chunk
                 place = torch.arange(C)
@@ -86,9 +89,14 @@ def launch(kernel, call, config, t, scale):
                         beta = torch.where(inside, t.beta[b, tokens, hv].float(), 0.0)
                         ST = _delta_walk_step(config, ST, q, k, V_op, beta, G, inside, scale)
                         continue
-                elif kernel.delta_rule:  # the SM100 GDN forward
+                elif kernel.delta_rule:  # the SM100 GDN forward, or a split's later pass (v = 0)
+                    if config.mode != "full":
+                        V_op = torch.zeros_like(V_op)
                     o, ST = _delta_forward_step(t, b, tokens, hv, inside, q, k, V_op, G[:, 0], ST, scale)
-                    t.o[b, tokens[inside], hv] = o[inside].to(t.o.dtype)
+                    if config.mode == "correction":  # added to the first pass's output
+                        o = o + t.o[b, tokens, hv].float()
+                    if config.make_o:
+                        t.o[b, tokens[inside], hv] = o[inside].to(t.o.dtype)
                     continue
                 else:
                     assert config.mode in ("full", "correction"), config.mode

@@ -359,13 +359,13 @@ def test_a_split_simple_gla_call_matches_the_reference(monkeypatch):
     assert corrected == [([first + 1024, first + 2048], [first + 2048, first + 2200])]
 
 
-@pytest.mark.parametrize("case", ["fixed", "varlen", "state_v_first", "pool", "qk_l2norm, GVA"])
+@pytest.mark.parametrize("case", ["fixed", "varlen", "state_v_first", "pool", "qk_l2norm, GVA", "split"])
 def test_the_sm100_gdn_forward_host_path_matches_the_reference(monkeypatch, case):
     """The SM100 GDN forward through its host path (cula.gdn.chunk_fwd_sm100: q / k normalised there, each chunk's
     Tinv solved into the launch's workspace, varlen ranges with 0- and 1-token sequences, state layouts, a state pool
-    read and written by slot, NaN-poisoned outputs) with the kernel's launch emulated on the CPU
-    (tests/launch_emulation.py): outputs and final states against the fp64 reference, per sequence; pool rows not
-    named untouched; every sequence walked whole by one launch."""
+    read and written by slot, NaN-poisoned outputs, a split sequence's first, transition and correction passes) with
+    the kernel's launches emulated on the CPU (tests/launch_emulation.py): outputs and final states against the fp64
+    reference, per sequence; pool rows not named untouched."""
     import launch_emulation
 
     from cula.gdn.chunk_fwd_sm100 import chunk_gated_delta_rule_fwd_sm100
@@ -378,8 +378,12 @@ def test_the_sm100_gdn_forward_host_path_matches_the_reference(monkeypatch, case
         launch_emulation.launch(kernel, call, config, t, scale)
 
     monkeypatch.setattr(entry, "launch", launch)
+    props = type("Props", (), {"name": "NVIDIA B200", "multi_processor_count": 148})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    cula.runtime.forget_devices()
     torch.manual_seed(5)
-    lengths = None if case == "fixed" else [0, 1, 130, 128, 300]
+    # the 4500-token sequence cut every 16 chunks of 128 tokens: a middle segment, and a later one
+    lengths = {"fixed": None, "split": [0, 1, 4500, 130]}.get(case, [0, 1, 130, 128, 300])
     B, T = (2, 300) if lengths is None else (1, sum(lengths))
     Hh, HV, Dd = (1, 2, 128) if case == "qk_l2norm, GVA" else (2, 2, 128)
     N = B if lengths is None else len(lengths)
@@ -397,7 +401,7 @@ def test_the_sm100_gdn_forward_host_path_matches_the_reference(monkeypatch, case
     o = torch.full((B, T, HV, Dd), float("nan")).bfloat16()
     forward = functools.partial(
         chunk_gated_delta_rule_fwd_sm100, q, k, v, g, beta, scale,
-        cu_seqlens=cu, cu_seqlens_cpu=cu, out=o, qk_l2norm=l2norm,
+        cu_seqlens=cu, cu_seqlens_cpu=cu, out=o, qk_l2norm=l2norm, split=True if case == "split" else None,
     )  # fmt: skip
     if case == "pool":
         slots = torch.tensor([5, 0, 3, 6, 1])
@@ -422,4 +426,5 @@ def test_the_sm100_gdn_forward_host_path_matches_the_reference(monkeypatch, case
         if e > s:
             assert rel_rmse(o[b, s:e], o_ref[b, s:e]) <= 0.005, (n, rel_rmse(o[b, s:e], o_ref[b, s:e]))
         assert rel_rmse(ht[n], ht_ref[n]) <= 0.005, (n, rel_rmse(ht[n], ht_ref[n]))
-    assert len(launches) == 1 and launches[0].mode == "full" and not launches[0].qk_l2norm
+    modes = ["full", "transition", "correction"] if case == "split" else ["full"]
+    assert [c.mode for c in launches] == modes and not any(c.qk_l2norm for c in launches)

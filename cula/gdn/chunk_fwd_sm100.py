@@ -2,8 +2,10 @@
 scalar-gate kernel with the delta rule, chunks of 128 tokens, the state in tensor memory) and its place in the host
 path, which it shares with SM90 (:mod:`cula.sm90.entry`): launch arguments, state pools, V-first states. What is
 GDN's own here: each chunk's Tinv, made on the host before the launch (:func:`chunk_inverses`), and q and k
-normalised there for ``use_qk_l2norm_in_kernel`` (the kernel has no norm role). Every sequence is walked whole by one
-CTA per value head (no split passes yet). D = 128.
+normalised there for ``use_qk_l2norm_in_kernel`` (the kernel has no norm role). Long sequences split as on SM90:
+the first pass, then transition and correction passes of the same kernel without v (uncached: each makes its chunks'
+P again; every pass reads the launch's inverses), cut at multiples of its 128-token chunk where SM90's GDN split costs
+expect a split to pay. D = 128.
 
 Compiled for sm_100a and sm_103a on any machine; no Blackwell GPU has run it, so dispatch serves it only with
 ``CULA_UNTESTED_KERNELS=1``.
@@ -14,6 +16,8 @@ from __future__ import annotations
 import torch
 
 from cula import runtime
+from cula.gdn import chunk_fwd_sm90
+from cula.ops import segment_split
 from cula.ops.gates import GATE_FLOOR, l2norm
 from cula.sm90 import entry
 from cula.sm90.chunk_fwd import ChunkFwdConfig
@@ -45,10 +49,16 @@ def compile_gdn_fwd_sm100(arch="sm_100a", *, beta_fp32=True, state_v_first=False
 
 def prepare(call: entry.ChunkCall) -> entry.ChunkCall:
     """The call as the kernel takes it: q and k L2-normalised (in fp32, rounded to bf16 as the SM90 kernel's norm warps
-    round its operands), every sequence walked whole."""
-    if call.qk_l2norm:
-        call = call._replace(q=l2norm(call.q.float()).to(call.q.dtype), k=l2norm(call.k.float()).to(call.k.dtype))
-    return call._replace(qk_l2norm=False, split=False)
+    round its operands)."""
+    if not call.qk_l2norm:
+        return call
+    q, k = (l2norm(x.float()).to(x.dtype) for x in (call.q, call.k))
+    return call._replace(q=q, k=k, qk_l2norm=False)
+
+
+def split_cost(call: entry.ChunkCall) -> segment_split.SplitCost:
+    """SM90 GDN's split costs (no SM100 timing exists), its passes uncached: each makes its chunks' P again."""
+    return chunk_fwd_sm90.split_cost(call)._replace(cached=False)
 
 
 def chunk_inverses(call: entry.ChunkCall, t: entry.LaunchTensors) -> entry.LaunchTensors:
@@ -56,10 +66,10 @@ def chunk_inverses(call: entry.ChunkCall, t: entry.LaunchTensors) -> entry.Launc
     (k_i . k_j) e^(G_i - G_j)) with G the chunk's cumulative max(g, floor) (the kernel's gate), solved in fp32 and
     rounded to bf16; columns past the sequence end zero. Chunks of 128 tokens from each sequence's start, every chunk
     of the call solved at once (memory O(tokens x HV x 128))."""
-    B, T, H, K = t.q.shape
+    B, T, H, K = t.q.shape  # a split pass's: the call's batch rows flattened into one
     HV = t.v.shape[2]
     dev = t.q.device
-    offsets = entry.call_offsets(B, T, call.cu_seqlens, call.cu_seqlens_cpu)
+    offsets = entry.call_offsets(*call.q.shape[:2], call.cu_seqlens, call.cu_seqlens_cpu)
     starts, ends = torch.tensor(offsets[:-1]), torch.tensor(offsets[1:])
     chunks = (ends - starts + CHUNK - 1) // CHUNK
     sequence = torch.repeat_interleave(torch.arange(len(chunks)), chunks)  # each chunk's
@@ -86,8 +96,9 @@ def chunk_inverses(call: entry.ChunkCall, t: entry.LaunchTensors) -> entry.Launc
 
 
 GDN_SM100 = entry.ChunkKernel(
-    "gdn_sm100", compile_gdn_fwd_sm100, chunk=CHUNK, prepare=prepare, launch_inputs=chunk_inverses
-)
+    "gdn_sm100", compile_gdn_fwd_sm100, split_cost=split_cost, chunk=CHUNK, prepare=prepare,
+    launch_inputs=chunk_inverses,
+)  # fmt: skip
 
 
 def chunk_gated_delta_rule_fwd_sm100(*args, **kwargs):
@@ -100,7 +111,7 @@ entry.register_checked(
     "gdn_chunk_fwd_sm100",
     compile_gdn_fwd_sm100,
     {
-        **entry.checked("", "[fixed length]", "[pool]", "[pool, read only]"),
+        **entry.checked("", "[fixed length]", "[pool]", "[pool, read only]", "[transition]", "[correction]"),
         "[state_v_first]": {"is_varlen": True, "has_initial_state": True, "state_v_first": True},
     },
     archs=ARCHS,

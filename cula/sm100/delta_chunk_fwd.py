@@ -44,7 +44,10 @@ Roles as the scalar kernel's; the scores warpgroup (thread i owns token row i) a
 more hand-offs to the MMA warp: ``scores`` (P~, Q~ and Y written) and ``values`` (V_new's and V_new''s halves
 written), and reads the X accumulator twice (``ks_acc``, ``vn_acc``). Tokens past the sequence end: Y and V_new are
 selected to zero there, and the k rows zeroed once K S is done (the update's operand may otherwise hold the next
-sequence's tokens, NaN included). A forward only: one pass over every sequence (no split passes), D = 128.
+sequence's tokens, NaN included). A split sequence's later passes (:mod:`cula.ops.segment_split`) run without v
+(Y = -beta 2^G K S, v not loaded): the transition pass from S = I (no P~, no output; the scores warpgroup idles),
+the correction pass from the chained starts, its O added to the first pass's. The forward only (no state walks),
+D = 128.
 Shapes and launch arguments as :mod:`cula.sm100.scalar_chunk_fwd`'s, beta [B, T, HV] fp32 or bf16 (activated) read
 per token, and ``w`` the inverses.
 """
@@ -109,23 +112,30 @@ class DeltaAccumulators(NamedTuple):
 
 
 class DeltaChunkFwdSm100(ScalarGateChunkFwdSm100):
-    """The kernel (module docstring); ``cfg`` a :class:`cula.sm90.chunk_fwd.ChunkFwdConfig` with the delta rule, a
-    full pass (the forward) at D = 128."""
+    """The kernel (module docstring); ``cfg`` a :class:`cula.sm90.chunk_fwd.ChunkFwdConfig` with the delta rule at
+    D = 128: the forward, or a split's transition or correction pass."""
 
     delta_rule = True
+    modes = ("full", "transition", "correction")
 
     def __init__(self, config: ChunkFwdConfig):
         super().__init__(config)
-        assert config.head_dim in HEAD_DIMS and config.mode == "full" and config.walk == "output", config
+        assert config.head_dim in HEAD_DIMS and config.walk == "output", config
         assert not config.qk_l2norm, config  # the host normalises q and k (cula.gdn.chunk_fwd_sm100)
+        # a split's later passes walk the delta rule without v (Y = -beta 2^G K S): the correction pass from the
+        # chained starts with its output added to the first pass's, the transition pass from S = I without one
+        self.makes_scores = config.make_o
+        self.updates_state = True
         self.loaded_planes = self.planes = 4
-        self.loaded_tiles = (0, 1, 2, 3)
+        self.loaded_tiles = ((0,) if config.make_o else ()) + (1,) + ((2,) if config.mode == "full" else ()) + (3,)
+        # the output warpgroup makes Y and V_new in every pass
+        self.has_output_role = True
         # P, O, S^T and X take all 512 columns
         self.tmem_columns = self.C + 3 * self.D
         # the factors are made from G where they are read (the gate slots' factors would not fit)
         self.gate_factors = False
-        # the gate slots' readers: the scores, state and output warpgroups
-        self.gate_threads = (32, 3 * WARPGROUP)
+        # the gate slots' readers: the state and output warpgroups, and the scores warpgroup where it makes P~
+        self.gate_threads = (32, (3 if self.makes_scores else 2) * WARPGROUP)
 
     # ---------------------------------------------------------------- host side
     def host_params(self, q, k, v, g, beta, o, h0, ht, starts, ends, w, slots, scale):
@@ -188,30 +198,34 @@ class DeltaChunkFwdSm100(ScalarGateChunkFwdSm100):
         producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         for _chunk in cutlass.range(seq.n_chunks, unroll=1):
             qkv.consumer_wait(consumer)
-            p_acc.producer_acquire(producer)
-            self.issue_scores(p, smem, rings, acc, consumer)
-            p_acc.producer_commit(producer)
+            if cutlass.const_expr(self.makes_scores):
+                p_acc.producer_acquire(producer)
+                self.issue_scores(p, smem, rings, acc, consumer)
+                p_acc.producer_commit(producer)
             state.consumer_wait(consumer)
             ks_acc.producer_acquire(producer)
             tmem.after_handoff()
             self.issue_projection(p, smem, acc)
             ks_acc.producer_commit(producer)
-            scores.consumer_wait(consumer)
+            if cutlass.const_expr(self.makes_scores):
+                scores.consumer_wait(consumer)
+                o_acc.producer_acquire(producer)
             y_ring.consumer_wait(consumer)
-            o_acc.producer_acquire(producer)
             vn_acc.producer_acquire(producer)
             tmem.after_handoff()
             self.issue_values(p, smem, acc)
             vn_acc.producer_commit(producer)
             values.consumer_wait(consumer)
             tmem.after_handoff()
-            self.issue_output(p, smem, acc)
-            o_acc.producer_commit(producer)
+            if cutlass.const_expr(self.makes_scores):
+                self.issue_output(p, smem, acc)
+                o_acc.producer_commit(producer)
             self.issue_update(p, smem, acc)
             values.consumer_release(consumer)
             y_ring.consumer_release(consumer)
             state.consumer_release(consumer)
-            scores.consumer_release(consumer)
+            if cutlass.const_expr(self.makes_scores):
+                scores.consumer_release(consumer)
             qkv.consumer_release(consumer)
             consumer.advance()
             producer.advance()
@@ -224,9 +238,10 @@ class DeltaChunkFwdSm100(ScalarGateChunkFwdSm100):
 
     @cute.jit
     def issue_values(self, p: DeltaParams, smem: DeltaSmem, acc: DeltaAccumulators):
-        """The chunk's O = Q~ S, and V_new = Tinv (Y hi + Y lo) into X (K S read), issued."""
-        qs_a, qs_b = mma.operands(p.mma_qs, smem.sQKV[None, None, 0, 0], smem.sS)
-        mma.gemm(p.mma_qs, acc.o, qs_a, qs_b, True)
+        """The chunk's O = Q~ S (where it makes O), and V_new = Tinv (Y hi + Y lo) into X (K S read), issued."""
+        if cutlass.const_expr(self.makes_scores):
+            qs_a, qs_b = mma.operands(p.mma_qs, smem.sQKV[None, None, 0, 0], smem.sS)
+            mma.gemm(p.mma_qs, acc.o, qs_a, qs_b, True)
         hi_a, hi_b = mma.operands(p.mma_pv, smem.sQKV[None, None, 3, 0], smem.sQKV_mn[None, None, 2, 0])
         mma.gemm(p.mma_pv, acc.x, hi_a, hi_b, True)
         lo_a, lo_b = mma.operands(p.mma_pv, smem.sQKV[None, None, 3, 0], smem.sY_mn)
@@ -250,7 +265,10 @@ class DeltaChunkFwdSm100(ScalarGateChunkFwdSm100):
 
     @cute.jit
     def scores_role(self, p: DeltaParams, smem: DeltaSmem, rings: DeltaRings, acc: DeltaAccumulators, seq, tid):
-        """Thread ``tid`` owns token row i: P~ (the scalar kernel's), then Q~_i = s 2^G_i q_i in place."""
+        """Thread ``tid`` owns token row i: P~ (the scalar kernel's), then Q~_i = s 2^G_i q_i in place (a transition
+        pass makes neither)."""
+        if cutlass.const_expr(not self.makes_scores):
+            return
         p_rows = tmem.Rows(acc.p, self.C, tid)
         i = p_rows.row()
         frag = tmem.fragment(p_rows)
@@ -319,7 +337,10 @@ class DeltaChunkFwdSm100(ScalarGateChunkFwdSm100):
             for blk in cutlass.range(D // cols, unroll=1):
                 tmem.read(x_rows, blk, frag)
                 for part in cutlass.range_constexpr(cols // 8):
-                    cute.autovec_copy(cute.local_tile(sV, (1, 8), (i, blk * (cols // 8) + part)), packed)
+                    if cutlass.const_expr(self.cfg.mode == "full"):
+                        cute.autovec_copy(cute.local_tile(sV, (1, 8), (i, blk * (cols // 8) + part)), packed)
+                    else:  # the later passes' v = 0
+                        packed.fill(0.0)
                     for e in cutlass.range_constexpr(8):
                         c = 8 * part + e
                         y = beta_i * (packed[0, e].to(f32) - start * frag[c])
@@ -348,11 +369,12 @@ class DeltaChunkFwdSm100(ScalarGateChunkFwdSm100):
             vn_acc.consumer_release(consumer)
             cute.arch.fence_proxy("async.shared", space="cta")
             values.producer_commit(producer)
-            o_acc.consumer_wait(consumer)
-            tmem.after_handoff()
-            self.store_output(o_rows, frag, gO, seq.tok0 + chunk * C + i, in_sequence)
-            tmem.before_handoff()
-            o_acc.consumer_release(consumer)
+            if cutlass.const_expr(self.makes_scores):
+                o_acc.consumer_wait(consumer)
+                tmem.after_handoff()
+                self.store_output(o_rows, frag, gO, seq.tok0 + chunk * C + i, in_sequence)
+                tmem.before_handoff()
+                o_acc.consumer_release(consumer)
             gate_pos.advance()
             consumer.advance()
             producer.advance()

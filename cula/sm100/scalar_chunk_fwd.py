@@ -193,10 +193,11 @@ class ScalarGateChunkFwdSm100:
     the forward (a full pass, or a split's correction pass) or one of the backward's state walks."""
 
     delta_rule = False  # a subclass's recurrence (cula.sm100.delta_chunk_fwd: GDN's)
+    modes = ("full", "correction")  # the passes of a split sequence it runs (the delta rule's add "transition")
 
     def __init__(self, config: ChunkFwdConfig):
         assert config.head_dim in HEAD_DIMS and config.delta_rule == self.delta_rule, config
-        assert config.mode in ("full", "correction") and config.intra == "none", config
+        assert config.mode in self.modes and config.intra == "none", config
         assert config.value_blocks == 1, config  # one CTA walks a value head's every column
         self.cfg = config
         self.C = CHUNK
@@ -217,6 +218,8 @@ class ScalarGateChunkFwdSm100:
         self.tmem_columns = 1 << (self.C + 2 * self.D - 1).bit_length()
         # the gate ring's producer (the gate warp) and consumers (the scores and state warpgroups)
         self.gate_threads = (32, 2 * WARPGROUP)
+        # the output warpgroup's work: O's rows (a walk makes none)
+        self.has_output_role = config.make_o
 
     # ---------------------------------------------------------------- host side
     @cute.jit
@@ -335,7 +338,7 @@ class ScalarGateChunkFwdSm100:
         elif warp == WarpRole.GATE:
             self.gate_warp(p, smem, rings, seq)
         elif warp >= WarpRole.OUTPUT:
-            if cutlass.const_expr(cfg.make_o):
+            if cutlass.const_expr(self.has_output_role):
                 self.output_role(p, smem, rings, acc, seq, wg_tid)
         elif warp >= WarpRole.STATE:
             self.state_role(p, smem, rings, acc, seq, wg_tid)
@@ -573,6 +576,9 @@ class ScalarGateChunkFwdSm100:
                 if in_state:
                     for e in cutlass.range_constexpr(cols):
                         initial[e] = h0[blk * cols + e, v_row]
+            if cutlass.const_expr(self.cfg.start == "identity"):  # a transition pass (the delta rule's)
+                for e in cutlass.range_constexpr(cols):
+                    initial[e] = cutlass.Float32(1.0) if blk * cols + e == v_row else cutlass.Float32(0.0)
             tmem.write(rows, blk, initial)
         tmem.stores_done()
         tmem.before_handoff()
