@@ -359,18 +359,20 @@ def test_a_split_simple_gla_call_matches_the_reference(monkeypatch):
     assert corrected == [([first + 1024, first + 2048], [first + 2048, first + 2200])]
 
 
-@pytest.mark.parametrize("case", ["fixed", "varlen", "state_v_first", "pool", "qk_l2norm, GVA", "split"])
+@pytest.mark.parametrize("case", ["fixed", "varlen", "state_v_first", "pool", "qk_l2norm, GVA", "split", "hardest"])
 def test_the_sm100_gdn_forward_host_path_matches_the_reference(monkeypatch, case):
     """The SM100 GDN forward through its host path (cula.gdn.chunk_fwd_sm100: q / k normalised there, each chunk's
     Tinv solved into the launch's workspace, varlen ranges with 0- and 1-token sequences, state layouts, a state pool
     read and written by slot, NaN-poisoned outputs, a split sequence's first, transition and correction passes) with
     the kernel's launches emulated on the CPU (tests/launch_emulation.py): outputs and final states against the fp64
-    reference, per sequence; pool rows not named untouched."""
+    reference, per sequence; pool rows not named untouched. The hardest case for the delta rule's roundings (no decay,
+    beta = 1, one long sequence) stays within 0.004."""
     import launch_emulation
 
-    from cula.gdn.chunk_fwd_sm100 import chunk_gated_delta_rule_fwd_sm100
+    from cula.gdn import chunk_fwd_sm100
     from cula.sm90 import entry
 
+    monkeypatch.setattr(chunk_fwd_sm100, "_SOLVE_ELEMENTS", 3 * 2 * 128 * 128)  # the inverses 3 chunks at a time
     launches = []
 
     def launch(kernel, call, config, t, scale):
@@ -383,8 +385,8 @@ def test_the_sm100_gdn_forward_host_path_matches_the_reference(monkeypatch, case
     cula.runtime.forget_devices()
     torch.manual_seed(5)
     # the 4500-token sequence cut every 16 chunks of 128 tokens: a middle segment, and a later one
-    lengths = {"fixed": None, "split": [0, 1, 4500, 130]}.get(case, [0, 1, 130, 128, 300])
-    B, T = (2, 300) if lengths is None else (1, sum(lengths))
+    lengths = {"fixed": None, "hardest": None, "split": [0, 1, 4500, 130]}.get(case, [0, 1, 130, 128, 300])
+    B, T = ((1, 1000) if case == "hardest" else (2, 300)) if lengths is None else (1, sum(lengths))
     Hh, HV, Dd = (1, 2, 128) if case == "qk_l2norm, GVA" else (2, 2, 128)
     N = B if lengths is None else len(lengths)
     l2norm = case == "qk_l2norm, GVA"
@@ -394,13 +396,15 @@ def test_the_sm100_gdn_forward_host_path_matches_the_reference(monkeypatch, case
     q, k, v = q.bfloat16(), k.bfloat16(), torch.randn(B, T, HV, Dd).bfloat16()
     g = F.logsigmoid(torch.randn(B, T, HV) + 3.0)
     beta = torch.rand(B, T, HV)
+    if case == "hardest":
+        g, beta = torch.full_like(g, -1e-3), torch.ones_like(beta)
     h0 = torch.randn(N, HV, Dd, Dd) * 0.1
     offsets = [b * T for b in range(B + 1)] if lengths is None else list(itertools.accumulate([0, *lengths]))
     cu = None if lengths is None else torch.tensor(offsets, dtype=torch.int32)
     scale = Dd**-0.5
     o = torch.full((B, T, HV, Dd), float("nan")).bfloat16()
     forward = functools.partial(
-        chunk_gated_delta_rule_fwd_sm100, q, k, v, g, beta, scale,
+        chunk_fwd_sm100.chunk_gated_delta_rule_fwd_sm100, q, k, v, g, beta, scale,
         cu_seqlens=cu, cu_seqlens_cpu=cu, out=o, qk_l2norm=l2norm, split=True if case == "split" else None,
     )  # fmt: skip
     if case == "pool":
@@ -422,9 +426,10 @@ def test_the_sm100_gdn_forward_host_path_matches_the_reference(monkeypatch, case
         output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=l2norm,
     )  # fmt: skip
     bounds = [(b, 0, T) for b in range(B)] if lengths is None else [(0, s, e) for s, e in itertools.pairwise(offsets)]
+    bound = 0.004 if case == "hardest" else 0.005
     for n, (b, s, e) in enumerate(bounds):
         if e > s:
-            assert rel_rmse(o[b, s:e], o_ref[b, s:e]) <= 0.005, (n, rel_rmse(o[b, s:e], o_ref[b, s:e]))
-        assert rel_rmse(ht[n], ht_ref[n]) <= 0.005, (n, rel_rmse(ht[n], ht_ref[n]))
+            assert rel_rmse(o[b, s:e], o_ref[b, s:e]) <= bound, (n, rel_rmse(o[b, s:e], o_ref[b, s:e]))
+        assert rel_rmse(ht[n], ht_ref[n]) <= bound, (n, rel_rmse(ht[n], ht_ref[n]))
     modes = ["full", "transition", "correction"] if case == "split" else ["full"]
     assert [c.mode for c in launches] == modes and not any(c.qk_l2norm for c in launches)

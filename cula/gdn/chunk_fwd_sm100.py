@@ -1,11 +1,11 @@
 """Gated DeltaNet chunked forward for SM100 (:class:`cula.sm100.delta_chunk_fwd.DeltaChunkFwdSm100`: the SM100
 scalar-gate kernel with the delta rule, chunks of 128 tokens, the state in tensor memory) and its place in the host
 path, which it shares with SM90 (:mod:`cula.sm90.entry`): launch arguments, state pools, V-first states. What is
-GDN's own here: each chunk's Tinv, made on the host before the launch (:func:`chunk_inverses`), and q and k
-normalised there for ``use_qk_l2norm_in_kernel`` (the kernel has no norm role). Long sequences split as on SM90:
-the first pass, then transition and correction passes of the same kernel without v (uncached: each makes its chunks'
-P again; every pass reads the launch's inverses), cut at multiples of its 128-token chunk where SM90's GDN split costs
-expect a split to pay. D = 128.
+GDN's own here: each chunk's Tinv, made once per call on the host before its launches (:func:`chunk_inverses`),
+and q and k normalised there for ``use_qk_l2norm_in_kernel`` (the kernel has no norm role). Long sequences split as
+on SM90: the first pass, then transition and correction passes of the same kernel without v (uncached: each makes
+its chunks' P again; every pass reads the call's inverses), cut at multiples of its 128-token chunk where SM90's GDN
+split costs expect a split to pay. D = 128.
 
 Compiled for sm_100a and sm_103a on any machine; no Blackwell GPU has run it, so dispatch serves it only with
 ``CULA_UNTESTED_KERNELS=1``.
@@ -49,11 +49,12 @@ def compile_gdn_fwd_sm100(arch="sm_100a", *, beta_fp32=True, state_v_first=False
 
 def prepare(call: entry.ChunkCall) -> entry.ChunkCall:
     """The call as the kernel takes it: q and k L2-normalised (in fp32, rounded to bf16 as the SM90 kernel's norm warps
-    round its operands)."""
-    if not call.qk_l2norm:
-        return call
-    q, k = (l2norm(x.float()).to(x.dtype) for x in (call.q, call.k))
-    return call._replace(q=q, k=k, qk_l2norm=False)
+    round its operands); each chunk's inverse made into ``workspace`` (:func:`chunk_inverses`), which every launch of
+    the call reads."""
+    if call.qk_l2norm:
+        q, k = (l2norm(x.float()).to(x.dtype) for x in (call.q, call.k))
+        call = call._replace(q=q, k=k, qk_l2norm=False)
+    return call._replace(workspace=chunk_inverses(call))
 
 
 def split_cost(call: entry.ChunkCall) -> segment_split.SplitCost:
@@ -61,15 +62,19 @@ def split_cost(call: entry.ChunkCall) -> segment_split.SplitCost:
     return chunk_fwd_sm90.split_cost(call)._replace(cached=False)
 
 
-def chunk_inverses(call: entry.ChunkCall, t: entry.LaunchTensors) -> entry.LaunchTensors:
-    """The launch's ``w`` [B, T, HV, 128] bf16: token t's row of its chunk's Tinv = (I + A)^-1, A = strict_tril(beta_i
-    (k_i . k_j) e^(G_i - G_j)) with G the chunk's cumulative max(g, floor) (the kernel's gate), solved in fp32 and
-    rounded to bf16; columns past the sequence end zero. Chunks of 128 tokens from each sequence's start, every chunk
-    of the call solved at once (memory O(tokens x HV x 128))."""
-    B, T, H, K = t.q.shape  # a split pass's: the call's batch rows flattened into one
-    HV = t.v.shape[2]
-    dev = t.q.device
-    offsets = entry.call_offsets(*call.q.shape[:2], call.cu_seqlens, call.cu_seqlens_cpu)
+# fp32 elements of each of the solve's (chunks, HV, C, C) temporaries: the chunks are solved this many at a time
+_SOLVE_ELEMENTS = 1 << 26
+
+
+def chunk_inverses(call: entry.ChunkCall) -> torch.Tensor:
+    """``[B, T, HV, 128]`` bf16: token t's row of its chunk's Tinv = (I + A)^-1, A = strict_tril(beta_i (k_i . k_j)
+    e^(G_i - G_j)) with G the chunk's cumulative max(g, floor) (the kernel's gate), solved in fp32 and rounded to bf16;
+    columns past the sequence end zero. Chunks of 128 tokens from each sequence's start, solved in batches of chunks
+    (each batch's temporaries at most :data:`_SOLVE_ELEMENTS` fp32 elements)."""
+    B, T, H, K = call.q.shape
+    HV = call.v.shape[2]
+    dev = call.q.device
+    offsets = entry.call_offsets(B, T, call.cu_seqlens, call.cu_seqlens_cpu)
     starts, ends = torch.tensor(offsets[:-1]), torch.tensor(offsets[1:])
     chunks = (ends - starts + CHUNK - 1) // CHUNK
     sequence = torch.repeat_interleave(torch.arange(len(chunks)), chunks)  # each chunk's
@@ -79,26 +84,27 @@ def chunk_inverses(call: entry.ChunkCall, t: entry.LaunchTensors) -> entry.Launc
     inside = runtime.host_to_device(tokens < ends[:, None], dev)  # [chunks, C]
     tokens = runtime.host_to_device(tokens.clamp(max=B * T - 1), dev)
     head_of = runtime.host_to_device(torch.arange(HV) // (HV // H), dev)
-    k = t.k.reshape(B * T, H, K)[tokens][:, :, head_of].float()  # [chunks, C, HV, K]
-    beta = torch.where(inside[..., None], t.beta.reshape(B * T, HV)[tokens].float(), 0.0)
-    g = torch.where(inside[..., None], t.g.reshape(B * T, HV)[tokens].float().clamp_min(GATE_FLOOR), 0.0)
-    G = g.cumsum(1).transpose(1, 2)  # [chunks, HV, C]
+    k_all, beta_all, g_all = call.k.reshape(B * T, H, K), call.beta.reshape(B * T, HV), call.g.reshape(B * T, HV)
     strict = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=dev).tril(-1)
-    # masks as selects: the factors above the diagonal may overflow
-    decay = torch.where(strict, torch.exp(torch.where(strict, G[..., :, None] - G[..., None, :], 0.0)), 0.0)
-    kk = torch.einsum("nihd,njhd->nhij", k, k)
     eye = torch.eye(CHUNK, device=dev)
-    tinv = torch.linalg.solve_triangular(eye + beta.transpose(1, 2)[..., None] * kk * decay, eye, upper=False)
-    tinv = torch.where(inside[:, None, None, :], tinv, 0.0).to(torch.bfloat16)  # [chunks, HV, i, j]
     w = torch.zeros(B * T, HV, CHUNK, dtype=torch.bfloat16, device=dev)
-    w[tokens[inside]] = tinv.transpose(1, 2)[inside]
-    return t._replace(w=w.view(B, T, HV, CHUNK))
+    batch = max(1, _SOLVE_ELEMENTS // (HV * CHUNK * CHUNK))
+    for c0 in range(0, tokens.shape[0], batch):
+        rows, valid = tokens[c0 : c0 + batch], inside[c0 : c0 + batch]
+        k = k_all[rows][:, :, head_of].float()  # [chunks, C, HV, K]
+        beta = torch.where(valid[..., None], beta_all[rows].float(), 0.0)
+        g = torch.where(valid[..., None], g_all[rows].float().clamp_min(GATE_FLOOR), 0.0)
+        G = g.cumsum(1).transpose(1, 2)  # [chunks, HV, C]
+        # masks as selects: the factors above the diagonal may overflow
+        decay = torch.where(strict, torch.exp(torch.where(strict, G[..., :, None] - G[..., None, :], 0.0)), 0.0)
+        A = beta.transpose(1, 2)[..., None] * torch.einsum("nihd,njhd->nhij", k, k) * decay
+        tinv = torch.linalg.solve_triangular(eye + A, eye, upper=False)
+        tinv = torch.where(valid[:, None, None, :], tinv, 0.0).to(torch.bfloat16)  # [chunks, HV, i, j]
+        w[rows[valid]] = tinv.transpose(1, 2)[valid]
+    return w.view(B, T, HV, CHUNK)
 
 
-GDN_SM100 = entry.ChunkKernel(
-    "gdn_sm100", compile_gdn_fwd_sm100, split_cost=split_cost, chunk=CHUNK, prepare=prepare,
-    launch_inputs=chunk_inverses,
-)  # fmt: skip
+GDN_SM100 = entry.ChunkKernel("gdn_sm100", compile_gdn_fwd_sm100, split_cost=split_cost, chunk=CHUNK, prepare=prepare)
 
 
 def chunk_gated_delta_rule_fwd_sm100(*args, **kwargs):

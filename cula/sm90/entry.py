@@ -38,7 +38,9 @@ class ChunkCall(NamedTuple):
     ``qk_l2norm``: q and k L2-normalised in the kernel. ``gate``: KDA's ``(A_log, dt_bias, lower_bound)`` when g is
     raw and the kernel activates it. A state pool (:mod:`cula.ops.state_pool`; ``initial_state`` is the pool):
     ``state_slots`` [N] int32 / int64, the rows sequences read their states from (None: row n; negative: padding,
-    :func:`_padded_pool`); ``inplace``: the final states written back to those rows, and the pool returned."""
+    :func:`_padded_pool`); ``inplace``: the final states written back to those rows, and the pool returned.
+    ``workspace``: what the variant's ``prepare`` made for the call's every launch, passed as their ``w`` (SM100 GDN:
+    each chunk's Tinv, [B, T, HV, 128] bf16)."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -58,6 +60,7 @@ class ChunkCall(NamedTuple):
     gate: tuple | None = None
     state_slots: torch.Tensor | None = None
     inplace: bool = False
+    workspace: torch.Tensor | None = None
 
 
 class LaunchTensors(NamedTuple):
@@ -100,10 +103,8 @@ class ChunkKernel:
     - ``splits_values``: whether the kernel walks a value head as two CTAs of half the value columns each
       (:attr:`ChunkFwdConfig.value_blocks`): "never"; "when asked" (:data:`ENV_VALUE_BLOCKS`: GPU-timed, its GPU tests
       not yet run); "where they pay" (also unasked, where :func:`plan_call` finds them faster).
-    - ``prepare(call)``: the call as the kernel takes it, before it is planned (SM100 GDN: q and k normalised, no
-      split).
-    - ``launch_inputs(call, tensors)``: a launch's tensors completed on the host before it (SM100 GDN: each chunk's
-      Tinv into ``w``)."""
+    - ``prepare(call)``: the call as the kernel takes it, before it is planned (SM100 GDN: q and k normalised, each
+      chunk's Tinv made into ``workspace``)."""
 
     name: str
     compile: Callable[..., Any]
@@ -116,7 +117,6 @@ class ChunkKernel:
     gate_transition: bool = False
     splits_values: str = "never"
     prepare: Callable[[ChunkCall], ChunkCall] = lambda call: call
-    launch_inputs: Callable[[ChunkCall, LaunchTensors], LaunchTensors] = lambda call, tensors: tensors
 
     def __post_init__(self):
         assert self.splits_values in ("never", "when asked", "where they pay"), self.splits_values
@@ -351,8 +351,10 @@ def _planned(kernel: ChunkKernel, call: ChunkCall) -> tuple[torch.Tensor, torch.
         K, starts is not None, h0 is not None, qk_l2norm=call.qk_l2norm, delta_rule=kernel.delta_rule,
         state_slots=state_slots, state_dtype=state_dtype, value_blocks=plan.value_blocks,
     )  # fmt: skip
-    tensors = LaunchTensors(call.q, call.k, call.v, call.g, call.beta, o, h0, ht, starts, ends, slots=slots)
-    launch(kernel, call, config, kernel.launch_inputs(call, tensors), scale)
+    tensors = LaunchTensors(
+        call.q, call.k, call.v, call.g, call.beta, o, h0, ht, starts, ends, w=call.workspace, slots=slots
+    )
+    launch(kernel, call, config, tensors, scale)
     _LAST_PLAN.plan = plan
     if call.inplace:
         return o, call.initial_state
@@ -366,8 +368,10 @@ def _split(kernel: ChunkKernel, call: ChunkCall, plan: Plan, o: torch.Tensor, sc
     B, T, H, K = call.q.shape
     HV = call.v.shape[2]
     flat = (call.q, call.k, call.v, call.g, call.beta, o)
+    workspace = call.workspace
     if B > 1:  # the passes take every token in batch row 0 (a one-row batch already has them there)
         flat = [x.reshape(1, B * T, *x.shape[2:]) for x in flat]
+        workspace = None if workspace is None else workspace.reshape(1, B * T, *workspace.shape[2:])
     # the passes run V-first storage as K-first: the kernel takes the states transposed
     flat_call = call._replace(state_v_first=False)
     h0 = call.initial_state
@@ -395,8 +399,8 @@ def _split(kernel: ChunkKernel, call: ChunkCall, plan: Plan, o: torch.Tensor, sc
         config = ChunkFwdConfig(
             K, True, h0_ is not None, mode, intra, call.qk_l2norm, kernel.delta_rule, value_blocks=plan.value_blocks
         )
-        tensors = LaunchTensors(*flat[:6], h0_, ht_, starts, ends, saved.get("w"), saved.get("more"))
-        launch(kernel, flat_call, config, kernel.launch_inputs(flat_call, tensors), scale)
+        tensors = LaunchTensors(*flat[:6], h0_, ht_, starts, ends, saved.get("w", workspace), saved.get("more"))
+        launch(kernel, flat_call, config, tensors, scale)
         return ht_
 
     # the start chain in one launch on a GPU (a PyTorch loop there costs two host ops per segment)
