@@ -146,13 +146,13 @@ class DeltaChunkFwdSm100(ScalarGateChunkFwdSm100):
         load = cpasync.CopyBulkTensorTileG2SOp()
         tma_tinv = Tma(*cpasync.make_tiled_tma_atom(load, tiles.tma_view(w), one_tile, (C, C)))
         ring = cute.struct.MemRange[cutlass.Int64, 2]
-        fields.update(
-            ring_ks_acc=ring,
-            ring_y=ring,
-            ring_vn_acc=ring,
-            ring_values=ring,
-            sY=cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(tile_y)], 1024],
-        )
+        # the barriers first, then the 1024-byte aligned tiles, G last: 231424 bytes of the SHARED_BYTES (232448) a CTA
+        # may take; in the base's order the alignment gaps after G and before Y left none
+        moved = {name: fields.pop(name) for name in ("sG", "sQKV", "sP", "sS")}
+        fields.update(ring_ks_acc=ring, ring_y=ring, ring_vn_acc=ring, ring_values=ring)
+        fields.update(sQKV=moved["sQKV"], sP=moved["sP"], sS=moved["sS"])
+        fields["sY"] = cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(tile_y)], 1024]
+        fields["sG"] = moved["sG"]
         return DeltaParams(*params, tma_tinv, beta, tile_y, tile_y_mn), fields
 
     # ---------------------------------------------------------------- device side

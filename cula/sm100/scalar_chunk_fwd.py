@@ -74,6 +74,7 @@ from cula.sm100.roles import THREADS, WARPGROUP, Barrier, WarpRole
 
 CHUNK = 128
 HEAD_DIMS = (64, 128)
+SHARED_BYTES = 232448  # the most shared memory a CTA may take on SM100 (227 KB)
 GATE_SLOTS = 2
 _LOG2E = math.log2(math.e)
 
@@ -227,6 +228,8 @@ class ScalarGateChunkFwdSm100:
         """The launch (arguments as the SM90 family's; ``beta`` is never read, ``w`` only by the walks)."""
         params, fields = self.host_params(q, k, v, g, beta, o, h0, ht, starts, ends, w, slots, scale)
         self.storage = cute.struct(type("Storage", (), {"__annotations__": fields}))
+        # refused at compile time (the compile check), not by the launch on a GPU
+        assert self.storage.size_in_bytes() <= SHARED_BYTES, (self.cfg, self.storage.size_in_bytes())
         HV = v.shape[2]
         N = starts.shape[0] if cutlass.const_expr(self.cfg.is_varlen) else q.shape[0]
         # one CTA per SM (its shared memory allows no second): said to ptxas, which otherwise may cap registers at 64
