@@ -219,6 +219,26 @@ def test_the_gla_kernel_arithmetic_is_exact_for_any_gate(gates, steep, scheme):
 SM100_HOST_CASES = ["fixed", "varlen", "state_v_first", "pool", "split"]
 
 
+def emulated_b200_launches(monkeypatch) -> list:
+    """A faked B200 whose chunk-kernel launches are emulated on the CPU (tests/launch_emulation.py); returns the list
+    each launch's config is appended to."""
+    import launch_emulation
+
+    from cula.sm90 import entry
+
+    launches = []
+
+    def launch(kernel, call, config, t, scale):
+        launches.append(config)
+        launch_emulation.launch(kernel, call, config, t, scale)
+
+    monkeypatch.setattr(entry, "launch", launch)
+    props = type("Props", (), {"name": "NVIDIA B200", "multi_processor_count": 148})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    cula.runtime.forget_devices()
+    return launches
+
+
 @pytest.mark.parametrize(
     "variant, case",
     [*(("simple_gla", c) for c in SM100_HOST_CASES), *(("gla", c) for c in [*SM100_HOST_CASES, "steep"])],
@@ -233,9 +253,8 @@ def test_the_sm100_forward_host_path_matches_the_reference(monkeypatch, case, va
 
     from cula.gla.chunk_fwd_sm100 import chunk_gla_fwd_sm100
     from cula.lightning.chunk_fwd_sm100 import chunk_simple_gla_fwd_sm100
-    from cula.sm90 import entry
 
-    modes, steep_chunks = [], []
+    steep_chunks = []
 
     def gla_scores(*args, **kwargs):
         scores, steep = emu.gla_scores(*args, **kwargs)
@@ -243,15 +262,7 @@ def test_the_sm100_forward_host_path_matches_the_reference(monkeypatch, case, va
         return scores, steep
 
     monkeypatch.setattr(launch_emulation, "gla_scores", gla_scores)
-
-    def launch(kernel, call, config, t, scale):
-        modes.append(config.mode)
-        launch_emulation.launch(kernel, call, config, t, scale)
-
-    monkeypatch.setattr(entry, "launch", launch)
-    props = type("Props", (), {"name": "NVIDIA B200", "multi_processor_count": 148})()
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
-    cula.runtime.forget_devices()
+    launches = emulated_b200_launches(monkeypatch)
     torch.manual_seed(4)
     lengths = {"fixed": None, "split": [0, 1, 130, 2600, 64]}.get(case, [0, 1, 130, 128, 300])
     B, T = (2, 300) if lengths is None else (1, sum(lengths))
@@ -306,7 +317,7 @@ def test_the_sm100_forward_host_path_matches_the_reference(monkeypatch, case, va
             assert rel_rmse(o[b, s:e], o_ref[b, s:e]) <= 0.005, (n, rel_rmse(o[b, s:e], o_ref[b, s:e]))
         assert rel_rmse(ht[n], ht_ref[n]) <= 0.005, n
     # the 2600-token sequence cut at 16 chunks of 128 tokens: a correction pass for its second segment
-    assert modes == (["full", "correction"] if case == "split" else ["full"])
+    assert [c.mode for c in launches] == (["full", "correction"] if case == "split" else ["full"])
     # GLA's chunks: the centred blocks, and in the steep case two chunks summed directly
     assert sum(steep_chunks) == (2 if case == "steep" else 0) and (variant == "simple_gla") == (not steep_chunks)
 
@@ -362,27 +373,16 @@ def test_a_split_simple_gla_call_matches_the_reference(monkeypatch):
 @pytest.mark.parametrize("case", ["fixed", "varlen", "state_v_first", "pool", "qk_l2norm, GVA", "split", "hardest"])
 def test_the_sm100_gdn_forward_host_path_matches_the_reference(monkeypatch, case):
     """The SM100 GDN forward through its host path (cula.gdn.chunk_fwd_sm100: q / k normalised there, each chunk's
-    Tinv solved into the launch's workspace, varlen ranges with 0- and 1-token sequences, state layouts, a state pool
+    Tinv solved into the call's workspace, varlen ranges with 0- and 1-token sequences, state layouts, a state pool
     read and written by slot, NaN-poisoned outputs, a split sequence's first, transition and correction passes) with
     the kernel's launches emulated on the CPU (tests/launch_emulation.py): outputs and final states against the fp64
     reference, per sequence; pool rows not named untouched. The hardest case for the delta rule's roundings (no decay,
     beta = 1, one long sequence) stays within 0.004."""
-    import launch_emulation
 
     from cula.gdn import chunk_fwd_sm100
-    from cula.sm90 import entry
 
     monkeypatch.setattr(chunk_fwd_sm100, "_SOLVE_ELEMENTS", 3 * 2 * 128 * 128)  # the inverses 3 chunks at a time
-    launches = []
-
-    def launch(kernel, call, config, t, scale):
-        launches.append(config)
-        launch_emulation.launch(kernel, call, config, t, scale)
-
-    monkeypatch.setattr(entry, "launch", launch)
-    props = type("Props", (), {"name": "NVIDIA B200", "multi_processor_count": 148})()
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
-    cula.runtime.forget_devices()
+    launches = emulated_b200_launches(monkeypatch)
     torch.manual_seed(5)
     # the 4500-token sequence cut every 16 chunks of 128 tokens: a middle segment, and a later one
     lengths = {"fixed": None, "hardest": None, "split": [0, 1, 4500, 130]}.get(case, [0, 1, 130, 128, 300])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
@@ -162,34 +163,42 @@ RECURRENT.library = EntryOps(
 )
 
 
-def _sm90_supports(args: dict[str, Any]) -> tuple[bool, str]:
-    declined = chunk_fwd_kernel_declines(args)
-    if declined:
-        return declined
-    from cula.gdn import chunk_fwd_sm90  # imports the CuTe DSL: only on an SM90 device
-
-    return chunk_fwd_sm90.supports(
-        args["q"], args["k"], args["v"], None, None, args["initial_state"], args["cu_seqlens"]
-    )
-
-
-def _sm90_faster_than_fla(args: dict[str, Any]) -> tuple[bool, str]:
-    from cula.gdn.chunk_fwd_sm90 import time_model
-
-    return kernel_vs_fla(args, "gdn", time_model(bool(args["use_qk_l2norm_in_kernel"])))
-
-
 def _kernel_gate(args: dict[str, Any]) -> torch.Tensor:
     """The gate as the chunk kernels take it: activated, fp32 [B, T, HV]."""
     g = args["g"]
     return kernel_gdn_gate(g, args.get("A_log"), args.get("dt_bias")) if args.get("use_gate_in_kernel") else g.float()
 
 
-def _sm90_run(args: dict[str, Any]):
-    from cula.gdn.chunk_fwd_sm90 import GDN_SM90
-    from cula.sm90.entry import run_bound
+def _kernel_entry(arch: str):
+    """``(supports, run)`` of the chunk kernel ``GDN_<ARCH>`` in ``cula.gdn.chunk_fwd_<arch>`` (imported at the first
+    call: it imports the CuTe DSL)."""
 
-    return run_bound(GDN_SM90, args, _kernel_gate(args))
+    def module():
+        return importlib.import_module(f"cula.gdn.chunk_fwd_{arch}")
+
+    def supports(args: dict[str, Any]) -> tuple[bool, str]:
+        declined = chunk_fwd_kernel_declines(args)
+        if declined:
+            return declined
+        q, k, v = args["q"], args["k"], args["v"]
+        return module().supports(q, k, v, None, None, args["initial_state"], args["cu_seqlens"])
+
+    def run(args: dict[str, Any]):
+        from cula.sm90.entry import run_bound
+
+        return run_bound(getattr(module(), f"GDN_{arch.upper()}"), args, _kernel_gate(args))
+
+    return supports, run
+
+
+_sm90_supports, _sm90_run = _kernel_entry("sm90")
+_sm100_supports, _sm100_run = _kernel_entry("sm100")
+
+
+def _sm90_faster_than_fla(args: dict[str, Any]) -> tuple[bool, str]:
+    from cula.gdn.chunk_fwd_sm90 import time_model
+
+    return kernel_vs_fla(args, "gdn", time_model(bool(args["use_qk_l2norm_in_kernel"])))
 
 
 def _sm90_backward(args: dict[str, Any], residuals: list, grad_o, grad_final_state) -> dict[str, torch.Tensor]:
@@ -214,24 +223,6 @@ SM90_BACKWARD = BackwardKernel(recomputing(_sm90_run), lambda args: [], _sm90_ba
 CHUNK.register_kernel(
     CuteKernel("gdn.chunk_fwd_sm90", 9, _sm90_supports, _sm90_run, _sm90_faster_than_fla, backward=SM90_BACKWARD)
 )
-
-
-def _sm100_supports(args: dict[str, Any]) -> tuple[bool, str]:
-    declined = chunk_fwd_kernel_declines(args)
-    if declined:
-        return declined
-    from cula.gdn import chunk_fwd_sm100  # imports the CuTe DSL
-
-    return chunk_fwd_sm100.supports(
-        args["q"], args["k"], args["v"], None, None, args["initial_state"], args["cu_seqlens"]
-    )
-
-
-def _sm100_run(args: dict[str, Any]):
-    from cula.gdn.chunk_fwd_sm100 import GDN_SM100
-    from cula.sm90.entry import run_bound
-
-    return run_bound(GDN_SM100, args, _kernel_gate(args))
 
 
 # compiled for sm_100a / sm_103a only (no Blackwell GPU has run it); forward only: training calls go to FLA

@@ -13,6 +13,8 @@ Compiled for sm_100a and sm_103a on any machine; no Blackwell GPU has run it, so
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from cula import runtime
@@ -27,14 +29,8 @@ from cula.sm100.scalar_chunk_fwd import CHUNK
 ARCHS = ("sm_100a", "sm_103a")
 
 
-def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, **_) -> tuple[bool, str]:
-    """Whether :func:`chunk_gated_delta_rule_fwd_sm100` can serve these inputs, and why not."""
-    ok, why = entry.supports_qkv(q, k, v, beta, initial_state, cu_seqlens, HEAD_DIMS, arch_major=10)
-    if not ok:
-        return ok, why
-    if g is not None and (g.dtype != torch.float32 or g.shape != v.shape[:3]):
-        return False, "g must be float32 [B, T, HV]"
-    return True, ""
+# Whether :func:`chunk_gated_delta_rule_fwd_sm100` can serve these inputs, and why not
+supports = functools.partial(chunk_fwd_sm90.supports, dims=HEAD_DIMS, arch_major=10)
 
 
 def compile_gdn_fwd_sm100(arch="sm_100a", *, beta_fp32=True, state_v_first=False, keep_artifacts=False, **config):
@@ -107,10 +103,8 @@ def chunk_inverses(call: entry.ChunkCall) -> torch.Tensor:
 GDN_SM100 = entry.ChunkKernel("gdn_sm100", compile_gdn_fwd_sm100, split_cost=split_cost, chunk=CHUNK, prepare=prepare)
 
 
-def chunk_gated_delta_rule_fwd_sm100(*args, **kwargs):
-    """GDN chunked forward on SM100: :class:`cula.sm90.entry.ChunkCall`'s fields (q, k, v, g, beta, scale, ... in
-    FLA's order), positionally or by name; no ``gate``. Returns ``(o, final_state or None)``."""
-    return entry.chunk_fwd(GDN_SM100, entry.ChunkCall(*args, **kwargs))
+# GDN chunked forward on SM100: the arguments of chunk_gated_delta_rule_fwd_sm90; returns (o, final_state or None)
+chunk_gated_delta_rule_fwd_sm100 = functools.partial(chunk_fwd_sm90.chunk_gated_delta_rule_fwd_sm90, kernel=GDN_SM100)
 
 
 entry.register_checked(

@@ -17,9 +17,12 @@ SUPPORTED_DIMS = (64, 128)
 # The kernel's time model (its time per chunk, its split passes' costs) is in cula/devices.py, per GPU.
 
 
-def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, **_) -> tuple[bool, str]:
-    """Whether :func:`chunk_gated_delta_rule_fwd_sm90` can serve these inputs, and why not."""
-    ok, why = entry.supports_qkv(q, k, v, beta, initial_state, cu_seqlens, SUPPORTED_DIMS)
+def supports(
+    q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, dims=SUPPORTED_DIMS, arch_major=9, **_
+) -> tuple[bool, str]:
+    """Whether :func:`chunk_gated_delta_rule_fwd_sm90` (or with ``dims`` and ``arch_major`` another architecture's
+    kernel of GDN's launch arguments) can serve these inputs, and why not."""
+    ok, why = entry.supports_qkv(q, k, v, beta, initial_state, cu_seqlens, dims, arch_major)
     if not ok:
         return ok, why
     if g is not None and (g.dtype != torch.float32 or g.shape != v.shape[:3]):
@@ -51,10 +54,11 @@ GDN_SM90 = entry.ChunkKernel(
 )
 
 
-def chunk_gated_delta_rule_fwd_sm90(*args, **kwargs):
+def chunk_gated_delta_rule_fwd_sm90(*args, kernel=GDN_SM90, **kwargs):
     """GDN chunked forward on SM90: :class:`cula.sm90.entry.ChunkCall`'s fields (q, k, v, g, beta, scale, ... in
-    FLA's order), positionally or by name; no ``gate``. Returns ``(o, final_state or None)``."""
-    return entry.chunk_fwd(GDN_SM90, entry.ChunkCall(*args, **kwargs))
+    FLA's order), positionally or by name; no ``gate``. Returns ``(o, final_state or None)``. ``kernel``: another
+    architecture's kernel on the same host path (SM100's)."""
+    return entry.chunk_fwd(kernel, entry.ChunkCall(*args, **kwargs))
 
 
 entry.register_checked(

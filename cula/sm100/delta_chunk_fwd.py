@@ -192,16 +192,13 @@ class DeltaChunkFwdSm100(ScalarGateChunkFwdSm100):
         """Per chunk: P = Q K^T; once S^T's operand is ready, K S; once the scores and Y are, O = Q~ S and V_new =
         Tinv Y; once V_new's halves are, O += P~ V_new and the update; then the stage, the scores, the state and the
         halves released (commits that arrive when those products are done)."""
-        qkv, p_acc, scores, state, o_acc = rings.qkv, rings.p_acc, rings.scores, rings.state, rings.o_acc
+        qkv, scores, state, o_acc = rings.qkv, rings.scores, rings.state, rings.o_acc
         ks_acc, y_ring, vn_acc, values = rings.ks_acc, rings.y, rings.vn_acc, rings.values
         consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         for _chunk in cutlass.range(seq.n_chunks, unroll=1):
             qkv.consumer_wait(consumer)
-            if cutlass.const_expr(self.makes_scores):
-                p_acc.producer_acquire(producer)
-                self.issue_scores(p, smem, rings, acc, consumer)
-                p_acc.producer_commit(producer)
+            self.hand_over_scores(p, smem, rings, acc, consumer, producer)
             state.consumer_wait(consumer)
             ks_acc.producer_acquire(producer)
             tmem.after_handoff()

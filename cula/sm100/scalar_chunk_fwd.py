@@ -408,15 +408,12 @@ class ScalarGateChunkFwdSm100:
     def mma_warp(self, p: Params, smem: Smem, rings: Rings, acc: Accumulators, seq: Sequence):
         """Per chunk: P = Q K^T; once the scores and the state operand are ready, O = Q~ S + P~ V and S^T += V^T K~;
         then the stage, the scores and the state released (commits that arrive when those products are done)."""
-        qkv, p_acc, scores, state, o_acc = rings.qkv, rings.p_acc, rings.scores, rings.state, rings.o_acc
+        qkv, scores, state, o_acc = rings.qkv, rings.scores, rings.state, rings.o_acc
         consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         for _chunk in cutlass.range(seq.n_chunks, unroll=1):
             qkv.consumer_wait(consumer)
-            if cutlass.const_expr(self.makes_scores):
-                p_acc.producer_acquire(producer)
-                self.issue_scores(p, smem, rings, acc, consumer)
-                p_acc.producer_commit(producer)
+            self.hand_over_scores(p, smem, rings, acc, consumer, producer)
             scores.consumer_wait(consumer)
             state.consumer_wait(consumer)
             if cutlass.const_expr(self.cfg.make_o):
@@ -432,6 +429,15 @@ class ScalarGateChunkFwdSm100:
             qkv.consumer_release(consumer)
             consumer.advance()
             producer.advance()
+
+    @cute.jit
+    def hand_over_scores(self, p: Params, smem: Smem, rings: Rings, acc: Accumulators, consumer, producer):
+        """Where the pass makes P~: the chunk's P issued once the scores warpgroup has read the last, and handed to it
+        (``consumer``, ``producer``: the chunk's positions in the rings)."""
+        if cutlass.const_expr(self.makes_scores):
+            rings.p_acc.producer_acquire(producer)
+            self.issue_scores(p, smem, rings, acc, consumer)
+            rings.p_acc.producer_commit(producer)
 
     @cute.jit
     def issue_scores(self, p: Params, smem: Smem, rings: Rings, acc: Accumulators, consumer):
