@@ -66,7 +66,8 @@ class ChunkCall(NamedTuple):
 class LaunchTensors(NamedTuple):
     """One launch's tensors: ``starts`` / ``ends`` int32 token ranges in batch row 0 (varlen or split segments) or
     None for one sequence per batch row; ``h0`` None for a zero (or identity) start; ``w`` the split passes' Tinv | P
-    workspace or None; ``workspaces`` the variant's further split workspaces (KDA's B tiles)."""
+    workspace, or the call's own (:attr:`ChunkCall.workspace`), or None; ``workspaces`` the variant's further split
+    workspaces (KDA's B tiles)."""
 
     q: torch.Tensor
     k: torch.Tensor
