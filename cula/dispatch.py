@@ -445,6 +445,22 @@ def call_args(named: dict[str, Any], extra: dict[str, Any] | None = None) -> dic
     return args
 
 
+def chunk_kernel_supports(module_name: str, supports_gates: Callable[[dict[str, Any]], tuple]) -> SupportsFn:
+    """``supports`` of the chunk kernel in ``module_name`` (imported at the first call: it imports the CuTe DSL): what
+    :func:`chunk_fwd_kernel_declines`, then the module's ``supports(q, k, v, *gates, initial_state, cu_seqlens)``,
+    the variant's gate arguments from ``supports_gates(args)``."""
+
+    def supports(args: dict[str, Any]) -> Verdict:
+        declined = chunk_fwd_kernel_declines(args)
+        if declined:
+            return declined
+        module = importlib.import_module(module_name)
+        gates = supports_gates(args)
+        return module.supports(args["q"], args["k"], args["v"], *gates, args["initial_state"], args["cu_seqlens"])
+
+    return supports
+
+
 def chunk_kernel_entry(
     module_name: str,
     forward_name: str,
@@ -452,30 +468,20 @@ def chunk_kernel_entry(
     run_gates: Callable[[dict[str, Any]], tuple],
 ) -> tuple[SupportsFn, Callable[[dict[str, Any]], Any]]:
     """``(supports, run)`` of the chunk kernel in ``module_name`` (imported at the first call: it imports the CuTe
-    DSL): its ``supports(q, k, v, *gates, initial_state, cu_seqlens)`` after :func:`chunk_fwd_kernel_declines`, and
-    ``forward_name(q, k, v, *gates, scale, initial_state, output_final_state, cu_seqlens, state_v_first,
-    cu_seqlens_cpu, **pool)``; the variant's gate arguments from ``supports_gates(args)`` and ``run_gates(args)``."""
-
-    def module():
-        return importlib.import_module(module_name)
-
-    def supports(args: dict[str, Any]) -> Verdict:
-        declined = chunk_fwd_kernel_declines(args)
-        if declined:
-            return declined
-        gates = supports_gates(args)
-        return module().supports(args["q"], args["k"], args["v"], *gates, args["initial_state"], args["cu_seqlens"])
+    DSL): :func:`chunk_kernel_supports`, and ``forward_name(q, k, v, *gates, scale, initial_state,
+    output_final_state, cu_seqlens, state_v_first, cu_seqlens_cpu, **pool)`` with the variant's gate arguments from
+    ``run_gates(args)``."""
 
     def run(args: dict[str, Any]):
         from cula.sm90.entry import pool_fields
 
-        return getattr(module(), forward_name)(
+        return getattr(importlib.import_module(module_name), forward_name)(
             args["q"], args["k"], args["v"], *run_gates(args), args["scale"], args["initial_state"],
             args["output_final_state"], args["cu_seqlens"], args.get("state_v_first", False),
             args.get("cu_seqlens_cpu"), **pool_fields(args),
         )  # fmt: skip
 
-    return supports, run
+    return chunk_kernel_supports(module_name, supports_gates), run
 
 
 def chunk_fwd_kernel_declines(args: dict[str, Any]) -> Verdict | None:

@@ -15,7 +15,7 @@ from cula.dispatch import (
     Op,
     bind,
     call_args,
-    chunk_fwd_kernel_declines,
+    chunk_kernel_supports,
     fla_gated_backward_ok,
     kernel_vs_fla,
     recomputing,
@@ -171,24 +171,16 @@ def _kernel_gate(args: dict[str, Any]) -> torch.Tensor:
 
 def _kernel_entry(arch: str):
     """``(supports, run)`` of the chunk kernel ``GDN_<ARCH>`` in ``cula.gdn.chunk_fwd_<arch>`` (imported at the first
-    call: it imports the CuTe DSL)."""
-
-    def module():
-        return importlib.import_module(f"cula.gdn.chunk_fwd_{arch}")
-
-    def supports(args: dict[str, Any]) -> tuple[bool, str]:
-        declined = chunk_fwd_kernel_declines(args)
-        if declined:
-            return declined
-        q, k, v = args["q"], args["k"], args["v"]
-        return module().supports(q, k, v, None, None, args["initial_state"], args["cu_seqlens"])
+    call: it imports the CuTe DSL): its checks are given no g or beta (the launch makes both in the kernel's dtypes)."""
+    module_name = f"cula.gdn.chunk_fwd_{arch}"
 
     def run(args: dict[str, Any]):
         from cula.sm90.entry import run_bound
 
-        return run_bound(getattr(module(), f"GDN_{arch.upper()}"), args, _kernel_gate(args))
+        kernel = getattr(importlib.import_module(module_name), f"GDN_{arch.upper()}")
+        return run_bound(kernel, args, _kernel_gate(args))
 
-    return supports, run
+    return chunk_kernel_supports(module_name, lambda args: (None, None)), run
 
 
 _sm90_supports, _sm90_run = _kernel_entry("sm90")

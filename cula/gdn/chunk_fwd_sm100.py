@@ -19,7 +19,7 @@ import torch
 
 from cula import runtime
 from cula.gdn import chunk_fwd_sm90
-from cula.ops import segment_split
+from cula.ops import chunk_backward, segment_split
 from cula.ops.gates import GATE_FLOOR, l2norm
 from cula.sm90 import entry
 from cula.sm90.chunk_fwd import ChunkFwdConfig
@@ -65,20 +65,16 @@ _SOLVE_ELEMENTS = 1 << 26
 def chunk_inverses(call: entry.ChunkCall) -> torch.Tensor:
     """``[B, T, HV, 128]`` bf16: token t's row of its chunk's Tinv = (I + A)^-1, A = strict_tril(beta_i (k_i . k_j)
     e^(G_i - G_j)) with G the chunk's cumulative max(g, floor) (the kernel's gate), solved in fp32 and rounded to bf16;
-    columns past the sequence end zero. Chunks of 128 tokens from each sequence's start, solved in batches of chunks
-    (each batch's temporaries at most :data:`_SOLVE_ELEMENTS` fp32 elements)."""
+    columns past the sequence end zero. Chunks of 128 tokens from each sequence's start (the chunk rows of
+    :func:`cula.ops.chunk_backward.chunk_rows`, made once per batch layout), solved in batches of chunks (each batch's
+    temporaries at most :data:`_SOLVE_ELEMENTS` fp32 elements)."""
     B, T, H, K = call.q.shape
     HV = call.v.shape[2]
     dev = call.q.device
     offsets = entry.call_offsets(B, T, call.cu_seqlens, call.cu_seqlens_cpu)
-    starts, ends = torch.tensor(offsets[:-1]), torch.tensor(offsets[1:])
-    chunks = (ends - starts + CHUNK - 1) // CHUNK
-    sequence = torch.repeat_interleave(torch.arange(len(chunks)), chunks)  # each chunk's
-    place = torch.arange(int(chunks.sum())) - (chunks.cumsum(0) - chunks)[sequence]  # its index in the sequence
-    first, ends = starts[sequence] + CHUNK * place, ends[sequence]  # in the flattened token axis
-    tokens = first[:, None] + torch.arange(CHUNK)
-    inside = runtime.host_to_device(tokens < ends[:, None], dev)  # [chunks, C]
-    tokens = runtime.host_to_device(tokens.clamp(max=B * T - 1), dev)
+    index = chunk_backward.chunk_rows(offsets, call.cu_seqlens is None, dev, CHUNK).index  # [rows, C], B T past the end
+    inside = index < B * T
+    tokens = index.clamp(max=B * T - 1)
     head_of = runtime.host_to_device(torch.arange(HV) // (HV // H), dev)
     k_all, beta_all, g_all = call.k.reshape(B * T, H, K), call.beta.reshape(B * T, HV), call.g.reshape(B * T, HV)
     strict = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=dev).tril(-1)

@@ -59,7 +59,6 @@ from typing import NamedTuple
 import cutlass
 import cutlass.cute as cute
 from cutlass import pipeline
-from cutlass.cute.nvgpu import cpasync
 
 from cula.sm90 import tiles
 from cula.sm90.chunk_fwd import ChunkFwdConfig
@@ -74,6 +73,7 @@ from cula.sm100.scalar_chunk_fwd import (
     Tma,
     make_ring,
     scale_row,
+    stage_plane_tma,
 )
 
 HEAD_DIMS = (128,)
@@ -142,9 +142,7 @@ class DeltaChunkFwdSm100(ScalarGateChunkFwdSm100):
         params, fields = super().host_params(q, k, v, g, beta, o, h0, ht, starts, ends, w, slots, scale)
         C, D = self.C, self.D
         tile_y, tile_y_mn = tiles.token_tiles(C, D)
-        one_tile = cute.slice_(params.tile_qkv, (None, None, 0, 0))
-        load = cpasync.CopyBulkTensorTileG2SOp()
-        tma_tinv = Tma(*cpasync.make_tiled_tma_atom(load, tiles.tma_view(w), one_tile, (C, C)))
+        tma_tinv = stage_plane_tma(w, params.tile_qkv)  # a (C, C) plane: C = D
         ring = cute.struct.MemRange[cutlass.Int64, 2]
         # the barriers first, then the 1024-byte aligned tiles, G last: 231424 bytes of the SHARED_BYTES (232448) a CTA
         # may take; in the base's order the alignment gaps after G and before Y left none

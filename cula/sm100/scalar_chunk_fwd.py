@@ -174,6 +174,13 @@ def make_ring(kind, producers: int, consumers: int, barriers, stages: int = 1, *
     )
 
 
+def stage_plane_tma(x, tile_qkv) -> Tma:
+    """The TMA of a ``[B, T, heads, D]`` token tensor ``x`` into one (C, D) plane of the stage ``tile_qkv``."""
+    one_plane = cute.slice_(tile_qkv, (None, None, 0, 0))
+    tile = (cute.size(one_plane, mode=[0]), cute.size(one_plane, mode=[1]))
+    return Tma(*cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), tiles.tma_view(x), one_plane, tile))
+
+
 @cute.jit
 def scale_row(tile, row, factor, keep):
     """Row ``row`` of the bf16 smem ``tile`` (rows x D) times ``factor`` in place, or set to zero where ``keep`` is
@@ -249,11 +256,7 @@ class ScalarGateChunkFwdSm100:
         _, tile_v_mn = tiles.token_tiles(C, mma.M)
         tile_p, _ = tiles.token_tiles(C, C)
         tile_s, _ = tiles.token_tiles(D, D)
-        one_tile = cute.slice_(tile_qkv, (None, None, 0, 0))
-        load = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q = Tma(*cpasync.make_tiled_tma_atom(load, tiles.tma_view(q), one_tile, (C, D)))
-        tma_k = Tma(*cpasync.make_tiled_tma_atom(load, tiles.tma_view(k), one_tile, (C, D)))
-        tma_v = Tma(*cpasync.make_tiled_tma_atom(load, tiles.tma_view(v), one_tile, (C, D)))
+        tma_q, tma_k, tma_v = (stage_plane_tma(x, tile_qkv) for x in (q, k, v))
         params = Params(
             mma.tiled_mma("K", "K", C), mma.tiled_mma("K", "K", D), mma.tiled_mma("K", "MN", D), mma.tiled_mma("MN", "MN", D),
             tma_q, tma_k, tma_v, g, o, h0, ht, starts, ends, slots, w, q.shape[2], q.shape[1], scale,
