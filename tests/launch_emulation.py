@@ -21,7 +21,9 @@ max(g, floor) in log2 units (nothing added past the sequence end), per token or 
 - the forward of SM100's GDN kernel: Tinv the launch's ``w`` rows (made by the host path), Y = beta (V - 2^G K S) and
   V_new = Tinv Y selected to zero past the end, Y and V_new as bf16 hi + lo operands; O = Q~ S + P~ V_new and the
   update with 2^(G_last - G) V_new (hi + lo) against the raw keys; a split's later passes with V = 0, the transition
-  pass from S = I without an output, the correction pass's output added to the first pass's.
+  pass from S = I without an output, the correction pass's output added to the first pass's;
+- the forward of SM100's KDA kernel: the same chain with the per-key gate on the keys (K^ = bf16(2^G k) in K S,
+  K~ = bf16(2^(G_last - G) k) in the update, Q~ = bf16(s 2^G q)), Tinv and P~ the launch's ``w`` rows.
 """
 
 import math
@@ -89,10 +91,11 @@ def launch(kernel, call, config, t, scale):
                         beta = torch.where(inside, t.beta[b, tokens, hv].float(), 0.0)
                         ST = _delta_walk_step(config, ST, q, k, V_op, beta, G, inside, scale)
                         continue
-                elif kernel.delta_rule:  # the SM100 GDN forward, or a split's later pass (v = 0)
+                elif kernel.delta_rule:  # the SM100 GDN or KDA forward, or a split's later pass (v = 0)
                     if config.mode != "full":
                         V_op = torch.zeros_like(V_op)
-                    o, ST = _delta_forward_step(t, b, tokens, hv, inside, q, k, V_op, G[:, 0], ST, scale)
+                    step = _key_delta_forward_step if t.g.dim() == 4 else _delta_forward_step
+                    o, ST = step(t, b, tokens, hv, inside, q, k, V_op, G, ST, scale)
                     if config.mode == "correction":  # added to the first pass's output
                         o = o + t.o[b, tokens, hv].float()
                     if config.make_o:
@@ -147,9 +150,10 @@ def _delta_walk_step(config, ST, q, k, V_op, beta, G, inside, scale):
 
 
 def _delta_forward_step(t, b, tokens, hv, inside, q, k, V_op, G, ST, scale):
-    """One chunk of the SM100 GDN forward (module docstring) on S^T (V x K), G the scalar gate's [C]: ``(o [C, V], the
-    next S^T)``."""
+    """One chunk of the SM100 GDN forward (module docstring) on S^T (V x K), G the scalar gate's [C, K] (the same on
+    every key): ``(o [C, V], the next S^T)``."""
     C = q.shape[0]
+    G = G[:, 0]
     beta = torch.where(inside, t.beta[b, tokens, hv].float(), 0.0)
     tinv = t.w[b, tokens, hv].float()  # the launch's inverses, a row per token
     S_op = bf16(ST.T)
@@ -163,3 +167,18 @@ def _delta_forward_step(t, b, tokens, hv, inside, q, k, V_op, G, ST, scale):
     to_end = torch.where(inside, torch.exp2(G[-1] - G), 0.0)
     k = torch.where(inside[:, None], k, 0.0)  # zeroed past the end before the update
     return o, ST * torch.exp2(G[-1]) + split(to_end[:, None] * v_new).T @ k
+
+
+def _key_delta_forward_step(t, b, tokens, hv, inside, q, k, V_op, G, ST, scale):
+    """One chunk of the SM100 KDA forward (module docstring) on S^T (V x K), G the per-key gate's [C, K]: ``(o [C, V],
+    the next S^T)``."""
+    C = q.shape[0]
+    beta = torch.where(inside, t.beta[b, tokens, hv].float(), 0.0)
+    rows = t.w[b, tokens, hv].float()  # the launch's Tinv | P~, a row per token
+    tinv, P = rows[:, :C], rows[:, C:]
+    S_op = bf16(ST.T)
+    Y = torch.where(inside[:, None], beta[:, None] * (V_op - bf16(k * torch.exp2(G)) @ S_op), 0.0)
+    v_new = torch.where(inside[:, None], tinv @ split(Y), 0.0)
+    o = bf16(scale * torch.exp2(G) * q) @ S_op + P @ split(v_new)
+    K_end = torch.where(inside[:, None], bf16(k * torch.exp2(G[-1] - G)), 0.0)
+    return o, ST * torch.exp2(G[-1])[None, :] + split(v_new).T @ K_end

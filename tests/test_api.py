@@ -598,9 +598,9 @@ def test_offsets_cache_under_threads(monkeypatch):
 @pytest.mark.parametrize("cc", [(9, 0), (10, 0), (10, 3), (12, 0)])
 def test_dispatch_by_compute_capability(monkeypatch, cc, opt_in):
     """Each op with an SM90 kernel, on a faked GPU of each capability: the SM90 table serves 9.0. On 10.0 and 10.3
-    simple GLA, Lightning, GLA and GDN have SM100 kernels that have never run on hardware: each serves the call only
-    with CULA_UNTESTED_KERNELS=1, and otherwise the call goes to FLA with that reason. KDA (no SM100 kernel yet), and
-    every op on 12.0, go to FLA and explain names the architecture."""
+    simple GLA, Lightning, GLA, GDN and KDA have SM100 kernels that have never run on hardware: each serves the call
+    only with CULA_UNTESTED_KERNELS=1, and otherwise the call goes to FLA with that reason. Every op on 12.0 goes to
+    FLA and explain names the architecture."""
     FakeCuda(monkeypatch, cc)
     monkeypatch.setenv(dispatch.ENV_UNTESTED, "1" if opt_in else "0")
     monkeypatch.setattr(dispatch, "fla_function", lambda target: None)
@@ -618,6 +618,7 @@ def test_dispatch_by_compute_capability(monkeypatch, cc, opt_in):
         cula.lightning.chunk_lightning_attn: "lightning.chunk_fwd_sm100",
         cula.gla.chunk_gla: "gla.chunk_fwd_sm100",
         CHUNK_GDN: "gdn.chunk_fwd_sm100",
+        CHUNK_KDA: "kda.chunk_fwd_sm100",
     }
     arch = f"sm_{cc[0]}{cc[1]}"
     for fn, args in calls.items():
@@ -670,29 +671,35 @@ def test_the_sm100_chunk_kernels_say_what_they_decline(monkeypatch, fn, kernel, 
     assert cula.explain(fn, **call(grad=True)).reason == f"{kernel} on sm_100"
 
 
-def test_the_sm100_gdn_kernel_says_what_it_declines(monkeypatch):
-    """On a faked B200 with the opt-in: a D = 128 inference call (q / k norm and the in-kernel gate included) is
-    served by the SM100 GDN kernel; D = 64, a fp16 call and a training call (the kernel has no backward) go to FLA,
-    each with the kernel's reason."""
+@pytest.mark.parametrize("variant", ["gdn", "kda"])
+def test_the_sm100_delta_kernels_say_what_they_decline(monkeypatch, variant):
+    """On a faked B200 with the opt-in: a D = 128 inference call (q / k norm and the in-kernel gate included; for KDA
+    an unbounded gate too, which its SM90 kernel leaves to FLA) is served by the SM100 GDN or KDA kernel; D = 64, a
+    fp16 call and a training call (the kernel has no backward) go to FLA, each with the kernel's reason."""
     FakeCuda(monkeypatch, (10, 0), sms=148, name="NVIDIA B200")
     monkeypatch.setattr(dispatch, "fla_function", lambda target: None)
     monkeypatch.setenv(dispatch.ENV_UNTESTED, "1")
+    fn, per_key = (CHUNK_KDA, True) if variant == "kda" else (CHUNK_GDN, False)
 
     def call(D=128, dtype=torch.bfloat16, grad=False, **options):
         q = torch.randn(1, 70, 2, D, dtype=dtype, requires_grad=grad)
         k, v = (torch.randn(1, 70, 2, D, dtype=dtype) for _ in range(2))
-        return {"q": q, "k": k, "v": v, "g": -torch.rand(1, 70, 2), "beta": torch.rand(1, 70, 2), **options}
+        g = -torch.rand(1, 70, 2, *((D,) if per_key else ()))
+        return {"q": q, "k": k, "v": v, "g": g, "beta": torch.rand(1, 70, 2), **options}
 
     in_kernel = {"use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True, "A_log": torch.zeros(2)}
-    for args in (call(), call(**in_kernel)):
-        assert cula.explain(CHUNK_GDN, **args).reason == "gdn.chunk_fwd_sm100 on sm_100"
+    served = [call(), call(**in_kernel)]
+    if per_key:
+        served.append(call(g=-torch.rand(1, 70, 2, 128) * 30, safe_gate=False))
+    for args in served:
+        assert cula.explain(fn, **args).reason == f"{variant}.chunk_fwd_sm100 on sm_100"
     cases = {
         "head dims K=64, V=64 not supported (supported: K = V = 128)": call(D=64),
         "q, k, v must be bfloat16": call(dtype=torch.float16),
         "forward only": call(grad=True),
     }
     for reason, args in cases.items():
-        decision = cula.explain(CHUNK_GDN, **args)
+        decision = cula.explain(fn, **args)
         assert decision.backend == "fla" and reason in dict(decision.rejected)["cute"], decision
 
 

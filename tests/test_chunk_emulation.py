@@ -370,18 +370,27 @@ def test_a_split_simple_gla_call_matches_the_reference(monkeypatch):
     assert corrected == [([first + 1024, first + 2048], [first + 2048, first + 2200])]
 
 
-@pytest.mark.parametrize("case", ["fixed", "varlen", "state_v_first", "pool", "qk_l2norm, GVA", "split", "hardest"])
-def test_the_sm100_gdn_forward_host_path_matches_the_reference(monkeypatch, case):
-    """The SM100 GDN forward through its host path (cula.gdn.chunk_fwd_sm100: q / k normalised there, each chunk's
-    Tinv solved into the call's workspace, varlen ranges with 0- and 1-token sequences, state layouts, a state pool
-    read and written by slot, NaN-poisoned outputs, a split sequence's first, transition and correction passes) with
-    the kernel's launches emulated on the CPU (tests/launch_emulation.py): outputs and final states against the fp64
-    reference, per sequence; pool rows not named untouched. The hardest case for the delta rule's roundings (no decay,
-    beta = 1, one long sequence) stays within 0.004."""
+DELTA_HOST_CASES = ["fixed", "varlen", "state_v_first", "pool", "qk_l2norm, GVA", "split", "hardest"]
+
+
+@pytest.mark.parametrize(
+    "variant, case", [*(("gdn", c) for c in DELTA_HOST_CASES), *(("kda", c) for c in [*DELTA_HOST_CASES, "steep"])]
+)
+def test_the_sm100_delta_forward_host_path_matches_the_reference(monkeypatch, variant, case):
+    """The SM100 GDN and KDA forwards through their host path (cula.gdn.chunk_fwd_sm100, cula.kda.chunk_fwd_sm100: q /
+    k normalised there, each chunk's Tinv (and KDA's P~) made into the call's workspace, varlen ranges with 0- and
+    1-token sequences, state layouts, a state pool read and written by slot, NaN-poisoned outputs, a split sequence's
+    first, transition and correction passes) with the kernel's launches emulated on the CPU
+    (tests/launch_emulation.py): outputs and final states against the fp64 reference, per sequence; pool rows not
+    named untouched. The hardest case for the delta rule's roundings (no decay, beta = 1, one long sequence) stays
+    within 0.004 for GDN (KDA: 0.0042, its keys rounded with their factors); KDA's steep case (gate spikes far below
+    FLA's safe_gate bound of -5, and -inf) within 0.005."""
 
     from cula.gdn import chunk_fwd_sm100
+    from cula.kda import chunk_fwd_sm100 as kda_sm100
 
-    monkeypatch.setattr(chunk_fwd_sm100, "_SOLVE_ELEMENTS", 3 * 2 * 128 * 128)  # the inverses 3 chunks at a time
+    # the workspace made 3 chunks at a time
+    monkeypatch.setattr(chunk_fwd_sm100, "_SOLVE_ELEMENTS", 3 * 2 * 128 * (128 if variant == "gdn" else 4 * 16 * 128))
     launches = emulated_b200_launches(monkeypatch)
     torch.manual_seed(5)
     # the 4500-token sequence cut every 16 chunks of 128 tokens: a middle segment, and a later one
@@ -394,17 +403,23 @@ def test_the_sm100_gdn_forward_host_path_matches_the_reference(monkeypatch, case
     if not l2norm:
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
     q, k, v = q.bfloat16(), k.bfloat16(), torch.randn(B, T, HV, Dd).bfloat16()
-    g = F.logsigmoid(torch.randn(B, T, HV) + 3.0)
+    g = F.logsigmoid(torch.randn(B, T, HV, *([Dd] if variant == "kda" else [])) + 3.0)
     beta = torch.rand(B, T, HV)
     if case == "hardest":
         g, beta = torch.full_like(g, -1e-3), torch.ones_like(beta)
+    if case == "steep":  # a full reset of some key channels, and spikes of -12 to -60 on others
+        g[0, 40, :, :8] = -torch.inf
+        g[0, 150:160, :, 8:64] = -torch.rand(10, HV, 56) * 48 - 12
     h0 = torch.randn(N, HV, Dd, Dd) * 0.1
     offsets = [b * T for b in range(B + 1)] if lengths is None else list(itertools.accumulate([0, *lengths]))
     cu = None if lengths is None else torch.tensor(offsets, dtype=torch.int32)
     scale = Dd**-0.5
     o = torch.full((B, T, HV, Dd), float("nan")).bfloat16()
+    kernel_forward = (
+        kda_sm100.chunk_kda_fwd_sm100 if variant == "kda" else chunk_fwd_sm100.chunk_gated_delta_rule_fwd_sm100
+    )
     forward = functools.partial(
-        chunk_fwd_sm100.chunk_gated_delta_rule_fwd_sm100, q, k, v, g, beta, scale,
+        kernel_forward, q, k, v, g, beta, scale,
         cu_seqlens=cu, cu_seqlens_cpu=cu, out=o, qk_l2norm=l2norm, split=True if case == "split" else None,
     )  # fmt: skip
     if case == "pool":
@@ -421,12 +436,14 @@ def test_the_sm100_gdn_forward_host_path_matches_the_reference(monkeypatch, case
         ht = ht.transpose(-1, -2)
     else:
         _, ht = forward(h0, True)
-    o_ref, ht_ref = cula.gdn.chunk_gated_delta_rule(
+    reference = cula.kda.chunk_kda if variant == "kda" else cula.gdn.chunk_gated_delta_rule
+    o_ref, ht_ref = reference(
         q.double(), k.double(), v.double(), g.double(), beta.double(), scale=scale, initial_state=h0.double(),
         output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=l2norm,
     )  # fmt: skip
     bounds = [(b, 0, T) for b in range(B)] if lengths is None else [(0, s, e) for s, e in itertools.pairwise(offsets)]
-    bound = 0.004 if case == "hardest" else 0.005
+    # GDN's keys enter its products raw; KDA's rounded to bf16 with their gate factors (K^ and K~)
+    bound = 0.004 if case == "hardest" and variant == "gdn" else 0.005
     for n, (b, s, e) in enumerate(bounds):
         if e > s:
             assert rel_rmse(o[b, s:e], o_ref[b, s:e]) <= bound, (n, rel_rmse(o[b, s:e], o_ref[b, s:e]))

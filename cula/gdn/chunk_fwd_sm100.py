@@ -19,7 +19,7 @@ import torch
 
 from cula import runtime
 from cula.gdn import chunk_fwd_sm90
-from cula.ops import chunk_backward, segment_split
+from cula.ops import segment_split
 from cula.ops.gates import GATE_FLOOR, l2norm
 from cula.sm90 import entry
 from cula.sm90.chunk_fwd import ChunkFwdConfig
@@ -43,13 +43,19 @@ def compile_gdn_fwd_sm100(arch="sm_100a", *, beta_fp32=True, state_v_first=False
     return runtime.compile_kernel(DeltaChunkFwdSm100(cfg), fake, arch, keep_artifacts)
 
 
+def normalised(call: entry.ChunkCall) -> entry.ChunkCall:
+    """The call with q and k L2-normalised where it asks for it (in fp32, rounded to bf16 as the SM90 kernels' norm
+    warps round their operands): the SM100 delta-rule kernels have no norm role."""
+    if not call.qk_l2norm:
+        return call
+    q, k = (l2norm(x.float()).to(x.dtype) for x in (call.q, call.k))
+    return call._replace(q=q, k=k, qk_l2norm=False)
+
+
 def prepare(call: entry.ChunkCall) -> entry.ChunkCall:
-    """The call as the kernel takes it: q and k L2-normalised (in fp32, rounded to bf16 as the SM90 kernel's norm warps
-    round its operands); each chunk's inverse made into ``workspace`` (:func:`chunk_inverses`), which every launch of
-    the call reads."""
-    if call.qk_l2norm:
-        q, k = (l2norm(x.float()).to(x.dtype) for x in (call.q, call.k))
-        call = call._replace(q=q, k=k, qk_l2norm=False)
+    """The call as the kernel takes it: q and k normalised (:func:`normalised`); each chunk's inverse made into
+    ``workspace`` (:func:`chunk_inverses`), which every launch of the call reads."""
+    call = normalised(call)
     return call._replace(workspace=chunk_inverses(call))
 
 
@@ -65,24 +71,18 @@ _SOLVE_ELEMENTS = 1 << 26
 def chunk_inverses(call: entry.ChunkCall) -> torch.Tensor:
     """``[B, T, HV, 128]`` bf16: token t's row of its chunk's Tinv = (I + A)^-1, A = strict_tril(beta_i (k_i . k_j)
     e^(G_i - G_j)) with G the chunk's cumulative max(g, floor) (the kernel's gate), solved in fp32 and rounded to bf16;
-    columns past the sequence end zero. Chunks of 128 tokens from each sequence's start (the chunk rows of
-    :func:`cula.ops.chunk_backward.chunk_rows`, made once per batch layout), solved in batches of chunks (each batch's
-    temporaries at most :data:`_SOLVE_ELEMENTS` fp32 elements)."""
+    columns past the sequence end zero. Chunks of 128 tokens from each sequence's start
+    (:func:`cula.sm90.entry.chunk_batches`), solved in batches of chunks (each batch's temporaries at most
+    :data:`_SOLVE_ELEMENTS` fp32 elements)."""
     B, T, H, K = call.q.shape
     HV = call.v.shape[2]
     dev = call.q.device
-    offsets = entry.call_offsets(B, T, call.cu_seqlens, call.cu_seqlens_cpu)
-    index = chunk_backward.chunk_rows(offsets, call.cu_seqlens is None, dev, CHUNK).index  # [rows, C], B T past the end
-    inside = index < B * T
-    tokens = index.clamp(max=B * T - 1)
     head_of = runtime.host_to_device(torch.arange(HV) // (HV // H), dev)
     k_all, beta_all, g_all = call.k.reshape(B * T, H, K), call.beta.reshape(B * T, HV), call.g.reshape(B * T, HV)
     strict = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=dev).tril(-1)
     eye = torch.eye(CHUNK, device=dev)
     w = torch.zeros(B * T, HV, CHUNK, dtype=torch.bfloat16, device=dev)
-    batch = max(1, _SOLVE_ELEMENTS // (HV * CHUNK * CHUNK))
-    for c0 in range(0, tokens.shape[0], batch):
-        rows, valid = tokens[c0 : c0 + batch], inside[c0 : c0 + batch]
+    for rows, valid in entry.chunk_batches(call, CHUNK, max(1, _SOLVE_ELEMENTS // (HV * CHUNK * CHUNK))):
         k = k_all[rows][:, :, head_of].float()  # [chunks, C, HV, K]
         beta = torch.where(valid[..., None], beta_all[rows].float(), 0.0)
         g = torch.where(valid[..., None], g_all[rows].float().clamp_min(GATE_FLOOR), 0.0)

@@ -16,6 +16,7 @@ from cula.dispatch import (
     bind,
     call_args,
     chunk_fwd_kernel_declines,
+    chunk_kernel_supports,
     kernel_vs_fla,
     recomputing,
 )
@@ -172,6 +173,15 @@ RECURRENT.library = EntryOps(
 )
 
 
+def _chunk_kernels_decline(args: dict[str, Any]) -> tuple[bool, str] | None:
+    """What neither KDA chunk kernel serves (besides :func:`cula.dispatch.chunk_fwd_kernel_declines`)."""
+    if args.get("return_intermediate_states", False):
+        return False, "return_intermediate_states: the kernel keeps the per-chunk states on chip"
+    if args.get("use_graph", False):
+        return False, "use_graph (FLA's static CUDA-graph buffers) is served by FLA only"
+    return None
+
+
 def _sm90_supports(args: dict[str, Any]) -> tuple[bool, str]:
     declined = chunk_fwd_kernel_declines(args)
     if declined:
@@ -181,10 +191,9 @@ def _sm90_supports(args: dict[str, Any]) -> tuple[bool, str]:
     lower_bound = args.get("lower_bound")
     if lower_bound is not None and lower_bound < -5:
         return False, f"lower_bound={lower_bound}: the kernel's intra-chunk factors need gates >= -5"
-    if args.get("return_intermediate_states", False):
-        return False, "return_intermediate_states: the kernel keeps the per-chunk states on chip"
-    if args.get("use_graph", False):
-        return False, "use_graph (FLA's static CUDA-graph buffers) is served by FLA only"
+    declined = _chunk_kernels_decline(args)
+    if declined:
+        return declined
     from cula.kda import chunk_fwd_sm90  # imports the CuTe DSL: only on an SM90 device
 
     # g and beta are checked after the pre-passes of _sm90_run, which give them the kernel's dtypes
@@ -234,6 +243,29 @@ SM90_BACKWARD = BackwardKernel(recomputing(_sm90_run), lambda args: [], _sm90_ba
 CHUNK.register_kernel(
     CuteKernel("kda.chunk_fwd_sm90", 9, _sm90_supports, _sm90_run, _sm90_faster_than_fla, backward=SM90_BACKWARD)
 )
+
+
+# the SM100 kernel's checks: no bound on the gate (its intra-chunk matrices are made exactly, before the launch); g and
+# beta are checked after the pre-passes of _sm100_run
+_sm100_kernel_supports = chunk_kernel_supports("cula.kda.chunk_fwd_sm100", lambda args: (None, None))
+
+
+def _sm100_supports(args: dict[str, Any]) -> tuple[bool, str]:
+    return _chunk_kernels_decline(args) or _sm100_kernel_supports(args)
+
+
+def _sm100_run(args: dict[str, Any]):
+    from cula.kda.chunk_fwd_sm100 import KDA_SM100
+    from cula.sm90.entry import run_bound
+
+    g = args["g"]
+    if args.get("use_gate_in_kernel"):  # activated before the launch: the kernel reads g activated
+        g = kernel_kda_gate(g, args.get("A_log"), args.get("dt_bias"), args.get("lower_bound"))
+    return run_bound(KDA_SM100, args, g.float())
+
+
+# compiled for sm_100a / sm_103a only (no Blackwell GPU has run it); forward only: training calls go to FLA
+CHUNK.register_kernel(CuteKernel("kda.chunk_fwd_sm100", 10, _sm100_supports, _sm100_run, hardware_tested=False))
 
 
 def _recurrent_gates(args: dict[str, Any]):

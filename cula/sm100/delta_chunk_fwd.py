@@ -117,6 +117,9 @@ class DeltaChunkFwdSm100(ScalarGateChunkFwdSm100):
 
     delta_rule = True
     modes = ("full", "transition", "correction")
+    # where the gate's factors go: GDN's scalar gate on the values (the output warpgroup's Y and V_new'), a per-key
+    # gate on the keys (cula.sm100.key_delta_chunk_fwd: tiles the scores warpgroup makes)
+    gate_on_keys = False
 
     def __init__(self, config: ChunkFwdConfig):
         super().__init__(config)
@@ -204,6 +207,7 @@ class DeltaChunkFwdSm100(ScalarGateChunkFwdSm100):
             ks_acc.producer_commit(producer)
             if cutlass.const_expr(self.makes_scores):
                 scores.consumer_wait(consumer)
+            if cutlass.const_expr(self.cfg.make_o):
                 o_acc.producer_acquire(producer)
             y_ring.consumer_wait(consumer)
             vn_acc.producer_acquire(producer)
@@ -212,14 +216,14 @@ class DeltaChunkFwdSm100(ScalarGateChunkFwdSm100):
             vn_acc.producer_commit(producer)
             values.consumer_wait(consumer)
             tmem.after_handoff()
-            if cutlass.const_expr(self.makes_scores):
+            if cutlass.const_expr(self.cfg.make_o):
                 self.issue_output(p, smem, acc)
                 o_acc.producer_commit(producer)
             self.issue_update(p, smem, acc)
             values.consumer_release(consumer)
             y_ring.consumer_release(consumer)
             state.consumer_release(consumer)
-            if cutlass.const_expr(self.makes_scores):
+            if cutlass.const_expr(self.makes_scores or self.gate_on_keys):
                 scores.consumer_release(consumer)
             qkv.consumer_release(consumer)
             consumer.advance()
@@ -234,7 +238,7 @@ class DeltaChunkFwdSm100(ScalarGateChunkFwdSm100):
     @cute.jit
     def issue_values(self, p: DeltaParams, smem: DeltaSmem, acc: DeltaAccumulators):
         """The chunk's O = Q~ S (where it makes O), and V_new = Tinv (Y hi + Y lo) into X (K S read), issued."""
-        if cutlass.const_expr(self.makes_scores):
+        if cutlass.const_expr(self.cfg.make_o):
             qs_a, qs_b = mma.operands(p.mma_qs, smem.sQKV[None, None, 0, 0], smem.sS)
             mma.gemm(p.mma_qs, acc.o, qs_a, qs_b, True)
         hi_a, hi_b = mma.operands(p.mma_pv, smem.sQKV[None, None, 3, 0], smem.sQKV_mn[None, None, 2, 0])
@@ -297,7 +301,8 @@ class DeltaChunkFwdSm100(ScalarGateChunkFwdSm100):
         """Thread ``tid`` owns token row i. Per chunk, once K S is made: Y_i = beta_i (v_i - 2^G_i (K S)_i), hi over
         v_i and lo into Y's tile (zero past the sequence end, where k_i is zeroed too); once V_new is made: V_new_i
         (zero past the end) hi over v_i and lo over Y's, 2^(G_last - G_i) V_new_i hi over Tinv's row i and lo over
-        S^T's operand; once O is made, its row stored."""
+        S^T's operand; once O is made, its row stored. With the gate on the keys (``gate_on_keys``) the keys carry
+        its factors: Y_i = beta_i (v_i - (K S)_i), no V_new', and the walk zeroes the key rows."""
         C, D = self.C, self.D
         cols = tmem.COLUMNS_PER_COPY
         f32 = cutlass.Float32
@@ -318,12 +323,15 @@ class DeltaChunkFwdSm100(ScalarGateChunkFwdSm100):
             in_sequence = i < seq.seqlen - chunk * C
             # clamped into the sequence instead of branching, so the load stays in flight
             beta_i = gBeta[seq.tok0 + cutlass.min(chunk * C + i, seq.seqlen - 1)].to(f32)
-            slot = gate_pos.index
-            gate.consumer_wait(gate_pos)
-            G_i = smem.sG[i, slot]
-            start = cute.math.exp2(G_i, fastmath=True)
-            to_end = cute.math.exp2(smem.sG[C - 1, slot] - G_i, fastmath=True)
-            gate.consumer_release(gate_pos)
+            # the factors on the values: 2^G_i on K S, 2^(G_last - G_i) on V_new (on the keys: neither)
+            start = to_end = f32(1.0)
+            if cutlass.const_expr(not self.gate_on_keys):
+                slot = gate_pos.index
+                gate.consumer_wait(gate_pos)
+                G_i = smem.sG[i, slot]
+                start = cute.math.exp2(G_i, fastmath=True)
+                to_end = cute.math.exp2(smem.sG[C - 1, slot] - G_i, fastmath=True)
+                gate.consumer_release(gate_pos)
             qkv.consumer_wait(consumer)  # uncounted: the v tile landed (the MMA warp releases the stage)
             y_ring.producer_acquire(producer)
             ks_acc.consumer_wait(consumer)
@@ -343,7 +351,7 @@ class DeltaChunkFwdSm100(ScalarGateChunkFwdSm100):
                 tmem.store_row_split(sV, smem.sY, i, blk * cols, frag)
             tmem.before_handoff()
             ks_acc.consumer_release(consumer)
-            if cutlass.const_expr(self.cfg.is_varlen):
+            if cutlass.const_expr(self.cfg.is_varlen and not self.gate_on_keys):  # (the walk zeroes K~'s rows)
                 if not in_sequence:
                     scale_row(sK, i, f32(0.0), False)
             # generic-proxy writes that the tensor cores read next
@@ -357,20 +365,22 @@ class DeltaChunkFwdSm100(ScalarGateChunkFwdSm100):
                 for c in cutlass.range_constexpr(cols):
                     frag[c] = frag[c] if in_sequence else f32(0.0)
                 tmem.store_row_split(sV, smem.sY, i, blk * cols, frag)
-                for c in cutlass.range_constexpr(cols):
-                    frag[c] = frag[c] * to_end
-                tmem.store_row_split(sTinv, smem.sS, i, blk * cols, frag)
+                if cutlass.const_expr(not self.gate_on_keys):
+                    for c in cutlass.range_constexpr(cols):
+                        frag[c] = frag[c] * to_end
+                    tmem.store_row_split(sTinv, smem.sS, i, blk * cols, frag)
             tmem.before_handoff()
             vn_acc.consumer_release(consumer)
             cute.arch.fence_proxy("async.shared", space="cta")
             values.producer_commit(producer)
-            if cutlass.const_expr(self.makes_scores):
+            if cutlass.const_expr(self.cfg.make_o):
                 o_acc.consumer_wait(consumer)
                 tmem.after_handoff()
                 self.store_output(o_rows, frag, gO, seq.tok0 + chunk * C + i, in_sequence)
                 tmem.before_handoff()
                 o_acc.consumer_release(consumer)
-            gate_pos.advance()
+            if cutlass.const_expr(not self.gate_on_keys):
+                gate_pos.advance()
             consumer.advance()
             producer.advance()
         # the last releases arrive before the kernel exits (each tail walks its own copy of the position)

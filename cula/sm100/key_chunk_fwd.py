@@ -91,7 +91,65 @@ class KeyAccumulators(NamedTuple):
     g: cute.Tensor
 
 
-class KeyGateChunkFwdSm100(ScalarGateChunkFwdSm100):
+class KeyGate:
+    """A per-key gate on an SM100 chunk kernel's skeleton: the gate warp idles; the scores warpgroup walks the gate
+    (thread k: key channel k), its running sum per token in its TMEM lane of G^T, scales the chunk's tiles by it
+    (:meth:`walk_scaled`) and passes the chunk's decay 2^G_last per key channel to the state warpgroup through the
+    gate ring (``smem.sDec``), which decays S^T's key columns by it. Mixed in ahead of the skeleton's class (:class:`KeyGateChunkFwdSm100`, and KDA's
+    :class:`cula.sm100.key_delta_chunk_fwd.KeyDeltaChunkFwdSm100`)."""
+
+    @cute.jit
+    def gate_warp(self, p, smem, rings, seq: Sequence):
+        """No work: the scores warpgroup walks the per-key gate."""
+        pass
+
+    def chunk_decay(self, smem, slot):
+        return None
+
+    def column_decay(self, decay, smem, slot, column: int):
+        """2^G_last of key channel ``column``, from the walk."""
+        return smem.sDec[column, slot]
+
+    @cute.jit
+    def walk_scaled(
+        self,
+        smem,
+        g_rows,
+        G_last,
+        key,
+        valid,
+        scale,
+        scale_q: cutlass.Constexpr,
+        key_factor: cutlass.Constexpr,
+        start_keys=None,
+    ):
+        """Column ``key`` of Q~ = s 2^G q over the q tile (``scale_q``), and of the raw key tile times 2^(G_last - G)
+        (``key_factor`` "end": a steep chunk's K~, the states walk's) or s 2^G ("start": the state-gradient walk,
+        whose key place holds q), zero past the sequence end ("none": left as it is). A correction pass takes Q~
+        alone, a walk the key tile alone. With ``start_keys`` (a (C, D) bf16 tile) also K 2^G there, from the raw keys
+        (the delta rule's projection of the state, :mod:`cula.sm100.key_delta_chunk_fwd`)."""
+        C = self.C
+        f32, bf16 = cutlass.Float32, cutlass.BFloat16
+        cols = tmem.COLUMNS_PER_COPY
+        sQ, sK = smem.sQKV[None, None, 0, 0], smem.sQKV[None, None, 1, 0]
+        for blk in cutlass.range(C // cols, unroll=1):
+            G = tmem.fragment(g_rows)
+            tmem.read(g_rows, blk, G)
+            for e in cutlass.range_constexpr(cols):
+                t = blk * cols + e
+                if cutlass.const_expr(scale_q):
+                    sQ[t, key] = (sQ[t, key].to(f32) * scale * cute.math.exp2(G[e], fastmath=True)).to(bf16)
+                if cutlass.const_expr(start_keys is not None):
+                    start_keys[t, key] = (sK[t, key].to(f32) * cute.math.exp2(G[e], fastmath=True)).to(bf16)
+                if cutlass.const_expr(key_factor != "none"):
+                    if cutlass.const_expr(key_factor == "end"):
+                        factor = cute.math.exp2(G_last - G[e], fastmath=True)
+                    else:
+                        factor = scale * cute.math.exp2(G[e], fastmath=True)
+                    sK[t, key] = (sK[t, key].to(f32) * factor).to(bf16) if t < valid else bf16(0.0)
+
+
+class KeyGateChunkFwdSm100(KeyGate, ScalarGateChunkFwdSm100):
     """The kernel (module docstring); ``cfg`` a :class:`cula.sm90.chunk_fwd.ChunkFwdConfig` without the delta rule,
     the forward (a full pass, or a split's correction pass) or one of the backward's state walks."""
 
@@ -168,18 +226,6 @@ class KeyGateChunkFwdSm100(ScalarGateChunkFwdSm100):
             blocks.consumer_release(consumer)
 
     @cute.jit
-    def gate_warp(self, p: KeyParams, smem: KeySmem, rings: KeyRings, seq: Sequence):
-        """No work: the scores warpgroup walks the per-key gate."""
-        pass
-
-    def chunk_decay(self, smem: KeySmem, slot):
-        return None
-
-    def column_decay(self, decay, smem: KeySmem, slot, column: int):
-        """2^G_last of key channel ``column``, from the walk."""
-        return smem.sDec[column, slot]
-
-    @cute.jit
     def scores_role(self, p: KeyParams, smem: KeySmem, rings: KeyRings, acc: KeyAccumulators, seq: Sequence, tid):
         """The gate walk and the scores (module docstring). Per chunk: G per key channel into TMEM and its decay into
         a gate slot; in a full pass L^0, L^1 and R, then (their products done) L^2, L^3 and Q~, then (P done) K~ and
@@ -232,7 +278,7 @@ class KeyGateChunkFwdSm100(ScalarGateChunkFwdSm100):
                 if steep:
                     self.direct_scores(smem, g_rows, acc, key, has_key, tid)
                     if has_key:
-                        self.walk_scaled(smem, g_rows, refs, key, valid, scale, True, "end")
+                        self.walk_scaled(smem, g_rows, refs[BLOCKS], key, valid, scale, True, "end")
                 else:
                     if has_key:
                         self.walk_end_keys(smem, refs, key, valid)
@@ -241,7 +287,9 @@ class KeyGateChunkFwdSm100(ScalarGateChunkFwdSm100):
                 p_acc.consumer_release(consumer)
             else:
                 if has_key:
-                    self.walk_scaled(smem, g_rows, refs, key, valid, scale, self.cfg.make_o, self.walk_key_factor)
+                    self.walk_scaled(
+                        smem, g_rows, refs[BLOCKS], key, valid, scale, self.cfg.make_o, self.walk_key_factor
+                    )
                 if cutlass.const_expr(self.updates_state):
                     self.zero_tail_values(smem, tid, valid)
             cute.arch.fence_proxy("async.shared", space="cta")
@@ -335,32 +383,6 @@ class KeyGateChunkFwdSm100(ScalarGateChunkFwdSm100):
             for e in cutlass.range_constexpr(self.block):
                 t = J * self.block + e
                 sK[t, key] = (sK[t, key].to(f32) * factor).to(bf16) if t < valid else bf16(0.0)
-
-    @cute.jit
-    def walk_scaled(
-        self, smem: KeySmem, g_rows, refs, key, valid, scale, scale_q: cutlass.Constexpr, key_factor: cutlass.Constexpr
-    ):
-        """Column ``key`` of Q~ = s 2^G q over the q tile (``scale_q``), and of the raw key tile times 2^(G_last - G)
-        (``key_factor`` "end": a steep chunk's K~, the states walk's) or s 2^G ("start": the state-gradient walk,
-        whose key place holds q), zero past the sequence end ("none": left as it is). A correction pass takes Q~
-        alone, a walk the key tile alone."""
-        C = self.C
-        f32, bf16 = cutlass.Float32, cutlass.BFloat16
-        cols = tmem.COLUMNS_PER_COPY
-        sQ, sK = smem.sQKV[None, None, 0, 0], smem.sQKV[None, None, 1, 0]
-        for blk in cutlass.range(C // cols, unroll=1):
-            G = tmem.fragment(g_rows)
-            tmem.read(g_rows, blk, G)
-            for e in cutlass.range_constexpr(cols):
-                t = blk * cols + e
-                if cutlass.const_expr(scale_q):
-                    sQ[t, key] = (sQ[t, key].to(f32) * scale * cute.math.exp2(G[e], fastmath=True)).to(bf16)
-                if cutlass.const_expr(key_factor != "none"):
-                    if cutlass.const_expr(key_factor == "end"):
-                        factor = cute.math.exp2(refs[BLOCKS] - G[e], fastmath=True)
-                    else:
-                        factor = scale * cute.math.exp2(G[e], fastmath=True)
-                    sK[t, key] = (sK[t, key].to(f32) * factor).to(bf16) if t < valid else bf16(0.0)
 
     @cute.jit
     def direct_scores(self, smem: KeySmem, g_rows, acc: KeyAccumulators, key, has_key, tid):

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 
 from cula import runtime, validation
-from cula.ops import segment_split, state_chain_sm90
+from cula.ops import chunk_backward, segment_split, state_chain_sm90
 from cula.sm90.chunk_fwd import CHUNK, ChunkFwdConfig
 
 # CUDA's limit on a launch grid's y (and z) size: the chunk kernels run sequence n as grid row n
@@ -216,6 +216,19 @@ def call_offsets(B: int, T: int, cu_seqlens, cu_seqlens_cpu) -> list[int]:
     if cu_seqlens is None:
         return [b * T for b in range(B + 1)]
     return validation.host_offsets(cu_seqlens, cu_seqlens_cpu)
+
+
+def chunk_batches(call: ChunkCall, chunk: int, batch: int):
+    """The call's chunks of ``chunk`` tokens from each sequence's start (the rows of
+    :func:`cula.ops.chunk_backward.chunk_rows`), ``batch`` at a time: yields ``(tokens, valid)``, [n, chunk] indices
+    into the flattened (B T) token axis (clamped into it) and whether each token is in its sequence (a prefix of the
+    chunk)."""
+    B, T = call.q.shape[:2]
+    offsets = call_offsets(B, T, call.cu_seqlens, call.cu_seqlens_cpu)
+    index = chunk_backward.chunk_rows(offsets, call.cu_seqlens is None, call.q.device, chunk).index
+    for c0 in range(0, index.shape[0], batch):
+        rows = index[c0 : c0 + batch]
+        yield rows.clamp(max=B * T - 1), rows < B * T
 
 
 def token_ranges(cu_seqlens) -> tuple[torch.Tensor | None, torch.Tensor | None]:
