@@ -373,17 +373,40 @@ def test_chunk_rows_hold_every_token_once_in_order(fixed_length, chunk):
         assert rows <= index.shape[0]
 
 
+def emulated_scalar_gradient_kernel(launches: list, chunk: int):
+    """A per-chunk gradient kernel of a scalar gate (cula.sm90.scalar_chunk_bwd, cula.sm100.scalar_chunk_bwd) as
+    ``runtime.get_or_compile`` returns it, its launch on a CPU: :func:`emulate_chunk_rows` over rows of ``chunk``
+    tokens with the kernels' roundings (cula.ops.chunk_backward.scalar_gated_rows: bf16 scores); each launch's
+    chunk rows appended to ``launches``."""
+
+    def launch(q, k, v, do, g, S, dS, chunks, dq, dk, dv, dg, scale):
+        launches.append(chunks)
+
+        def stages(qc, kc, vc, doc, gc, S_row, dS_row):
+            return chunk_backward.scalar_gated_rows(qc, kc, vc, doc, gc, S_row, dS_row, scale)
+
+        emulate_chunk_rows(chunks, (q, k, v, do, g), (dq, dk, dv, dg), S, dS, 1, stages, chunk)
+
+    return launch
+
+
+@pytest.mark.parametrize("passes", ["pytorch", "kernel"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("lengths", [[0, 1, 130, 128, 300], None], ids=["varlen", "fixed"])
-def test_the_sm100_backward_host_path_gives_the_reference_gradients(monkeypatch, lengths, D):
+def test_the_sm100_backward_host_path_gives_the_reference_gradients(monkeypatch, lengths, D, passes):
     """Simple GLA's backward with the SM100 kernel's walks (cula.lightning.chunk_bwd_sm90 with SIMPLE_GLA_SM100:
-    chunk rows and checkpoints of 128 tokens), the walks' launch emulated on the CPU: every gradient against the fp64
-    reference's autograd, per sequence, at both head dims."""
+    chunk rows and checkpoints of 128 tokens), then the per-chunk gradients by PyTorch rows or by the SM100 per-chunk
+    kernel (CULA_CHUNK_GRADIENT_KERNEL), the launches emulated on the CPU: every gradient against the fp64
+    reference's autograd, per sequence, at both head dims; the kernel launched on rows of 128 tokens."""
     from cula.lightning.chunk_bwd_sm90 import chunk_simple_gla_bwd_sm90
     from cula.lightning.chunk_fwd_sm100 import SIMPLE_GLA_SM100
     from cula.sm90 import walks
 
     monkeypatch.setattr(walks.entry, "launch", emulated_launch)
+    monkeypatch.setenv("CULA_CHUNK_GRADIENT_KERNEL", "1" if passes == "kernel" else "0")
+    monkeypatch.setattr(runtime, "device_arch", lambda device: "sm_100a")
+    launches = []
+    monkeypatch.setattr(runtime, "get_or_compile", lambda key, build: emulated_scalar_gradient_kernel(launches, 128))
     torch.manual_seed(3)
     B, T = (1, sum(lengths)) if lengths else (2, 200)
     N, H = (len(lengths) if lengths else B), 2
@@ -400,6 +423,9 @@ def test_the_sm100_backward_host_path_gives_the_reference_gradients(monkeypatch,
     torch.autograd.backward([o, ht], [do.double(), dht.double()])
     bounds = sequence_bounds(B, T, lengths)
     assert_gradients_per_sequence(got, leaves, bounds, N)
+    if passes == "kernel":
+        (chunks,) = launches
+        assert int(chunks[:, 1].max()) == 128 and int(chunks[:, 1].sum()) == B * T
 
 
 @pytest.mark.parametrize("passes", ["pytorch", "kernel"])
@@ -656,13 +682,13 @@ def test_the_kda_gradient_kernels_roundings_hold_the_bf16_tolerances(gates):
     assert_each_chunk_head_within_bf16_tolerances(got, want)
 
 
-def emulate_chunk_rows(chunks, inputs, outputs, S, dS, value_heads_per_head, gradients):
+def emulate_chunk_rows(chunks, inputs, outputs, S, dS, value_heads_per_head, gradients, chunk=chunk_backward.CHUNK):
     """A per-chunk gradient kernel's launch on a CPU: per chunk row (its first flattened token and valid tokens) and
     value head hv, ``gradients(*chunk inputs [1, C, ...], S^T row, dS'^T row)`` (the kernel's stages, emulated) on
     the row's tokens of ``inputs`` ([B, T, heads, ...]: q and k read at head hv // ``value_heads_per_head``, the rest
-    at hv) padded with zeros, the gate (the last input) floored as the kernel loads it; its results' valid rows to
-    ``outputs`` per value head."""
-    C = chunk_backward.CHUNK
+    at hv) padded with zeros to ``chunk`` tokens, the gate (the last input) floored as the kernel loads it; its
+    results' valid rows to ``outputs`` per value head."""
+    C = chunk
     B, T, HV = inputs[2].shape[:3]
     flat = [x.reshape(B * T, *x.shape[2:]).float() for x in inputs]
     outs = [x.view(B * T, *x.shape[2:]) for x in outputs]

@@ -4,7 +4,7 @@ Only a Blackwell GPU runs these; none has yet (the kernel is served only with CU
 
 import pytest
 import torch
-from delta_rule_recurrence import assert_matches, needs_sm100
+from delta_rule_recurrence import assert_matches, gradient_passes_fixture, needs_sm100
 from test_lightning_sm90 import make_inputs, reference, run_case
 
 import cula
@@ -100,16 +100,21 @@ def test_state_walks_store_the_plans_checkpoints(walk):
     check_state_walk(SIMPLE_GLA_SM100, walk, 128, per_key_gate=False, lengths=(0, 1, 130, 128, 777))
 
 
+gradient_passes = gradient_passes_fixture("CULA_CHUNK_GRADIENT_KERNEL", tile_copies=False)
+
+
 @pytest.mark.parametrize("lengths", [None, [0, 1, 130, 128, 777]], ids=["fixed", "varlen"])
-def test_simple_gla_gradients(monkeypatch, lengths):
-    """Every gradient through the SM100 backward (its walks, then PyTorch rows; opt-in, the kernel forced) against
-    the fp64 reference's autograd, per sequence and over the call."""
+@pytest.mark.parametrize("D", [64, 128])
+def test_simple_gla_gradients(monkeypatch, lengths, D, gradient_passes):
+    """Every gradient through the SM100 backward (its walks, then the per-chunk gradient kernel
+    cula.sm100.scalar_chunk_bwd or PyTorch rows; opt-in, the kernel forced) against the fp64 reference's autograd, per
+    sequence and over the call."""
     from delta_rule_recurrence import check_gradients, offsets_of
     from test_lightning_sm90_backward import simple_gla_inputs
 
     if lengths is None:
-        inputs, extra = simple_gla_inputs(2, 1000, 2, 128, "both", True), {}
+        inputs, extra = simple_gla_inputs(2, 1000, 2, D, "both", True), {}
     else:
-        inputs = simple_gla_inputs(1, sum(lengths), 2, 128, "g", True, N=len(lengths))
+        inputs = simple_gla_inputs(1, sum(lengths), 2, D, "g", True, N=len(lengths))
         extra = {"cu_seqlens": torch.tensor(offsets_of(lengths), device="cuda")}
     check_gradients(cula.lightning.chunk_simple_gla, inputs, extra, monkeypatch, lengths)

@@ -34,3 +34,19 @@ class Barrier(enum.IntEnum):
     TMEM_ALLOC = 1  # every thread: the TMEM address published by the MMA warp
     TMEM_FREE = 2  # every thread: all TMEM reads and writes done before the MMA warp frees it
     WALK = 3  # the per-key gate's walk (the scores warpgroup): its steep test and a steep chunk's G grid
+    # the per-chunk gradient kernel's (cula.sm100.scalar_chunk_bwd)
+    GATES = 4  # the gate warp's G and factors, for the three warpgroups
+    STATES_READ = 5  # the state sum has read both checkpoints: the scores may go over them
+    ROWS = 6  # the row sums of dq and dk, for the gate warp's dg
+
+
+class GradientRole(enum.IntEnum):
+    """The first warp of each role of the per-chunk gradient kernel (:mod:`cula.sm100.scalar_chunk_bwd`): the
+    single-warp roles as the chunk kernels', three warpgroups owning a token row each."""
+
+    LOAD = 0  # TMA loads of the chunk's tiles and checkpoints
+    MMA = 1  # issues every tcgen05 MMA; allocates and frees TMEM
+    GATE = 2  # the chunk's gates, then the gate's gradient
+    SCORES = 4  # dP~ and P~, then dv
+    QUERIES = 8  # the state sum, then dq
+    KEYS = 12  # dk

@@ -182,6 +182,20 @@ def stage_plane_tma(x, tile_qkv) -> Tma:
 
 
 @cute.jit
+def scan_chunk_gates(x, G, lane):
+    """G = cumsum(x) log2(e) over a chunk of 128 gates held four per lane (``x[m]`` at token lane + 32 m) into ``G``
+    (the same places); returns G at the chunk's last token. 64 tokens at a time (lane l holds l and l + 32 of each),
+    the second 64 after the first's total."""
+    total = cutlass.Float32(0.0)
+    for half in cutlass.range_constexpr(CHUNK // 64):
+        lo, hi = warp_scan_64(x[2 * half], x[2 * half + 1], lane, False)
+        G[2 * half] = (lo + total) * _LOG2E
+        G[2 * half + 1] = (hi + total) * _LOG2E
+        total = total + cute.arch.shuffle_sync(hi, 31)
+    return total * _LOG2E
+
+
+@cute.jit
 def scale_row(tile, row, factor, keep):
     """Row ``row`` of the bf16 smem ``tile`` (rows x D) times ``factor`` in place, or set to zero where ``keep`` is
     False (not multiplied: the row may hold the next sequence's tokens, NaN included)."""
@@ -487,14 +501,7 @@ class ScalarGateChunkFwdSm100:
             x = cute.make_rmem_tensor(cute.make_layout(C // 32), f32)
             for m in cutlass.range_constexpr(C // 32):
                 x[m] = cutlass.max(raw[m], f32(GATE_FLOOR)) if t0 + 32 * m < seq.seqlen else f32(0.0)
-            # 64 tokens at a time (lane l holds l and l + 32 of each), the second 64 after the first's total
-            total = f32(0.0)
-            for half in cutlass.range_constexpr(C // 64):
-                lo, hi = warp_scan_64(x[2 * half], x[2 * half + 1], lane, False)
-                G[2 * half] = (lo + total) * _LOG2E
-                G[2 * half + 1] = (hi + total) * _LOG2E
-                total = total + cute.arch.shuffle_sync(hi, 31)
-            G_last = total * _LOG2E
+            G_last = scan_chunk_gates(x, G, lane)
             gate.producer_acquire(pos)
             slot = pos.index
             for m in cutlass.range_constexpr(C // 32):
