@@ -268,7 +268,8 @@ def kernel_chunk_rows(index: torch.Tensor, n_tokens: int) -> torch.Tensor:
 
 def scalar_gated_rows(q, k, v, do, g, S, dS_end, scale) -> tuple[torch.Tensor, ...]:
     """Passes 3 and 4 for a scalar gate without the delta rule (simple GLA, Lightning), batched, with the roundings
-    of their kernel (:mod:`cula.sm90.scalar_chunk_bwd`: P and scale dP Gamma as bf16 operands): q, k, v, do
+    of their kernels (:mod:`cula.sm90.scalar_chunk_bwd`, :mod:`cula.sm100.scalar_chunk_bwd`: P and scale dP Gamma as
+    bf16 operands, the inter parts' factors on their fp32 products): q, k, v, do
     [N, C, D] (zero past a sequence's end), g [N, C] floored (zero past the end), S and dS_end [N, K, V], N = chunks x
     heads. Returns ``(dq, dk, dv [N, C, D], dg [N, C])`` in fp32 (the gradient of each token's gate)."""
     C = q.shape[1]
@@ -283,7 +284,7 @@ def scalar_gated_rows(q, k, v, do, g, S, dS_end, scale) -> tuple[torch.Tensor, .
     dq = scale * torch.exp(G)[..., None] * (do @ S.transpose(1, 2)) + dP_gamma @ k
     dk_inter = to_end * (v @ dS.transpose(1, 2))
     dk = dk_inter + dP_gamma.transpose(1, 2) @ q
-    dv = bf16(k * to_end) @ dS + P.transpose(1, 2) @ do
+    dv = to_end * (k @ dS) + P.transpose(1, 2) @ do
     local = (q * dq - k * dk).sum(-1)
     constant = (k * dk_inter).sum((1, 2)) + torch.exp(G_L[:, 0]) * (S * dS).sum((1, 2))
     dg = local.flip(1).cumsum(1).flip(1) + constant[:, None]
