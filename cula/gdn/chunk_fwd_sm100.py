@@ -103,13 +103,10 @@ GDN_SM100 = entry.ChunkKernel("gdn_sm100", compile_gdn_fwd_sm100, split_cost=spl
 chunk_gated_delta_rule_fwd_sm100 = functools.partial(chunk_fwd_sm90.chunk_gated_delta_rule_fwd_sm90, kernel=GDN_SM100)
 
 
-entry.register_checked(
-    "gdn_chunk_fwd_sm100",
-    compile_gdn_fwd_sm100,
-    {
-        **entry.checked("", "[fixed length]", "[pool]", "[pool, read only]", "[transition]", "[correction]"),
-        "[state_v_first]": {"is_varlen": True, "has_initial_state": True, "state_v_first": True},
-    },
-    archs=ARCHS,
-    expected_ptx=entry.SM100_PTX,
-)
+# the compile check's configurations of an SM100 delta-rule kernel (GDN's, KDA's)
+CHECKED = {
+    **entry.checked("", "[fixed length]", "[pool]", "[pool, read only]", "[transition]", "[correction]"),
+    "[state_v_first]": {"is_varlen": True, "has_initial_state": True, "state_v_first": True},
+}
+
+entry.register_checked("gdn_chunk_fwd_sm100", compile_gdn_fwd_sm100, CHECKED, archs=ARCHS, expected_ptx=entry.SM100_PTX)

@@ -24,7 +24,6 @@ from cula.sm100.delta_chunk_fwd import HEAD_DIMS
 from cula.sm100.key_delta_chunk_fwd import KeyDeltaChunkFwdSm100
 from cula.sm100.scalar_chunk_fwd import CHUNK
 
-ARCHS = ("sm_100a", "sm_103a")
 # the intra-chunk scores' blocks: each against the previous columns through its first token (:func:`_key_scores`)
 _BLOCK = 16
 
@@ -140,12 +139,5 @@ def chunk_kda_fwd_sm100(*args, **kwargs):
 
 
 entry.register_checked(
-    "kda_chunk_fwd_sm100",
-    compile_kda_fwd_sm100,
-    {
-        **entry.checked("", "[fixed length]", "[pool]", "[pool, read only]", "[transition]", "[correction]"),
-        "[state_v_first]": {"is_varlen": True, "has_initial_state": True, "state_v_first": True},
-    },
-    archs=ARCHS,
-    expected_ptx=entry.SM100_PTX,
+    "kda_chunk_fwd_sm100", compile_kda_fwd_sm100, gdn_sm100.CHECKED, archs=gdn_sm100.ARCHS, expected_ptx=entry.SM100_PTX
 )
