@@ -147,3 +147,17 @@ def test_a_fixed_phase_wait_in_a_loop_is_seen():
     assert not compile_check.fixed_phase_waits("\n".join([wait, *loop, "bra.uni $L__BB0_1;"]))  # before the loop
     retry = ["$L__BB0_2:", wait, "@!P1 bra $L__BB0_2;"]  # a wait's own retry loop
     assert not compile_check.fixed_phase_waits("\n".join(retry))
+
+
+@pytest.mark.parametrize("variant", ["gdn", "kda"])
+def test_an_sm100_transition_pass_keeps_the_state_operand_in_shared_memory(variant):
+    """A split's transition pass makes no output but is no state walk: its state warpgroup writes S^T's bf16 operand
+    to shared memory for the chain's products, as the first pass does, and not to ``w`` (there the call's Tinv rows)
+    as a walk's checkpoints: no 16-byte global store in its PTX (it has no output, and its final state goes out as
+    fp32 scalars)."""
+    import importlib
+
+    module = importlib.import_module(f"cula.{variant}.chunk_fwd_sm100")
+    compile_fn = getattr(module, f"compile_{variant}_fwd_sm100")
+    ptx = compile_fn("sm_100a", keep_artifacts=True, is_varlen=True, mode="transition").artifacts.PTX
+    assert ptx.count("st.global.v4") == 0

@@ -296,6 +296,7 @@ class KeyGateChunkFwdSm100(KeyGate, ScalarGateChunkFwdSm100):
             scores.producer_commit(producer)
             consumer.advance()
             producer.advance()
+        tmem.before_handoff()  # the walk's last TMEM accesses ordered before the barrier that frees TMEM
         if cutlass.const_expr(self.makes_scores):
             blocks_23.producer_tail(producer.clone())  # (a tail advances the position it is given)
         scores.producer_tail(producer)

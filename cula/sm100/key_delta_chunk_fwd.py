@@ -184,6 +184,7 @@ class KeyDeltaChunkFwdSm100(KeyGate, DeltaChunkFwdSm100):
             scores.producer_commit(producer)
             consumer.advance()
             producer.advance()
+        tmem.before_handoff()  # the walk's last TMEM accesses ordered before the barrier that frees TMEM
         scores.producer_tail(producer)
 
     @cute.jit

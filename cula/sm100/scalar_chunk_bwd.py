@@ -369,6 +369,8 @@ class ScalarGateChunkBwdSm100(ScalarGateChunkBwdSm90):
         f32 = cutlass.Float32
         consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        # uncounted: the TMA writes of the tiles it zeroes ordered before it (not only through the MMA warp's wait)
+        rings.loads.consumer_wait(consumer)
         cute.arch.barrier(barrier_id=Barrier.GATES, number_of_threads=_GATE_THREADS)
         rings.first.consumer_wait(consumer)
         tmem.after_handoff()
@@ -449,6 +451,7 @@ class ScalarGateChunkBwdSm100(ScalarGateChunkBwdSm90):
         dk_j and the row stored."""
         consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        rings.loads.consumer_wait(consumer)  # uncounted: the k tile's TMA writes ordered before its row reads
         cute.arch.barrier(barrier_id=Barrier.GATES, number_of_threads=_GATE_THREADS)
         rows = tmem.Rows(acc.dk, self.D, tid)
         j = rows.row()

@@ -612,7 +612,7 @@ class ScalarGateChunkFwdSm100:
             decay = self.chunk_decay(smem, gate_pos.index)
             # the forward's bf16 operand of Q~ S, or a walk's checkpoint of the state before the chunk's step
             operand = smem.sS
-            if cutlass.const_expr(not self.cfg.make_o):
+            if cutlass.const_expr(self.cfg.walk != "output"):  # (a transition pass makes no output either)
                 operand = p.w[
                     checkpoint0 + sequence.chunk_position(chunk, seq.n_chunks, self.cfg.reverse), seq.hv, None, None
                 ]
