@@ -370,7 +370,16 @@ def test_a_split_simple_gla_call_matches_the_reference(monkeypatch):
     assert corrected == [([first + 1024, first + 2048], [first + 2048, first + 2200])]
 
 
-DELTA_HOST_CASES = ["fixed", "varlen", "state_v_first", "pool", "qk_l2norm, GVA", "split", "hardest"]
+DELTA_HOST_CASES = [
+    "fixed",
+    "varlen",
+    "state_v_first",
+    "pool",
+    "qk_l2norm, GVA",
+    "split",
+    "hardest",
+    "poisoned neighbour",
+]
 
 
 @pytest.mark.parametrize(
@@ -380,7 +389,8 @@ def test_the_sm100_delta_forward_host_path_matches_the_reference(monkeypatch, va
     """The SM100 GDN and KDA forwards through their host path (cula.gdn.chunk_fwd_sm100, cula.kda.chunk_fwd_sm100: q /
     k normalised there, each chunk's Tinv (and KDA's P~) made into the call's workspace, varlen ranges with 0- and
     1-token sequences, state layouts, a state pool read and written by slot, NaN-poisoned outputs, a split sequence's
-    first, transition and correction passes) with the kernel's launches emulated on the CPU
+    first, transition and correction passes, a sequence of NaN inputs beside the others) with the kernel's launches
+    emulated on the CPU
     (tests/launch_emulation.py): outputs and final states against the fp64 reference, per sequence; pool rows not
     named untouched. The hardest case for the delta rule's roundings (no decay, beta = 1, one long sequence) stays
     within 0.004 for GDN (KDA: 0.0042, its keys rounded with their factors); KDA's steep case (gate spikes far below
@@ -418,8 +428,13 @@ def test_the_sm100_delta_forward_host_path_matches_the_reference(monkeypatch, va
     kernel_forward = (
         kda_sm100.chunk_kda_fwd_sm100 if variant == "kda" else chunk_fwd_sm100.chunk_gated_delta_rule_fwd_sm100
     )
+    kernel_inputs = [q, k, v, g, beta]
+    if case == "poisoned neighbour":  # sequence 3 all NaN: the tiles of sequence 2's last chunk hold its tokens
+        for n, x in enumerate(kernel_inputs):
+            kernel_inputs[n] = x.clone()
+            kernel_inputs[n][:, offsets[3] : offsets[4]] = float("nan")
     forward = functools.partial(
-        kernel_forward, q, k, v, g, beta, scale,
+        kernel_forward, *kernel_inputs, scale,
         cu_seqlens=cu, cu_seqlens_cpu=cu, out=o, qk_l2norm=l2norm, split=True if case == "split" else None,
     )  # fmt: skip
     if case == "pool":
@@ -445,6 +460,8 @@ def test_the_sm100_delta_forward_host_path_matches_the_reference(monkeypatch, va
     # GDN's keys enter its products raw; KDA's rounded to bf16 with their gate factors (K^ and K~)
     bound = 0.004 if case == "hardest" and variant == "gdn" else 0.005
     for n, (b, s, e) in enumerate(bounds):
+        if case == "poisoned neighbour" and n == 3:
+            continue
         if e > s:
             assert rel_rmse(o[b, s:e], o_ref[b, s:e]) <= bound, (n, rel_rmse(o[b, s:e], o_ref[b, s:e]))
         assert rel_rmse(ht[n], ht_ref[n]) <= bound, (n, rel_rmse(ht[n], ht_ref[n]))
