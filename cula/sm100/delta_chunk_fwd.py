@@ -256,11 +256,16 @@ class DeltaChunkFwdSm100(ScalarGateChunkFwdSm100):
 
     @cute.jit
     def issue_update(self, p: DeltaParams, smem: DeltaSmem, acc: DeltaAccumulators):
-        """The chunk's S^T += (V_new' hi + V_new' lo)^T K, issued."""
-        hi_a, hi_b = mma.operands(p.mma_state, smem.sQKV_mn[None, None, 3, 0], smem.sQKV_mn[None, None, 1, 0])
+        """The chunk's S^T += (V_new' hi + V_new' lo)^T K (a gate on the keys: (V_new hi + lo)^T K~), issued."""
+        hi, lo = self.update_values(smem)
+        hi_a, hi_b = mma.operands(p.mma_state, hi, smem.sQKV_mn[None, None, 1, 0])
         mma.gemm(p.mma_state, acc.s, hi_a, hi_b, False)
-        lo_a, lo_b = mma.operands(p.mma_state, smem.sS_mn, smem.sQKV_mn[None, None, 1, 0])
+        lo_a, lo_b = mma.operands(p.mma_state, lo, smem.sQKV_mn[None, None, 1, 0])
         mma.gemm(p.mma_state, acc.s, lo_a, lo_b, False)
+
+    def update_values(self, smem: DeltaSmem) -> tuple:
+        """The update's A operand read MN-major, ``(hi, lo)``: V_new' over Tinv's plane and S^T's operand."""
+        return smem.sQKV_mn[None, None, 3, 0], smem.sS_mn
 
     @cute.jit
     def scores_role(self, p: DeltaParams, smem: DeltaSmem, rings: DeltaRings, acc: DeltaAccumulators, seq, tid):

@@ -146,13 +146,9 @@ class KeyDeltaChunkFwdSm100(KeyGate, DeltaChunkFwdSm100):
         ks_a, ks_b = mma.operands(p.mma_qs, smem.sY, smem.sS)
         mma.gemm(p.mma_qs, acc.x, ks_a, ks_b, True)
 
-    @cute.jit
-    def issue_update(self, p: KeyDeltaParams, smem: KeyDeltaSmem, acc: KeyDeltaAccumulators):
-        """The chunk's S^T += (V_new hi + V_new lo)^T K~, issued."""
-        hi_a, hi_b = mma.operands(p.mma_state, smem.sQKV_mn[None, None, 2, 0], smem.sQKV_mn[None, None, 1, 0])
-        mma.gemm(p.mma_state, acc.s, hi_a, hi_b, False)
-        lo_a, lo_b = mma.operands(p.mma_state, smem.sY_mn, smem.sQKV_mn[None, None, 1, 0])
-        mma.gemm(p.mma_state, acc.s, lo_a, lo_b, False)
+    def update_values(self, smem: KeyDeltaSmem) -> tuple:
+        """The update's A operand: V_new (no factor: K~ carries it) over v's plane and in Y's tile."""
+        return smem.sQKV_mn[None, None, 2, 0], smem.sY_mn
 
     @cute.jit
     def scores_role(

@@ -235,14 +235,7 @@ class ScalarGateChunkBwdSm100(ScalarGateChunkBwdSm90):
             cute.arch.mbarrier_init_fence()
             cute.arch.sync_threads()
 
-            tmem_alloc = cutlass.memory.TmemAllocator(
-                st.tmem_address.ptr,
-                barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=Barrier.TMEM_ALLOC, num_threads=THREADS),
-                allocator_warp_id=GradientRole.MMA,
-            )
-            tmem_alloc.allocate(self.tmem_columns)
-            tmem_alloc.wait_for_alloc()
-            tmem_base = tmem_alloc.retrieve_ptr(cutlass.Float32)
+            tmem_alloc, tmem_base = tmem.allocate(st.tmem_address.ptr, self.tmem_columns, GradientRole.MMA)
             acc = self.accumulators(p, tmem_base)
 
             wg_tid = tidx % WARPGROUP
@@ -259,12 +252,7 @@ class ScalarGateChunkBwdSm100(ScalarGateChunkBwdSm90):
             elif warp >= GradientRole.SCORES:
                 self.scores_role(p, smem, rings, acc, chunk, wg_tid)
 
-            # every TMEM access done before the MMA warp gives the columns back
-            cute.arch.barrier(barrier_id=Barrier.TMEM_FREE, number_of_threads=THREADS)
-            if warp == GradientRole.MMA:
-                tmem.after_handoff()
-                tmem_alloc.relinquish_alloc_permit()
-                tmem_alloc.free(tmem_base)
+            tmem.free(tmem_alloc, tmem_base, warp, GradientRole.MMA)
 
     @cute.jit
     def mma_warp(self, p: Params, smem: Smem, rings: Rings, acc: Accumulators):
@@ -420,53 +408,62 @@ class ScalarGateChunkBwdSm100(ScalarGateChunkBwdSm90):
 
     @cute.jit
     def queries_role(self, p: Params, smem: Smem, rings: Rings, acc: Accumulators, chunk: Chunk, tid, warp, lane):
-        """Once the checkpoints land, sum (S * dS') (thread v: row v of both); once dq's inter part is made, row i
-        scaled by scale 2^G_i; once dq is done, q_i . dq_i and the row stored."""
+        """Once the checkpoints land, sum (S * dS') (thread v: row v of both); then dq (:meth:`make_output`: its inter
+        part scaled by scale 2^G_i, q_i . dq_i)."""
         consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         rings.loads.consumer_wait(consumer)  # uncounted: the MMA warp's wait is the one the ring counts
         self.state_sum(smem, tid, warp, lane)
         cute.arch.barrier_arrive(barrier_id=Barrier.STATES_READ, number_of_threads=2 * WARPGROUP)
         cute.arch.barrier(barrier_id=Barrier.GATES, number_of_threads=_GATE_THREADS)
-        rows = tmem.Rows(acc.dq, self.D, tid)
+        gX = p.t.dq[chunk.b, None, chunk.h, None]
+        self.make_output(smem, rings, rings.dq_scaled, rings.dq, acc.dq, 0, None, smem.sQ, gX, 0, chunk, tid)
+
+    @cute.jit
+    def keys_role(self, p: Params, smem: Smem, rings: Rings, acc: Accumulators, chunk: Chunk, tid):
+        """dk (:meth:`make_output`: its inter part scaled by 2^(G_L - G_j), k_j . dk_j^inter and k_j . dk_j)."""
+        consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        rings.loads.consumer_wait(consumer)  # uncounted: the k tile's TMA writes ordered before its row reads
+        cute.arch.barrier(barrier_id=Barrier.GATES, number_of_threads=_GATE_THREADS)
+        gX = p.t.dk[chunk.b, None, chunk.h, None]
+        self.make_output(smem, rings, rings.dk_scaled, rings.dk, acc.dk, 1, 2, smem.sK, gX, 1, chunk, tid)
+
+    @cute.jit
+    def make_output(
+        self,
+        smem: Smem,
+        rings: Rings,
+        scaled,
+        done,
+        acc,
+        factor: cutlass.Constexpr,
+        inter_sum: cutlass.Constexpr,
+        tile,
+        gX,
+        row_sum: cutlass.Constexpr,
+        chunk: Chunk,
+        tid,
+    ):
+        """Thread ``tid`` owns row i of dq or dk (``acc``): once its inter part is made, the row scaled in place by
+        ``smem.sFac[i, factor]`` (and, with ``inter_sum``, its dot with ``tile``'s row i into ``smem.sRows[i,
+        inter_sum]``), handed to the MMA warp (``scaled``); once the intra part is added (``done``), the row's dot
+        with the tile's into ``smem.sRows[i, row_sum]`` and the row stored to ``gX`` (T, D); then the row sums'
+        barrier."""
+        consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        rows = tmem.Rows(acc, self.D, tid)
         i = rows.row()
         in_sequence = i < chunk.valid
         rings.first.consumer_wait(consumer)
         tmem.after_handoff()
-        rings.dq_scaled.producer_acquire(producer)
-        self.scale_row_sum(rows, smem.sFac[i, 0], None, in_sequence)
+        scaled.producer_acquire(producer)
+        inter = self.scale_row_sum(rows, smem.sFac[i, factor], tile if inter_sum is not None else None, in_sequence)
+        if cutlass.const_expr(inter_sum is not None):
+            smem.sRows[i, inter_sum] = inter
         tmem.before_handoff()
-        rings.dq_scaled.producer_commit(producer)
-        rings.dq.consumer_wait(consumer)
+        scaled.producer_commit(producer)
+        done.consumer_wait(consumer)
         tmem.after_handoff()
-        smem.sRows[i, 0] = self.finish_row(
-            rows, smem.sQ, p.t.dq[chunk.b, None, chunk.h, None], chunk.t0 + i, in_sequence
-        )
-        tmem.before_handoff()
-        cute.arch.barrier_arrive(barrier_id=Barrier.ROWS, number_of_threads=WARP + 2 * WARPGROUP)
-
-    @cute.jit
-    def keys_role(self, p: Params, smem: Smem, rings: Rings, acc: Accumulators, chunk: Chunk, tid):
-        """Once dk's inter part is made, row j scaled by 2^(G_L - G_j) and k_j . dk_j^inter; once dk is done, k_j .
-        dk_j and the row stored."""
-        consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        producer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        rings.loads.consumer_wait(consumer)  # uncounted: the k tile's TMA writes ordered before its row reads
-        cute.arch.barrier(barrier_id=Barrier.GATES, number_of_threads=_GATE_THREADS)
-        rows = tmem.Rows(acc.dk, self.D, tid)
-        j = rows.row()
-        in_sequence = j < chunk.valid
-        rings.first.consumer_wait(consumer)
-        tmem.after_handoff()
-        rings.dk_scaled.producer_acquire(producer)
-        smem.sRows[j, 2] = self.scale_row_sum(rows, smem.sFac[j, 1], smem.sK, in_sequence)
-        tmem.before_handoff()
-        rings.dk_scaled.producer_commit(producer)
-        rings.dk.consumer_wait(consumer)
-        tmem.after_handoff()
-        smem.sRows[j, 1] = self.finish_row(
-            rows, smem.sK, p.t.dk[chunk.b, None, chunk.h, None], chunk.t0 + j, in_sequence
-        )
+        smem.sRows[i, row_sum] = self.finish_row(rows, tile, gX, chunk.t0 + i, in_sequence)
         tmem.before_handoff()
         cute.arch.barrier_arrive(barrier_id=Barrier.ROWS, number_of_threads=WARP + 2 * WARPGROUP)
 

@@ -70,7 +70,7 @@ from cula.sm90 import entry, sequence, tiles
 from cula.sm90.chunk_fwd import ChunkFwdConfig
 from cula.sm90.scalar_gates import warp_scan_64
 from cula.sm100 import mma, tmem
-from cula.sm100.roles import THREADS, WARPGROUP, Barrier, WarpRole
+from cula.sm100.roles import THREADS, WARPGROUP, WarpRole
 
 CHUNK = 128
 HEAD_DIMS = (64, 128)
@@ -340,14 +340,7 @@ class ScalarGateChunkFwdSm100:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        tmem_alloc = cutlass.memory.TmemAllocator(
-            st.tmem_address.ptr,
-            barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=Barrier.TMEM_ALLOC, num_threads=THREADS),
-            allocator_warp_id=WarpRole.MMA,
-        )
-        tmem_alloc.allocate(self.tmem_columns)
-        tmem_alloc.wait_for_alloc()
-        tmem_base = tmem_alloc.retrieve_ptr(cutlass.Float32)
+        tmem_alloc, tmem_base = tmem.allocate(st.tmem_address.ptr, self.tmem_columns, WarpRole.MMA)
         acc = self.accumulators(p, tmem_base)
 
         wg_tid = tidx % WARPGROUP
@@ -365,12 +358,7 @@ class ScalarGateChunkFwdSm100:
         elif warp >= WarpRole.SCORES:
             self.scores_role(p, smem, rings, acc, seq, wg_tid)
 
-        # every TMEM access done before the MMA warp gives the columns back
-        cute.arch.barrier(barrier_id=Barrier.TMEM_FREE, number_of_threads=THREADS)
-        if warp == WarpRole.MMA:
-            tmem.after_handoff()
-            tmem_alloc.relinquish_alloc_permit()
-            tmem_alloc.free(tmem_base)
+        tmem.free(tmem_alloc, tmem_base, warp, WarpRole.MMA)
 
     def make_smem(self, st, p: Params) -> Smem:
         """The shared-memory tensors of the storage ``st`` (:meth:`host_params`' fields)."""

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+from cutlass import pipeline
 from cutlass.cute.nvgpu import tcgen05
 from cutlass.experimental import primitives
 
 from cula.sm100 import mma
+from cula.sm100.roles import THREADS, Barrier
 
 COLUMNS_PER_COPY = 16
 _REPETITION = tcgen05.Repetition.x16
@@ -103,3 +105,26 @@ def store_row_split(hi_tile, lo_tile, row, col0, frag):
             lo[0, e] = (x - hi[0, e].to(cutlass.Float32)).to(cutlass.BFloat16)
         cute.autovec_copy(hi, cute.local_tile(hi_tile, (1, 8), (row, col0 // 8 + blk)))
         cute.autovec_copy(lo, cute.local_tile(lo_tile, (1, 8), (row, col0 // 8 + blk)))
+
+
+def allocate(address, columns: int, allocator_warp: int):
+    """``columns`` TMEM columns allocated by warp ``allocator_warp``, their address published through the shared
+    ``address`` to every thread of the CTA (all of them wait for it): ``(the allocator, the base address)``."""
+    allocator = cutlass.memory.TmemAllocator(
+        address,
+        barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=Barrier.TMEM_ALLOC, num_threads=THREADS),
+        allocator_warp_id=allocator_warp,
+    )
+    allocator.allocate(columns)
+    allocator.wait_for_alloc()
+    return allocator, allocator.retrieve_ptr(cutlass.Float32)
+
+
+@cute.jit
+def free(allocator, base, warp, allocator_warp: cutlass.Constexpr):
+    """Every thread's TMEM accesses done (a CTA barrier), then the columns given back by the allocator warp."""
+    cute.arch.barrier(barrier_id=Barrier.TMEM_FREE, number_of_threads=THREADS)
+    if warp == allocator_warp:
+        after_handoff()
+        allocator.relinquish_alloc_permit()
+        allocator.free(base)
