@@ -170,6 +170,22 @@ def test_block_scores_need_no_gate_bound(low, spikes):
     assert rel_rmse(scores, exact_scores(x, k, G)) <= 0.005
 
 
+@pytest.mark.parametrize("low, spikes", [(-5.0, False), (-20.0, False), (-1.0, True)])
+def test_the_sm100_kda_host_scores_are_exact_for_any_gate(low, spikes):
+    """The SM100 KDA kernel's intra-chunk sums, made before its launch (cula.kda.chunk_fwd_sm100._key_scores: 16-token
+    blocks against the earlier columns through their first token, both factors at most 1, the diagonal blocks summed
+    directly; fp32): the exact sums within fp32 error for any gate, -inf and -1e4 included; q's and k's at once."""
+    from cula.kda.chunk_fwd_sm100 import _key_scores
+
+    x, k, G = per_key_chunk(low, spikes)
+    x, k = emu.bf16(x), emu.bf16(k)
+    chunk = [t[None, :, None, :] for t in (x, k, G / emu.LOG2E)]  # [1, C, 1, K], G in natural-log units
+    qk, kk = _key_scores((chunk[0], chunk[1]), chunk[1], chunk[2])
+    for got, (a, b) in ((qk, (x, k)), (kk, (k, k))):
+        assert torch.isfinite(got).all()
+        assert rel_rmse(got[0, 0], exact_scores(a, b, G)) <= 1e-5
+
+
 def gla_fp64(q, k, v, g, h0, scale):
     """cuLA's reference backend (chunk_gla) in fp64 on the bf16-rounded q, k, v: (o [H, T, V], state [H, K, V])."""
     to = lambda x: x.double()[None].transpose(1, 2).contiguous()  # noqa: E731 - [H, T, ...] -> [1, T, H, ...]
