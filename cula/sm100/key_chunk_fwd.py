@@ -95,8 +95,8 @@ class KeyGate:
     """A per-key gate on an SM100 chunk kernel's skeleton: the gate warp idles; the scores warpgroup walks the gate
     (thread k: key channel k), its running sum per token in its TMEM lane of G^T, scales the chunk's tiles by it
     (:meth:`walk_scaled`) and passes the chunk's decay 2^G_last per key channel to the state warpgroup through the
-    gate ring (``smem.sDec``), which decays S^T's key columns by it. Mixed in ahead of the skeleton's class (:class:`KeyGateChunkFwdSm100`, and KDA's
-    :class:`cula.sm100.key_delta_chunk_fwd.KeyDeltaChunkFwdSm100`)."""
+    gate ring (``smem.sDec``), which decays S^T's key columns by it. Mixed in ahead of the skeleton's class
+    (:class:`KeyGateChunkFwdSm100`, and KDA's :class:`cula.sm100.key_delta_chunk_fwd.KeyDeltaChunkFwdSm100`)."""
 
     @cute.jit
     def gate_warp(self, p, smem, rings, seq: Sequence):

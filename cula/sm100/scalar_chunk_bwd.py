@@ -268,12 +268,14 @@ class ScalarGateChunkBwdSm100(ScalarGateChunkBwdSm90):
         self.issue(p.mma_inter, acc.dq, smem.sDO, sS_mn, True)
         self.issue(p.mma_inter, acc.dk, smem.sV, sDS_mn, True)
         rings.first.producer_commit(producer)
+        sQ_mn, sK_mn, sDO_mn = (self.mn(x, p) for x in (smem.sQ, smem.sK, smem.sDO))
+        sDP_mn, sPT_mn = (self.scores_mn(x, p) for x in (smem.sDP, smem.sPT))
         for ready, done, product in (
             (rings.scores, rings.dv_inter, (p.mma_values, acc.dv, smem.sK, smem.sDS, True)),
-            (rings.dq_scaled, rings.dq, (p.mma_inter, acc.dq, smem.sDP, self.mn(smem.sK, p), False)),
-            (rings.dk_scaled, rings.dk, (p.mma_transposed, acc.dk, self.scores_mn(smem.sDP, p), self.mn(smem.sQ, p), False)),
-            (rings.transposed, rings.dv, (p.mma_transposed, acc.dv, self.scores_mn(smem.sPT, p), self.mn(smem.sDO, p), False)),
-        ):  # fmt: skip
+            (rings.dq_scaled, rings.dq, (p.mma_inter, acc.dq, smem.sDP, sK_mn, False)),
+            (rings.dk_scaled, rings.dk, (p.mma_transposed, acc.dk, sDP_mn, sQ_mn, False)),
+            (rings.transposed, rings.dv, (p.mma_transposed, acc.dv, sPT_mn, sDO_mn, False)),
+        ):
             ready.consumer_wait(consumer)
             done.producer_acquire(producer)
             tmem.after_handoff()
