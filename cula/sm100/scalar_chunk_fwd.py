@@ -598,7 +598,8 @@ class ScalarGateChunkFwdSm100:
             state.producer_acquire(producer)
             tmem.after_handoff()
             decay = self.chunk_decay(smem, gate_pos.index)
-            # the forward's bf16 operand of Q~ S, or a walk's checkpoint of the state before the chunk's step
+            # the forward's bf16 operand of Q~ S (and of the delta rule's K S), or a walk's checkpoint of the state
+            # before the chunk's step
             operand = smem.sS
             if cutlass.const_expr(self.cfg.walk != "output"):  # (a transition pass makes no output either)
                 operand = p.w[
