@@ -120,7 +120,6 @@ class Chunk(NamedTuple):
     b: cutlass.Int32
     t0: cutlass.Int32
     h: cutlass.Int32
-    row: cutlass.Int32
 
 
 class ScalarGateChunkBwdSm100(ScalarGateChunkBwdSm90):
@@ -224,7 +223,7 @@ class ScalarGateChunkBwdSm100(ScalarGateChunkBwdSm90):
     @cute.kernel
     def kernel(self, p: Params):
         tidx, row, h, warp, lane, valid, b, t0 = self.coordinates(p.t)
-        chunk = Chunk(valid, b, t0, h, row)
+        chunk = Chunk(valid, b, t0, h)
         if valid > 0:  # (a chunk row past its sequence's chunks: the whole CTA exits)
             st = cutlass.utils.SmemAllocator().allocate(self.storage)
             smem = self.make_smem(st, p)
