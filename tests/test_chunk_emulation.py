@@ -172,18 +172,18 @@ def test_block_scores_need_no_gate_bound(low, spikes):
 
 @pytest.mark.parametrize("low, spikes", [(-5.0, False), (-20.0, False), (-1.0, True)])
 def test_the_sm100_kda_host_scores_are_exact_for_any_gate(low, spikes):
-    """The SM100 KDA kernel's intra-chunk sums, made before its launch (cula.kda.chunk_fwd_sm100._key_scores: 16-token
-    blocks against the earlier columns through their first token, both factors at most 1, the diagonal blocks summed
-    directly; fp32): the exact sums within fp32 error for any gate, -inf and -1e4 included; q's and k's at once."""
-    from cula.kda.chunk_fwd_sm100 import _key_scores
+    """The SM100 KDA kernel's intra-chunk sums, made before its launch (cula.kda.chunk_fwd_sm100.chunk_intra through
+    cula.ops.chunk_backward.key_gated_products in fp32: 16-token blocks against the earlier columns through their
+    first token, both factors at most 1, the diagonal blocks summed directly): the exact sums within fp32 error for
+    any gate, -inf and -1e4 included; q's and k's."""
+    from cula.ops.chunk_backward import key_gated_products
 
     x, k, G = per_key_chunk(low, spikes)
     x, k = emu.bf16(x), emu.bf16(k)
-    chunk = [t[None, :, None, :] for t in (x, k, G / emu.LOG2E)]  # [1, C, 1, K], G in natural-log units
-    qk, kk = _key_scores((chunk[0], chunk[1]), chunk[1], chunk[2])
-    for got, (a, b) in ((qk, (x, k)), (kk, (k, k))):
+    for a, b in ((x, k), (k, k)):
+        got, _, _ = key_gated_products(a[None], b[None], None, (G / emu.LOG2E)[None], 1.0)  # G in natural-log units
         assert torch.isfinite(got).all()
-        assert rel_rmse(got[0, 0], exact_scores(a, b, G)) <= 1e-5
+        assert rel_rmse(got[0], exact_scores(a, b, G)) <= 1e-5
 
 
 def gla_fp64(q, k, v, g, h0, scale):
@@ -416,7 +416,8 @@ def test_the_sm100_delta_forward_host_path_matches_the_reference(monkeypatch, va
     from cula.kda import chunk_fwd_sm100 as kda_sm100
 
     # the workspace made 3 chunks at a time
-    monkeypatch.setattr(chunk_fwd_sm100, "_SOLVE_ELEMENTS", 3 * 2 * 128 * (128 if variant == "gdn" else 4 * 16 * 128))
+    per_chunk = 128 * 128 if variant == "gdn" else kda_sm100._ELEMENTS_PER_CHUNK
+    monkeypatch.setattr(chunk_fwd_sm100, "_SOLVE_ELEMENTS", 3 * 2 * per_chunk)
     launches = emulated_b200_launches(monkeypatch)
     torch.manual_seed(5)
     # the 4500-token sequence cut every 16 chunks of 128 tokens: a middle segment, and a later one

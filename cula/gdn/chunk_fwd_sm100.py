@@ -80,7 +80,6 @@ def chunk_inverses(call: entry.ChunkCall) -> torch.Tensor:
     head_of = runtime.host_to_device(torch.arange(HV) // (HV // H), dev)
     k_all, beta_all, g_all = call.k.reshape(B * T, H, K), call.beta.reshape(B * T, HV), call.g.reshape(B * T, HV)
     strict = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=dev).tril(-1)
-    eye = torch.eye(CHUNK, device=dev)
     w = torch.zeros(B * T, HV, CHUNK, dtype=torch.bfloat16, device=dev)
     for rows, valid in entry.chunk_batches(call, CHUNK, max(1, _SOLVE_ELEMENTS // (HV * CHUNK * CHUNK))):
         k = k_all[rows][:, :, head_of].float()  # [chunks, C, HV, K]
@@ -90,10 +89,16 @@ def chunk_inverses(call: entry.ChunkCall) -> torch.Tensor:
         # masks as selects: the factors above the diagonal may overflow
         decay = torch.where(strict, torch.exp(torch.where(strict, G[..., :, None] - G[..., None, :], 0.0)), 0.0)
         A = beta.transpose(1, 2)[..., None] * torch.einsum("nihd,njhd->nhij", k, k) * decay
-        tinv = torch.linalg.solve_triangular(eye + A, eye, upper=False)
-        tinv = torch.where(valid[:, None, None, :], tinv, 0.0).to(torch.bfloat16)  # [chunks, HV, i, j]
+        tinv = chunk_inverse(A, valid).to(torch.bfloat16)  # [chunks, HV, i, j]
         w[rows[valid]] = tinv.transpose(1, 2)[valid]
     return w.view(B, T, HV, CHUNK)
+
+
+def chunk_inverse(A: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Tinv = (I + A)^-1 of each chunk's strictly lower ``A`` [chunks, HV, C, C] in fp32 (a triangular solve), its
+    columns past the sequence end (``valid`` [chunks, C]: the chunk's tokens in their sequence) zero."""
+    eye = torch.eye(A.shape[-1], device=A.device)
+    return torch.where(valid[:, None, None, :], torch.linalg.solve_triangular(eye + A, eye, upper=False), 0.0)
 
 
 GDN_SM100 = entry.ChunkKernel("gdn_sm100", compile_gdn_fwd_sm100, split_cost=split_cost, chunk=CHUNK, prepare=prepare)

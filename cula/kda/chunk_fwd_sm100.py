@@ -17,15 +17,13 @@ import torch
 
 from cula import runtime
 from cula.gdn import chunk_fwd_sm100 as gdn_sm100
+from cula.ops import chunk_backward
 from cula.ops.gates import GATE_FLOOR
 from cula.sm90 import entry
 from cula.sm90.chunk_fwd import ChunkFwdConfig
 from cula.sm100.delta_chunk_fwd import HEAD_DIMS
 from cula.sm100.key_delta_chunk_fwd import KeyDeltaChunkFwdSm100
 from cula.sm100.scalar_chunk_fwd import CHUNK
-
-# the intra-chunk scores' blocks: each against the previous columns through its first token (:func:`_key_scores`)
-_BLOCK = 16
 
 
 def supports(q, k, v, g=None, beta=None, initial_state=None, cu_seqlens=None, **_) -> tuple[bool, str]:
@@ -56,16 +54,17 @@ def prepare(call: entry.ChunkCall) -> entry.ChunkCall:
     return call._replace(workspace=chunk_intra(call))
 
 
-# fp32 elements of each batch's temporaries per (chunk, value head): the pair factors of the diagonal blocks and the
-# right operands of the rest
-_ELEMENTS_PER_CHUNK = 4 * CHUNK * _BLOCK * 128
+# fp32 elements of each batch's temporaries per (chunk, value head): its tokens' rows, the scores and a block's pair
+# factors (key_gated_products), the solve
+_ELEMENTS_PER_CHUNK = 8 * CHUNK * CHUNK
 
 
 def chunk_intra(call: entry.ChunkCall) -> torch.Tensor:
     """``[B, T, HV, 256]`` bf16: token t's row of its chunk's Tinv = (I + A)^-1, A = strict_tril(beta_i sum_k k_ik
     k_jk e^(G_ik - G_jk)), then its row of P~ = tril(s sum_k q_ik k_jk e^(G_ik - G_jk)), G the chunk's cumulative
-    max(g, floor) per key channel (the kernel's gate); made in fp32 (:func:`_key_scores`: exact for any gate) and
-    rounded to bf16; columns past the sequence end zero. Chunks of 128 tokens from each sequence's start
+    max(g, floor) per key channel (the kernel's gate); made in fp32 by
+    :func:`cula.ops.chunk_backward.key_gated_products` (16-token blocks, exact for any gate) and rounded to bf16;
+    columns past the sequence end zero. Chunks of 128 tokens from each sequence's start
     (:func:`cula.sm90.entry.chunk_batches`), in batches whose temporaries stay within GDN's solve bound."""
     B, T, H, K = call.q.shape
     HV = call.v.shape[2]
@@ -76,50 +75,26 @@ def chunk_intra(call: entry.ChunkCall) -> torch.Tensor:
     q_all, k_all = call.q.reshape(B * T, H, K), call.k.reshape(B * T, H, K)
     beta_all, g_all = call.beta.reshape(B * T, HV), call.g.reshape(B * T, HV, K)
     strict = torch.ones(C, C, dtype=torch.bool, device=dev).tril(-1)
-    eye = torch.eye(C, device=dev)
     w = torch.zeros(B * T, HV, 2 * C, dtype=torch.bfloat16, device=dev)
     batch = max(1, gdn_sm100._SOLVE_ELEMENTS // (HV * _ELEMENTS_PER_CHUNK))
     for rows, valid in entry.chunk_batches(call, C, batch):
+        n = rows.shape[0]
         inside = valid[..., None, None]
         # selects, not products: the rows past the end hold other tokens (NaN included)
-        q, k = (torch.where(inside, x[rows][:, :, head_of].float(), 0.0) for x in (q_all, k_all))  # [n, C, HV, K]
+        q, k = (_per_head(torch.where(inside, x[rows][:, :, head_of].float(), 0.0)) for x in (q_all, k_all))
         beta = torch.where(valid[..., None], beta_all[rows].float(), 0.0)
-        G = torch.where(inside, g_all[rows].float().clamp_min(GATE_FLOOR), 0.0).cumsum(1)
-        qk, kk = _key_scores((q, k), k, G)
-        A = beta.transpose(1, 2)[..., None] * torch.where(strict, kk, 0.0)
-        tinv = torch.linalg.solve_triangular(eye + A, eye, upper=False)
-        tinv = torch.where(valid[:, None, None, :], tinv, 0.0)  # [n, HV, i, j]
+        G = _per_head(torch.where(inside, g_all[rows].float().clamp_min(GATE_FLOOR), 0.0).cumsum(1))
+        qk, kk = (chunk_backward.key_gated_products(x, k, None, G, 1.0)[0].view(n, HV, C, C) for x in (q, k))
+        tinv = gdn_sm100.chunk_inverse(beta.transpose(1, 2)[..., None] * torch.where(strict, kk, 0.0), valid)
         rows_out = torch.cat((tinv, scale * qk), -1).to(torch.bfloat16).transpose(1, 2)  # [n, C, HV, 2 C]
         w[rows[valid]] = rows_out[valid]
     return w.view(B, T, HV, 2 * C)
 
 
-def _key_scores(xs: tuple, k: torch.Tensor, G: torch.Tensor) -> list[torch.Tensor]:
-    """For each x of ``xs``: sum_k x_ik k_jk e^(G_ik - G_jk) for j <= i, zero above the diagonal, [n, HV, C, C] from
-    x, k, G [n, C, HV, K] (G non-increasing along the chunk). A block of 16 rows takes the earlier columns through its
-    first token r: x_i e^(G_i - G_r) against k_j e^(G_r - G_j), both factors at most 1; a diagonal block is summed
-    directly with its factors e^(G_i - G_j) <= 1 (selects above the diagonal). A factor underflows only where the
-    whole product does: exact in fp32 for any gate."""
-    n, C, HV, K = k.shape
-    blocks = C // _BLOCK
-    token = torch.arange(C, device=k.device)
-    first = G[:, ::_BLOCK]  # [n, blocks, HV, K]: each block's first token
-    earlier = (token[None, :] < token[::_BLOCK, None])[None, :, :, None, None]  # [1, blocks, C (j), 1, 1]
-    right = torch.where(earlier, k[:, None] * torch.exp(torch.where(earlier, first[:, :, None] - G[:, None], 0.0)), 0.0)
-    lower = torch.ones(_BLOCK, _BLOCK, dtype=torch.bool, device=k.device).tril()[None, None, :, :, None, None]
-    Gb = G.view(n, blocks, _BLOCK, HV, K)
-    diagonal = torch.where(lower, torch.exp(torch.where(lower, Gb[:, :, :, None] - Gb[:, :, None], 0.0)), 0.0)
-    kb = k.view(n, blocks, _BLOCK, HV, K)
-    out = []
-    for x in xs:
-        left = (x * torch.exp(G - first.repeat_interleave(_BLOCK, 1))).view(n, blocks, _BLOCK, HV, K)
-        scores = torch.einsum("nbihk,nbjhk->nhbij", left, right).reshape(n, HV, C, C)
-        near = torch.einsum("nbihk,nbjhk,nbijhk->nhbij", x.view(n, blocks, _BLOCK, HV, K), kb, diagonal)
-        for b in range(blocks):
-            part = slice(b * _BLOCK, (b + 1) * _BLOCK)
-            scores[..., part, part] += near[:, :, b]
-        out.append(scores)
-    return out
+def _per_head(x: torch.Tensor) -> torch.Tensor:
+    """``[n, C, HV, K]`` as ``[n HV, C, K]``: chunks of one value head each, as key_gated_products takes them."""
+    n, C, HV, K = x.shape
+    return x.transpose(1, 2).reshape(n * HV, C, K)
 
 
 # SM100 GDN's split costs: the same chain and passes (no SM100 timing exists; SM90 KDA's are a cached kernel's)
